@@ -1,0 +1,55 @@
+"""EngineConfig: every engine knob in one dataclass, read from configs/*.toml and CLI flags."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # local HF folder; None = the embedded default model
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: the checkpoint's on CUDA, float32 on CPU)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the KV pool
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # prefill token budget per step
+    block_size: int = 16
+    decode_chunk: int = 8  # K: decode steps per round between host syncs
+    gpu_memory_utilization: float = 0.90
+    kv_cache_bytes: int = 512 * 1024**2  # KV pool size on CPU
+    num_kv_blocks: int | None = None  # override the budget (tests use tiny pools)
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int = 512
+    num_threads: int | None = None  # torch CPU threads; None: all cores
+    seed: int = 0
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides: Any) -> "EngineConfig":
+        """Read the [engine] table (or the top level) of a TOML file; overrides win."""
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        data = data.get("engine", data)
+        return cls.from_dict({**data, **{k: v for k, v in overrides.items() if v is not None}})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown engine config keys: {', '.join(unknown)}")
+        return cls(**data)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.decode_chunk < 1:
+            raise ValueError(f"decode_chunk must be >= 1, got {self.decode_chunk}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

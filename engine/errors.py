@@ -1,0 +1,32 @@
+"""Exception types the engine raises for bad input; the server maps them to HTTP 4xx."""
+
+
+class GraphserveError(Exception):
+    """Base class for every error graphserve raises on purpose."""
+
+
+class InvalidRequestError(GraphserveError, ValueError):
+    """A request the engine cannot serve as asked (bad parameter, empty prompt, ...).
+
+    `param` names the offending field when there is one (OpenAI error body's `param`).
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus the tokens asked for) does not fit in max_model_len."""
+
+
+class UnsupportedModelError(GraphserveError, ValueError):
+    """The model folder holds an architecture graphserve does not implement."""
+
+
+class ModelFilesError(GraphserveError, FileNotFoundError):
+    """The model folder is missing, or lacks config.json / weights / tokenizer files."""
+
+
+class EngineDeadError(GraphserveError, RuntimeError):
+    """The engine loop stopped after an unrecoverable error; requests cannot be served."""

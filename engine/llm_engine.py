@@ -1,0 +1,213 @@
+"""LLMEngine: the synchronous core. Owns the model, KV cache, scheduler and runner;
+`step()` runs one prefill batch or one decode round and returns the outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block
+from engine.models.config import ModelArgs
+from engine.output import OutputProcessor
+from engine.request import RequestOutput, SamplingParams, Sequence
+from engine.runner import ModelRunner
+from engine.scheduler import DecodeRound, PrefillBatch, Scheduler
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger("graphserve.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    num_preemptions: int = 0
+    decode_rounds: int = 0
+    prefill_steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    graph_replays: dict[int, int] = field(default_factory=dict)  # batch bucket -> decode steps replayed
+    eager_rounds: dict[str, int] = field(default_factory=dict)  # reason -> decode rounds run eagerly
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device cuda was asked for, but no CUDA GPU is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, args: ModelArgs, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(args.dtype, torch.bfloat16) if args.dtype != "float32" else torch.bfloat16
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from engine.attention import make_attention_backend
+        from engine.models.loader import load_model
+
+        self.config = config
+        self.model_path = self._resolve_model_path(config.model)
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu" and config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        args = ModelArgs.from_dir(self.model_path)
+        self.args = args
+        self.tokenizer = Tokenizer(self.model_path)
+        self.dtype = resolve_dtype(config.dtype, args, self.device)
+        self.eos_ids = tuple(dict.fromkeys(
+            [*args.eos_token_ids, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])]))
+
+        started = time.perf_counter()
+        max_len_wanted = config.max_model_len or args.max_position_embeddings
+        backend = make_attention_backend(self.device, config.block_size)
+        self.model = load_model(self.model_path, self.dtype, self.device, backend, max_len_wanted)
+        num_blocks = self._num_kv_blocks()
+        self.max_model_len = min(max_len_wanted, (num_blocks - 1) * config.block_size)
+        self.kv_caches = allocate_kv_cache(args, num_blocks, config.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv_caches, self.block_manager, self.device, self.eos_ids)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_ids)
+        self.sequences: dict[str, Sequence] = {}
+        self.stats_counters = EngineStats(kv_blocks_total=self.block_manager.num_usable_blocks)
+        logger.info("loaded %s (%s, %d layers) on %s in %s: %.1fs; KV pool %d blocks x %d tokens, max_model_len %d",
+                    self.model_path, args.architecture, args.num_layers, self.device, str(self.dtype).split(".")[-1],
+                    time.perf_counter() - started, num_blocks, config.block_size, self.max_model_len)
+
+    @staticmethod
+    def _resolve_model_path(model: str | None) -> str:
+        if model is None:
+            from engine.models.default_model import ensure_default_model
+
+            return str(ensure_default_model())
+        return model
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks
+        per_block = kv_bytes_per_block(self.args, cfg.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # leave room for activations, logits and CUDA graphs
+            reserve = 2 * 1024**3 + cfg.max_num_batched_tokens * self.args.vocab_size * 8
+            budget = free - (1 - cfg.gpu_memory_utilization) * total - reserve
+        else:
+            budget = cfg.kv_cache_bytes
+        max_len = cfg.max_model_len or self.args.max_position_embeddings
+        # no more than every sequence at full length needs, plus the dummy block
+        cap = cfg.max_num_seqs * -(-max_len // cfg.block_size) + 1
+        return max(2, min(int(budget // per_block), cap))
+
+    # ---- requests ------------------------------------------------------------------
+
+    def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Tokenize and validate; raises InvalidRequestError before anything is queued."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            if not token_ids:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.args.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary (0..{self.args.vocab_size - 1})",
+                                          param="prompt")
+        n = len(token_ids)
+        if params.max_tokens is None:
+            if n >= self.max_model_len:
+                raise PromptTooLongError(f"This model's maximum context length is {self.max_model_len} tokens, "
+                                         f"but the prompt has {n} tokens.", param="prompt")
+            params.max_tokens = self.max_model_len - n
+            params.min_tokens = min(params.min_tokens, params.max_tokens)
+        if n + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the completion). "
+                f"Please reduce the prompt or max_tokens.", param="max_tokens" if n < self.max_model_len else "prompt")
+        return Sequence(request_id, token_ids, params)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self.sequences:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already running")
+        self.sequences[seq.request_id] = seq
+        self.outputs.start(seq)
+        self.scheduler.add(seq)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        seq = self.make_sequence(request_id, prompt, params)
+        self.add_sequence(seq)
+        return seq
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+        return self.outputs.make_output(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step ------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        stats = self.stats_counters
+        if isinstance(batch, PrefillBatch):
+            new_tokens = self.runner.prefill(batch)
+            stats.prefill_steps += 1
+            stats.prompt_tokens += sum(batch.chunk_lens)
+            touched = [s for s in batch.seqs if not s.in_prefill]
+        else:
+            new_tokens = self.decode(batch)
+            stats.decode_rounds += 1
+            touched = batch.seqs
+        outputs = []
+        for seq in touched:
+            step = new_tokens.get(seq.request_id)
+            if step is not None:
+                stats.generation_tokens += self.outputs.append(seq, step)
+                if not seq.is_finished and isinstance(batch, DecodeRound):
+                    seq.num_computed_tokens = seq.num_tokens - 1
+            elif seq.num_output_tokens >= seq.params.max_tokens:  # max_tokens 0: prompt logprobs only
+                seq.finish_reason = "length"
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                self.sequences.pop(seq.request_id, None)
+            outputs.append(self.outputs.make_output(seq))
+        return outputs
+
+    def decode(self, rnd: DecodeRound):
+        self.stats_counters.eager_rounds["cpu" if self.device.type == "cpu" else "enforce_eager"] = (
+            self.stats_counters.eager_rounds.get("cpu" if self.device.type == "cpu" else "enforce_eager", 0) + 1)
+        return self.runner.decode(rnd)
+
+    def stats(self) -> EngineStats:
+        s = self.stats_counters
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.kv_blocks_free = self.block_manager.num_free_blocks
+        s.num_preemptions = self.scheduler.num_preemptions
+        return EngineStats(**{**s.__dict__, "graph_replays": dict(s.graph_replays),
+                              "eager_rounds": dict(s.eager_rounds)})

@@ -1,0 +1,96 @@
+"""ModelArgs: the decoder's shape, read from a Hugging Face config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ModelFilesError, UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclass
+class ModelArgs:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
+    dtype: str  # the checkpoint's dtype: float32 | bfloat16 | float16
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelArgs":
+        path = Path(path)
+        if not path.is_dir():
+            raise ModelFilesError(f"model folder not found: {path}")
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ModelFilesError(f"{path} has no config.json: not a Hugging Face model folder")
+        cfg = json.loads(config_file.read_text())
+        gen_file = path / "generation_config.json"
+        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+        return cls.from_hf_config(cfg, gen)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelArgs":
+        archs = cfg.get("architectures") or [cfg.get("model_type", "unknown")]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported model architecture {arch!r}; graphserve supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope_scaling = cfg.get("rope_scaling")
+        rope_params = cfg.get("rope_parameters")  # transformers 5 moves rope settings here
+        rope_theta = cfg.get("rope_theta")
+        if rope_params:
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) == "default":
+            rope_scaling = None
+        gen = generation_config or {}
+        eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            dtype=str(dtype).replace("torch.", ""),
+            eos_token_ids=eos_ids,
+            bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
+        )

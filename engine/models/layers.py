@@ -1,0 +1,62 @@
+"""The decoder's elementwise operations. On CUDA they run our Triton kernels; on CPU
+plain torch (the same math as the kernels' references)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _triton(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _triton(x):
+        from kernels.rmsnorm import rms_norm as rms_norm_kernel
+
+        return rms_norm_kernel(x, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual) * weight, x + residual)."""
+    if _triton(x):
+        from kernels.rmsnorm import fused_add_rms_norm
+
+        return fused_add_rms_norm(x, residual, weight, eps)
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX-style (rotate_half) rotary embedding; q [T, Hq, D], k [T, Hkv, D]."""
+    if _triton(q):
+        from kernels.rotary import apply_rotary as apply_rotary_kernel
+
+        return apply_rotary_kernel(q, k, positions, cos_sin)
+    half = q.shape[-1] // 2
+    cs = cos_sin[positions]
+    cos = cs[:, None, :half].to(q.dtype)
+    sin = cs[:, None, half:].to(q.dtype)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if _triton(x):
+        from kernels.activation import silu_and_mul as silu_and_mul_kernel
+
+        return silu_and_mul_kernel(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

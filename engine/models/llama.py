@@ -1,0 +1,109 @@
+"""Decoder for the Llama family: Llama 2/3/3.1, Mistral, SmolLM2, Qwen2 (QKV bias), Qwen3 (q/k norm).
+
+Weights use fused projections (qkv, gate_up); the loader fills them from HF tensors.
+The model reads attention metadata and the KV cache from its arguments only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata
+from engine.models.config import ModelArgs
+from engine.models.layers import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, backend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.scale = self.head_dim**-0.5
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, positions, cos_sin)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, backend):
+        super().__init__()
+        self.self_attn = Attention(args, backend)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, residual, positions, cos_sin, meta, k_cache, v_cache):
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        h = self.self_attn(h, positions, cos_sin, meta, k_cache, v_cache)
+        h, residual = add_rms_norm(h, residual, self.post_attention_layernorm.weight,
+                                   self.post_attention_layernorm.eps)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    """Causal LM: forward() gives final hidden states, compute_logits() the float32 logits."""
+
+    def __init__(self, args: ModelArgs, backend, cos_sin: torch.Tensor):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(args, backend) for _ in range(args.num_layers)])
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, positions, self.cos_sin, meta, k_cache, v_cache)
+        x, _ = add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,215 @@
+"""ModelRunner: turns scheduled batches into tensors, runs the model, samples.
+
+Prefill runs eagerly (variable length). A decode round runs K steps; each step samples
+on the device and feeds the token, position and slot of the next step without a host
+round trip. After the round the host reads the [K, B] tokens once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.kv_cache import DUMMY_BLOCK, BlockManager
+from engine.models.llama import LlamaModel
+from engine.request import Sequence
+from engine.sampler import SamplingTensors, advance, build_sampling_tensors, sample
+from engine.scheduler import DecodeRound, PrefillBatch
+
+
+@dataclass
+class StepTokens:
+    """What a step produced for one sequence: new tokens and, when asked, their logprobs."""
+
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class DecodeState:
+    """Device tensors a decode round reads and updates step by step."""
+
+    input_ids: torch.Tensor  # [B] int64: the token each row feeds in
+    positions: torch.Tensor  # [B] int64: its position
+    limits: torch.Tensor  # [B] int64: last position the row may write; later steps go to the dummy block
+    block_tables: torch.Tensor  # [B, W] int32
+    sampling: SamplingTensors
+    step: torch.Tensor  # [] int64: index of the current step in the round
+    out_tokens: torch.Tensor  # [K, B] int64
+    out_logprobs: torch.Tensor  # [K, B] float32
+    out_top_ids: torch.Tensor | None = None  # [K, B, N]
+    out_top_logprobs: torch.Tensor | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_manager: BlockManager, device: torch.device, eos_ids: tuple[int, ...]):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_manager.block_size
+        self.blocks = block_manager
+        self.device = device
+        self.eos_ids = eos_ids
+        self.vocab_size = model.args.vocab_size
+
+    def _tensor(self, values, dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _block_tables(self, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
+        width = width or max(len(s.block_table) for s in seqs)
+        rows = [s.block_table + [DUMMY_BLOCK] * (width - len(s.block_table)) for s in seqs]
+        return self._tensor(rows, torch.int32)
+
+    @torch.inference_mode()
+    def prefill(self, batch: PrefillBatch) -> dict[str, StepTokens]:
+        """Compute KV for each chunk; sample the first token of every sequence whose
+        prefill completes (unless it asked for 0 tokens). Fills seq.prompt_logprobs."""
+        input_ids, positions, slots, query_lens, context_lens = [], [], [], [], []
+        for seq, n in zip(batch.seqs, batch.chunk_lens):
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            slots += [self.blocks.slot(seq, p) for p in range(start, start + n)]
+            query_lens.append(n)
+            context_lens.append(start + n)
+        cu = [0]
+        for n in query_lens:
+            cu.append(cu[-1] + n)
+        meta = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._block_tables(batch.seqs),
+            context_lens=self._tensor(context_lens, torch.int32),
+            cu_seqlens_q=self._tensor(cu, torch.int32),
+            max_seqlen_q=max(query_lens),
+            query_lens_host=query_lens,
+            context_lens_host=context_lens,
+        )
+        hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
+                            self.kv_caches)
+
+        for seq, start, n in zip(batch.seqs, cu, query_lens):
+            if seq.params.prompt_logprobs is not None:
+                self._prompt_logprobs(seq, hidden[start:start + n], seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+
+        done = [(seq, cu[i + 1] - 1) for i, seq in enumerate(batch.seqs)
+                if not seq.in_prefill and seq.num_output_tokens < seq.params.max_tokens]
+        if not done:
+            return {}
+        seqs = [s for s, _ in done]
+        logits = self.model.compute_logits(hidden[self._tensor([i for _, i in done], torch.int64)])
+        st = build_sampling_tensors(seqs, self.vocab_size, self.eos_ids, self.device)
+        out = sample(logits, st)
+        tokens = out.tokens.tolist()
+        logprobs = out.logprobs.tolist()
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        results = {}
+        for i, seq in enumerate(seqs):
+            results[seq.request_id] = self._step_tokens(seq, [tokens[i]], [logprobs[i]],
+                                                        [top_ids[i]] if top_ids else None,
+                                                        [top_lps[i]] if top_lps else None)
+        return results
+
+    def _step_tokens(self, seq, tokens, logprobs, top_ids, top_lps) -> StepTokens:
+        if seq.params.logprobs is None:
+            return StepTokens(tokens)
+        n = seq.params.logprobs
+        top = [list(zip(ids[:n], lps[:n])) for ids, lps in zip(top_ids, top_lps)] if n else [[] for _ in tokens]
+        return StepTokens(tokens, logprobs, top)
+
+    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, start: int) -> None:
+        """Logprob of each prompt token given the ones before it (echo + logprobs)."""
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]
+        num_prompt = seq.num_prompt_tokens
+        if len(seq.prompt_logprobs) >= num_prompt:
+            return  # recomputed after a preemption: already known
+        from engine.request import TokenLogprob
+
+        logprobs = self.model.compute_logits(hidden).log_softmax(dim=-1)
+        targets = seq.token_ids[start + 1:start + 1 + hidden.shape[0]]
+        n_top = seq.params.prompt_logprobs
+        rows = [j for j in range(len(targets)) if start + 1 + j < num_prompt]
+        if not rows:
+            return
+        lp = logprobs[rows]
+        chosen = lp.gather(1, self._tensor([targets[j] for j in rows], torch.int64)[:, None]).squeeze(1).tolist()
+        top_lp, top_id = lp.topk(n_top, dim=-1) if n_top else (None, None)
+        for r, j in enumerate(rows):
+            top = list(zip(top_id[r].tolist(), top_lp[r].tolist())) if n_top else []
+            seq.prompt_logprobs.append(TokenLogprob(targets[j], chosen[r], top))
+
+    def prepare_decode(self, rnd: DecodeRound, batch_size: int | None = None,
+                       table_width: int | None = None) -> DecodeState:
+        """Host-built tensors for a round; rows past len(rnd.seqs) (graph padding) are dummies."""
+        seqs, k = rnd.seqs, rnd.num_steps
+        pad = (batch_size or len(seqs)) - len(seqs)
+        positions = [s.num_tokens - 1 for s in seqs] + [0] * pad
+        limits = [s.num_tokens - 2 + min(k, s.params.max_tokens - s.num_output_tokens) for s in seqs] + [0] * pad
+        tables = self._block_tables(seqs, table_width)
+        if pad:
+            tables = torch.cat([tables, torch.full((pad, tables.shape[1]), DUMMY_BLOCK, dtype=torch.int32,
+                                                   device=self.device)])
+        st = build_sampling_tensors(seqs, self.vocab_size, self.eos_ids, self.device)
+        b = len(seqs) + pad
+        state = DecodeState(
+            input_ids=self._tensor([s.last_token_id for s in seqs] + [0] * pad, torch.int64),
+            positions=self._tensor(positions, torch.int64),
+            limits=self._tensor(limits, torch.int64),
+            block_tables=tables,
+            sampling=st,
+            step=torch.zeros((), dtype=torch.int64, device=self.device),
+            out_tokens=torch.zeros(k, b, dtype=torch.int64, device=self.device),
+            out_logprobs=torch.zeros(k, b, dtype=torch.float32, device=self.device),
+        )
+        if st.num_logprobs:
+            state.out_top_ids = torch.zeros(k, b, st.num_logprobs, dtype=torch.int64, device=self.device)
+            state.out_top_logprobs = torch.zeros(k, b, st.num_logprobs, dtype=torch.float32, device=self.device)
+        return state
+
+    def decode_step(self, state: DecodeState) -> None:
+        """One decode step, entirely on the device: no host sync, no shape change."""
+        bs = self.block_size
+        pos = torch.minimum(state.positions, state.limits)
+        valid = state.positions <= state.limits
+        block = state.block_tables.gather(1, (pos // bs)[:, None]).squeeze(1).long()
+        slot = torch.where(valid, block * bs + pos % bs, torch.full_like(pos, DUMMY_BLOCK * bs))
+        meta = AttentionMetadata(is_prefill=False, slot_mapping=slot, block_tables=state.block_tables,
+                                 context_lens=(pos + 1).to(torch.int32))
+        hidden = self.model(state.input_ids, pos, meta, self.kv_caches)
+        out = sample(self.model.compute_logits(hidden), state.sampling)
+        step = state.step[None]
+        state.out_tokens.index_copy_(0, step, out.tokens[None])
+        state.out_logprobs.index_copy_(0, step, out.logprobs[None])
+        if state.out_top_ids is not None:
+            state.out_top_ids.index_copy_(0, step, out.top_ids[None])
+            state.out_top_logprobs.index_copy_(0, step, out.top_logprobs[None])
+        state.input_ids.copy_(out.tokens)
+        state.positions += 1
+        state.step += 1
+        advance(state.sampling, out.tokens)
+
+    @torch.inference_mode()
+    def decode(self, rnd: DecodeRound) -> dict[str, StepTokens]:
+        state = self.prepare_decode(rnd)
+        for _ in range(rnd.num_steps):
+            self.decode_step(state)
+        return self.collect(rnd, state)
+
+    def collect(self, rnd: DecodeRound, state: DecodeState) -> dict[str, StepTokens]:
+        """The round's single device-to-host transfer, then per-sequence token lists."""
+        b = len(rnd.seqs)
+        tokens = state.out_tokens[:, :b].T.tolist()
+        logprobs = state.out_logprobs[:, :b].T.tolist()
+        top_ids = state.out_top_ids[:, :b].transpose(0, 1).tolist() if state.out_top_ids is not None else None
+        top_lps = state.out_top_logprobs[:, :b].transpose(0, 1).tolist() if state.out_top_ids is not None else None
+        return {
+            seq.request_id: self._step_tokens(seq, tokens[i], logprobs[i], top_ids[i] if top_ids else None,
+                                              top_lps[i] if top_lps else None)
+            for i, seq in enumerate(rnd.seqs)
+        }

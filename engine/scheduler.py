@@ -1,0 +1,122 @@
+"""Continuous batching: admission under max_num_seqs / token budget / free KV blocks,
+chunked prefill, K-step decode rounds with KV reserved up front, preemption by recompute."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.kv_cache import BlockManager
+from engine.request import Sequence, SequenceStatus
+
+
+@dataclass
+class PrefillBatch:
+    seqs: list[Sequence]
+    chunk_lens: list[int]  # new tokens computed for each sequence in this step
+
+
+@dataclass
+class DecodeRound:
+    seqs: list[Sequence]
+    num_steps: int  # K: decode steps before the host looks at the tokens
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
+        self.config = config
+        self.blocks = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remaining_steps(self, seq: Sequence) -> int:
+        """Tokens `seq` may still generate (max_tokens and the context length both bound it)."""
+        return seq.params.max_tokens - seq.num_output_tokens
+
+    def schedule(self) -> PrefillBatch | DecodeRound | None:
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> PrefillBatch | None:
+        budget = self.config.max_num_batched_tokens
+        seqs, chunks = [], []
+        for seq in self.running:  # unfinished chunked prefills first
+            if seq.in_prefill and budget > 0:
+                n = min(seq.num_prefill_tokens - seq.num_computed_tokens, budget)
+                seqs.append(seq)
+                chunks.append(n)
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            # reserve KV for every token present now, so an admitted prefill never stalls
+            need = self.blocks.blocks_needed(seq, seq.num_tokens)
+            if not self.blocks.can_allocate(need):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, seq.num_tokens)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_prefill_tokens = seq.num_tokens
+            self.running.append(seq)
+            n = min(seq.num_prefill_tokens - seq.num_computed_tokens, budget)
+            seqs.append(seq)
+            chunks.append(n)
+            budget -= n
+        return PrefillBatch(seqs, chunks) if seqs else None
+
+    def decode_steps(self) -> int:
+        """K for the next round: the configured chunk, cut short when requests wait for a
+        prefill (so their time to first token stays low) or when every sequence ends sooner."""
+        k = self.config.decode_chunk
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            k = min(k, 2)
+        return max(1, min(k, max(self.remaining_steps(s) for s in self.running)))
+
+    def _schedule_decode(self) -> DecodeRound | None:
+        if not self.running:
+            return None
+        k = self.decode_steps()
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            # positions written this round: num_tokens - 1 .. num_tokens - 2 + steps
+            needed = seq.num_tokens - 1 + min(k, self.remaining_steps(seq))
+            if self.blocks.can_allocate(self.blocks.blocks_needed(seq, needed)):
+                self.blocks.allocate(seq, needed)
+                i += 1
+                continue
+            victim = self.running[-1]  # the newest request gives way
+            self._preempt(victim)
+            if victim is seq:
+                break
+        if not self.running:
+            return None
+        return DecodeRound(list(self.running), k)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence from the queues and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED
