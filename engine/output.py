@@ -55,6 +55,9 @@ class OutputProcessor:
                 break
         if not state.stops.stops:
             self._update_text(seq, state, step.tokens[:kept])
+        if seq.finish_reason is not None and not isinstance(seq.stop_reason, str):
+            state.text += state.detok.flush()
+            state.visible_end = len(state.text)
         return kept
 
     def _update_text(self, seq: Sequence, state: _TextState, tokens: list[int]) -> bool:

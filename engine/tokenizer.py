@@ -100,6 +100,14 @@ class IncrementalDetokenizer:
             return full_text[len(prefix_text):]
         return ""
 
+    def flush(self) -> str:
+        """At the end: whatever is still held back (an incomplete character decodes to U+FFFD)."""
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        full_text = decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
+
 
 class StopStringMatcher:
     """Finds stop strings across token boundaries and holds back any text that might be

@@ -1,0 +1,221 @@
+"""Engine behaviour on a tiny random model: batching, preemption, block accounting,
+sampling controls, bad input."""
+
+import pytest
+import torch
+import transformers
+
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError, ModelFilesError, PromptTooLongError, UnsupportedModelError
+from tiny_models import make_tiny_model
+
+PROMPTS = [[5 + (7 * i + j) % 250 for j in range(n)] for i, n in enumerate((3, 17, 30, 8, 50, 1, 23, 12))]
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
+def make_llm(model_dir, **kw):
+    kw.setdefault("num_kv_blocks", 96)
+    return LLM(str(model_dir), device="cpu", **kw)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return make_llm(model_dir)
+
+
+@pytest.fixture(autouse=True)
+def blocks_return(request):
+    """Every KV block handed out during a test is back in the pool at its end."""
+    engines = [request.getfixturevalue("llm").engine] if "llm" in request.fixturenames else []
+    start = [e.block_manager.num_free_blocks for e in engines]
+    yield
+    assert [e.block_manager.num_free_blocks for e in engines] == start
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(model_dir):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    for p in PROMPTS:
+        ids = hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+        outs.append(ids[0, len(p):].tolist())
+    return outs
+
+
+def test_batch_greedy_matches_transformers(llm, hf_greedy):
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == hf_greedy
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_alone_together_and_preempted_give_same_tokens(model_dir, llm, hf_greedy):
+    alone = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    assert alone == hf_greedy
+    # 12 usable blocks of 16 tokens cannot hold 8 sequences of up to 74 tokens: preemption must happen
+    small = make_llm(model_dir, num_kv_blocks=13, decode_chunk=4)
+    start = small.engine.block_manager.num_free_blocks
+    outs = small.generate(PROMPTS, GREEDY)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == hf_greedy
+    assert small.engine.block_manager.num_free_blocks == start
+
+
+@pytest.mark.parametrize("decode_chunk", [1, 3, 8])
+def test_decode_chunk_does_not_change_tokens(model_dir, hf_greedy, decode_chunk):
+    llm = make_llm(model_dir, decode_chunk=decode_chunk)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:4], GREEDY)] == hf_greedy[:4]
+
+
+def test_chunked_prefill_gives_same_tokens(model_dir, hf_greedy):
+    llm = make_llm(model_dir, max_num_batched_tokens=7)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hf_greedy
+
+
+def test_max_num_seqs_limits_the_batch(model_dir, hf_greedy):
+    llm = make_llm(model_dir, max_num_seqs=2)
+    seen = []
+    real_decode = llm.engine.runner.decode
+    llm.engine.runner.decode = lambda rnd: seen.append(len(rnd.seqs)) or real_decode(rnd)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hf_greedy
+    assert max(seen) == 2
+
+
+def test_seeded_sampling_independent_of_batch(llm):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    alone = llm.generate([PROMPTS[1]], params)[0].token_ids
+    mixed = llm.generate(PROMPTS[:4], [GREEDY, params, SamplingParams(max_tokens=5, temperature=1.0), GREEDY])
+    assert mixed[1].token_ids == alone
+    other_seed = llm.generate([PROMPTS[1]], SamplingParams(**{**vars(params), "seed": 99}))[0].token_ids
+    assert other_seed != alone
+
+
+def test_top_k_one_is_greedy(llm, hf_greedy):
+    params = SamplingParams(max_tokens=24, temperature=1.5, top_k=1, seed=3, ignore_eos=True)
+    assert llm.generate([PROMPTS[2]], params)[0].token_ids == hf_greedy[2]
+
+
+def test_sampling_follows_the_distribution(llm):
+    """Token frequencies over many seeds track softmax(logits / T)."""
+    prompt = PROMPTS[3]
+    params = [SamplingParams(max_tokens=1, temperature=2.0, seed=s) for s in range(400)]
+    counts = torch.zeros(512)
+    for o in llm.generate([prompt] * 400, params):
+        counts[o.token_ids[0]] += 1
+    engine = llm.engine
+    logits = _next_token_logits(engine, prompt)
+    probs = (logits / 2.0).softmax(-1)
+    top = probs.argmax()
+    assert abs(counts[top] / 400 - probs[top]) < 0.06
+    assert (counts > 0).sum() > 20  # really random
+
+
+def _next_token_logits(engine, prompt):
+    from engine.attention import AttentionMetadata
+    from engine.kv_cache import allocate_kv_cache
+
+    kv = allocate_kv_cache(engine.args, 8, 16, torch.float32, torch.device("cpu"))
+    n = len(prompt)
+    meta = AttentionMetadata(True, torch.arange(16, 16 + n), torch.tensor([[1, 2, 3, 4]], dtype=torch.int32),
+                             torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), n, [n], [n])
+    with torch.no_grad():
+        return engine.model.compute_logits(engine.model(torch.tensor(prompt), torch.arange(n), meta, kv))[-1]
+
+
+def test_stop_token_ids_and_eos(llm, hf_greedy):
+    target = hf_greedy[0][5]
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[target]))[0]
+    first = hf_greedy[0].index(target)
+    assert out.finish_reason == "stop" and out.stop_reason == target
+    assert out.token_ids == hf_greedy[0][:first + 1]
+    # min_tokens bans the stop token for the first tokens
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[target],
+                                                    min_tokens=first + 1))[0]
+    assert target not in out.token_ids[:first + 1] and len(out.token_ids) > first
+
+
+def test_stop_string_trims_text_and_tokens(llm):
+    free = llm.generate([PROMPTS[4]], GREEDY)[0]
+    text = free.text
+    assert len(text) > 6
+    stop = text[3:6]
+    first = text.index(stop)
+    out = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:first]
+    assert len(out.token_ids) < len(free.token_ids)
+    kept = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop],
+                                                     include_stop_str_in_output=True))[0]
+    assert kept.text == text[:first + len(stop)]
+
+
+def test_logit_bias_forces_a_token(llm):
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                    logit_bias={77: 100.0}))[0]
+    assert out.token_ids == [77] * 6
+
+
+def test_repetition_penalties_change_greedy_output(llm, hf_greedy):
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                    frequency_penalty=2.0))[0]
+    counts = torch.bincount(torch.tensor(out.token_ids))
+    assert counts.max() <= torch.bincount(torch.tensor(hf_greedy[0])).max()
+    assert out.token_ids != hf_greedy[0] or counts.max() == 1
+
+
+def test_logprobs_greedy_token_is_top1(llm):
+    out = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True))[0]
+    assert len(out.logprobs) == 8
+    for lp in out.logprobs:
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id
+        assert lp.logprob == pytest.approx(lp.top[0][1]) and lp.logprob <= 0
+
+
+def test_prompt_logprobs_with_zero_max_tokens(llm):
+    prompt = PROMPTS[2]
+    out = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
+    assert out.token_ids == [] and out.finish_reason == "length"
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    logits = _next_token_logits(llm.engine, prompt[:10])
+    expected = logits.log_softmax(-1)[prompt[10]].item()
+    assert out.prompt_logprobs[10].logprob == pytest.approx(expected, abs=1e-4)
+
+
+def test_incremental_text_equals_full_decode(llm):
+    tok = llm.tokenizer
+    outs = llm.generate(PROMPTS, GREEDY)
+    for o in outs:
+        assert o.text == tok.decode(o.token_ids)
+
+
+def test_bad_input_errors(model_dir, llm, tmp_path):
+    with pytest.raises(PromptTooLongError, match="maximum context length is 512"):
+        llm.generate([[5] * 500], SamplingParams(max_tokens=20))
+    with pytest.raises(PromptTooLongError):
+        llm.generate([[5] * 600], SamplingParams(max_tokens=None))
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate([""], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        llm.generate([[5, 100000]], SamplingParams())
+    with pytest.raises(ModelFilesError, match="not found"):
+        LLM(str(tmp_path / "nope"), device="cpu")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        LLM(str(tmp_path / "bad"), device="cpu")
+    import shutil
+
+    shutil.copytree(model_dir, tmp_path / "noweights")
+    (tmp_path / "noweights" / "model.safetensors").unlink()
+    with pytest.raises(ModelFilesError, match="safetensors"):
+        LLM(str(tmp_path / "noweights"), device="cpu")
+    assert llm.engine.scheduler.running == [] and not llm.engine.scheduler.waiting
