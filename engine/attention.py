@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.models.layers import apply_rotary
+
 
 @dataclass
 class AttentionMetadata:
@@ -42,8 +44,11 @@ class TorchAttention:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """Rotate q and k, write k and v into the cache, attend. Returns [T, Hq, D]."""
+        q, k = apply_rotary(q, k, positions, cos_sin)
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
             return self._prefill(q, k_cache, v_cache, meta, scale)
@@ -88,22 +93,22 @@ class TorchAttention:
 
 
 class TritonAttention:
-    """CUDA backend: Triton KV store, paged prefill and paged (split-K) decode kernels."""
+    """CUDA backend: fused rotary + KV store, paged prefill and paged (split-K) decode kernels."""
 
     def __init__(self, block_size: int):
+        from kernels import paged_decode_attention, paged_prefill_attention, rope_and_store_kv
+
         self.block_size = block_size
+        self._rope_store, self._prefill, self._decode = rope_and_store_kv, paged_prefill_attention, paged_decode_attention
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        from kernels.decode_attention import paged_decode_attention
-        from kernels.kv_store import store_kv
-        from kernels.prefill_attention import paged_prefill_attention
-
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        q = self._rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
-            return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                           meta.context_lens, meta.max_seqlen_q, scale)
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+            return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                                 meta.max_seqlen_q, scale)
+        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 
 
 def make_attention_backend(device: torch.device, block_size: int) -> TorchAttention | TritonAttention:

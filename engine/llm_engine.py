@@ -82,6 +82,13 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_caches, self.block_manager, self.device, self.eos_ids)
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from engine.cuda_graphs import GraphDecoder
+
+            self.graphs = GraphDecoder(self.runner, min(config.max_num_seqs, config.cuda_graph_max_batch),
+                                       config.decode_chunk, -(-self.max_model_len // config.block_size))
+            self.graphs.capture()
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids)
         self.sequences: dict[str, Sequence] = {}
         self.stats_counters = EngineStats(kv_blocks_total=self.block_manager.num_usable_blocks)
@@ -199,8 +206,19 @@ class LLMEngine:
         return outputs
 
     def decode(self, rnd: DecodeRound):
-        self.stats_counters.eager_rounds["cpu" if self.device.type == "cpu" else "enforce_eager"] = (
-            self.stats_counters.eager_rounds.get("cpu" if self.device.type == "cpu" else "enforce_eager", 0) + 1)
+        """A decode round through the CUDA graphs when they can take it, else eagerly (counted by reason)."""
+        from engine.cuda_graphs import eager_reason
+
+        stats = self.stats_counters
+        if self.graphs is None:
+            reason = "cpu" if self.device.type == "cpu" else "enforce_eager"
+        else:
+            reason = eager_reason(rnd.seqs, self.graphs.max_bucket)
+        if reason is None:
+            results, bucket = self.graphs.run(rnd)
+            stats.graph_replays[bucket] = stats.graph_replays.get(bucket, 0) + rnd.num_steps
+            return results
+        stats.eager_rounds[reason] = stats.eager_rounds.get(reason, 0) + 1
         return self.runner.decode(rnd)
 
     def stats(self) -> EngineStats:

@@ -33,8 +33,9 @@ class DecodeState:
     """Device tensors a decode round reads and updates step by step."""
 
     input_ids: torch.Tensor  # [B] int64: the token each row feeds in
-    positions: torch.Tensor  # [B] int64: its position
-    limits: torch.Tensor  # [B] int64: last position the row may write; later steps go to the dummy block
+    step_positions: torch.Tensor  # [K, B] int64: position of each step's token
+    step_slots: torch.Tensor  # [K, B] int64: where its K/V goes (the dummy block once a row is past its end)
+    step_context_lens: torch.Tensor  # [K, B] int32
     block_tables: torch.Tensor  # [B, W] int32
     sampling: SamplingTensors
     step: torch.Tensor  # [] int64: index of the current step in the round
@@ -42,6 +43,23 @@ class DecodeState:
     out_logprobs: torch.Tensor  # [K, B] float32
     out_top_ids: torch.Tensor | None = None  # [K, B, N]
     out_top_logprobs: torch.Tensor | None = None
+
+
+def plan_steps(seqs: list[Sequence], num_steps: int, tables: torch.Tensor,
+               block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Positions, slots and context lengths of every step of a round, [K, B] each, on the host.
+
+    The KV blocks of all K steps were reserved by the scheduler; a row that reaches its end
+    (max_tokens) before step K keeps running, writing only into the dummy block."""
+    n = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64)
+    remaining = torch.tensor([s.params.max_tokens - s.num_output_tokens for s in seqs], dtype=torch.int64)
+    last = n - 2 + remaining.clamp(max=num_steps)  # last position a row writes for real
+    wanted = n[None, :] - 1 + torch.arange(num_steps)[:, None]
+    positions = torch.minimum(wanted, last[None, :])
+    blocks = tables.long().gather(1, (positions // block_size).T).T
+    slots = torch.where(wanted <= last[None, :], blocks * block_size + positions % block_size,
+                        DUMMY_BLOCK * block_size)
+    return positions, slots, (positions + 1).to(torch.int32)
 
 
 class ModelRunner:
@@ -144,53 +162,44 @@ class ModelRunner:
             top = list(zip(top_id[r].tolist(), top_lp[r].tolist())) if n_top else []
             seq.prompt_logprobs.append(TokenLogprob(targets[j], chosen[r], top))
 
-    def prepare_decode(self, rnd: DecodeRound, batch_size: int | None = None,
-                       table_width: int | None = None) -> DecodeState:
-        """Host-built tensors for a round; rows past len(rnd.seqs) (graph padding) are dummies."""
+    def prepare_decode(self, rnd: DecodeRound) -> DecodeState:
+        """Host-built tensors for an eager round."""
         seqs, k = rnd.seqs, rnd.num_steps
-        pad = (batch_size or len(seqs)) - len(seqs)
-        positions = [s.num_tokens - 1 for s in seqs] + [0] * pad
-        limits = [s.num_tokens - 2 + min(k, s.params.max_tokens - s.num_output_tokens) for s in seqs] + [0] * pad
-        tables = self._block_tables(seqs, table_width)
-        if pad:
-            tables = torch.cat([tables, torch.full((pad, tables.shape[1]), DUMMY_BLOCK, dtype=torch.int32,
-                                                   device=self.device)])
+        tables = torch.tensor([s.block_table + [DUMMY_BLOCK] * (max(len(t.block_table) for t in seqs)
+                                                                 - len(s.block_table)) for s in seqs],
+                              dtype=torch.int32)
+        positions, slots, context_lens = plan_steps(seqs, k, tables, self.block_size)
         st = build_sampling_tensors(seqs, self.vocab_size, self.eos_ids, self.device)
-        b = len(seqs) + pad
+        b, dev = len(seqs), self.device
         state = DecodeState(
-            input_ids=self._tensor([s.last_token_id for s in seqs] + [0] * pad, torch.int64),
-            positions=self._tensor(positions, torch.int64),
-            limits=self._tensor(limits, torch.int64),
-            block_tables=tables,
+            input_ids=self._tensor([s.last_token_id for s in seqs], torch.int64),
+            step_positions=positions.to(dev), step_slots=slots.to(dev), step_context_lens=context_lens.to(dev),
+            block_tables=tables.to(dev),
             sampling=st,
-            step=torch.zeros((), dtype=torch.int64, device=self.device),
-            out_tokens=torch.zeros(k, b, dtype=torch.int64, device=self.device),
-            out_logprobs=torch.zeros(k, b, dtype=torch.float32, device=self.device),
+            step=torch.zeros((), dtype=torch.int64, device=dev),
+            out_tokens=torch.zeros(k, b, dtype=torch.int64, device=dev),
+            out_logprobs=torch.zeros(k, b, dtype=torch.float32, device=dev),
         )
         if st.num_logprobs:
-            state.out_top_ids = torch.zeros(k, b, st.num_logprobs, dtype=torch.int64, device=self.device)
-            state.out_top_logprobs = torch.zeros(k, b, st.num_logprobs, dtype=torch.float32, device=self.device)
+            state.out_top_ids = torch.zeros(k, b, st.num_logprobs, dtype=torch.int64, device=dev)
+            state.out_top_logprobs = torch.zeros(k, b, st.num_logprobs, dtype=torch.float32, device=dev)
         return state
 
     def decode_step(self, state: DecodeState) -> None:
         """One decode step, entirely on the device: no host sync, no shape change."""
-        bs = self.block_size
-        pos = torch.minimum(state.positions, state.limits)
-        valid = state.positions <= state.limits
-        block = state.block_tables.gather(1, (pos // bs)[:, None]).squeeze(1).long()
-        slot = torch.where(valid, block * bs + pos % bs, torch.full_like(pos, DUMMY_BLOCK * bs))
-        meta = AttentionMetadata(is_prefill=False, slot_mapping=slot, block_tables=state.block_tables,
-                                 context_lens=(pos + 1).to(torch.int32))
+        step = state.step[None]
+        pos = state.step_positions.index_select(0, step)[0]
+        meta = AttentionMetadata(is_prefill=False, slot_mapping=state.step_slots.index_select(0, step)[0],
+                                 block_tables=state.block_tables,
+                                 context_lens=state.step_context_lens.index_select(0, step)[0])
         hidden = self.model(state.input_ids, pos, meta, self.kv_caches)
         out = sample(self.model.compute_logits(hidden), state.sampling)
-        step = state.step[None]
         state.out_tokens.index_copy_(0, step, out.tokens[None])
         state.out_logprobs.index_copy_(0, step, out.logprobs[None])
         if state.out_top_ids is not None:
             state.out_top_ids.index_copy_(0, step, out.top_ids[None])
             state.out_top_logprobs.index_copy_(0, step, out.top_logprobs[None])
         state.input_ids.copy_(out.tokens)
-        state.positions += 1
         state.step += 1
         advance(state.sampling, out.tokens)
 

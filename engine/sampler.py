@@ -144,7 +144,6 @@ class SamplerOutput:
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     """logits: [B, V] float32 raw model logits. Returns the next tokens and their logprobs."""
-    raw_logprobs = logits.log_softmax(dim=-1)
     processed = apply_processors(logits, st)
     greedy_tokens = processed.argmax(dim=-1)
     if st.all_greedy:
@@ -158,10 +157,14 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
         gumbel = -torch.log(-torch.log(_hash_uniform(st.seeds, st.output_pos, logits.shape[-1])))
         sampled = (scaled + gumbel).argmax(dim=-1)
         tokens = torch.where(st.temperature > 0, sampled, greedy_tokens)
-    out = SamplerOutput(tokens=tokens, logprobs=raw_logprobs.gather(1, tokens[:, None]).squeeze(1))
     if st.num_logprobs > 0:
+        raw_logprobs = logits.log_softmax(dim=-1)
+        out = SamplerOutput(tokens=tokens, logprobs=raw_logprobs.gather(1, tokens[:, None]).squeeze(1))
         out.top_logprobs, out.top_ids = raw_logprobs.topk(st.num_logprobs, dim=-1)
-    return out
+        return out
+    # the chosen token's logprob without materialising a [B, V] log_softmax
+    chosen = logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
+    return SamplerOutput(tokens=tokens, logprobs=chosen)
 
 
 def advance(st: SamplingTensors, tokens: torch.Tensor) -> None:

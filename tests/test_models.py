@@ -64,3 +64,30 @@ def test_chunked_prefill_then_decode_match_transformers(tiny):
                                  context_lens=torch.tensor([p + 1], dtype=torch.int32))
         got.append(ours.compute_logits(ours(ids[p:p + 1], torch.tensor([p]), meta, kv)))
     assert _rel(torch.cat(got), expected) < 1e-5
+
+
+@torch.no_grad()
+def test_triton_path_matches_torch_path(monkeypatch, tmp_path):
+    """The CUDA code path (Triton kernels for norms, rotary, SiLU, KV store and paged
+    attention), run in Triton's interpreter on CPU, equals the torch path."""
+    import engine.models.layers as layers
+    from engine.attention import TritonAttention
+
+    path = make_tiny_model(tmp_path / "qwen3", "qwen3")
+    torch_model = load_model(path, torch.float32, torch.device("cpu"), TorchAttention(16), 128)
+    triton_model = load_model(path, torch.float32, torch.device("cpu"), TritonAttention(16), 128)
+    ids = torch.randint(3, 500, (21,))
+    table = [4, 1]
+    slot = lambda p: table[p // 16] * 16 + p % 16  # noqa: E731
+    results = []
+    for model, use_triton in ((torch_model, False), (triton_model, True)):
+        monkeypatch.setattr(layers, "_triton", lambda x, use=use_triton: use)
+        kv = allocate_kv_cache(model.args, 6, 16, torch.float32, torch.device("cpu"))
+        meta = _prefill_meta([slot(p) for p in range(20)], table, 20, 20)
+        prefill = model.compute_logits(model(ids[:20], torch.arange(20), meta, kv))
+        meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.tensor([slot(20)]),
+                                 block_tables=torch.tensor([table], dtype=torch.int32),
+                                 context_lens=torch.tensor([21], dtype=torch.int32))
+        decode = model.compute_logits(model(ids[20:21], torch.tensor([20]), meta, kv))
+        results.append(torch.cat([prefill, decode]))
+    assert _rel(results[1], results[0]) < 1e-4

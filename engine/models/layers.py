@@ -1,5 +1,5 @@
 """The decoder's elementwise operations. On CUDA they run our Triton kernels; on CPU
-plain torch (the same math as the kernels' references)."""
+plain torch (the same math as the kernels' references, written for speed)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _triton(x):
         from kernels.rmsnorm import rms_norm as rms_norm_kernel
 
-        return rms_norm_kernel(x, weight, eps)
+        return rms_norm_kernel(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -36,11 +36,8 @@ def add_rms_norm(
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """NeoX-style (rotate_half) rotary embedding; q [T, Hq, D], k [T, Hkv, D]."""
-    if _triton(q):
-        from kernels.rotary import apply_rotary as apply_rotary_kernel
-
-        return apply_rotary_kernel(q, k, positions, cos_sin)
+    """NeoX-style (rotate_half) rotary embedding; q [T, Hq, D], k [T, Hkv, D]. CPU path:
+    on CUDA the Triton attention backend fuses rotary with the KV store."""
     half = q.shape[-1] // 2
     cs = cos_sin[positions]
     cos = cs[:, None, :half].to(q.dtype)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
 from engine.models.config import ModelArgs
-from engine.models.layers import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
+from engine.models.layers import add_rms_norm, rms_norm, silu_and_mul
 
 
 class RMSNorm(nn.Module):
@@ -48,8 +48,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, positions, cos_sin)
-        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        out = self.backend.forward(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from engine.errors import ModelFilesError
 from engine.models.config import ModelArgs
 from engine.models.llama import LlamaModel
-from engine.models.rope import cos_sin_cache
+from kernels.rotary import build_cos_sin_cache
 
 # HF tensor name -> (our parameter name, shard index within a fused parameter)
 _FUSED = {
@@ -51,7 +51,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
     path = Path(path)
     args = ModelArgs.from_dir(path)
     files = weight_files(path)
-    cos_sin = cos_sin_cache(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
+    cos_sin = build_cos_sin_cache(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
     with torch.device("meta"):
         model = LlamaModel(args, backend, cos_sin)
     model = model.to_empty(device=device).to(dtype)

@@ -1,0 +1,167 @@
+"""Decode latency and throughput on a GPU: our engine with CUDA graphs, our engine eager,
+and transformers `generate` (eager), in one run, for real model shapes with random weights.
+
+    python benchmarks/decode_latency.py --models qwen2.5-0.5b llama-3.1-8b --out benchmarks/results/decode.json
+
+Decode time is measured as T(prompt + 1 + N tokens) - T(prompt + 1 token), so prefill is
+excluded. Roofline: bytes a step must read (weights + KV cache) over the copy bandwidth
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from random_models import random_model  # noqa: E402
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    n = 2 * 1024**3 // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / times[len(times) // 2]
+
+
+def step_bytes(model, batch: int, avg_context: int) -> int:
+    args = model.args
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                  if not (n.startswith("embed_tokens") and model.lm_head is not None))
+    kv = batch * avg_context * 2 * args.num_layers * args.num_kv_heads * args.head_dim * 2
+    return weights + kv
+
+
+def time_engine(llm, prompts, new_tokens: int, repeats: int = 2) -> float:
+    from engine import SamplingParams
+
+    def run(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    run(17)  # warm-up: compiles, allocator
+    t_prefill = min(run(1) for _ in range(repeats))
+    t_full = min(run(new_tokens + 1) for _ in range(repeats))
+    return (t_full - t_prefill) / new_tokens
+
+
+def time_transformers(hf, prompts, new_tokens: int) -> float:
+    ids = torch.tensor(prompts, device="cuda")
+
+    def run(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                    pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    run(8)
+    return (run(new_tokens + 1) - run(1)) / new_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "llama-3.1-8b"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 64])
+    parser.add_argument("--chunks", nargs="+", type=int, default=[1, 4, 8, 16])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/decode_latency.json"))
+    args = parser.parse_args()
+
+    import transformers
+    import triton
+
+    from engine import LLM
+
+    bandwidth = copy_bandwidth()
+    rows = []
+    avg_context = args.prompt_len + args.new_tokens // 2
+
+    def record(model_name, engine_kind, batch, k, step_s, model):
+        tok_s = batch / step_s
+        roof = step_bytes(model, batch, avg_context) / bandwidth
+        rows.append(dict(model=model_name, engine=engine_kind, batch=batch, decode_chunk=k, ms_per_step=step_s * 1e3,
+                         tokens_per_s=tok_s, roofline_fraction=roof / step_s))
+        print(f"{model_name:14s} {engine_kind:13s} B={batch:<3d} K={k if k else '-':<3} "
+              f"{step_s * 1e3:8.3f} ms/step {tok_s:10.1f} tok/s  {roof / step_s:6.1%} of roofline", flush=True)
+
+    for name in args.models:
+        path = random_model(name)
+        gen = torch.Generator().manual_seed(0)
+        max_batch = max(args.batches)
+        started = time.perf_counter()
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=max_batch, decode_chunk=max(args.chunks),
+                  max_model_len=args.prompt_len + args.new_tokens + 64, max_num_batched_tokens=8192,
+                  gpu_memory_utilization=0.5)
+        print(f"{name}: engine start (load + KV + graph capture) {time.perf_counter() - started:.1f}s", flush=True)
+        engine = llm.engine
+        model = engine.model
+        for batch in args.batches:
+            prompts = torch.randint(100, 30000, (batch, args.prompt_len), generator=gen).tolist()
+            engine.config.decode_chunk = 8
+            record(name, "graphs", batch, 8, time_engine(llm, prompts, args.new_tokens), model)
+            graphs, engine.graphs = engine.graphs, None
+            record(name, "eager", batch, 8, time_engine(llm, prompts, args.new_tokens, repeats=1), model)
+            engine.graphs = graphs
+        prompts = torch.randint(100, 30000, (1, args.prompt_len), generator=gen).tolist()
+        for k in args.chunks:
+            engine.config.decode_chunk = k
+            record(name, "graphs", 1, k, time_engine(llm, prompts, args.new_tokens), model)
+        stats = engine.stats()
+        del llm, engine, graphs
+        gc.collect()
+        torch.cuda.empty_cache()
+        if not args.skip_transformers:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
+            for batch in args.batches:
+                prompts = torch.randint(100, 30000, (batch, args.prompt_len), generator=gen).tolist()
+                record(name, "transformers", batch, None, time_transformers(hf, prompts, args.new_tokens), model)
+            del hf
+            gc.collect()
+            torch.cuda.empty_cache()
+        print(f"{name}: graph replays per bucket {stats.graph_replays}, eager rounds {stats.eager_rounds}")
+
+    result = dict(
+        benchmark="decode_latency", date=datetime.datetime.now().isoformat(timespec="seconds"),
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        transformers=transformers.__version__, python=platform.python_version(), command=" ".join(sys.argv),
+        copy_bandwidth_gb_s=bandwidth / 1e9, prompt_len=args.prompt_len, new_tokens=args.new_tokens, rows=rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

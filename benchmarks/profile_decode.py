@@ -1,0 +1,82 @@
+"""Where a decode step's time goes on the GPU: CUDA kernel times of eager decode steps
+(torch.profiler), against the wall time of the same step replayed as a CUDA graph.
+
+    python benchmarks/profile_decode.py --model qwen2.5-0.5b --batch 1 --out profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from random_models import random_model  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="qwen2.5-0.5b")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    from engine import LLM, SamplingParams
+    from engine.scheduler import DecodeRound
+
+    llm = LLM(str(random_model(args.model)), device="cuda", dtype="bfloat16", max_num_seqs=max(args.batch, 1),
+              max_model_len=512, decode_chunk=8)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    seqs = [engine.make_sequence(f"p{i}", list(range(100 + i, 228 + i)), SamplingParams(**vars(params)))
+            for i in range(args.batch)]
+    for s in seqs:
+        engine.add_sequence(s)
+    engine.step()  # prefill
+    rnd = DecodeRound(engine.scheduler.running, 8)
+    for s in rnd.seqs:  # blocks for the 8 steps
+        engine.block_manager.allocate(s, s.num_tokens - 1 + 8)
+
+    def timed(fn, n=20):
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / n / 8
+
+    graph_step = timed(lambda: engine.graphs.run(rnd))
+    eager_step = timed(lambda: engine.runner.decode(rnd), n=5)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        engine.runner.decode(rnd)
+        torch.cuda.synchronize()
+    kernels = {}
+    for evt in prof.key_averages():
+        if evt.self_device_time_total > 0:  # a kernel (CPU-side ops carry no self device time)
+            kernels[evt.key] = dict(count=evt.count, device_us=evt.self_device_time_total / 8)
+    total = sum(v["device_us"] for v in kernels.values())
+    launches = sum(v["count"] for v in kernels.values()) / 8
+    top = sorted(kernels.items(), key=lambda kv: -kv[1]["device_us"])[:25]
+    result = dict(model=args.model, batch=args.batch, graph_ms_per_step=graph_step * 1e3,
+                  eager_ms_per_step=eager_step * 1e3, kernel_time_us_per_step=total, kernels_per_step=launches,
+                  top_kernels=[dict(name=k[:120], **v) for k, v in top], gpu=torch.cuda.get_device_name(),
+                  command=" ".join(sys.argv))
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"{args.model} B={args.batch}: graph {graph_step * 1e3:.3f} ms/step, eager {eager_step * 1e3:.3f} ms/step, "
+          f"sum of kernel times {total / 1e3:.3f} ms/step over ~{launches:.0f} kernel launches")
+    for name, v in top[:15]:
+        print(f"  {v['device_us']:8.1f} us  x{v['count'] / 8:5.1f}  {name[:90]}")
+
+
+if __name__ == "__main__":
+    main()

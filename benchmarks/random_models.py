@@ -1,0 +1,70 @@
+"""Random-weight model folders with real model configs, for GPU tests and benchmarks
+(real weights are too large to ship to the GPU machine). Written once per machine into
+a cache folder as safetensors + config.json + a byte-level tokenizer, then loaded by the
+engine's own loader."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+CONFIGS = {
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+        "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+    },
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
+        "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+        "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16", "hidden_act": "silu",
+        "sliding_window": None, "use_sliding_window": False,
+    },
+}
+
+
+def models_root() -> Path:
+    return Path(os.environ.get("GRAPHSERVE_RANDOM_MODELS", "/tmp/graphserve-random-models"))
+
+
+def random_model(name: str, seed: int = 0) -> Path:
+    """The folder for `name`, written on first use (random weights, bf16)."""
+    import transformers
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tiny_models import write_byte_tokenizer
+
+    path = models_root() / name
+    if (path / "config.json").is_file():
+        return path
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    cfg = CONFIGS[name]
+    config = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        # std 0.02 everywhere except a wider embedding: confident next-token choices, so
+        # bf16 rounding differences rarely flip a greedy argmax
+        for n, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0) if "norm" in n else p.normal_(0, 0.02)
+            else:
+                p.normal_(0, 0.5 if "embed_tokens" in n or "lm_head" in n else 0.02)
+    model.save_pretrained(tmp, safe_serialization=True, max_shard_size="5GB")
+    write_byte_tokenizer(tmp)
+    (tmp / "config.json").write_text(json.dumps({**json.loads((tmp / "config.json").read_text()),
+                                                 "torch_dtype": "bfloat16"}, indent=1))
+    os.replace(tmp, path)
+    return path

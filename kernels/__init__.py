@@ -1,0 +1,35 @@
+"""Triton GPU kernels; each module holds a kernel, its wrapper and a pure-torch `*_ref` beside it.
+
+Importing this package imports triton. On a machine without CUDA, set TRITON_INTERPRET=1 before
+the import to run the kernels in Triton's interpreter (slow; for tests).
+"""
+
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref, pick_num_splits
+from kernels.kv_store import store_kv, store_kv_ref
+from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kernels.rope_kv_store import rope_and_store_kv, rope_and_store_kv_ref
+from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from kernels.rotary import apply_rotary, apply_rotary_ref, build_cos_sin_cache, rope_inv_freq
+
+__all__ = [
+    "apply_rotary",
+    "apply_rotary_ref",
+    "build_cos_sin_cache",
+    "fused_add_rms_norm",
+    "fused_add_rms_norm_ref",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_prefill_attention",
+    "paged_prefill_attention_ref",
+    "pick_num_splits",
+    "rms_norm",
+    "rms_norm_ref",
+    "rope_and_store_kv",
+    "rope_and_store_kv_ref",
+    "rope_inv_freq",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+    "store_kv",
+    "store_kv_ref",
+]

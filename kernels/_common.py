@@ -1,0 +1,43 @@
+"""Small host-side helpers shared by the kernel wrappers (shape/device facts only, never tensor values)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# H200 / H100 SXM; used when no CUDA device is present (interpreter mode on CPU).
+DEFAULT_SM_COUNT = 132
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Number of streaming multiprocessors of `device` (a static property, safe during graph capture)."""
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_sm_count(index)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: full fp32 for fp32 models (Triton defaults to tf32), else irrelevant."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validate the paged cache layout and return (num_blocks, block_size, num_kv_heads, head_dim)."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k/v cache must both be [num_blocks, block_size, kv_heads, head_dim], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k/v cache must be contiguous")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError("k/v cache dtypes differ")
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if block_size & (block_size - 1) or head_dim & (head_dim - 1):
+        raise ValueError(f"block_size and head_dim must be powers of two, got {block_size}, {head_dim}")
+    return num_blocks, block_size, num_kv_heads, head_dim

@@ -1,0 +1,275 @@
+"""Paged decode attention: one query token per sequence against its paged KV cache.
+
+GQA: one program handles every query head of one KV head (the group is packed into the rows of
+the tile), so each KV tile is read once per group. Split-K (flash-decoding): when there are too
+few (sequence, KV head) pairs to fill the GPU, each sequence's KV range is cut into `num_splits`
+parts computed in parallel; each writes a partial (max, sum, unnormalised acc) and a second
+kernel merges them. All launch parameters depend on shapes only, so the wrapper is CUDA-graph
+capturable.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import check_kv_cache, dot_precision, sm_count
+
+_LOG2E = 1.4426950408889634
+# Split-count heuristic, tuned on an H200 (benchmarks/kernel_bench.py --sweep): aim for about
+# this many programs per SM, never fewer than this many KV tokens per split (with the longest
+# context the block table can hold), never more splits than _MAX_SPLITS.
+_PROGRAMS_PER_SM = 4
+_MIN_TOKENS_PER_SPLIT = 512
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    scale_log2,
+    stride_qb, stride_qh,
+    stride_cb, stride_ct,  # cache strides of a block and of a token (same for k and v)
+    stride_bt,
+    stride_ob, stride_oh,
+    num_splits,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // NUM_KV_HEADS
+    kvh = pid % NUM_KV_HEADS
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)
+
+    ctx = tl.load(context_lens_ptr + b)
+    num_tiles = tl.cdiv(ctx, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    t_start = split * tiles_per_split
+    t_end = tl.minimum(t_start + tiles_per_split, num_tiles)
+
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    head_off = kvh * HEAD_DIM
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+
+    # Every tile in [t_start, t_end) holds at least one valid token, so no row of s is all -inf.
+    for t in range(t_start, t_end):
+        tok = t * BLOCK_N + offs_n
+        n_mask = tok < ctx
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        row = blk * stride_cb + (tok % BLOCK_SIZE) * stride_ct + head_off
+        kv_off = row[:, None] + offs_d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    if WRITE_PARTIAL:
+        # partials are [B, Hq, num_splits] (m, l) and [B, Hq, num_splits, HEAD_DIM] (acc), fp32
+        part = (b.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split
+        tl.store(part_m_ptr + part, m_i, mask=g_mask)
+        tl.store(part_l_ptr + part, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+    else:
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
+    stride_ob, stride_oh,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // NUM_HEADS
+    h = pid % NUM_HEADS
+    offs_c = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = pid.to(tl.int64) * num_splits
+
+    m_run = tl.full([CHUNK], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK):
+        offs_s = s0 + offs_c
+        m = tl.load(part_m_ptr + base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+        m_run = tl.maximum(m_run, m)
+    m_max = tl.max(m_run, 0)
+
+    num = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    den = tl.zeros([CHUNK], dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK):
+        offs_s = s0 + offs_c
+        s_mask = offs_s < num_splits
+        m = tl.load(part_m_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+        l = tl.load(part_l_ptr + base + offs_s, mask=s_mask, other=0.0)
+        # empty splits (past the sequence's end) have l == 0 and m == -inf: weight 0, no NaN
+        w = tl.where(l > 0, tl.exp2(m - m_max), 0.0)
+        acc = tl.load(part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=s_mask[:, None], other=0.0)
+        num += tl.sum(acc * w[:, None], 0)
+        den += l * w
+    total = tl.sum(den, 0)
+    out = num / tl.where(total > 0, total, 1.0)
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
+
+
+class DecodeTile(NamedTuple):
+    """Launch shape of the main kernel: KV tokens per inner-loop tile (spanning several pages
+    when block_size is small), warps and software-pipeline stages."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_decode_tile(head_dim: int) -> DecodeTile:
+    # H200 sweep: 64 x 128 (D=128) and 128 x 64 (D=64) tiles, 4 warps, were the fastest
+    if head_dim >= 128:
+        return DecodeTile(block_n=64, num_warps=4, num_stages=3)
+    return DecodeTile(block_n=128, num_warps=4, num_stages=2)
+
+
+def pick_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Split count from shapes only: about 4 programs per SM, each split >= 512 tokens, <= 64."""
+    programs = batch * num_kv_heads
+    if programs <= 0:
+        return 1
+    want = _PROGRAMS_PER_SM * num_sms // programs
+    cap = max(1, max_context // _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, cap, _MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    tile: DecodeTile | None = None,
+) -> torch.Tensor:
+    """Attention of q [B, Hq, D] over each sequence's first context_lens[b] cached tokens.
+
+    block_tables [B, max_blocks] int32, context_lens [B] int32 (>= 1; padded rows use 1 and block 0);
+    table entries past a sequence's last block are never read. q may be a strided view (last dim
+    contiguous). Returns [B, Hq, D] in q's dtype, or writes `out` (same shape, last dim contiguous).
+    num_splits=None picks the split count from (B, Hkv, max_blocks * block_size) and the SM count.
+    tile overrides the launch shape (benchmark sweeps); None uses default_decode_tile.
+    """
+    _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    batch, num_heads, q_dim = q.shape
+    if q_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not match cache heads={num_kv_heads} dim={head_dim}")
+    if q.stride(-1) != 1:
+        raise ValueError("q's last dimension must be contiguous")
+    if out is None:
+        out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)} with a contiguous last dim")
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    tile = tile or default_decode_tile(head_dim)
+    if num_splits is None:
+        max_context = block_tables.shape[1] * block_size
+        num_splits = pick_num_splits(batch, num_kv_heads, max_context, sm_count(q.device))
+    num_splits = max(1, int(num_splits))
+
+    if num_splits == 1:
+        part_m = part_l = part_acc = out  # unused
+    else:
+        part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+
+    _decode_attention_kernel[(batch * num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens,
+        out, part_m, part_l, part_acc,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        num_splits,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=tile.block_n,
+        WRITE_PARTIAL=num_splits > 1,
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch * num_heads,)](
+            part_m, part_l, part_acc, out,
+            out.stride(0), out.stride(1),
+            num_splits,
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            CHUNK=min(16, triton.next_power_of_2(num_splits)),
+            num_warps=4,
+        )
+    return out
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Pure-torch reference (fp32 math, result in q's dtype): gather pages, mask, softmax."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    max_tokens = block_tables.shape[1] * block_size
+    bt = block_tables.long()
+    # [B, max_blocks, block_size, Hkv, D] -> [B, Hkv, max_tokens, D]
+    k = k_cache[bt].reshape(batch, max_tokens, num_kv_heads, head_dim).transpose(1, 2).float()
+    v = v_cache[bt].reshape(batch, max_tokens, num_kv_heads, head_dim).transpose(1, 2).float()
+    qg = q.float().reshape(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,bhnd->bhgn", qg, k) * scale
+    valid = torch.arange(max_tokens, device=q.device)[None, :] < context_lens.long()[:, None]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgn,bhnd->bhgd", probs, v)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)

@@ -1,0 +1,191 @@
+"""Paged prefill attention: a packed variable-length batch of query tokens, causal.
+
+All keys and values (cached prefix and the new tokens, which are already written) are read from
+the paged cache, so the same kernel serves plain prefill, chunked prefill and prefix-cache hits.
+Query token i of sequence b sits at absolute position context_lens[b] - q_len_b + i.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import check_kv_cache, dot_precision
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_cb, stride_ct,
+    stride_bt,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    kvh = h // GROUP
+
+    q_start = tl.load(cu_seqlens_ptr + b)
+    q_len = tl.load(cu_seqlens_ptr + b + 1) - q_start
+    ctx = tl.load(context_lens_ptr + b)
+    first_pos = ctx - q_len  # absolute position of the sequence's first query token
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_mask = offs_m < q_len
+    pos = first_pos + offs_m
+    tok = (q_start + offs_m).to(tl.int64)
+
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None], other=0.0)
+
+    # keys past the tile's last query position are never needed; a tile past q_len loops 0 times
+    kv_end = tl.minimum(ctx, first_pos + tl.minimum(pid_m * BLOCK_M + BLOCK_M, q_len))
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    head_off = kvh * HEAD_DIM
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # key 0 is visible to every row, so the first tile gives each row a finite max (no NaN)
+    for n0 in range(0, kv_end, BLOCK_N):
+        key = n0 + offs_n
+        n_mask = key < kv_end
+        blk = tl.load(bt_row + key // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        row = blk * stride_cb + (key % BLOCK_SIZE) * stride_ct + head_off
+        kv_off = row[:, None] + offs_d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+        visible = (key[None, :] <= pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+class PrefillTile(NamedTuple):
+    """Launch shape: query rows and KV tokens per tile, warps, software-pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_prefill_tile(head_dim: int, dtype: torch.dtype) -> PrefillTile:
+    if dtype == torch.float32 and head_dim >= 128:
+        return PrefillTile(64, 32, 4, 2)  # fp32 tiles are twice the bytes: keep shared memory small
+    return PrefillTile(64, 64, 4, 2)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    tile: PrefillTile | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries q [T, Hq, D] over the paged cache.
+
+    cu_seqlens_q [B+1] int32 (prefix sums of q lengths), context_lens [B] int32 (all KV tokens of
+    the sequence after this step, >= its q length), max_seqlen_q a host int >= every q length.
+    q may be a strided view (last dim contiguous). Returns [T, Hq, D] in q's dtype (or writes
+    `out`). tile overrides the launch shape (benchmark sweeps).
+    """
+    _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    num_tokens, num_heads, q_dim = q.shape
+    if q_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not match cache heads={num_kv_heads} dim={head_dim}")
+    if q.stride(-1) != 1:
+        raise ValueError("q's last dimension must be contiguous")
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)} with a contiguous last dim")
+    batch = cu_seqlens_q.shape[0] - 1
+    if num_tokens == 0 or batch <= 0 or max_seqlen_q <= 0:
+        return out
+    tile = tile or default_prefill_tile(head_dim, q.dtype)
+    grid = (triton.cdiv(max_seqlen_q, tile.block_m), batch, num_heads)
+    _prefill_attention_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+) -> torch.Tensor:
+    """Pure-torch reference (fp32 math, result in q's dtype); loops over sequences on the host."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    cu = cu_seqlens_q.tolist()
+    ctx_lens = context_lens.tolist()
+    for b, ctx in enumerate(ctx_lens):
+        start, end = cu[b], cu[b + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        n_blocks = -(-ctx // block_size)
+        blocks = block_tables[b, :n_blocks].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, ctx, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        qs = q[start:end].float().transpose(0, 1)  # [Hq, q_len, D]
+        scores = torch.matmul(qs, k.transpose(1, 2)) * scale
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+        k_pos = torch.arange(ctx, device=q.device)
+        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[start:end] = torch.matmul(torch.softmax(scores, dim=-1), v).transpose(0, 1).to(q.dtype)
+    return out

@@ -1,0 +1,121 @@
+"""GPU: the whole model vs transformers on the same random weights (real shapes), and
+the CUDA-graph decode path vs our eager path. Run on an H200 with `pytest -m gpu`."""
+
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+pytestmark = pytest.mark.gpu
+
+MODELS = ["qwen2.5-0.5b", "llama-3.1-8b"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model_path(request):
+    from random_models import random_model
+
+    return random_model(request.param)
+
+
+def _report(row: dict) -> None:
+    """Measured values go to $GPU_REPORT (JSON lines) when set."""
+    import json
+    import os
+
+    if os.environ.get("GPU_REPORT"):
+        with open(os.environ["GPU_REPORT"], "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _free():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def test_teacher_forced_logits_match_transformers(model_path):
+    import transformers
+
+    from engine.attention import AttentionMetadata, TritonAttention
+    from engine.kv_cache import allocate_kv_cache
+    from engine.models.loader import load_model
+
+    dev = torch.device("cuda")
+    prompt_len, steps, bs = 64, 64, 16
+    ours = load_model(model_path, torch.bfloat16, dev, TritonAttention(bs), 1024)
+    kv = allocate_kv_cache(ours.args, 16, bs, torch.bfloat16, dev)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, 30000, (prompt_len + steps,), generator=gen).to(dev)
+    table = torch.tensor([[3, 9, 1, 12, 5, 7, 2, 11, 4]], dtype=torch.int32, device=dev)
+    slot = lambda p: int(table[0, p // bs]) * bs + p % bs  # noqa: E731
+    meta = AttentionMetadata(True, torch.tensor([slot(p) for p in range(prompt_len)], device=dev), table,
+                             torch.tensor([prompt_len], dtype=torch.int32, device=dev),
+                             torch.tensor([0, prompt_len], dtype=torch.int32, device=dev), prompt_len)
+    logits = [ours.compute_logits(ours(ids[:prompt_len], torch.arange(prompt_len, device=dev), meta, kv))[-1:]]
+    for p in range(prompt_len, prompt_len + steps - 1):
+        meta = AttentionMetadata(False, torch.tensor([slot(p)], device=dev), table,
+                                 torch.tensor([p + 1], dtype=torch.int32, device=dev))
+        logits.append(ours.compute_logits(ours(ids[p:p + 1], torch.tensor([p], device=dev), meta, kv)))
+    ours_logits = torch.cat(logits)
+    del ours, kv
+    _free()
+    window = slice(prompt_len - 1, prompt_len + steps - 1)
+    reference = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map="cuda").eval()
+        reference[dtype] = ref(ids[None]).logits[0, window].float()
+        del ref
+        _free()
+    want = reference[torch.float32]
+    rel = ((ours_logits - want).norm() / want.norm()).item()
+    hf_bf16_rel = ((reference[torch.bfloat16] - want).norm() / want.norm()).item()
+    argmax_agree = (ours_logits.argmax(-1) == want.argmax(-1)).float().mean().item()
+    hf_bf16_agree = (reference[torch.bfloat16].argmax(-1) == want.argmax(-1)).float().mean().item()
+    _report(dict(test="teacher_forced", model=Path(model_path).name, ours_bf16_vs_hf_fp32=rel,
+                 hf_bf16_vs_hf_fp32=hf_bf16_rel, argmax_agreement=argmax_agree,
+                 hf_bf16_argmax_agreement=hf_bf16_agree))
+    # bf16 rounding accumulates over the layers. On the random-weight 8B shape transformers'
+    # own bf16 run is 5.6% off its float32 run (measured on an H200), so it is the yardstick
+    # wherever it is itself outside 2e-2 / 95% agreement.
+    assert rel < max(2e-2, 1.25 * hf_bf16_rel), (rel, hf_bf16_rel)
+    assert argmax_agree >= min(0.95, hf_bf16_agree - 0.05), (argmax_agree, hf_bf16_agree)
+
+
+@pytest.fixture(scope="module")
+def llm(model_path):
+    from engine import LLM
+
+    llm = LLM(str(model_path), device="cuda", dtype="bfloat16", max_num_seqs=64, max_model_len=512,
+              decode_chunk=8, num_kv_blocks=3000)
+    yield llm
+    del llm
+    _free()
+
+
+@pytest.mark.parametrize("batch", [1, 3, 17, 64])
+def test_graph_path_matches_eager_path(llm, batch):
+    from engine import SamplingParams
+
+    engine = llm.engine
+    assert engine.graphs is not None
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(100, 30000, (int(n),), generator=gen).tolist()
+               for n in torch.randint(8, 200, (batch,), generator=gen)]
+    params = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
+    free_before = engine.block_manager.num_free_blocks
+    before = dict(engine.stats().graph_replays)
+    with_graphs = [o.token_ids for o in llm.generate(prompts, params)]
+    after = engine.stats().graph_replays
+    assert after.get(engine.graphs.bucket_for(batch), 0) > before.get(engine.graphs.bucket_for(batch), 0)
+    graphs, engine.graphs = engine.graphs, None
+    try:
+        eager = [o.token_ids for o in llm.generate(prompts, params)]
+    finally:
+        engine.graphs = graphs
+    assert with_graphs == eager
+    assert engine.block_manager.num_free_blocks == free_before

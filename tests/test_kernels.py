@@ -1,0 +1,375 @@
+"""Triton kernels vs their pure-torch references (CPU: TRITON_INTERPRET=1, set by conftest).
+
+Each wrapper runs on fresh random float32 inputs with its output poisoned (NaN) beforehand; the
+references themselves are checked once against a naive dense computation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import (
+    apply_rotary,
+    apply_rotary_ref,
+    build_cos_sin_cache,
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+    pick_num_splits,
+    rms_norm,
+    rms_norm_ref,
+    rope_and_store_kv,
+    rope_and_store_kv_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+    store_kv,
+    store_kv_ref,
+)
+
+TOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(monkeypatch):
+    """Every torch.empty/empty_like in a wrapper (outputs, split-K partials) comes back NaN-filled."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_empty_like(*a, **kw)))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def make_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, gen: torch.Generator):
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    return k, v
+
+
+def make_block_tables(batch: int, max_blocks: int, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    """Random, non-contiguous, non-overlapping blocks (block 0 left to padded rows)."""
+    perm = torch.randperm(num_blocks - 1, generator=gen)[: batch * max_blocks] + 1
+    return perm.reshape(batch, max_blocks).to(torch.int32)
+
+
+def gather_dense(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """[length, Hkv, D] by walking token by token (independent of the refs' vectorised gather)."""
+    block_size = cache.shape[1]
+    rows = [cache[int(table_row[i // block_size]), i % block_size] for i in range(length)]
+    return torch.stack(rows)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float):
+    """q [n, Hq, D], k/v [ctx, Hkv, D]; causal on absolute positions via SDPA."""
+    group = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(group, dim=1).transpose(0, 1)
+    vv = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    mask = torch.arange(k.shape[0])[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+# ----------------------------------------------------------------------------- decode attention
+
+
+def decode_case(gen, batch=3, hq=4, hkv=2, head_dim=64, block_size=16, max_blocks=5, ctx=(1, 37, 70)):
+    k_cache, v_cache = make_cache(batch * max_blocks + 3, block_size, hkv, head_dim, gen)
+    block_tables = make_block_tables(batch, max_blocks, k_cache.shape[0], gen)
+    context_lens = torch.tensor(ctx[:batch], dtype=torch.int32)
+    q = torch.randn(batch, hq, head_dim, generator=gen)
+    return q, k_cache, v_cache, block_tables, context_lens
+
+
+def test_decode_ref_matches_dense():
+    gen = torch.Generator().manual_seed(0)
+    q, k_cache, v_cache, bt, cl = decode_case(gen)
+    scale = 0.125
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, bt, cl, scale)
+    for b in range(q.shape[0]):
+        n = int(cl[b])
+        k = gather_dense(k_cache, bt[b], n)
+        v = gather_dense(v_cache, bt[b], n)
+        dense = dense_attention(q[b : b + 1], k, v, torch.tensor([n - 1]), scale)[0]
+        assert rel_err(ref[b], dense) < 1e-5
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_decode_attention(num_splits):
+    gen = torch.Generator().manual_seed(1)
+    q, k_cache, v_cache, bt, cl = decode_case(gen)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=num_splits, out=out)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, bt, cl, 0.125)
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("num_splits", [8, 20])
+def test_decode_attention_more_splits_than_tiles(num_splits):
+    # more splits than KV tiles: most partitions are empty and must be neutral; 20 > one merge chunk
+    gen = torch.Generator().manual_seed(2)
+    q, k_cache, v_cache, bt, cl = decode_case(gen, batch=2, ctx=(70, 5))
+    out = paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=num_splits)
+    assert rel_err(out, paged_decode_attention_ref(q, k_cache, v_cache, bt, cl, 0.125)) < TOL
+
+
+def test_decode_attention_gqa8_head128_block32_strided_q():
+    gen = torch.Generator().manual_seed(3)
+    _, k_cache, v_cache, bt, cl = decode_case(gen, batch=2, hq=8, hkv=1, head_dim=128, block_size=32,
+                                              max_blocks=3, ctx=(65, 33))
+    # q as a view of a fused qkv projection, as the engine produces it
+    qkv = torch.randn(2, (8 + 2) * 128, generator=gen)
+    q = qkv[:, : 8 * 128].view(2, 8, 128)
+    out = paged_decode_attention(q, k_cache, v_cache, bt, cl, 128**-0.5, num_splits=2)
+    assert rel_err(out, paged_decode_attention_ref(q, k_cache, v_cache, bt, cl, 128**-0.5)) < TOL
+
+
+def test_decode_attention_padded_rows():
+    # CUDA-graph padding: rows with context_len 1 pointing at block 0 must not crash or leak NaN
+    gen = torch.Generator().manual_seed(4)
+    q, k_cache, v_cache, bt, cl = decode_case(gen, ctx=(50, 1, 1))
+    bt[1:] = 0
+    for splits in (1, 4):
+        out = paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=splits)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, paged_decode_attention_ref(q, k_cache, v_cache, bt, cl, 0.125)) < TOL
+
+
+def test_pick_num_splits_depends_on_shapes_only():
+    assert pick_num_splits(64, 8, 4096, 132) == 1  # 512 programs already fill 132 SMs
+    assert pick_num_splits(8, 8, 8192, 132) == 8
+    assert pick_num_splits(1, 8, 32768, 132) == 64  # capped at 64 splits
+    assert pick_num_splits(1, 8, 128, 132) == 1  # too short to split
+    assert pick_num_splits(4, 2, 2048, 132) == 4  # capped at 512 tokens per split
+
+
+# ----------------------------------------------------------------------------- prefill attention
+
+
+def prefill_case(gen, q_lens, ctx_lens, hq=4, hkv=2, head_dim=64, block_size=16):
+    max_blocks = max(-(-c // block_size) for c in ctx_lens)
+    batch = len(q_lens)
+    k_cache, v_cache = make_cache(batch * max_blocks + 2, block_size, hkv, head_dim, gen)
+    block_tables = make_block_tables(batch, max_blocks, k_cache.shape[0], gen)
+    cu = torch.zeros(batch + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    q = torch.randn(int(cu[-1]), hq, head_dim, generator=gen)
+    return q, k_cache, v_cache, block_tables, cu, torch.tensor(ctx_lens, dtype=torch.int32)
+
+
+# (q_lens, context_lens): fresh prompts, a cached prefix, a chunk mid-sequence, a single token
+PREFILL_CASES = [
+    ((20, 70, 1), (20, 70, 1)),
+    ((5, 33, 1), (40, 70, 33)),
+]
+
+
+def test_prefill_ref_matches_dense():
+    gen = torch.Generator().manual_seed(5)
+    q_lens, ctx_lens = PREFILL_CASES[1]
+    q, k_cache, v_cache, bt, cu, cl = prefill_case(gen, q_lens, ctx_lens)
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, bt, cu, cl, max(q_lens), 0.125)
+    for b, (n, ctx) in enumerate(zip(q_lens, ctx_lens)):
+        s = int(cu[b])
+        k = gather_dense(k_cache, bt[b], ctx)
+        v = gather_dense(v_cache, bt[b], ctx)
+        dense = dense_attention(q[s : s + n], k, v, torch.arange(ctx - n, ctx), 0.125)
+        assert rel_err(ref[s : s + n], dense) < 1e-5
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens", PREFILL_CASES)
+def test_prefill_attention(q_lens, ctx_lens):
+    gen = torch.Generator().manual_seed(6)
+    q, k_cache, v_cache, bt, cu, cl = prefill_case(gen, q_lens, ctx_lens)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, k_cache, v_cache, bt, cu, cl, max(q_lens), 0.125, out=out)
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, bt, cu, cl, max(q_lens), 0.125)
+    assert rel_err(out, ref) < TOL
+
+
+def test_prefill_attention_head128_gqa4():
+    gen = torch.Generator().manual_seed(7)
+    q_lens, ctx_lens = (9, 3), (40, 3)
+    q, k_cache, v_cache, bt, cu, cl = prefill_case(gen, q_lens, ctx_lens, hq=4, hkv=1, head_dim=128,
+                                                   block_size=32)
+    out = paged_prefill_attention(q, k_cache, v_cache, bt, cu, cl, max(q_lens), 128**-0.5)
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, bt, cu, cl, max(q_lens), 128**-0.5)
+    assert rel_err(out, ref) < TOL
+
+
+# ----------------------------------------------------------------------------- kv store
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_store_kv(slot_dtype):
+    gen = torch.Generator().manual_seed(8)
+    num_blocks, block_size, hkv, head_dim, tokens = 6, 16, 2, 64, 7
+    k_cache, v_cache = make_cache(num_blocks, block_size, hkv, head_dim, gen)
+    # k and v as strided views of one fused projection output
+    kv = torch.randn(tokens, 2 * hkv * head_dim, generator=gen)
+    k = kv[:, : hkv * head_dim].view(tokens, hkv, head_dim)
+    v = kv[:, hkv * head_dim :].view(tokens, hkv, head_dim)
+    slots = torch.tensor([17, -1, 0, 95, 40, -1, 63], dtype=slot_dtype)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    store_kv_ref(k, v, ref_k, ref_v, slots)
+    store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+def test_store_kv_skip_slots_leave_cache_untouched():
+    gen = torch.Generator().manual_seed(9)
+    k_cache, v_cache = make_cache(3, 16, 2, 32, gen)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    k = torch.randn(4, 2, 32, generator=gen)
+    store_kv(k, k.clone(), k_cache, v_cache, torch.full((4,), -1, dtype=torch.int64))
+    assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
+
+
+def test_store_kv_ref_writes_expected_slot():
+    k_cache, v_cache = torch.zeros(2, 4, 1, 2), torch.zeros(2, 4, 1, 2)
+    k = torch.tensor([[[1.0, 2.0]], [[3.0, 4.0]]])
+    store_kv_ref(k, -k, k_cache, v_cache, torch.tensor([6, -1]))
+    assert k_cache[1, 2, 0].tolist() == [1.0, 2.0] and v_cache[1, 2, 0].tolist() == [-1.0, -2.0]
+    assert k_cache.abs().sum() == 3.0
+
+
+# ----------------------------------------------------------------------------- rmsnorm
+
+
+def test_rms_norm():
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(5, 300, generator=gen)  # hidden not a power of two
+    w = torch.randn(300, generator=gen)
+    ref = rms_norm_ref(x, w, 1e-6)
+    dense = w * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert rel_err(ref, dense) < 1e-6
+    assert rel_err(rms_norm(x, w, 1e-6), ref) < TOL
+
+
+def test_fused_add_rms_norm():
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 256, generator=gen)
+    res = torch.randn(5, 256, generator=gen)
+    w = torch.randn(256, generator=gen)
+    x0, res0 = x.clone(), res.clone()
+    normed, new_res = fused_add_rms_norm(x, res, w, 1e-5)
+    ref_normed, ref_res = fused_add_rms_norm_ref(x, res, w, 1e-5)
+    assert torch.equal(x, x0) and torch.equal(res, res0)
+    assert rel_err(new_res, x + res) < 1e-7
+    assert rel_err(new_res, ref_res) < TOL and rel_err(normed, ref_normed) < TOL
+
+
+def test_rms_norm_ref_matches_transformers():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(12)
+    layer = LlamaRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(64, generator=gen))
+    x = torch.randn(3, 64, generator=gen)
+    assert torch.equal(rms_norm_ref(x, layer.weight.data, 1e-5), layer(x).detach())
+
+
+# ----------------------------------------------------------------------------- rotary
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def test_apply_rotary_in_place():
+    gen = torch.Generator().manual_seed(13)
+    cache = build_cos_sin_cache(64, 200, 10000.0, None)
+    qkv = torch.randn(6, (4 + 2 + 2) * 64, generator=gen)
+    q = qkv[:, : 4 * 64].view(6, 4, 64)
+    k = qkv[:, 4 * 64 : 6 * 64].view(6, 2, 64)
+    v_before = qkv[:, 6 * 64 :].clone()
+    positions = torch.tensor([0, 1, 5, 77, 199, 3])
+    ref_q, ref_k = apply_rotary_ref(q, k, positions, cache)
+    out_q, out_k = apply_rotary(q, k, positions, cache)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    assert rel_err(q, ref_q) < TOL and rel_err(k, ref_k) < TOL
+    assert torch.equal(qkv[:, 6 * 64 :], v_before)
+
+
+def test_apply_rotary_ref_matches_transformers():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(14)
+    cache = build_cos_sin_cache(32, 50, 10000.0, None)
+    q = torch.randn(5, 4, 32, generator=gen)
+    k = torch.randn(5, 2, 32, generator=gen)
+    pos = torch.tensor([0, 3, 9, 49, 1])
+    cos = torch.cat([cache[pos, :16]] * 2, dim=-1)
+    sin = torch.cat([cache[pos, 16:]] * 2, dim=-1)
+    # transformers wants [batch, heads, seq, dim]
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    ref_q, ref_k = apply_rotary_ref(q, k, pos, cache)
+    assert torch.equal(ref_q, hf_q[0].transpose(0, 1)) and torch.equal(ref_k, hf_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING, {"rope_type": "linear", "factor": 4.0}])
+def test_cos_sin_cache_matches_transformers(scaling):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    head_dim, theta = 128, 500000.0
+    rope_parameters = {"rope_type": "default", "rope_theta": theta} if scaling is None else {
+        **scaling, "rope_theta": theta}
+    config = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=4096, rope_parameters=rope_parameters)
+    rope = LlamaRotaryEmbedding(config)
+    positions = torch.tensor([[0, 1, 17, 1000, 4095]])
+    cos, sin = rope(torch.zeros(1, dtype=torch.float32), positions)
+    cache = build_cos_sin_cache(head_dim, 4096, theta, scaling)
+    half = head_dim // 2
+    assert torch.equal(cache[positions[0], :half], cos[0, :, :half])
+    assert torch.equal(cache[positions[0], half:], sin[0, :, :half])
+
+
+def test_rope_and_store_kv():
+    gen = torch.Generator().manual_seed(16)
+    tokens, hq, hkv, head_dim = 5, 4, 2, 64
+    cache = build_cos_sin_cache(head_dim, 100, 10000.0, LLAMA3_SCALING)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim, generator=gen)
+    q = qkv[:, : hq * head_dim].view(tokens, hq, head_dim)
+    k = qkv[:, hq * head_dim : (hq + hkv) * head_dim].view(tokens, hkv, head_dim)
+    v = qkv[:, (hq + hkv) * head_dim :].view(tokens, hkv, head_dim)
+    k_cache, v_cache = make_cache(4, 16, hkv, head_dim, gen)
+    positions = torch.tensor([3, 0, 99, 42, 7])
+    slots = torch.tensor([5, -1, 63, 16, 0])
+    ref_q, k_before = q.clone(), k.clone()
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    rope_and_store_kv_ref(ref_q, k.clone(), v, positions, cache, ref_k_cache, ref_v_cache, slots)
+    rope_and_store_kv(q, k, v, positions, cache, k_cache, v_cache, slots)
+    assert rel_err(q, ref_q) < TOL
+    assert torch.equal(k, k_before)
+    assert rel_err(k_cache, ref_k_cache) < TOL and torch.equal(v_cache, ref_v_cache)
+    untouched = torch.ones(4 * 16, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert torch.equal(k_cache.view(64, hkv, head_dim)[untouched], ref_k_cache.view(64, hkv, head_dim)[untouched])
+
+
+# ----------------------------------------------------------------------------- activation
+
+
+def test_silu_and_mul():
+    gen = torch.Generator().manual_seed(15)
+    x = torch.randn(4, 2 * 1500, generator=gen) * 4  # I not a power of two, several column blocks
+    ref = silu_and_mul_ref(x)
+    dense = x[:, :1500] * torch.sigmoid(x[:, :1500]) * x[:, 1500:]
+    assert rel_err(ref, dense) < 1e-6
+    assert rel_err(silu_and_mul(x), ref) < TOL

@@ -1,0 +1,235 @@
+"""Triton kernels at real model shapes in bf16 vs float32 references (CUDA only: `pytest -m gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import (
+    apply_rotary,
+    apply_rotary_ref,
+    build_cos_sin_cache,
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+    rms_norm,
+    rms_norm_ref,
+    rope_and_store_kv,
+    rope_and_store_kv_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+    store_kv,
+    store_kv_ref,
+)
+
+TOL = 1e-2
+DEV = "cuda"
+BF16 = torch.bfloat16
+
+LLAMA_8B = dict(hq=32, hkv=8, head_dim=128)
+QWEN_05B = dict(hq=14, hkv=2, head_dim=64)
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def nan_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+def paged_setup(batch: int, max_ctx: int, hkv: int, head_dim: int, block_size: int = 16, seed: int = 0):
+    """bf16 caches with exactly the blocks the batch needs, handed out in a random order."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    max_blocks = -(-max_ctx // block_size)
+    num_blocks = batch * max_blocks + 1  # block 0: the dummy block of padded rows
+    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, device=DEV, dtype=BF16, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, hkv, head_dim, device=DEV, dtype=BF16, generator=gen)
+    perm = torch.randperm(num_blocks - 1, device=DEV, generator=gen) + 1
+    block_tables = perm.reshape(batch, max_blocks).to(torch.int32)
+    return k_cache, v_cache, block_tables, gen
+
+
+def decode_case(batch: int, max_ctx: int, hq: int, hkv: int, head_dim: int, seed: int = 0):
+    k_cache, v_cache, block_tables, gen = paged_setup(batch, max_ctx, hkv, head_dim, seed=seed)
+    context_lens = torch.randint(1, max_ctx + 1, (batch,), device=DEV, generator=gen, dtype=torch.int32)
+    context_lens[0] = max_ctx
+    q = torch.randn(batch, hq, head_dim, device=DEV, dtype=BF16, generator=gen)
+    return q, k_cache, v_cache, block_tables, context_lens
+
+
+def decode_ref(q, k_cache, v_cache, block_tables, context_lens):
+    scale = q.shape[-1] ** -0.5
+    return paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, context_lens, scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "batch,max_ctx,shape,num_splits",
+    [
+        (64, 4096, LLAMA_8B, None),
+        (64, 4096, LLAMA_8B, 4),
+        (1, 32768, LLAMA_8B, None),
+        (1, 32768, LLAMA_8B, 1),
+        (32, 2048, QWEN_05B, None),
+        (3, 8192, QWEN_05B, None),
+    ],
+)
+def test_decode_attention_real_shapes(batch, max_ctx, shape, num_splits):
+    q, k_cache, v_cache, bt, cl = decode_case(batch, max_ctx, **shape)
+    out = nan_like(q)
+    paged_decode_attention(q, k_cache, v_cache, bt, cl, q.shape[-1] ** -0.5, num_splits=num_splits, out=out)
+    assert rel_err(out, decode_ref(q, k_cache, v_cache, bt, cl)) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_decode_attention_block_sizes(block_size):
+    k_cache, v_cache, bt, gen = paged_setup(8, 1000, 8, 128, block_size=block_size)
+    cl = torch.tensor([1000, 1, 17, 999, 64, 65, 500, 2], dtype=torch.int32, device=DEV)
+    q = torch.randn(8, 32, 128, device=DEV, dtype=BF16, generator=gen)
+    out = paged_decode_attention(q, k_cache, v_cache, bt, cl, 128**-0.5)
+    assert rel_err(out, decode_ref(q, k_cache, v_cache, bt, cl)) < TOL
+
+
+@pytest.mark.gpu
+def test_decode_attention_cuda_graph_replay():
+    batch, max_ctx = 8, 4096
+    q, k_cache, v_cache, bt, cl = decode_case(batch, max_ctx, **LLAMA_8B, seed=1)
+    cl[4:] = 1  # padded rows of a bucket: context 1 at dummy block 0
+    bt[4:] = 0
+    scale = 128**-0.5
+    out = torch.empty_like(q)
+
+    def step():
+        paged_decode_attention(q, k_cache, v_cache, bt, cl, scale, out=out)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile + warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    for _ in range(3):
+        cl.copy_(torch.randint(1, max_ctx + 1, (batch,), device=DEV, dtype=torch.int32, generator=gen))
+        q.copy_(torch.randn(q.shape, device=DEV, dtype=BF16, generator=gen))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, decode_ref(q, k_cache, v_cache, bt, cl)) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [LLAMA_8B, QWEN_05B])
+def test_prefill_attention_mixed_lengths_and_prefixes(shape):
+    # (new tokens, cached prefix): fresh prompts, prefix-cache hits, chunked-prefill chunks, one token
+    q_lens = [1, 100, 517, 1024, 64, 300]
+    prefixes = [0, 50, 0, 1024, 2000, 7]
+    ctx_lens = [n + p for n, p in zip(q_lens, prefixes)]
+    k_cache, v_cache, bt, gen = paged_setup(len(q_lens), max(ctx_lens), shape["hkv"], shape["head_dim"])
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=DEV)
+    cu[1:] = torch.tensor(q_lens, device=DEV).cumsum(0)
+    cl = torch.tensor(ctx_lens, dtype=torch.int32, device=DEV)
+    q = torch.randn(sum(q_lens), shape["hq"], shape["head_dim"], device=DEV, dtype=BF16, generator=gen)
+    scale = shape["head_dim"] ** -0.5
+    out = nan_like(q)
+    paged_prefill_attention(q, k_cache, v_cache, bt, cu, cl, max(q_lens), scale, out=out)
+    ref = paged_prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), bt, cu, cl, max(q_lens), scale)
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.gpu
+def test_store_kv_real_shape():
+    k_cache, v_cache, _, gen = paged_setup(4, 1024, 8, 128)
+    tokens = 300
+    k = torch.randn(tokens, 8, 128, device=DEV, dtype=BF16, generator=gen)
+    v = torch.randn(tokens, 8, 128, device=DEV, dtype=BF16, generator=gen)
+    slots = torch.randperm(k_cache.shape[0] * 16, device=DEV, generator=gen)[:tokens]
+    slots[::7] = -1
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    store_kv_ref(k, v, ref_k, ref_v, slots)
+    store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+@pytest.mark.gpu
+def test_rms_norm_hidden_4096():
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    x = torch.randn(257, 4096, device=DEV, dtype=BF16, generator=gen)
+    res = torch.randn(257, 4096, device=DEV, dtype=BF16, generator=gen)
+    w = torch.rand(4096, device=DEV, dtype=BF16, generator=gen) + 0.5
+    assert rel_err(rms_norm(x, w, 1e-5), rms_norm_ref(x.float(), w.float(), 1e-5)) < TOL
+    normed, new_res = fused_add_rms_norm(x, res, w, 1e-5)
+    ref_normed, ref_res = fused_add_rms_norm_ref(x.float(), res.float(), w.float(), 1e-5)
+    assert rel_err(new_res, ref_res) < TOL and rel_err(normed, ref_normed) < TOL
+    # same rounding steps as the bf16 eager reference (HF LlamaRMSNorm): bit-exact up to rsqrt
+    assert rel_err(normed, fused_add_rms_norm_ref(x, res, w, 1e-5)[0]) < 1e-3
+
+
+@pytest.mark.gpu
+def test_rotary_llama_8b():
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    cache = build_cos_sin_cache(128, 131072, 500000.0, LLAMA3_SCALING, device=DEV)
+    tokens = 513
+    qkv = torch.randn(tokens, (32 + 16) * 128, device=DEV, dtype=BF16, generator=gen)
+    q = qkv[:, : 32 * 128].view(tokens, 32, 128)
+    k = qkv[:, 32 * 128 : 40 * 128].view(tokens, 8, 128)
+    positions = torch.randint(0, 131072, (tokens,), device=DEV, generator=gen)
+    ref_q, ref_k = apply_rotary_ref(q.float(), k.float(), positions, cache)
+    apply_rotary(q, k, positions, cache)
+    assert rel_err(q, ref_q) < TOL and rel_err(k, ref_k) < TOL
+
+
+@pytest.mark.gpu
+def test_silu_and_mul_intermediate_14336():
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    x = torch.randn(129, 2 * 14336, device=DEV, dtype=BF16, generator=gen) * 3
+    assert rel_err(silu_and_mul(x), silu_and_mul_ref(x.float())) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-2), (torch.float32, 1e-4)])
+def test_attention_fp16_fp32(dtype, tol):
+    # fp32 must not silently fall back to tf32 tensor-core math
+    k_cache, v_cache, bt, gen = paged_setup(4, 700, 8, 128)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    cl = torch.tensor([700, 1, 300, 513], dtype=torch.int32, device=DEV)
+    q = torch.randn(4, 32, 128, device=DEV, dtype=dtype, generator=gen)
+    for splits in (1, 5):
+        out = paged_decode_attention(q, k_cache, v_cache, bt, cl, 128**-0.5, num_splits=splits, out=nan_like(q))
+        assert rel_err(out, decode_ref(q, k_cache, v_cache, bt, cl)) < tol
+    q_lens = [100, 1, 300, 13]
+    cu = torch.zeros(5, dtype=torch.int32, device=DEV)
+    cu[1:] = torch.tensor(q_lens, device=DEV).cumsum(0)
+    qp = torch.randn(sum(q_lens), 32, 128, device=DEV, dtype=dtype, generator=gen)
+    out = paged_prefill_attention(qp, k_cache, v_cache, bt, cu, cl, 300, 128**-0.5, out=nan_like(qp))
+    ref = paged_prefill_attention_ref(qp.float(), k_cache.float(), v_cache.float(), bt, cu, cl, 300, 128**-0.5)
+    assert rel_err(out, ref) < tol
+
+
+@pytest.mark.gpu
+def test_rope_and_store_kv_llama_8b():
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    k_cache, v_cache, _, _ = paged_setup(4, 1024, 8, 128)
+    cache = build_cos_sin_cache(128, 131072, 500000.0, LLAMA3_SCALING, device=DEV)
+    tokens = 300
+    qkv = torch.randn(tokens, 48 * 128, device=DEV, dtype=BF16, generator=gen)
+    q, k, v = (qkv[:, a * 128 : b * 128].view(tokens, b - a, 128) for a, b in ((0, 32), (32, 40), (40, 48)))
+    positions = torch.randint(0, 131072, (tokens,), device=DEV, generator=gen)
+    slots = torch.randperm(k_cache.shape[0] * 16, device=DEV, generator=gen)[:tokens]
+    slots[::5] = -1
+    ref_q, ref_k_cache, ref_v_cache = q.clone(), k_cache.clone(), v_cache.clone()
+    rope_and_store_kv_ref(ref_q, k, v, positions, cache, ref_k_cache, ref_v_cache, slots)
+    rope_and_store_kv(q, k, v, positions, cache, k_cache, v_cache, slots)
+    # the reference rounds after each bf16 op, the kernel once: they differ by at most one bf16 ulp
+    assert rel_err(q, ref_q) < TOL and rel_err(k_cache, ref_k_cache) < TOL
+    assert torch.equal(v_cache, ref_v_cache)
