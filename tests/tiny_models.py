@@ -51,10 +51,15 @@ def make_tiny_model(path: Path, variant: str = "llama", seed: int = 0, dtype: to
             p.normal_(0, 0.15)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
+    write_byte_tokenizer(path)
+    return path
+
+
+def write_byte_tokenizer(path: Path) -> None:
+    """tokenizer.json + tokenizer_config.json (with a tiny chat template) for a model folder."""
     _byte_tokenizer().save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
         "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<assistant>{% endif %}",
     }))
-    return path
