@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
@@ -50,16 +51,18 @@ def plan_steps(seqs: list[Sequence], num_steps: int, tables: torch.Tensor,
     """Positions, slots and context lengths of every step of a round, [K, B] each, on the host.
 
     The KV blocks of all K steps were reserved by the scheduler; a row that reaches its end
-    (max_tokens) before step K keeps running, writing only into the dummy block."""
-    n = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64)
-    remaining = torch.tensor([s.params.max_tokens - s.num_output_tokens for s in seqs], dtype=torch.int64)
-    last = n - 2 + remaining.clamp(max=num_steps)  # last position a row writes for real
-    wanted = n[None, :] - 1 + torch.arange(num_steps)[:, None]
-    positions = torch.minimum(wanted, last[None, :])
-    blocks = tables.long().gather(1, (positions // block_size).T).T
-    slots = torch.where(wanted <= last[None, :], blocks * block_size + positions % block_size,
-                        DUMMY_BLOCK * block_size)
-    return positions, slots, (positions + 1).to(torch.int32)
+    (max_tokens) before step K keeps running, writing only into the dummy block. (numpy: a
+    handful of tiny torch CPU ops would cost more than the arithmetic.)"""
+    n = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+    remaining = np.fromiter((s.params.max_tokens - s.num_output_tokens for s in seqs), dtype=np.int64,
+                            count=len(seqs))
+    last = n - 2 + np.minimum(remaining, num_steps)  # last position a row writes for real
+    wanted = n[None, :] - 1 + np.arange(num_steps, dtype=np.int64)[:, None]
+    positions = np.minimum(wanted, last[None, :])
+    blocks = np.take_along_axis(tables.numpy().astype(np.int64), (positions // block_size).T, axis=1).T
+    slots = np.where(wanted <= last[None, :], blocks * block_size + positions % block_size, DUMMY_BLOCK * block_size)
+    return (torch.from_numpy(positions), torch.from_numpy(slots),
+            torch.from_numpy((positions + 1).astype(np.int32)))
 
 
 class ModelRunner:
