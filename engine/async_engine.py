@@ -11,7 +11,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.request import RequestOutput, SamplingParams, Sequence
 
@@ -75,27 +75,33 @@ class AsyncEngine:
 
     # ---- requests ------------------------------------------------------------------------
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Validate (raises InvalidRequestError before taking any KV), enqueue, and yield one
-        RequestOutput per engine round; closing the iterator early aborts the request."""
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str) -> AsyncIterator[RequestOutput]:
+        """Validate and enqueue now (raises InvalidRequestError / PromptTooLongError before the
+        request takes any KV); returns the stream of its outputs, one per engine round.
+        Closing the stream before the last output aborts the request."""
         if self.dead:
             raise EngineDeadError("the engine has stopped after an error")
         if request_id in self._queues:
-            from engine.errors import InvalidRequestError
-
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         seq: Sequence = self.engine.make_sequence(request_id, prompt, params)
         outputs: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = outputs
         self._inbox.put(("add", seq))
         self._wakeup.set()
+        return self._stream(request_id, outputs)
+
+    async def _stream(self, request_id: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
+                    finished = True
                     raise item
+                if item.finish_reason == "error":
+                    finished = True
+                    raise RequestFailedError(f"the engine step serving request {request_id} failed")
                 finished = item.finished
                 yield item
                 if finished:
@@ -104,6 +110,17 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """add_request + iterate: validation errors surface at the first __anext__."""
+        async for out in self.add_request(prompt, params, request_id):
+            yield out
+
+    def inject_fault(self, kind: str) -> None:
+        """Tests only: see LLMEngine.inject_fault."""
+        self.engine.inject_fault(kind)
+        self._wakeup.set()
 
     def abort(self, request_id: str) -> None:
         """Thread-safe and idempotent; the engine frees the request's blocks before its next step."""
@@ -119,7 +136,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                if item.request_id in self._queues:  # not aborted while queued
+                if item.request_id in self._queues:  # not closed while queued
                     self.engine.add_sequence(item)
             else:
                 self.engine.abort(item)

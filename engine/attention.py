@@ -79,17 +79,12 @@ class TorchAttention:
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
-        keys = k_cache[meta.block_tables.long()].flatten(1, 2)  # [B, L, Hkv, D]
-        values = v_cache[meta.block_tables.long()].flatten(1, 2)
-        group = num_heads // num_kv_heads
-        qg = q.view(batch, num_kv_heads, group, head_dim)
-        scores = torch.einsum("bhgd,blhd->bhgl", qg, keys).float() * scale
-        valid = torch.arange(keys.shape[1], device=q.device)[None, :] < meta.context_lens[:, None]
-        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(q.dtype)
-        out = torch.einsum("bhgl,blhd->bhgd", probs, values)
-        return out.reshape(batch, num_heads, head_dim)
+        keys = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
+        valid = torch.arange(keys.shape[2], device=q.device)[None, :] < meta.context_lens[:, None]
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=valid[:, None, None, :],
+                                             scale=scale, enable_gqa=True)
+        return out.view(batch, num_heads, head_dim)
 
 
 class TritonAttention:

@@ -30,3 +30,7 @@ class ModelFilesError(GraphserveError, FileNotFoundError):
 
 class EngineDeadError(GraphserveError, RuntimeError):
     """The engine loop stopped after an unrecoverable error; requests cannot be served."""
+
+
+class RequestFailedError(GraphserveError, RuntimeError):
+    """An engine step failed while this request was in it; other requests and the engine go on."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -92,6 +93,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids)
         self.sequences: dict[str, Sequence] = {}
         self.stats_counters = EngineStats(kv_blocks_total=self.block_manager.num_usable_blocks)
+        self._injected_fault: str | None = None
         logger.info("loaded %s (%s, %d layers) on %s in %s: %.1fs; KV pool %d blocks x %d tokens, max_model_len %d",
                     self.model_path, args.architecture, args.num_layers, self.device, str(self.dtype).split(".")[-1],
                     time.perf_counter() - started, num_blocks, config.block_size, self.max_model_len)
@@ -138,6 +140,7 @@ class LLMEngine:
                 raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary (0..{self.args.vocab_size - 1})",
                                           param="prompt")
         n = len(token_ids)
+        params = dataclasses.replace(params)  # filled in below; the caller's object stays as it was
         if params.max_tokens is None:
             if n >= self.max_model_len:
                 raise PromptTooLongError(f"This model's maximum context length is {self.max_model_len} tokens, "
@@ -176,18 +179,39 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------
 
+    def inject_fault(self, kind: str) -> None:
+        """Tests only: make the next step fail. "step": the model run raises (only the requests
+        in that step fail); "fatal": the engine's own bookkeeping raises (the engine dies)."""
+        if kind not in ("step", "fatal"):
+            raise ValueError(f"unknown fault kind {kind!r}")
+        self._injected_fault = kind
+
     def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch. An exception from the model run fails only the requests
+        of this batch (finish_reason "error", blocks freed); anything else propagates."""
+        if self._injected_fault == "fatal":
+            self._injected_fault = None
+            raise RuntimeError("injected fatal engine fault")
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        try:
+            if self._injected_fault == "step":
+                self._injected_fault = None
+                raise RuntimeError("injected step fault")
+            if isinstance(batch, PrefillBatch):
+                new_tokens = self.runner.prefill(batch)
+            else:
+                new_tokens = self.decode(batch)
+        except Exception:
+            logger.exception("engine step failed; failing the %d requests in it", len(batch.seqs))
+            return [self._fail(seq) for seq in batch.seqs]
         stats = self.stats_counters
         if isinstance(batch, PrefillBatch):
-            new_tokens = self.runner.prefill(batch)
             stats.prefill_steps += 1
             stats.prompt_tokens += sum(batch.chunk_lens)
             touched = [s for s in batch.seqs if not s.in_prefill]
         else:
-            new_tokens = self.decode(batch)
             stats.decode_rounds += 1
             touched = batch.seqs
         outputs = []
@@ -204,6 +228,12 @@ class LLMEngine:
                 self.sequences.pop(seq.request_id, None)
             outputs.append(self.outputs.make_output(seq))
         return outputs
+
+    def _fail(self, seq: Sequence) -> RequestOutput:
+        self.scheduler.finish(seq)
+        self.sequences.pop(seq.request_id, None)
+        seq.finish_reason = "error"
+        return self.outputs.make_output(seq)
 
     def decode(self, rnd: DecodeRound):
         """A decode round through the CUDA graphs when they can take it, else eagerly (counted by reason)."""

@@ -93,7 +93,7 @@ class RequestOutput:
     delta_text: str
     delta_token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] | None = None
     delta_logprobs: list[TokenLogprob] | None = None

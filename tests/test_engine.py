@@ -219,3 +219,49 @@ def test_bad_input_errors(model_dir, llm, tmp_path):
     with pytest.raises(ModelFilesError, match="safetensors"):
         LLM(str(tmp_path / "noweights"), device="cpu")
     assert llm.engine.scheduler.running == [] and not llm.engine.scheduler.waiting
+
+
+def test_failed_step_fails_only_its_requests(llm, hf_greedy):
+    engine = llm.engine
+    first = engine.add_request("f1", PROMPTS[0], GREEDY)
+    engine.inject_fault("step")
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("f1", "error")]
+    assert first.is_finished and not engine.has_unfinished()
+    # the engine goes on: the next requests are served as usual
+    assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == hf_greedy[:2]
+
+
+def test_params_object_is_not_changed_by_the_engine(llm):
+    params = SamplingParams(max_tokens=None, temperature=0)
+    short = llm.engine.make_sequence("s", [5] * 10, params)
+    long = llm.engine.make_sequence("l", [5] * 100, params)
+    assert params.max_tokens is None
+    assert (short.params.max_tokens, long.params.max_tokens) == (502, 412)
+
+
+def test_async_engine_validates_before_streaming_and_dies_cleanly(model_dir):
+    import asyncio
+
+    from engine import AsyncEngine, EngineConfig
+    from engine.errors import EngineDeadError, RequestFailedError
+
+    async def scenario():
+        engine = AsyncEngine(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=64))
+        await engine.start()
+        with pytest.raises(PromptTooLongError):
+            engine.add_request([5] * 600, SamplingParams(max_tokens=4), "too-long")
+        stream = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0), "ok")
+        outs = [o async for o in stream]
+        assert outs[-1].finished and len(outs[-1].token_ids) == 4
+        engine.inject_fault("step")
+        with pytest.raises(RequestFailedError):
+            [o async for o in engine.add_request(PROMPTS[1], SamplingParams(max_tokens=4), "failed")]
+        assert engine.ready
+        engine.inject_fault("fatal")
+        with pytest.raises(EngineDeadError):
+            [o async for o in engine.add_request(PROMPTS[1], SamplingParams(max_tokens=4), "dead")]
+        assert engine.dead and not engine.ready
+        await engine.shutdown()
+
+    asyncio.run(scenario())

@@ -37,7 +37,8 @@ def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX-style (rotate_half) rotary embedding; q [T, Hq, D], k [T, Hkv, D]. CPU path:
-    on CUDA the Triton attention backend fuses rotary with the KV store."""
+    on CUDA the Triton attention backend fuses rotary with the KV store. When q and k are
+    neighbouring head slices of one fused qkv tensor (as in our decoder) both rotate in one pass."""
     half = q.shape[-1] // 2
     cs = cos_sin[positions]
     cos = cs[:, None, :half].to(q.dtype)
@@ -47,6 +48,11 @@ def apply_rotary(
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
+    num_q = q.shape[1]
+    if k.data_ptr() == q.data_ptr() + num_q * q.stride(1) * q.element_size() and q.stride() == k.stride():
+        qk = q.as_strided((q.shape[0], num_q + k.shape[1], q.shape[2]), q.stride())
+        rotated = rotate(qk)
+        return rotated[:, :num_q], rotated[:, num_q:]
     return rotate(q), rotate(k)
 
 

@@ -42,10 +42,8 @@ class Attention(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.backend.forward(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale)
