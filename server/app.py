@@ -1,0 +1,107 @@
+"""create_app(engine): the FastAPI application around one AsyncEngine.
+
+The engine loads in a background task of the app's lifespan, so uvicorn accepts
+connections at once and /health answers 503 until the model is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from server import routes_chat, routes_completions, routes_health, routes_models, routes_tokenize
+from server.errors import install_error_handlers
+from server.generation import ClientDisconnected
+from server.metrics import ServerMetrics
+from server.state import ServerState
+
+logger = logging.getLogger("graphserve.server")
+
+
+ENGINE_WATCH_INTERVAL_S = 0.5
+
+
+def create_app(
+    engine: Any,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    log_requests: bool = False,
+    on_ready: Callable[[ServerState], None] | None = None,
+    on_engine_failure: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """Build the app. `engine` is an engine.AsyncEngine, not yet started: the lifespan
+    starts it and shuts it down. `on_ready` lets the CLI print the URL;
+    `on_engine_failure` is called once if the engine fails to start or dies later
+    (the CLI then stops the process with a non-zero status, so a supervisor restarts it)."""
+    state = ServerState(
+        engine=engine,
+        metrics=ServerMetrics(engine),
+        served_model_name=served_model_name,
+        api_key=api_key or None,
+        log_requests=log_requests,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        supervisor = asyncio.create_task(_run_engine(state, on_ready, on_engine_failure))
+        try:
+            yield
+        finally:
+            state.draining = True
+            supervisor.cancel()
+            await asyncio.gather(supervisor, return_exceptions=True)
+            try:
+                await engine.shutdown()
+            except Exception:
+                logger.exception("engine shutdown failed")
+
+    app = FastAPI(title="graphserve", version="0.1.0", lifespan=lifespan)
+    app.state.graphserve = state
+    install_error_handlers(app)
+    app.add_exception_handler(ClientDisconnected, _client_disconnected)  # type: ignore[arg-type]
+    for module in (routes_completions, routes_chat, routes_models, routes_tokenize, routes_health):
+        app.include_router(module.router)
+    return app
+
+
+async def _run_engine(
+    state: ServerState,
+    on_ready: Callable[[ServerState], None] | None,
+    on_engine_failure: Callable[[BaseException], None] | None,
+) -> None:
+    """Start the engine, then watch it: a dead engine loop must not go unnoticed."""
+    try:
+        await state.engine.start()
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:
+        state.startup_error = exc
+        logger.exception("the engine failed to start")
+        if on_engine_failure is not None:
+            on_engine_failure(exc)
+        return
+    logger.info(
+        "engine ready: model %s (%s), max_model_len %d",
+        state.model_name,
+        state.engine.model_path,
+        state.engine.max_model_len,
+    )
+    if on_ready is not None:
+        on_ready(state)
+    while not state.engine.dead:
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+    error = getattr(state.engine, "error", None) or RuntimeError("the engine loop stopped")
+    logger.error("the engine died: %r; /health now answers 503", error)
+    if on_engine_failure is not None:
+        on_engine_failure(error)
+
+
+async def _client_disconnected(request: Request, exc: ClientDisconnected) -> Response:
+    return Response(status_code=499)  # nobody reads it; the engine requests are already aborted

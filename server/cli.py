@@ -1,0 +1,280 @@
+"""The `graphserve` command: serve | generate | prepare-model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from engine.config import EngineConfig
+from server.settings import (
+    API_KEY_ENV,
+    ServerSettings,
+    SettingsError,
+    default_config_path,
+    merge_settings,
+    parse_size,
+    read_config_file,
+    resolve_config_path,
+)
+from server.state import ServerState
+
+logger = logging.getLogger("graphserve.server")
+
+ENGINE_FLAG_HELP = {
+    "model": "local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)",
+    "device": "auto | cpu | cuda (auto: cuda when a GPU is present)",
+    "dtype": "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, the checkpoint's on CUDA)",
+    "max_model_len": "context length (prompt + output); default: the model's, capped by the KV pool",
+    "max_num_seqs": "most sequences in the running batch",
+    "max_num_batched_tokens": "prefill token budget per engine step",
+    "block_size": "KV-cache block size in tokens (a power of two)",
+    "decode_chunk": "K: decode steps per round between host syncs (EOS is checked once per round)",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use (weights, KV, graphs)",
+    "kv_cache_bytes": "KV pool size on CPU, e.g. 536870912 or 512MiB",
+    "num_kv_blocks": "force the number of KV blocks (overrides the memory budget)",
+    "enforce_eager": "never capture or replay CUDA graphs",
+    "cuda_graph_max_batch": "largest batch bucket captured as a CUDA graph",
+    "num_threads": "torch CPU threads (serve: all cores but one, left to HTTP; generate: all cores)",
+    "seed": "engine seed for unseeded sampling",
+}
+
+
+def _field_type(annotation: Any) -> type:
+    """EngineConfig is written with `from __future__ import annotations`: types are strings."""
+    first = str(annotation).split("|")[0].strip()
+    return {"bool": bool, "int": int, "float": float}.get(first, str)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per EngineConfig field, default None so the config file's value survives."""
+    group = parser.add_argument_group("engine")
+    for field in fields(EngineConfig):
+        if field.name in skip:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        default = field.default if field.default is not MISSING else None
+        help_text = ENGINE_FLAG_HELP.get(field.name, field.name.replace("_", " "))
+        kind = _field_type(field.type)
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif field.name == "kv_cache_bytes":
+            group.add_argument(flag, type=parse_size, default=None, help=f"{help_text} (built-in default {default})")
+        else:
+            group.add_argument(flag, type=kind, default=None, help=f"{help_text} (built-in default {default})")
+
+
+def add_config_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="TOML settings file (a path, or a name in configs/ such as gpu-h200); "
+        "default: configs/default.toml when present. Flags override it.",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="graphserve", description="OpenAI-compatible LLM inference server")
+    commands = parser.add_subparsers(dest="command", metavar="{serve,generate,prepare-model}")
+
+    serve = commands.add_parser("serve", help="run the HTTP server")
+    add_config_flag(serve)
+    group = serve.add_argument_group("server")
+    group.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    group.add_argument("--port", type=int, default=None, help="port to bind (default 8000)")
+    group.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
+    group.add_argument("--served-model-name", default=None, help="model name clients use (default: the folder name)")
+    group.add_argument(
+        "--log-requests", action=argparse.BooleanOptionalAction, default=None, help="log every request and its end"
+    )
+    group.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=None,
+        help="seconds running requests get to finish after SIGTERM (default 30)",
+    )
+    add_engine_flags(serve)
+
+    generate = commands.add_parser("generate", help="generate text offline (no server)")
+    generate.add_argument("prompt", nargs="+", help="one or more prompts")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=-1)
+    generate.add_argument("--seed", type=int, default=None, help="sampling seed")
+    generate.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    generate.add_argument("--ignore-eos", action="store_true")
+    generate.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    add_config_flag(generate)
+    add_engine_flags(generate, skip=("seed",))
+
+    commands.add_parser("prepare-model", help="convert the embedded default model into the cache; print its folder")
+    return parser
+
+
+def load_settings(args: argparse.Namespace) -> tuple[ServerSettings, EngineConfig, Path | None]:
+    config_path = resolve_config_path(args.config) if args.config else default_config_path()
+    file_values = read_config_file(config_path) if config_path else {}
+    flag_values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    known = {f.name for f in fields(EngineConfig)} | {f.name for f in fields(ServerSettings)}
+    server, engine = merge_settings(file_values, {k: v for k, v in flag_values.items() if k in known})
+    return server, engine, config_path
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, plus: the moment shutdown begins (SIGTERM/SIGINT), /health and new
+    requests answer 503 while running requests get --shutdown-timeout seconds to end."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.graphserve_state = state
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.graphserve_state.draining = True
+        await super().shutdown(sockets)
+
+
+def serving_cpu_threads() -> int:
+    """torch threads for a CPU engine behind HTTP: all cores but one. The event loop and
+    the clients need a core; on a 2-core machine two torch threads that share it with
+    them were ~25% slower than one (serve_bench, 8 and 16 streams)."""
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from engine import AsyncEngine
+    from server.app import create_app
+
+    server_settings, engine_config, config_path = load_settings(args)
+    _setup_logging(server_settings.log_level)
+    if engine_config.num_threads is None:
+        engine_config.num_threads = serving_cpu_threads()
+    logger.info("config file: %s", config_path or "none (built-in defaults)")
+    logger.info("engine config: %s", engine_config)
+    shown = {**vars(server_settings), "api_key": "***" if server_settings.api_key else None}
+    logger.info("server settings: %s", shown)
+
+    url = f"http://{server_settings.host}:{server_settings.port}"
+    http_server: DrainingServer | None = None
+    failures: list[BaseException] = []
+
+    def on_ready(state: ServerState) -> None:
+        print(f"graphserve ready: {url}/v1 (model {state.model_name})", flush=True)
+
+    def on_engine_failure(exc: BaseException) -> None:
+        failures.append(exc)
+        if http_server is not None:
+            http_server.should_exit = True
+
+    app = create_app(
+        AsyncEngine(engine_config),
+        served_model_name=server_settings.served_model_name,
+        api_key=server_settings.api_key,
+        log_requests=server_settings.log_requests,
+        on_ready=on_ready,
+        on_engine_failure=on_engine_failure,
+    )
+    config = uvicorn.Config(
+        app,
+        host=server_settings.host,
+        port=server_settings.port,
+        log_level=server_settings.log_level,
+        access_log=server_settings.log_requests,
+        timeout_graceful_shutdown=server_settings.shutdown_timeout,
+    )
+    http_server = DrainingServer(config, app.state.graphserve)
+    logger.info("loading the model; %s/health answers 503 until it is ready", url)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the
+    # previous handler; make that a clean exit rather than a traceback or a kill.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    try:
+        http_server.run()
+    except KeyboardInterrupt:
+        pass
+    if failures:
+        print(f"graphserve: the engine failed: {failures[0]!r}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _exit_cleanly(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    _, engine_config, _ = load_settings(args)
+    _setup_logging("warning")
+    config = {k: v for k, v in vars(engine_config).items() if k not in ("model", "device")}
+    llm = LLM(model=engine_config.model, device=engine_config.device, **config)
+    prompts: list[str] | list[list[int]] = list(args.prompt)
+    if args.chat:  # the template already holds any BOS, so tokenize without special tokens
+        tokenizer = llm.tokenizer
+        prompts = [
+            tokenizer.encode(
+                tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+                add_special_tokens=False,
+            )
+            for p in args.prompt
+        ]
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or [],
+        ignore_eos=args.ignore_eos,
+    )
+    outputs = llm.generate(prompts, params)
+    for i, output in enumerate(outputs):
+        if len(outputs) > 1:
+            print(f"--- {i} ({output.finish_reason}, {len(output.token_ids)} tokens)")
+        print(output.text)
+    return 0
+
+
+def cmd_prepare_model(args: argparse.Namespace) -> int:
+    from engine.models.default_model import ensure_default_model
+
+    _setup_logging("info")
+    print(ensure_default_model())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {"serve": cmd_serve, "generate": cmd_generate, "prepare-model": cmd_prepare_model}
+    if args.command not in handlers:
+        parser.print_help()
+        return 2
+    try:
+        return handlers[args.command](args)
+    except SettingsError as exc:
+        print(f"graphserve: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

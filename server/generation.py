@@ -1,0 +1,273 @@
+"""Run the engine requests behind one HTTP request (n choices x prompts) and merge
+their output streams; abort all of them when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+
+from engine.request import RequestOutput, SamplingParams, TokenLogprob
+from server.errors import APIError, from_engine_error
+from server.metrics import ServerMetrics
+from server.protocol import UsageInfo
+
+logger = logging.getLogger("graphserve.server")
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client closed its connection before the response was complete."""
+
+
+@dataclass
+class ChoiceJob:
+    """One engine request: choice `index` of the response."""
+
+    index: int
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+@dataclass
+class ChoiceProgress:
+    """What the server tracks per choice for metrics and the final response."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last: RequestOutput | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    done: bool = False
+
+
+@dataclass
+class _Pump:
+    generator: AsyncIterator[RequestOutput]
+    task: asyncio.Future[RequestOutput] | None = None
+    closed: bool = field(default=False)
+
+
+class GenerationGroup:
+    """The engine requests of one HTTP request. Whoever starts it must `close()` it, which
+    aborts whatever is still running."""
+
+    def __init__(
+        self,
+        engine: Any,
+        request_id: str,
+        jobs: list[ChoiceJob],
+        metrics: ServerMetrics,
+        log_requests: bool = False,
+    ):
+        self.engine = engine
+        self.request_id = request_id
+        self.jobs = jobs
+        self.metrics = metrics
+        self.log_requests = log_requests
+        self.progress: dict[int, ChoiceProgress] = {}
+        self._pumps: dict[int, _Pump] = {}
+        self._primed: dict[int, RequestOutput] = {}
+
+    def engine_request_id(self, index: int) -> str:
+        return f"{self.request_id}-{index}"
+
+    async def start(self) -> None:
+        """Submit every job and wait for each one's first output.
+
+        The engine validates a prompt (length, empty) on the first step of its
+        generator, so waiting here lets a bad request become a 400 before any
+        response header is sent.
+        """
+        now = time.monotonic()
+        for job in self.jobs:
+            self.progress[job.index] = ChoiceProgress(arrival_time=now)
+            generator = self.engine.generate(job.prompt, job.params, self.engine_request_id(job.index))
+            pump = _Pump(generator)
+            pump.task = asyncio.ensure_future(anext(generator))
+            self._pumps[job.index] = pump
+        if self.log_requests:
+            job = self.jobs[0]
+            logger.info("request %s: %d choice(s), params %s", self.request_id, len(self.jobs), job.params)
+        try:
+            await asyncio.wait([p.task for p in self._pumps.values()], return_when=asyncio.FIRST_EXCEPTION)  # type: ignore[misc]
+            for pump in self._pumps.values():
+                if pump.task is not None and pump.task.done():
+                    exc = pump.task.exception()
+                    if exc is not None:
+                        raise _as_api_error(exc)
+        except BaseException as exc:
+            # a rejected request is counted as an error; a client that left while its
+            # request was queued or prefilling counts as an aborted request
+            await self.close(record=not isinstance(exc, APIError))
+            raise
+        for index, pump in self._pumps.items():
+            assert pump.task is not None
+            self._primed[index] = await pump.task
+            pump.task = None
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (choice index, output) as the engine produces them, until all finish."""
+        for index in sorted(self._primed):
+            output = self._primed.pop(index)
+            self._record(index, output)
+            if not output.finished:
+                self._pumps[index].task = asyncio.ensure_future(anext(self._pumps[index].generator))
+            yield index, output
+        while True:
+            waiting = {pump.task: index for index, pump in self._pumps.items() if pump.task is not None}
+            if not waiting:
+                return
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: waiting[t]):
+                index = waiting[task]
+                pump = self._pumps[index]
+                pump.task = None
+                try:
+                    output = task.result()
+                except StopAsyncIteration:
+                    raise APIError(500, "engine stream ended without a final output", code="internal_error") from None
+                except Exception as exc:
+                    raise _as_api_error(exc) from exc
+                self._record(index, output)
+                if not output.finished:
+                    pump.task = asyncio.ensure_future(anext(pump.generator))
+                yield index, output
+
+    async def collect(self) -> dict[int, ChoiceProgress]:
+        """Run every choice to the end (non-streaming responses)."""
+        async for _ in self.outputs():
+            pass
+        return self.progress
+
+    def _record(self, index: int, output: RequestOutput) -> None:
+        progress = self.progress[index]
+        progress.last = output
+        if progress.prompt_logprobs is None and output.prompt_logprobs is not None:
+            progress.prompt_logprobs = output.prompt_logprobs
+        if progress.first_token_time is None and output.token_ids:
+            progress.first_token_time = time.monotonic()
+        if output.finished and not progress.done:
+            progress.done = True
+            self._observe(index, output.finish_reason)
+
+    def _observe(self, index: int, finish_reason: str | None) -> None:
+        progress = self.progress[index]
+        last = progress.last
+        num_prompt = len(last.prompt_token_ids) if last is not None else 0
+        num_generated = len(last.token_ids) if last is not None else 0
+        self.metrics.observe_finished(
+            finish_reason=finish_reason,
+            num_prompt_tokens=num_prompt,
+            num_generated_tokens=num_generated,
+            arrival_time=progress.arrival_time,
+            first_token_time=progress.first_token_time,
+            finish_time=time.monotonic(),
+        )
+        if self.log_requests:
+            logger.info(
+                "request %s: %s, %d prompt + %d generated tokens",
+                self.engine_request_id(index),
+                finish_reason,
+                num_prompt,
+                num_generated,
+            )
+
+    async def close(self, record: bool = True) -> None:
+        """Abort every unfinished engine request and close its generator.
+
+        The synchronous part (abort, metrics) runs first and the awaits are shielded:
+        Starlette cancels a stream's task with an anyio cancel scope, which would
+        cancel every await of this cleanup again.
+        """
+        for index in self._pumps:
+            progress = self.progress[index]
+            if not progress.done:
+                self.engine.abort(self.engine_request_id(index))
+                if record:
+                    progress.done = True
+                    self._observe(index, "abort")
+        pending = [pump.task for pump in self._pumps.values() if pump.task is not None and not pump.task.done()]
+        for task in pending:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+            for index, pump in self._pumps.items():
+                if pump.task is not None and pump.task.done() and not pump.task.cancelled():
+                    pump.task.exception()  # mark retrieved: the error was already reported or is moot
+                pump.task = None
+                if not pump.closed:
+                    pump.closed = True
+                    try:
+                        await pump.generator.aclose()  # type: ignore[attr-defined]
+                    except Exception:
+                        logger.debug("closing engine stream %s failed", self.engine_request_id(index), exc_info=True)
+
+
+def _as_api_error(exc: BaseException) -> BaseException:
+    if isinstance(exc, APIError) or not isinstance(exc, Exception):
+        return exc
+    if isinstance(exc, StopAsyncIteration):
+        return APIError(500, "engine stream ended without output", code="internal_error")
+    error = from_engine_error(exc)
+    if error.status_code >= 500 and error.code == "internal_error":
+        logger.error("engine request failed", exc_info=exc)
+    return error
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return once the client has closed the connection (the body was already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, but cancel it (closing its engine streams) if the client leaves first."""
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work_task in done:
+            return work_task.result()
+        work_task.cancel()
+        await asyncio.gather(work_task, return_exceptions=True)
+        raise ClientDisconnected()
+    finally:
+        watcher.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            await asyncio.gather(work_task, return_exceptions=True)
+
+
+async def start_generation(request: Request, state: Any, request_id: str, jobs: list[ChoiceJob]) -> GenerationGroup:
+    """Submit the jobs and wait for their first outputs (a rejected prompt raises APIError)."""
+    group = GenerationGroup(state.engine, request_id, jobs, state.metrics, state.log_requests)
+    await cancel_on_disconnect(request, group.start())
+    return group
+
+
+async def run_to_completion(request: Request, group: GenerationGroup) -> dict[int, ChoiceProgress]:
+    """Non-streaming: collect every choice, aborting all of them if the client leaves."""
+    try:
+        return await cancel_on_disconnect(request, group.collect())
+    finally:
+        await group.close()
+
+
+def usage_of(progress: dict[int, ChoiceProgress], n: int) -> UsageInfo:
+    """Prompt tokens count once per prompt (choices p*n .. p*n+n-1 share it)."""
+    prompt_tokens = sum(len(p.last.prompt_token_ids) for i, p in progress.items() if i % n == 0 and p.last is not None)
+    completion_tokens = sum(len(p.last.token_ids) for p in progress.values() if p.last is not None)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )

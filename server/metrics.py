@@ -1,0 +1,146 @@
+"""Prometheus metrics: request/token counters and latency histograms recorded by the
+server, plus engine gauges read from `engine.stats()` at scrape time.
+
+Each app owns its CollectorRegistry, so several apps can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger("graphserve.server")
+
+PREFIX = "graphserve"
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """Counters and histograms the HTTP layer updates as requests finish."""
+
+    def __init__(self, engine: Any):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "Finished generation requests (one per choice), by finish reason.",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.http_errors = Counter(
+            f"{PREFIX}_request_errors",
+            "Requests answered with an error, by HTTP status.",
+            ["status"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests.", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            f"{PREFIX}_generation_tokens", "Generated tokens of finished requests.", registry=self.registry
+        )
+        self.time_to_first_token = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Time from request arrival to its first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_per_output_token = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds",
+            "Mean time between generated tokens after the first, per request.",
+            buckets=_TOKEN_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_latency = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(EngineStatsCollector(engine))
+
+    def observe_finished(
+        self,
+        *,
+        finish_reason: str | None,
+        num_prompt_tokens: int,
+        num_generated_tokens: int,
+        arrival_time: float,
+        first_token_time: float | None,
+        finish_time: float,
+    ) -> None:
+        self.requests.labels(finish_reason=finish_reason or "abort").inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_generated_tokens)
+        self.e2e_latency.observe(finish_time - arrival_time)
+        if first_token_time is not None:
+            self.time_to_first_token.observe(first_token_time - arrival_time)
+            if num_generated_tokens > 1:
+                self.time_per_output_token.observe((finish_time - first_token_time) / (num_generated_tokens - 1))
+
+    def observe_error(self, status_code: int) -> None:
+        self.http_errors.labels(status=str(status_code)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineStatsCollector(Collector):
+    """Reads the engine's counters when Prometheus scrapes, so nothing runs per token."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def describe(self) -> list[Metric]:
+        return []  # metric names depend on the stats; skip the registry's name-collision check
+
+    def collect(self) -> Iterator[Metric]:
+        if not getattr(self.engine, "ready", False):
+            return
+        try:
+            stats = self.engine.stats()
+        except Exception:  # a scrape must never fail because the engine is busy or gone
+            logger.debug("engine.stats() failed during a scrape", exc_info=True)
+            return
+        yield GaugeMetricFamily(f"{PREFIX}_num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield GaugeMetricFamily(
+            f"{PREFIX}_num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting
+        )
+        yield GaugeMetricFamily(f"{PREFIX}_kv_blocks_total", "KV-cache blocks in the pool.", stats.kv_blocks_total)
+        yield GaugeMetricFamily(f"{PREFIX}_kv_blocks_free", "Free KV-cache blocks.", stats.kv_blocks_free)
+        yield GaugeMetricFamily(
+            f"{PREFIX}_kv_blocks_used",
+            "KV-cache blocks owned by requests.",
+            stats.kv_blocks_total - stats.kv_blocks_free,
+        )
+        usage = (stats.kv_blocks_total - stats.kv_blocks_free) / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+        yield GaugeMetricFamily(f"{PREFIX}_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use.", usage)
+        yield CounterMetricFamily(
+            f"{PREFIX}_num_preemptions", "Sequences preempted for lack of KV blocks.", stats.num_preemptions
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_decode_rounds", "Decode rounds run (each up to K steps).", stats.decode_rounds
+        )
+        prefill_steps = getattr(stats, "prefill_steps", None)
+        if prefill_steps is not None:
+            yield CounterMetricFamily(f"{PREFIX}_prefill_steps", "Prefill batches run.", prefill_steps)
+        replays = CounterMetricFamily(
+            f"{PREFIX}_cuda_graph_replays",
+            "Decode steps replayed from a CUDA graph, by batch bucket.",
+            labels=["bucket"],
+        )
+        for bucket, count in sorted(stats.graph_replays.items()):
+            replays.add_metric([str(bucket)], count)
+        yield replays
+        eager = CounterMetricFamily(
+            f"{PREFIX}_eager_decode_rounds", "Decode rounds run eagerly (no graph), by reason.", labels=["reason"]
+        )
+        for reason, count in sorted(stats.eager_rounds.items()):
+            eager.add_metric([reason], count)
+        yield eager

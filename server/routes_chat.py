@@ -1,0 +1,159 @@
+"""POST /v1/chat/completions: messages through the model's chat template, n choices."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from server.auth import require_api_key
+from server.errors import APIError, bad_request, from_engine_error
+from server.generation import ChoiceJob, ChoiceProgress, GenerationGroup, run_to_completion, start_generation, usage_of
+from server.logprobs import chat_logprobs
+from server.protocol import (
+    ChatChoiceLogprobs,
+    ChatChunkChoice,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatResponseMessage,
+)
+from server.request_body import parse_body
+from server.sampling import build_sampling_params, for_choice
+from server.sse import DONE_EVENT, EventStreamResponse, sse_event
+from server.state import ServerState, get_state, new_request_id
+
+logger = logging.getLogger("graphserve.server")
+
+router = APIRouter()
+
+
+def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """Apply the model's chat template and tokenize; the template already holds any BOS."""
+    conversation = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        | ({"name": m.name} if m.name else {})
+        for m in messages
+    ]
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # jinja errors such as "roles must alternate" are the caller's fault
+        logger.debug("chat template failed", exc_info=True)
+        raise bad_request(f"Cannot apply the chat template to these messages: {exc}", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@router.post("/v1/chat/completions", dependencies=[Depends(require_api_key)], response_model=None)
+async def create_chat_completion(request: Request) -> JSONResponse | EventStreamResponse:
+    state = get_state(request)
+    body = await parse_body(request, ChatCompletionRequest)
+    engine = state.ready_engine()
+    state.check_model(body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    tokenizer = engine.tokenizer
+    prompt_ids = render_chat_prompt(tokenizer, body.messages, body.add_generation_prompt)
+    if not prompt_ids:
+        raise bad_request("messages render to an empty prompt", param="messages")
+    params = build_sampling_params(
+        body,
+        max_tokens=body.effective_max_tokens,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        prompt_logprobs=None,
+        vocab_size=tokenizer.vocab_size,
+    )
+    jobs = [ChoiceJob(index=c, prompt=prompt_ids, params=for_choice(params, c)) for c in range(body.n)]
+    request_id = new_request_id("chatcmpl")
+    group = await start_generation(request, state, request_id, jobs)
+    view = _ChatView(state, body, request_id)
+    if body.stream:
+        return EventStreamResponse(view.events(group))
+    progress = await run_to_completion(request, group)
+    return JSONResponse(view.response(progress).model_dump(mode="json"))
+
+
+class _ChatView:
+    """Builds the response body or the stream events of one chat request."""
+
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str):
+        self.body = body
+        self.request_id = request_id
+        self.model = state.model_name
+        self.created = int(time.time())
+        self.tokenizer = state.engine.tokenizer
+        self.num_top = body.top_logprobs or 0
+
+    def _logprobs(self, entries: list[Any] | None) -> ChatChoiceLogprobs | None:
+        if not self.body.logprobs:
+            return None
+        return ChatChoiceLogprobs(content=chat_logprobs(entries or [], self.tokenizer.token_text, self.num_top))
+
+    def response(self, progress: dict[int, ChoiceProgress]) -> ChatCompletionResponse:
+        choices = []
+        for index in sorted(progress):
+            output = progress[index].last
+            assert output is not None
+            choices.append(
+                ChatCompletionChoice(
+                    index=index,
+                    message=ChatResponseMessage(content=output.text),
+                    logprobs=self._logprobs(output.logprobs),
+                    finish_reason=output.finish_reason,
+                    stop_reason=output.stop_reason,
+                )
+            )
+        return ChatCompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage_of(progress, self.body.n),
+        )
+
+    def _chunk(self, choice: ChatChunkChoice) -> bytes:
+        chunk = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice])
+        return sse_event(chunk, exclude=None if self.body.include_usage_in_stream else {"usage"})
+
+    async def events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
+        started: set[int] = set()
+        try:
+            async for index, output in group.outputs():
+                if index not in started:
+                    started.add(index)
+                    yield self._chunk(ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""}))
+                has_logprobs = bool(self.body.logprobs and output.delta_logprobs)
+                if not output.delta_text and not output.finished and not has_logprobs:
+                    continue
+                yield self._chunk(
+                    ChatChunkChoice(
+                        index=index,
+                        delta={"content": output.delta_text} if output.delta_text else {},
+                        logprobs=self._logprobs(output.delta_logprobs),
+                        finish_reason=output.finish_reason if output.finished else None,
+                        stop_reason=output.stop_reason if output.finished else None,
+                    )
+                )
+            if self.body.include_usage_in_stream:
+                usage_chunk = ChatCompletionChunk(
+                    id=self.request_id,
+                    created=self.created,
+                    model=self.model,
+                    choices=[],
+                    usage=usage_of(group.progress, self.body.n),
+                )
+                yield sse_event(usage_chunk)
+            yield DONE_EVENT
+        except Exception as exc:  # headers are sent: report the error as a final event
+            error = exc if isinstance(exc, APIError) else from_engine_error(exc)
+            if not isinstance(exc, APIError):
+                logger.exception("stream %s failed", self.request_id)
+            yield sse_event(error.body())
+            yield DONE_EVENT
+        finally:
+            await group.close()

@@ -1,0 +1,197 @@
+"""POST /v1/completions: prompts (text or token ids) x n choices, streamed or not."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from server.auth import require_api_key
+from server.errors import APIError, bad_request, from_engine_error
+from server.generation import ChoiceJob, ChoiceProgress, GenerationGroup, run_to_completion, start_generation, usage_of
+from server.logprobs import append_completion_logprobs
+from server.protocol import CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse
+from server.request_body import parse_body
+from server.sampling import build_sampling_params, check_token_id, for_choice
+from server.sse import DONE_EVENT, EventStreamResponse, sse_event
+from server.state import ServerState, get_state, new_request_id
+
+logger = logging.getLogger("graphserve.server")
+
+router = APIRouter()
+
+
+def normalize_prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:
+    """One entry per prompt; empty prompts and out-of-vocabulary ids are 400s."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise bad_request("prompt must not be empty", param="prompt")
+    for entry in prompts:
+        if len(entry) == 0:
+            raise bad_request("prompt must not be empty", param="prompt")
+        if isinstance(entry, list):
+            for token_id in entry:
+                check_token_id(token_id, vocab_size, "prompt")
+    return prompts
+
+
+def _prompt_logprobs(body: CompletionRequest) -> int | None:
+    """Echo with logprobs scores the prompt; echo with max_tokens 0 and no logprobs still
+    needs a scoring-only request (the engine allows max_tokens 0 only with prompt logprobs)."""
+    if not body.echo:
+        return None
+    if body.logprobs is not None:
+        return body.logprobs
+    return 0 if body.max_tokens == 0 else None
+
+
+@router.post("/v1/completions", dependencies=[Depends(require_api_key)], response_model=None)
+async def create_completion(request: Request) -> JSONResponse | EventStreamResponse:
+    state = get_state(request)
+    body = await parse_body(request, CompletionRequest)
+    engine = state.ready_engine()
+    state.check_model(body.model)
+    tokenizer = engine.tokenizer
+    prompts = normalize_prompts(body.prompt, tokenizer.vocab_size)
+    params = build_sampling_params(
+        body,
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        prompt_logprobs=_prompt_logprobs(body),
+        vocab_size=tokenizer.vocab_size,
+    )
+    jobs = [
+        ChoiceJob(index=p * body.n + c, prompt=prompt, params=for_choice(params, c))
+        for p, prompt in enumerate(prompts)
+        for c in range(body.n)
+    ]
+    request_id = new_request_id("cmpl")
+    group = await start_generation(request, state, request_id, jobs)
+    view = _CompletionView(state, body, prompts, request_id)
+    if body.stream:
+        return EventStreamResponse(view.events(group))
+    progress = await run_to_completion(request, group)
+    return JSONResponse(view.response(progress).model_dump(mode="json"))
+
+
+class _CompletionView:
+    """Builds the response body or the stream events of one completions request."""
+
+    def __init__(self, state: ServerState, body: CompletionRequest, prompts: list[str | list[int]], request_id: str):
+        self.body = body
+        self.prompts = prompts
+        self.request_id = request_id
+        self.model = state.model_name
+        self.created = int(time.time())
+        self.tokenizer = state.engine.tokenizer
+
+    def prompt_text(self, index: int) -> str:
+        prompt = self.prompts[index // self.body.n]
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(prompt, skip_special_tokens=False)
+
+    def response(self, progress: dict[int, ChoiceProgress]) -> CompletionResponse:
+        choices = []
+        for index in sorted(progress):
+            choice = progress[index]
+            output = choice.last
+            assert output is not None
+            text = output.text
+            logprobs = None
+            if self.body.logprobs is not None:
+                logprobs = CompletionLogprobs()
+                offset = 0
+                if self.body.echo:
+                    offset = self._append_prompt_logprobs(logprobs, choice)
+                append_completion_logprobs(
+                    logprobs, output.token_ids, output.logprobs or [], self.tokenizer.token_text, offset
+                )
+            if self.body.echo:
+                text = self.prompt_text(index) + text
+            choices.append(
+                CompletionChoice(
+                    index=index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=output.finish_reason,
+                    stop_reason=output.stop_reason,
+                )
+            )
+        return CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage_of(progress, self.body.n),
+        )
+
+    def _append_prompt_logprobs(self, logprobs: CompletionLogprobs, choice: ChoiceProgress) -> int:
+        assert choice.last is not None
+        prompt_ids = choice.last.prompt_token_ids
+        entries = choice.prompt_logprobs or [None] * len(prompt_ids)
+        return append_completion_logprobs(logprobs, prompt_ids, entries, self.tokenizer.token_text, 0)
+
+    async def events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
+        exclude = None if self.body.include_usage_in_stream else {"usage"}
+        text_offsets: dict[int, int] = {}
+        try:
+            async for index, output in group.outputs():
+                first = index not in text_offsets
+                text = output.delta_text
+                logprobs = None
+                if self.body.logprobs is not None:
+                    logprobs = CompletionLogprobs()
+                    offset = text_offsets.get(index, 0)
+                    if first and self.body.echo:
+                        offset = self._append_prompt_logprobs(logprobs, group.progress[index])
+                    entries = output.delta_logprobs or []
+                    text_offsets[index] = append_completion_logprobs(
+                        logprobs, [e.token_id for e in entries], entries, self.tokenizer.token_text, offset
+                    )
+                else:
+                    text_offsets[index] = 0
+                if first and self.body.echo:
+                    text = self.prompt_text(index) + text
+                if not text and not output.finished and not (logprobs and logprobs.tokens):
+                    continue
+                chunk = CompletionChunk(
+                    id=self.request_id,
+                    created=self.created,
+                    model=self.model,
+                    choices=[
+                        CompletionChoice(
+                            index=index,
+                            text=text,
+                            logprobs=logprobs,
+                            finish_reason=output.finish_reason if output.finished else None,
+                            stop_reason=output.stop_reason if output.finished else None,
+                        )
+                    ],
+                )
+                yield sse_event(chunk, exclude=exclude)
+            if self.body.include_usage_in_stream:
+                usage_chunk = CompletionChunk(
+                    id=self.request_id,
+                    created=self.created,
+                    model=self.model,
+                    choices=[],
+                    usage=usage_of(group.progress, self.body.n),
+                )
+                yield sse_event(usage_chunk)
+            yield DONE_EVENT
+        except Exception as exc:  # headers are sent: report the error as a final event
+            error = exc if isinstance(exc, APIError) else from_engine_error(exc)
+            if not isinstance(exc, APIError):
+                logger.exception("stream %s failed", self.request_id)
+            yield sse_event(error.body())
+            yield DONE_EVENT
+        finally:
+            await group.close()

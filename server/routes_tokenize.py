@@ -1,0 +1,47 @@
+"""POST /tokenize and POST /detokenize (vLLM-compatible helpers)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from server.auth import require_api_key
+from server.errors import bad_request
+from server.protocol import DetokenizeRequest, TokenizeRequest
+from server.request_body import parse_body
+from server.routes_chat import render_chat_prompt
+from server.sampling import check_token_id
+from server.state import get_state
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> JSONResponse:
+    state = get_state(request)
+    body = await parse_body(request, TokenizeRequest)
+    engine = state.ready_engine()
+    state.check_model(body.model)
+    tokenizer = engine.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("Give exactly one of `prompt` or `messages`.", param="prompt")
+    if body.messages is not None:
+        tokens = render_chat_prompt(tokenizer, body.messages, body.add_generation_prompt)
+    else:
+        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    result: dict[str, object] = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+    if body.return_token_strs:
+        result["token_strs"] = [tokenizer.token_text(t) for t in tokens]
+    return JSONResponse(result)
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> JSONResponse:
+    state = get_state(request)
+    body = await parse_body(request, DetokenizeRequest)
+    engine = state.ready_engine()
+    state.check_model(body.model)
+    tokenizer = engine.tokenizer
+    for token_id in body.tokens:
+        check_token_id(token_id, tokenizer.vocab_size, "tokens")
+    return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)})

@@ -1,0 +1,117 @@
+"""Server settings: built-in defaults < a TOML file in configs/ < command-line flags.
+
+A config file holds flat keys (the flag names with underscores) or `[server]` /
+`[engine]` tables. Engine keys are EngineConfig's fields; server keys are below.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+
+DEFAULT_CONFIG_NAME = "default.toml"
+API_KEY_ENV = "GRAPHSERVE_API_KEY"
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    log_requests: bool = False
+    log_level: str = "info"
+    shutdown_timeout: float = 30.0  # seconds running requests get after SIGTERM
+
+
+SERVER_KEYS = {f.name for f in fields(ServerSettings)}
+ENGINE_KEYS = {f.name for f in fields(EngineConfig)}
+
+
+class SettingsError(ValueError):
+    """A config file or flag value that cannot be used."""
+
+
+def repo_configs_dir() -> Path:
+    """configs/ beside the server package (a source checkout or an editable install)."""
+    return Path(__file__).resolve().parent.parent / "configs"
+
+
+def default_config_path() -> Path | None:
+    """configs/default.toml next to the package, else in the working directory, else none."""
+    for folder in (repo_configs_dir(), Path.cwd() / "configs"):
+        candidate = folder / DEFAULT_CONFIG_NAME
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def resolve_config_path(name: str) -> Path:
+    """A path as given, or a bare name looked up in configs/ ("gpu-h200" or "gpu-h200.toml")."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    for folder in (repo_configs_dir(), Path.cwd() / "configs"):
+        for candidate in (folder / name, folder / f"{name}.toml"):
+            if candidate.is_file():
+                return candidate
+    raise SettingsError(f"config file not found: {name}")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Flatten the file's [server] and [engine] tables and top-level keys into one dict."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"{path}: invalid TOML: {exc}") from None
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in ("server", "engine") and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    unknown = sorted(set(flat) - SERVER_KEYS - ENGINE_KEYS)
+    if unknown:
+        raise SettingsError(f"{path}: unknown keys: {', '.join(unknown)}")
+    return flat
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes from 123, "512MiB", "2GB", "1.5g" (the i-suffixed units are powers of 1024)."""
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise SettingsError(f"not a size in bytes: {value!r}")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    binary = "i" in unit
+    scale = _SIZE_UNITS[unit[:1]] if unit else 1
+    if binary:
+        scale = 1024 ** {"k": 1, "m": 2, "g": 3, "t": 4}[unit[0]]
+    return int(number * scale)
+
+
+def merge_settings(file_values: dict[str, Any], flag_values: dict[str, Any]) -> tuple[ServerSettings, EngineConfig]:
+    """Flags that were given (not None) override the file; the rest keep their defaults."""
+    merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
+    if merged.get("api_key") is None and os.environ.get(API_KEY_ENV):
+        merged["api_key"] = os.environ[API_KEY_ENV]
+    if "kv_cache_bytes" in merged:
+        merged["kv_cache_bytes"] = parse_size(merged["kv_cache_bytes"])
+    server = ServerSettings(**{k: v for k, v in merged.items() if k in SERVER_KEYS})
+    try:
+        engine = EngineConfig.from_dict({k: v for k, v in merged.items() if k in ENGINE_KEYS})
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(f"invalid engine setting: {exc}") from None
+    return server, engine

@@ -1,0 +1,45 @@
+"""Server-sent events: the wire format and a response that always closes its source."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def sse_event(payload: BaseModel | dict[str, Any], *, exclude: set[str] | None = None) -> bytes:
+    if isinstance(payload, BaseModel):
+        data = payload.model_dump_json(exclude=exclude)
+    else:
+        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return b"data: " + data.encode("utf-8") + b"\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """text/event-stream response whose event generator is closed however the response
+    ends (finished, client disconnect, send error), so its engine requests are aborted
+    at once rather than when the generator is garbage-collected."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], status_code: int = 200):
+        super().__init__(
+            events,
+            status_code=status_code,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self._events, "aclose", None)
+            if aclose is not None:
+                await aclose()
