@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import GraphDecoder, eager_reason
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block
 from engine.models.config import ModelArgs
@@ -85,8 +86,6 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_caches, self.block_manager, self.device, self.eos_ids)
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            from engine.cuda_graphs import GraphDecoder
-
             self.graphs = GraphDecoder(self.runner, min(config.max_num_seqs, config.cuda_graph_max_batch),
                                        config.decode_chunk, -(-self.max_model_len // config.block_size))
             self.graphs.capture()
@@ -237,8 +236,6 @@ class LLMEngine:
 
     def decode(self, rnd: DecodeRound):
         """A decode round through the CUDA graphs when they can take it, else eagerly (counted by reason)."""
-        from engine.cuda_graphs import eager_reason
-
         stats = self.stats_counters
         if self.graphs is None:
             reason = "cpu" if self.device.type == "cpu" else "enforce_eager"

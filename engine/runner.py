@@ -15,7 +15,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.kv_cache import DUMMY_BLOCK, BlockManager
 from engine.models.llama import LlamaModel
-from engine.request import Sequence
+from engine.request import Sequence, TokenLogprob
 from engine.sampler import SamplingTensors, advance, build_sampling_tensors, sample
 from engine.scheduler import DecodeRound, PrefillBatch
 
@@ -150,8 +150,6 @@ class ModelRunner:
         num_prompt = seq.num_prompt_tokens
         if len(seq.prompt_logprobs) >= num_prompt:
             return  # recomputed after a preemption: already known
-        from engine.request import TokenLogprob
-
         logprobs = self.model.compute_logits(hidden).log_softmax(dim=-1)
         targets = seq.token_ids[start + 1:start + 1 + hidden.shape[0]]
         n_top = seq.params.prompt_logprobs

@@ -13,9 +13,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
-from server import routes_chat, routes_completions, routes_health, routes_models, routes_tokenize
+from server import routes_chat, routes_completions, routes_debug, routes_health, routes_models, routes_tokenize
+from server.admission import Admission
 from server.errors import install_error_handlers
 from server.generation import ClientDisconnected
 from server.metrics import ServerMetrics
@@ -33,19 +35,28 @@ def create_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     log_requests: bool = False,
+    max_queue_len: int = 256,
+    max_body_bytes: int = 1024**2,
+    allowed_origins: list[str] | None = None,
+    enable_fault_injection: bool = False,
     on_ready: Callable[[ServerState], None] | None = None,
     on_engine_failure: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
     """Build the app. `engine` is an engine.AsyncEngine, not yet started: the lifespan
     starts it and shuts it down. `on_ready` lets the CLI print the URL;
     `on_engine_failure` is called once if the engine fails to start or dies later
-    (the CLI then stops the process with a non-zero status, so a supervisor restarts it)."""
+    (the CLI then stops the process with a non-zero status, so a supervisor restarts it).
+    Requests beyond `max_queue_len` waiting engine requests get 429, bodies over
+    `max_body_bytes` 413; CORS headers are sent only for `allowed_origins`;
+    `enable_fault_injection` (tests only) adds POST /debug/fault."""
     state = ServerState(
         engine=engine,
         metrics=ServerMetrics(engine),
+        admission=Admission(max_queue_len=max_queue_len),
         served_model_name=served_model_name,
         api_key=api_key or None,
         log_requests=log_requests,
+        max_body_bytes=max_body_bytes,
     )
 
     @contextlib.asynccontextmanager
@@ -68,6 +79,17 @@ def create_app(
     app.add_exception_handler(ClientDisconnected, _client_disconnected)  # type: ignore[arg-type]
     for module in (routes_completions, routes_chat, routes_models, routes_tokenize, routes_health):
         app.include_router(module.router)
+    if enable_fault_injection:
+        logger.warning("fault injection is enabled (POST /debug/fault): for tests only")
+        app.include_router(routes_debug.router)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=allowed_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+            expose_headers=["Retry-After"],
+        )
     return app
 
 
@@ -83,7 +105,7 @@ async def _run_engine(
         raise
     except BaseException as exc:
         state.startup_error = exc
-        logger.exception("the engine failed to start")
+        logger.error("the engine failed to start", exc_info=exc)
         if on_engine_failure is not None:
             on_engine_failure(exc)
         return

@@ -20,7 +20,9 @@ from server.settings import (
     ServerSettings,
     SettingsError,
     default_config_path,
+    fault_injection_enabled,
     merge_settings,
+    parse_origins,
     parse_size,
     read_config_file,
     resolve_config_path,
@@ -101,6 +103,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="seconds running requests get to finish after SIGTERM (default 30)",
+    )
+    group.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=None,
+        help="most engine requests waiting to run; beyond it new requests get 429 with Retry-After (default 256)",
+    )
+    group.add_argument(
+        "--max-body-bytes",
+        type=parse_size,
+        default=None,
+        help="largest request body, e.g. 1MiB; larger ones get 413 (default 1MiB)",
+    )
+    group.add_argument(
+        "--allowed-origins",
+        type=parse_origins,
+        default=None,
+        help="CORS: comma-separated origins allowed to call the API from a browser, or '*' (default: CORS off)",
     )
     add_engine_flags(serve)
 
@@ -188,6 +208,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=server_settings.served_model_name,
         api_key=server_settings.api_key,
         log_requests=server_settings.log_requests,
+        max_queue_len=server_settings.max_queue_len,
+        max_body_bytes=server_settings.max_body_bytes,
+        allowed_origins=server_settings.allowed_origins,
+        enable_fault_injection=fault_injection_enabled(),
         on_ready=on_ready,
         on_engine_failure=on_engine_failure,
     )

@@ -32,6 +32,7 @@ class APIError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status_code = status_code
@@ -39,13 +40,14 @@ class APIError(Exception):
         self.type = type or _default_type(status_code)
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status_code == 401 else None
-        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status_code == 401 else {}
+        return JSONResponse(self.body(), status_code=self.status_code, headers={**headers, **self.headers})
 
 
 def _default_type(status_code: int) -> str:
@@ -53,10 +55,12 @@ def _default_type(status_code: int) -> str:
         return "authentication_error"
     if status_code == 404:
         return "not_found_error"
+    if status_code == 429:
+        return "rate_limit_error"
     if status_code == 503:
         return "service_unavailable_error"
     if status_code >= 500:
-        return "server_error"
+        return "internal_error"
     return "invalid_request_error"
 
 
@@ -86,6 +90,28 @@ def engine_dead() -> APIError:
     return APIError(503, "The inference engine has stopped after an internal error.", code="engine_dead")
 
 
+def body_too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"The request body is larger than this server's limit of {limit} bytes.",
+        code="request_too_large",
+    )
+
+
+def queue_full(max_queue_len: int, retry_after_s: int) -> APIError:
+    return APIError(
+        429,
+        f"The server is at capacity ({max_queue_len} requests waiting); retry after {retry_after_s} s.",
+        code="queue_full",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def internal_error() -> APIError:
+    """What the client sees of a failure on our side: no traceback, path or exception text."""
+    return APIError(500, "The server failed while processing the request.", code="internal_error")
+
+
 def from_engine_error(exc: Exception) -> APIError:
     """Map an exception raised by the engine for one request to an APIError."""
     if isinstance(exc, PromptTooLongError):
@@ -94,7 +120,7 @@ def from_engine_error(exc: Exception) -> APIError:
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, EngineDeadError):
         return engine_dead()
-    return APIError(500, "Internal server error.", code="internal_error")
+    return internal_error()
 
 
 def from_validation_errors(errors: list[Any]) -> APIError:
@@ -155,8 +181,8 @@ async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> 
 
 async def _unexpected_error_handler(request: Request, exc: Exception) -> JSONResponse:
     _count_error(request, 500)
-    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return APIError(500, "Internal server error.", code="internal_error").response()
+    logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return internal_error().response()
 
 
 def install_error_handlers(app: FastAPI) -> None:

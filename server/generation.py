@@ -15,7 +15,8 @@ import anyio
 from fastapi import Request
 
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
-from server.errors import APIError, from_engine_error
+from server.admission import Admission
+from server.errors import APIError, from_engine_error, internal_error
 from server.metrics import ServerMetrics
 from server.protocol import UsageInfo
 
@@ -50,8 +51,11 @@ class ChoiceProgress:
 
 @dataclass
 class _Pump:
-    generator: AsyncIterator[RequestOutput]
+    """One engine request's output stream and the task reading its next output."""
+
+    stream: AsyncIterator[RequestOutput]
     task: asyncio.Future[RequestOutput] | None = None
+    queued: bool = True  # counted by Admission until its first output (or its end)
     closed: bool = field(default=False)
 
 
@@ -65,62 +69,49 @@ class GenerationGroup:
         request_id: str,
         jobs: list[ChoiceJob],
         metrics: ServerMetrics,
+        admission: Admission,
         log_requests: bool = False,
     ):
         self.engine = engine
         self.request_id = request_id
         self.jobs = jobs
         self.metrics = metrics
+        self.admission = admission
         self.log_requests = log_requests
         self.progress: dict[int, ChoiceProgress] = {}
         self._pumps: dict[int, _Pump] = {}
-        self._primed: dict[int, RequestOutput] = {}
 
     def engine_request_id(self, index: int) -> str:
         return f"{self.request_id}-{index}"
 
     async def start(self) -> None:
-        """Submit every job and wait for each one's first output.
+        """Admit (429 when the queue is full), then validate and submit every job.
 
-        The engine validates a prompt (length, empty) on the first step of its
-        generator, so waiting here lets a bad request become a 400 before any
-        response header is sent.
+        `engine.add_request` checks a prompt (length, empty, ids) before it is queued, so
+        a bad request becomes a 4xx before any response header is sent, and any job of
+        the group that was already submitted is aborted.
         """
+        self.admission.admit(self.engine, len(self.jobs))
         now = time.monotonic()
-        for job in self.jobs:
-            self.progress[job.index] = ChoiceProgress(arrival_time=now)
-            generator = self.engine.generate(job.prompt, job.params, self.engine_request_id(job.index))
-            pump = _Pump(generator)
-            pump.task = asyncio.ensure_future(anext(generator))
-            self._pumps[job.index] = pump
+        try:
+            for job in self.jobs:
+                stream = self.engine.add_request(job.prompt, job.params, self.engine_request_id(job.index))
+                self.progress[job.index] = ChoiceProgress(arrival_time=now)
+                # read at once: a started stream aborts its request when it is cancelled or closed
+                pump = _Pump(stream, task=asyncio.ensure_future(anext(stream)))
+                self._pumps[job.index] = pump
+                self.admission.enter()
+        except Exception as exc:
+            await self.close(record=False)  # a rejected request is an error, not an abort
+            raise _as_api_error(exc) from None
         if self.log_requests:
             job = self.jobs[0]
-            logger.info("request %s: %d choice(s), params %s", self.request_id, len(self.jobs), job.params)
-        try:
-            await asyncio.wait([p.task for p in self._pumps.values()], return_when=asyncio.FIRST_EXCEPTION)  # type: ignore[misc]
-            for pump in self._pumps.values():
-                if pump.task is not None and pump.task.done():
-                    exc = pump.task.exception()
-                    if exc is not None:
-                        raise _as_api_error(exc)
-        except BaseException as exc:
-            # a rejected request is counted as an error; a client that left while its
-            # request was queued or prefilling counts as an aborted request
-            await self.close(record=not isinstance(exc, APIError))
-            raise
-        for index, pump in self._pumps.items():
-            assert pump.task is not None
-            self._primed[index] = await pump.task
-            pump.task = None
+            logger.info(
+                "request %s: %d choice(s), prompt %.200r, params %s", self.request_id, len(self.jobs), job.prompt, job.params
+            )
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield (choice index, output) as the engine produces them, until all finish."""
-        for index in sorted(self._primed):
-            output = self._primed.pop(index)
-            self._record(index, output)
-            if not output.finished:
-                self._pumps[index].task = asyncio.ensure_future(anext(self._pumps[index].generator))
-            yield index, output
         while True:
             waiting = {pump.task: index for index, pump in self._pumps.items() if pump.task is not None}
             if not waiting:
@@ -130,15 +121,16 @@ class GenerationGroup:
                 index = waiting[task]
                 pump = self._pumps[index]
                 pump.task = None
+                self._dequeue(pump)
                 try:
                     output = task.result()
                 except StopAsyncIteration:
-                    raise APIError(500, "engine stream ended without a final output", code="internal_error") from None
+                    raise internal_error() from None
                 except Exception as exc:
                     raise _as_api_error(exc) from exc
                 self._record(index, output)
                 if not output.finished:
-                    pump.task = asyncio.ensure_future(anext(pump.generator))
+                    pump.task = asyncio.ensure_future(anext(pump.stream))
                 yield index, output
 
     async def collect(self) -> dict[int, ChoiceProgress]:
@@ -146,6 +138,11 @@ class GenerationGroup:
         async for _ in self.outputs():
             pass
         return self.progress
+
+    def _dequeue(self, pump: _Pump) -> None:
+        if pump.queued:
+            pump.queued = False
+            self.admission.leave()
 
     def _record(self, index: int, output: RequestOutput) -> None:
         progress = self.progress[index]
@@ -181,24 +178,26 @@ class GenerationGroup:
             )
 
     async def close(self, record: bool = True) -> None:
-        """Abort every unfinished engine request and close its generator.
+        """Abort every unfinished engine request and close its stream. Idempotent.
 
-        The synchronous part (abort, metrics) runs first and the awaits are shielded:
-        Starlette cancels a stream's task with an anyio cancel scope, which would
-        cancel every await of this cleanup again.
+        The synchronous part (abort, metrics, queue count) runs first and the awaits are
+        shielded: Starlette cancels a stream's task with an anyio cancel scope, which
+        would cancel every await of this cleanup again.
         """
-        for index in self._pumps:
+        for index, pump in self._pumps.items():
+            self._dequeue(pump)
             progress = self.progress[index]
             if not progress.done:
                 self.engine.abort(self.engine_request_id(index))
+                progress.done = True
                 if record:
-                    progress.done = True
                     self._observe(index, "abort")
         pending = [pump.task for pump in self._pumps.values() if pump.task is not None and not pump.task.done()]
-        for task in pending:
-            task.cancel()
         with anyio.CancelScope(shield=True):
             if pending:
+                await asyncio.sleep(0)  # let a just-created reader start, so that cancelling it closes its stream
+                for task in pending:
+                    task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
             for index, pump in self._pumps.items():
                 if pump.task is not None and pump.task.done() and not pump.task.cancelled():
@@ -207,7 +206,7 @@ class GenerationGroup:
                 if not pump.closed:
                     pump.closed = True
                     try:
-                        await pump.generator.aclose()  # type: ignore[attr-defined]
+                        await pump.stream.aclose()  # type: ignore[attr-defined]
                     except Exception:
                         logger.debug("closing engine stream %s failed", self.engine_request_id(index), exc_info=True)
 
@@ -216,10 +215,10 @@ def _as_api_error(exc: BaseException) -> BaseException:
     if isinstance(exc, APIError) or not isinstance(exc, Exception):
         return exc
     if isinstance(exc, StopAsyncIteration):
-        return APIError(500, "engine stream ended without output", code="internal_error")
+        return internal_error()
     error = from_engine_error(exc)
-    if error.status_code >= 500 and error.code == "internal_error":
-        logger.error("engine request failed", exc_info=exc)
+    if error.status_code >= 500:
+        logger.error("engine request failed: %r", exc, exc_info=exc)
     return error
 
 
@@ -249,10 +248,10 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
             await asyncio.gather(work_task, return_exceptions=True)
 
 
-async def start_generation(request: Request, state: Any, request_id: str, jobs: list[ChoiceJob]) -> GenerationGroup:
-    """Submit the jobs and wait for their first outputs (a rejected prompt raises APIError)."""
-    group = GenerationGroup(state.engine, request_id, jobs, state.metrics, state.log_requests)
-    await cancel_on_disconnect(request, group.start())
+async def start_generation(state: Any, request_id: str, jobs: list[ChoiceJob]) -> GenerationGroup:
+    """Submit the jobs (a full queue raises 429, a rejected prompt a 4xx APIError)."""
+    group = GenerationGroup(state.engine, request_id, jobs, state.metrics, state.admission, state.log_requests)
+    await group.start()
     return group
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 Prompt = str | list[int] | list[str] | list[list[int]]
 
@@ -55,9 +56,19 @@ class _SamplingFields(_Request):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+PROMPT_JSON_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}},
+        {"type": "array", "items": {"type": "integer"}},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+    ]
+}
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: Any
-    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    prompt: Annotated[Any, WithJsonSchema(PROMPT_JSON_SCHEMA)]
+    max_tokens: Annotated[int, Field(ge=0)] | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
 
@@ -227,6 +238,30 @@ class CompletionChunk(BaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the server returns: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo
 
 
 class ModelCard(BaseModel):

@@ -2,6 +2,8 @@
 
 `curl -d '{...}'` sends application/x-www-form-urlencoded; OpenAI-compatible servers
 accept it as JSON anyway, so routes parse the raw body instead of FastAPI's Body().
+The body is read at most `max_body_bytes` far: a larger one is a 413, whether it
+declares its length or comes chunked.
 """
 
 from __future__ import annotations
@@ -11,13 +13,29 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from server.errors import bad_request, from_validation_errors
+from server.errors import bad_request, body_too_large, from_validation_errors
+from server.state import get_state
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, or 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise body_too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
-    raw = await request.body()
+    raw = await read_body(request, get_state(request).max_body_bytes)
     if not raw.strip():
         raise bad_request("The request body is empty; expected a JSON object.")
     try:

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from server import openapi
 from server.auth import require_api_key
 from server.errors import APIError, bad_request, from_engine_error
 from server.generation import ChoiceJob, ChoiceProgress, GenerationGroup, run_to_completion, start_generation, usage_of
@@ -49,7 +50,13 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generati
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-@router.post("/v1/chat/completions", dependencies=[Depends(require_api_key)], response_model=None)
+@router.post(
+    "/v1/chat/completions",
+    dependencies=[Depends(require_api_key)],
+    response_model=None,
+    openapi_extra=openapi.request_body(ChatCompletionRequest),
+    responses=openapi.responses(ChatCompletionResponse, streams=True),
+)
 async def create_chat_completion(request: Request) -> JSONResponse | EventStreamResponse:
     state = get_state(request)
     body = await parse_body(request, ChatCompletionRequest)
@@ -70,10 +77,10 @@ async def create_chat_completion(request: Request) -> JSONResponse | EventStream
     )
     jobs = [ChoiceJob(index=c, prompt=prompt_ids, params=for_choice(params, c)) for c in range(body.n)]
     request_id = new_request_id("chatcmpl")
-    group = await start_generation(request, state, request_id, jobs)
+    group = await start_generation(state, request_id, jobs)
     view = _ChatView(state, body, request_id)
     if body.stream:
-        return EventStreamResponse(view.events(group))
+        return EventStreamResponse(view.events(group), on_close=group.close)
     progress = await run_to_completion(request, group)
     return JSONResponse(view.response(progress).model_dump(mode="json"))
 

@@ -5,16 +5,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from server import openapi
 from server.auth import require_api_key
 from server.errors import APIError, bad_request, from_engine_error
 from server.generation import ChoiceJob, ChoiceProgress, GenerationGroup, run_to_completion, start_generation, usage_of
 from server.logprobs import append_completion_logprobs
-from server.protocol import CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse
+from server.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse
 from server.request_body import parse_body
 from server.sampling import build_sampling_params, check_token_id, for_choice
 from server.sse import DONE_EVENT, EventStreamResponse, sse_event
@@ -42,6 +44,23 @@ def normalize_prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:
     return prompts
 
 
+def fit_max_tokens(
+    body: CompletionRequest, prompts: list[str | list[int]], tokenizer: Any, max_model_len: int
+) -> list[tuple[str | list[int], int | None]]:
+    """(engine prompt, max_tokens) per prompt. A max_tokens the client gave goes to the
+    engine as is: a number that does not fit after the prompt is a 400, null means as many
+    as fit (as in vLLM). Left out, OpenAI's default of 16 is clamped to what fits, so a
+    default the client never chose cannot make a request fail."""
+    if "max_tokens" in body.model_fields_set:
+        return [(prompt, body.max_tokens) for prompt in prompts]
+    fitted: list[tuple[str | list[int], int | None]] = []
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt  # as the engine would
+        room = max_model_len - len(ids)
+        fitted.append((ids, min(COMPLETIONS_DEFAULT_MAX_TOKENS, room) if room > 0 else None))  # None: the engine says too long
+    return fitted
+
+
 def _prompt_logprobs(body: CompletionRequest) -> int | None:
     """Echo with logprobs scores the prompt; echo with max_tokens 0 and no logprobs still
     needs a scoring-only request (the engine allows max_tokens 0 only with prompt logprobs)."""
@@ -52,7 +71,13 @@ def _prompt_logprobs(body: CompletionRequest) -> int | None:
     return 0 if body.max_tokens == 0 else None
 
 
-@router.post("/v1/completions", dependencies=[Depends(require_api_key)], response_model=None)
+@router.post(
+    "/v1/completions",
+    dependencies=[Depends(require_api_key)],
+    response_model=None,
+    openapi_extra=openapi.request_body(CompletionRequest),
+    responses=openapi.responses(CompletionResponse, streams=True),
+)
 async def create_completion(request: Request) -> JSONResponse | EventStreamResponse:
     state = get_state(request)
     body = await parse_body(request, CompletionRequest)
@@ -68,15 +93,15 @@ async def create_completion(request: Request) -> JSONResponse | EventStreamRespo
         vocab_size=tokenizer.vocab_size,
     )
     jobs = [
-        ChoiceJob(index=p * body.n + c, prompt=prompt, params=for_choice(params, c))
-        for p, prompt in enumerate(prompts)
+        ChoiceJob(index=p * body.n + c, prompt=prompt, params=for_choice(replace(params, max_tokens=max_tokens), c))
+        for p, (prompt, max_tokens) in enumerate(fit_max_tokens(body, prompts, tokenizer, engine.max_model_len))
         for c in range(body.n)
     ]
     request_id = new_request_id("cmpl")
-    group = await start_generation(request, state, request_id, jobs)
+    group = await start_generation(state, request_id, jobs)
     view = _CompletionView(state, body, prompts, request_id)
     if body.stream:
-        return EventStreamResponse(view.events(group))
+        return EventStreamResponse(view.events(group), on_close=group.close)
     progress = await run_to_completion(request, group)
     return JSONResponse(view.response(progress).model_dump(mode="json"))
 

@@ -19,7 +19,7 @@ async def health(request: Request) -> JSONResponse:
     if state.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
     if state.startup_error is not None:
-        return JSONResponse({"status": "failed", "error": str(state.startup_error)}, status_code=503)
+        return JSONResponse({"status": "failed"}, status_code=503)  # the cause is in the log, not here
     if engine.dead:
         return JSONResponse({"status": "dead"}, status_code=503)
     if not engine.ready:

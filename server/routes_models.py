@@ -17,7 +17,7 @@ def model_card(state: ServerState) -> ModelCard:
     return ModelCard(
         id=state.model_name,
         created=state.created,
-        root=str(engine.model_path),
+        root=engine.model_name,  # the folder's name: responses carry no server paths
         max_model_len=engine.max_model_len,
     )
 

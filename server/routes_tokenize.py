@@ -5,9 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from server import openapi
 from server.auth import require_api_key
 from server.errors import bad_request
-from server.protocol import DetokenizeRequest, TokenizeRequest
+from server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from server.request_body import parse_body
 from server.routes_chat import render_chat_prompt
 from server.sampling import check_token_id
@@ -16,7 +17,14 @@ from server.state import get_state
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.post("/tokenize")
+_ERRORS = (400, 401, 404, 413, 503)
+
+
+@router.post(
+    "/tokenize",
+    openapi_extra=openapi.request_body(TokenizeRequest),
+    responses=openapi.responses(TokenizeResponse, errors=_ERRORS),
+)
 async def tokenize(request: Request) -> JSONResponse:
     state = get_state(request)
     body = await parse_body(request, TokenizeRequest)
@@ -29,13 +37,17 @@ async def tokenize(request: Request) -> JSONResponse:
         tokens = render_chat_prompt(tokenizer, body.messages, body.add_generation_prompt)
     else:
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    result: dict[str, object] = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+    result = TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
     if body.return_token_strs:
-        result["token_strs"] = [tokenizer.token_text(t) for t in tokens]
-    return JSONResponse(result)
+        result.token_strs = [tokenizer.token_text(t) for t in tokens]
+    return JSONResponse(result.model_dump(mode="json", exclude_none=True))
 
 
-@router.post("/detokenize")
+@router.post(
+    "/detokenize",
+    openapi_extra=openapi.request_body(DetokenizeRequest),
+    responses=openapi.responses(DetokenizeResponse, errors=_ERRORS),
+)
 async def detokenize(request: Request) -> JSONResponse:
     state = get_state(request)
     body = await parse_body(request, DetokenizeRequest)
@@ -44,4 +56,4 @@ async def detokenize(request: Request) -> JSONResponse:
     tokenizer = engine.tokenizer
     for token_id in body.tokens:
         check_token_id(token_id, tokenizer.vocab_size, "tokens")
-    return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)})
+    return JSONResponse(DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False)).model_dump())

@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 
 DEFAULT_CONFIG_NAME = "default.toml"
 API_KEY_ENV = "GRAPHSERVE_API_KEY"
+FAULT_INJECTION_ENV = "GRAPHSERVE_ENABLE_FAULT_INJECTION"  # tests only: POST /debug/fault
 
 
 @dataclass
@@ -28,6 +29,9 @@ class ServerSettings:
     log_requests: bool = False
     log_level: str = "info"
     shutdown_timeout: float = 30.0  # seconds running requests get after SIGTERM
+    max_queue_len: int = 256  # engine requests waiting to run; beyond it new requests get 429
+    max_body_bytes: int = 1024**2  # request bodies larger than this get 413
+    allowed_origins: list[str] | None = None  # CORS origins; None: no CORS headers at all
 
 
 SERVER_KEYS = {f.name for f in fields(ServerSettings)}
@@ -102,14 +106,38 @@ def parse_size(value: str | int) -> int:
     return int(number * scale)
 
 
+def parse_origins(value: str) -> list[str]:
+    """"https://a.example,https://b.example" (or "*") -> a list of CORS origins."""
+    return [origin.strip() for origin in value.split(",") if origin.strip()]
+
+
+def check_server_settings(server: ServerSettings) -> None:
+    if server.max_queue_len < 1:
+        raise SettingsError(f"max_queue_len must be >= 1, got {server.max_queue_len}")
+    if server.max_body_bytes < 1024:
+        raise SettingsError(f"max_body_bytes must be >= 1024, got {server.max_body_bytes}")
+    if server.allowed_origins is not None and not isinstance(server.allowed_origins, list):
+        raise SettingsError("allowed_origins must be a list of origins or a comma-separated string")
+
+
+def fault_injection_enabled(environ: dict[str, str] | None = None) -> bool:
+    """GRAPHSERVE_ENABLE_FAULT_INJECTION=1 (tests only) adds POST /debug/fault."""
+    value = (os.environ if environ is None else environ).get(FAULT_INJECTION_ENV, "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
 def merge_settings(file_values: dict[str, Any], flag_values: dict[str, Any]) -> tuple[ServerSettings, EngineConfig]:
     """Flags that were given (not None) override the file; the rest keep their defaults."""
     merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
     if merged.get("api_key") is None and os.environ.get(API_KEY_ENV):
         merged["api_key"] = os.environ[API_KEY_ENV]
-    if "kv_cache_bytes" in merged:
-        merged["kv_cache_bytes"] = parse_size(merged["kv_cache_bytes"])
+    for key in ("kv_cache_bytes", "max_body_bytes"):
+        if key in merged:
+            merged[key] = parse_size(merged[key])
+    if isinstance(merged.get("allowed_origins"), str):
+        merged["allowed_origins"] = parse_origins(merged["allowed_origins"])
     server = ServerSettings(**{k: v for k, v in merged.items() if k in SERVER_KEYS})
+    check_server_settings(server)
     try:
         engine = EngineConfig.from_dict({k: v for k, v in merged.items() if k in ENGINE_KEYS})
     except (TypeError, ValueError) as exc:

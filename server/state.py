@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
+from server.admission import Admission
 from server.errors import engine_dead, model_not_found, not_ready, shutting_down
 from server.metrics import ServerMetrics
 
@@ -18,9 +19,11 @@ from server.metrics import ServerMetrics
 class ServerState:
     engine: Any  # engine.AsyncEngine (typed loosely so tests can pass a stand-in)
     metrics: ServerMetrics
+    admission: Admission
     served_model_name: str | None = None
     api_key: str | None = None
     log_requests: bool = False
+    max_body_bytes: int = 1024**2
     created: int = field(default_factory=lambda: int(time.time()))
     startup_error: BaseException | None = None
     draining: bool = False  # shutting down: finish running requests, take no new ones

@@ -1,17 +1,27 @@
-"""Run a real graphserve server (uvicorn, loopback, free port) in a background thread.
-
-For tests and benchmarks:
+"""Run a real graphserve server on loopback for tests and benchmarks: in a background
+thread of this process (`BackgroundServer`), or as its own process (`ServerProcess`,
+`python -m server serve`, for signals, exit codes and load without sharing the GIL).
 
     with BackgroundServer(create_app(AsyncEngine(EngineConfig(device="cpu")))) as server:
         server.wait_ready()
         httpx.get(server.url + "/health")
+
+    with ServerProcess(["--device", "cpu", "--max-model-len", "256"]) as server:
+        server.wait_ready()
+        server.terminate()  # SIGTERM, as `docker stop` sends
+        assert server.wait() == 0
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from types import TracebackType
 
 import httpx
@@ -84,3 +94,76 @@ class BackgroundServer:
 def sse_payloads(lines: list[str]) -> list[str]:
     """The `data:` payloads of an SSE body given as lines (e.g. httpx `iter_lines()`)."""
     return [line[len("data:") :].strip() for line in lines if line.startswith("data:")]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m server serve --port P ARGS...` as a child process; its output is kept in
+    `self.lines` (read by a thread, so a chatty server never blocks on a full pipe)."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, host: str = "127.0.0.1"):
+        self.host = host
+        self.port = free_port(host)
+        command = [sys.executable, "-m", "server", "serve", "--host", host, "--port", str(self.port), *args]
+        self.process = subprocess.Popen(
+            command,
+            cwd=Path(__file__).resolve().parent.parent,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, name=f"graphserve-log-{self.port}", daemon=True)
+        self._reader.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        """Until the server prints that it is ready (the model is loaded)."""
+        deadline = time.monotonic() + timeout
+        while not any("graphserve ready" in line for line in self.lines):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server did not become ready:\n{self.log}")
+            time.sleep(0.05)
+
+    def terminate(self) -> None:
+        """SIGTERM: drain, then exit."""
+        self.process.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        code = self.process.wait(timeout)
+        self._reader.join(5.0)
+        return code
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self._reader.join(5.0)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
