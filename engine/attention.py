@@ -56,7 +56,7 @@ class TorchAttention:
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
         num_blocks = -(-num_tokens // self.block_size)
-        return cache[block_table[:num_blocks]].flatten(0, 1)[:num_tokens]
+        return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:num_tokens]
 
     def _prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
@@ -79,8 +79,10 @@ class TorchAttention:
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
-        keys = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
+        blocks = meta.block_tables.flatten()
+        gathered = (batch, -1, *k_cache.shape[2:])
+        keys = k_cache.index_select(0, blocks).view(gathered).transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_cache.index_select(0, blocks).view(gathered).transpose(1, 2)
         valid = torch.arange(keys.shape[2], device=q.device)[None, :] < meta.context_lens[:, None]
         out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=valid[:, None, None, :],
                                              scale=scale, enable_gqa=True)
