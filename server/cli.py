@@ -6,7 +6,6 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -27,6 +26,7 @@ from server.settings import (
     read_config_file,
     resolve_config_path,
 )
+from server.draining import FLUSH_TIMEOUT_S, DrainingServer
 from server.state import ServerState
 
 logger = logging.getLogger("graphserve.server")
@@ -158,19 +158,6 @@ def _setup_logging(level: str) -> None:
     )
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn, plus: the moment shutdown begins (SIGTERM/SIGINT), /health and new
-    requests answer 503 while running requests get --shutdown-timeout seconds to end."""
-
-    def __init__(self, config: uvicorn.Config, state: ServerState):
-        super().__init__(config)
-        self.graphserve_state = state
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        self.graphserve_state.draining = True
-        await super().shutdown(sockets)
-
-
 def serving_cpu_threads() -> int:
     """torch threads for a CPU engine behind HTTP: all cores but one. The event loop and
     the clients need a core; on a 2-core machine two torch threads that share it with
@@ -221,9 +208,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=server_settings.port,
         log_level=server_settings.log_level,
         access_log=server_settings.log_requests,
-        timeout_graceful_shutdown=server_settings.shutdown_timeout,
+        timeout_graceful_shutdown=FLUSH_TIMEOUT_S,  # the drain already waited --shutdown-timeout
     )
-    http_server = DrainingServer(config, app.state.graphserve)
+    http_server = DrainingServer(config, app.state.graphserve, drain_timeout=server_settings.shutdown_timeout)
     logger.info("loading the model; %s/health answers 503 until it is ready", url)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the
     # previous handler; make that a clean exit rather than a traceback or a kill.

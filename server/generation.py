@@ -80,6 +80,7 @@ class GenerationGroup:
         self.log_requests = log_requests
         self.progress: dict[int, ChoiceProgress] = {}
         self._pumps: dict[int, _Pump] = {}
+        self._interrupted: APIError | None = None
 
     def engine_request_id(self, index: int) -> str:
         return f"{self.request_id}-{index}"
@@ -92,6 +93,7 @@ class GenerationGroup:
         the group that was already submitted is aborted.
         """
         self.admission.admit(self.engine, len(self.jobs))
+        self.admission.active.add(self)
         now = time.monotonic()
         try:
             for job in self.jobs:
@@ -117,6 +119,8 @@ class GenerationGroup:
             if not waiting:
                 return
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if self._interrupted is not None:
+                raise self._interrupted
             for task in sorted(done, key=lambda t: waiting[t]):
                 index = waiting[task]
                 pump = self._pumps[index]
@@ -138,6 +142,15 @@ class GenerationGroup:
         async for _ in self.outputs():
             pass
         return self.progress
+
+    def interrupt(self, error: APIError) -> None:
+        """End the request now with `error` (the shutdown deadline passed): its engine
+        requests are aborted; a stream ends with an error event, otherwise the error is
+        the response."""
+        self._interrupted = error
+        for pump in self._pumps.values():
+            if pump.task is not None and not pump.task.done():
+                pump.task.cancel()  # the engine stream aborts its request as it unwinds
 
     def _dequeue(self, pump: _Pump) -> None:
         if pump.queued:
@@ -184,6 +197,7 @@ class GenerationGroup:
         shielded: Starlette cancels a stream's task with an anyio cancel scope, which
         would cancel every await of this cleanup again.
         """
+        self.admission.active.discard(self)
         for index, pump in self._pumps.items():
             self._dequeue(pump)
             progress = self.progress[index]

@@ -34,10 +34,10 @@ class ServerState:
 
     def ready_engine(self) -> Any:
         """The engine, or a 503 while it loads / after it died."""
-        if self.draining:
-            raise shutting_down()
         if self.engine.dead or self.startup_error is not None:
             raise engine_dead()
+        if self.draining:
+            raise shutting_down()
         if not self.engine.ready:
             raise not_ready()
         return self.engine

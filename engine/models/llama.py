@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
 from engine.models.config import ModelArgs
-from engine.models.layers import add_rms_norm, rms_norm, silu_and_mul
+from engine.models.layers import Linear, add_rms_norm, linear, pack_weight_for_cpu, rms_norm, silu_and_mul
 
 
 class RMSNorm(nn.Module):
@@ -31,8 +30,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = Linear(self.q_size, args.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -53,8 +52,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -89,8 +88,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(args, backend) for _ in range(args.num_layers)])
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
+        self.lm_head_packed: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -103,4 +103,12 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight, packed=self.lm_head_packed).float()
+
+    def pack_for_cpu(self) -> None:
+        """Pack every projection (and the LM head) for oneDNN; a no-op off CPU or float32."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
+        self.lm_head_packed = pack_weight_for_cpu(
+            self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)

@@ -69,6 +69,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
     if missing:
         raise ModelFilesError(f"{path}: weights missing from the checkpoint: {', '.join(missing[:5])}"
                               + (" ..." if len(missing) > 5 else ""))
+    model.pack_for_cpu()
     return model.eval()
 
 
