@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import secrets
+import hmac
 
 from fastapi import Request
 
@@ -16,7 +16,7 @@ def require_api_key(request: Request) -> None:
     if not expected:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected.encode()):
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
         raise APIError(
             401,
             "Incorrect or missing API key; send it as 'Authorization: Bearer <key>'.",

@@ -92,7 +92,7 @@ class GenerationGroup:
         a bad request becomes a 4xx before any response header is sent, and any job of
         the group that was already submitted is aborted.
         """
-        self.admission.admit(self.engine, len(self.jobs))
+        self.admission.admit(len(self.jobs))
         self.admission.active.add(self)
         now = time.monotonic()
         try:
@@ -109,7 +109,11 @@ class GenerationGroup:
         if self.log_requests:
             job = self.jobs[0]
             logger.info(
-                "request %s: %d choice(s), prompt %.200r, params %s", self.request_id, len(self.jobs), job.prompt, job.params
+                "request %s: %d choice(s), prompt %.200r, params %s",
+                self.request_id,
+                len(self.jobs),
+                job.prompt,
+                job.params,
             )
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:

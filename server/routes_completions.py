@@ -16,7 +16,14 @@ from server.auth import require_api_key
 from server.errors import APIError, bad_request, from_engine_error
 from server.generation import ChoiceJob, ChoiceProgress, GenerationGroup, run_to_completion, start_generation, usage_of
 from server.logprobs import append_completion_logprobs
-from server.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse
+from server.protocol import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
 from server.request_body import parse_body
 from server.sampling import build_sampling_params, check_token_id, for_choice
 from server.sse import DONE_EVENT, EventStreamResponse, sse_event
@@ -57,7 +64,8 @@ def fit_max_tokens(
     for prompt in prompts:
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt  # as the engine would
         room = max_model_len - len(ids)
-        fitted.append((ids, min(COMPLETIONS_DEFAULT_MAX_TOKENS, room) if room > 0 else None))  # None: the engine says too long
+        # no room at all: None lets the engine answer that the prompt is too long
+        fitted.append((ids, min(COMPLETIONS_DEFAULT_MAX_TOKENS, room) if room > 0 else None))
     return fitted
 
 
@@ -93,8 +101,8 @@ async def create_completion(request: Request) -> JSONResponse | EventStreamRespo
         vocab_size=tokenizer.vocab_size,
     )
     jobs = [
-        ChoiceJob(index=p * body.n + c, prompt=prompt, params=for_choice(replace(params, max_tokens=max_tokens), c))
-        for p, (prompt, max_tokens) in enumerate(fit_max_tokens(body, prompts, tokenizer, engine.max_model_len))
+        ChoiceJob(index=p * body.n + c, prompt=prompt, params=for_choice(replace(params, max_tokens=limit), c))
+        for p, (prompt, limit) in enumerate(fit_max_tokens(body, prompts, tokenizer, engine.max_model_len))
         for c in range(body.n)
     ]
     request_id = new_request_id("cmpl")

@@ -56,4 +56,5 @@ async def detokenize(request: Request) -> JSONResponse:
     tokenizer = engine.tokenizer
     for token_id in body.tokens:
         check_token_id(token_id, tokenizer.vocab_size, "tokens")
-    return JSONResponse(DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False)).model_dump())
+    text = tokenizer.decode(body.tokens, skip_special_tokens=False)
+    return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
