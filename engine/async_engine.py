@@ -75,11 +75,10 @@ class AsyncEngine:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str) -> AsyncIterator[RequestOutput]:
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> "RequestStream":
         """Validate and enqueue now (raises InvalidRequestError / PromptTooLongError before the
         request takes any KV); returns the stream of its outputs, one per engine round.
-        Closing the stream before the last output aborts the request."""
+        Closing the stream before the last output, read or not, aborts the request."""
         if self.dead:
             raise EngineDeadError("the engine has stopped after an error")
         if request_id in self._queues:
@@ -89,27 +88,12 @@ class AsyncEngine:
         self._queues[request_id] = outputs
         self._inbox.put(("add", seq))
         self._wakeup.set()
-        return self._stream(request_id, outputs)
+        return RequestStream(self, request_id, outputs)
 
-    async def _stream(self, request_id: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if item.finish_reason == "error":
-                    finished = True
-                    raise RequestFailedError(f"the engine step serving request {request_id} failed")
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+    def _release(self, request_id: str, finished: bool) -> None:
+        self._queues.pop(request_id, None)
+        if not finished:
+            self.abort(request_id)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -167,3 +151,43 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         for q in self._queues.values():
             q.put_nowait(error)
+
+
+class RequestStream:
+    """The outputs of one request: an async iterator whose aclose() aborts the request
+    (also when nothing was read yet)."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue):
+        self._engine = engine
+        self.request_id = request_id
+        self._outputs = outputs
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._outputs.get()
+        except BaseException:  # cancelled while waiting: the caller is gone
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            self._finish(True)
+            raise item
+        if item.finish_reason == "error":
+            self._finish(True)
+            raise RequestFailedError(f"the engine step serving request {self.request_id} failed")
+        if item.finished:
+            self._finish(True)
+        return item
+
+    def _finish(self, finished: bool) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._release(self.request_id, finished)
+
+    async def aclose(self) -> None:
+        self._finish(False)

@@ -243,16 +243,16 @@ class LLMEngine:
             reason = eager_reason(rnd.seqs, self.graphs.max_bucket)
         if reason is None:
             results, bucket = self.graphs.run(rnd)
-            stats.graph_replays[bucket] = stats.graph_replays.get(bucket, 0) + rnd.num_steps
+            # copy-on-write: stats() may read these dicts from another thread at any time
+            stats.graph_replays = {**stats.graph_replays, bucket: stats.graph_replays.get(bucket, 0) + rnd.num_steps}
             return results
-        stats.eager_rounds[reason] = stats.eager_rounds.get(reason, 0) + 1
+        stats.eager_rounds = {**stats.eager_rounds, reason: stats.eager_rounds.get(reason, 0) + 1}
         return self.runner.decode(rnd)
 
     def stats(self) -> EngineStats:
-        s = self.stats_counters
-        s.num_running = len(self.scheduler.running)
-        s.num_waiting = len(self.scheduler.waiting)
-        s.kv_blocks_free = self.block_manager.num_free_blocks
-        s.num_preemptions = self.scheduler.num_preemptions
-        return EngineStats(**{**s.__dict__, "graph_replays": dict(s.graph_replays),
-                              "eager_rounds": dict(s.eager_rounds)})
+        """A snapshot; safe to call from another thread."""
+        # the counter dicts are replaced, never mutated, so sharing them is safe
+        return dataclasses.replace(self.stats_counters, num_running=len(self.scheduler.running),
+                                   num_waiting=len(self.scheduler.waiting),
+                                   kv_blocks_free=self.block_manager.num_free_blocks,
+                                   num_preemptions=self.scheduler.num_preemptions)

@@ -265,3 +265,27 @@ def test_async_engine_validates_before_streaming_and_dies_cleanly(model_dir):
         await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_closing_an_unread_stream_aborts_the_request(model_dir):
+    import asyncio
+
+    from engine import AsyncEngine, EngineConfig
+
+    async def scenario():
+        engine = AsyncEngine(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=64))
+        await engine.start()
+        total = engine.stats().kv_blocks_total
+        stream = engine.add_request(PROMPTS[4], SamplingParams(max_tokens=400, ignore_eos=True), "unread")
+        await asyncio.sleep(0.2)  # let it start running
+        await stream.aclose()
+        for _ in range(100):
+            stats = engine.stats()
+            if stats.num_running == 0 and stats.num_waiting == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert (stats.num_running, stats.num_waiting, stats.kv_blocks_free) == (0, 0, total)
+        assert "unread" not in engine._queues
+        await engine.shutdown()
+
+    asyncio.run(scenario())
