@@ -17,7 +17,7 @@ def model_card(state: ServerState) -> ModelCard:
     return ModelCard(
         id=state.model_name,
         created=state.created,
-        root=engine.model_name,  # the folder's name: responses carry no server paths
+        root=engine.model_path,  # the local model folder, as vLLM reports it
         max_model_len=engine.max_model_len,
     )
 
