@@ -129,11 +129,6 @@ class Sequence:
         self.first_token_time: float | None = None
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
-        # filled by the output processor (detokenizer + stop strings)
-        self.text = ""
-        self.num_emitted_tokens = 0
-        self.num_emitted_chars = 0
-        self.num_emitted_logprobs = 0
 
     @property
     def num_prompt_tokens(self) -> int:

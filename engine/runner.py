@@ -79,10 +79,11 @@ class ModelRunner:
     def _tensor(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def _block_tables(self, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
-        width = width or max(len(s.block_table) for s in seqs)
-        rows = [s.block_table + [DUMMY_BLOCK] * (width - len(s.block_table)) for s in seqs]
-        return self._tensor(rows, torch.int32)
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[B, longest table] int32, short rows padded with the dummy block (host tensor)."""
+        width = max(len(s.block_table) for s in seqs)
+        return torch.tensor([s.block_table + [DUMMY_BLOCK] * (width - len(s.block_table)) for s in seqs],
+                            dtype=torch.int32)
 
     @torch.inference_mode()
     def prefill(self, batch: PrefillBatch) -> dict[str, StepTokens]:
@@ -102,7 +103,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._block_tables(batch.seqs),
+            block_tables=self._block_tables(batch.seqs).to(self.device),
             context_lens=self._tensor(context_lens, torch.int32),
             cu_seqlens_q=self._tensor(cu, torch.int32),
             max_seqlen_q=max(query_lens),
@@ -166,9 +167,7 @@ class ModelRunner:
     def prepare_decode(self, rnd: DecodeRound) -> DecodeState:
         """Host-built tensors for an eager round."""
         seqs, k = rnd.seqs, rnd.num_steps
-        tables = torch.tensor([s.block_table + [DUMMY_BLOCK] * (max(len(t.block_table) for t in seqs)
-                                                                 - len(s.block_table)) for s in seqs],
-                              dtype=torch.int32)
+        tables = self._block_tables(seqs)
         positions, slots, context_lens = plan_steps(seqs, k, tables, self.block_size)
         st = build_sampling_tensors(seqs, self.vocab_size, self.eos_ids, self.device)
         b, dev = len(seqs), self.device
