@@ -25,7 +25,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        seqs = [self.engine.make_sequence(str(next(self._ids)), p, SamplingParams(**vars(sp)))
+        seqs = [self.engine.make_sequence(str(next(self._ids)), p, sp)
                 for p, sp in zip(prompts, params_list)]
         for seq in seqs:
             self.engine.add_sequence(seq)
