@@ -110,7 +110,7 @@ class GraphDecoder:
         todo = [(b, v) for b in reversed(self.buckets) for v in VARIANTS]
         for bucket, variant in tqdm(todo, desc="capturing CUDA graphs", disable=not progress):
             state = self._state(bucket, variant)
-            self._reset_padding(0)
+            self._reset_padding(0, self.max_bucket)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up outside the graph (Triton compiles, allocator settles)
@@ -130,17 +130,18 @@ class GraphDecoder:
     def bucket_for(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
 
-    def _reset_padding(self, start: int) -> None:
-        """Rows from `start` on become inert: dummy block, position 0, greedy."""
+    def _reset_padding(self, start: int, end: int) -> None:
+        """Rows start..end-1 become inert: dummy block, position 0, greedy. (A bucket's graph
+        reads only its own rows, so rows past the bucket need no reset.)"""
+        if start >= end:
+            return
         for t, value in ((self.input_ids, 0), (self.temperature, 0.0), (self.seeds, 0), (self.output_pos, 0),
-                         (self.min_p, 0.0)):
-            t[start:].fill_(value)
+                         (self.min_p, 0.0), (self.top_p, 1.0), (self.top_k, self.runner.vocab_size),
+                         (self.block_tables, DUMMY_BLOCK)):
+            t[start:end].fill_(value)
         for t, value in ((self.step_positions, 0), (self.step_slots, DUMMY_BLOCK * self.runner.block_size),
                          (self.step_context_lens, 1)):
-            t[:, start:].fill_(value)
-        self.top_p[start:].fill_(1.0)
-        self.top_k[start:].fill_(self.runner.vocab_size)
-        self.block_tables[start:].fill_(DUMMY_BLOCK)
+            t[:, start:end].fill_(value)
 
     @torch.inference_mode()
     def run(self, rnd: DecodeRound) -> tuple[dict[str, StepTokens], int]:
@@ -155,7 +156,7 @@ class GraphDecoder:
         for i, s in enumerate(seqs):
             table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
         positions, slots, context_lens = plan_steps(seqs, k, table, self.runner.block_size)
-        self._reset_padding(b)
+        self._reset_padding(b, bucket)
         non_blocking = self.device.type == "cuda"
         for dst, src in ((self.input_ids[:b], torch.tensor([s.last_token_id for s in seqs])),
                          (self.step_positions[:k, :b], positions), (self.step_slots[:k, :b], slots),

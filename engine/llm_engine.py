@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -82,7 +83,7 @@ class LLMEngine:
         self.max_model_len = min(max_len_wanted, (num_blocks - 1) * config.block_size)
         self.kv_caches = allocate_kv_cache(args, num_blocks, config.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_caches, self.block_manager, self.device, self.eos_ids)
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -93,6 +94,7 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self.stats_counters = EngineStats(kv_blocks_total=self.block_manager.num_usable_blocks)
         self._injected_fault: str | None = None
+        self._seeds = random.Random(config.seed)
         logger.info("loaded %s (%s, %d layers) on %s in %s: %.1fs; KV pool %d blocks x %d tokens, max_model_len %d",
                     self.model_path, args.architecture, args.num_layers, self.device, str(self.dtype).split(".")[-1],
                     time.perf_counter() - started, num_blocks, config.block_size, self.max_model_len)
@@ -151,7 +153,9 @@ class LLMEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the completion). "
                 f"Please reduce the prompt or max_tokens.", param="max_tokens" if n < self.max_model_len else "prompt")
-        return Sequence(request_id, token_ids, params)
+        # unseeded requests draw their seed from the engine's generator (EngineConfig.seed)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
+        return Sequence(request_id, token_ids, params, seed)
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self.sequences:

@@ -4,7 +4,6 @@ and what comes back (RequestOutput)."""
 from __future__ import annotations
 
 import enum
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -111,7 +110,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """Engine-side state of one request: its tokens, KV blocks, and progress."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int = 0):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -121,7 +120,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         # sampling noise is a function of (seed, output position): fixed per request
-        self.seed = params.seed if params.seed is not None else random.getrandbits(32)
+        self.seed = seed
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.num_preemptions = 0

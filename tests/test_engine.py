@@ -289,3 +289,11 @@ def test_closing_an_unread_stream_aborts_the_request(model_dir):
         await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible(model_dir):
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    runs = [[o.token_ids for o in make_llm(model_dir, seed=seed).generate(PROMPTS[:3], params)] for seed in (5, 5, 6)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+    assert len({tuple(t) for t in runs[0]}) == 3  # each request draws its own seed
