@@ -7,18 +7,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
+from pydantic import BaseModel
 
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
 from server.admission import Admission
 from server.errors import APIError, from_engine_error, internal_error
 from server.metrics import ServerMetrics
 from server.protocol import UsageInfo
+from server.sse import DONE_EVENT, sse_event
 
 logger = logging.getLogger("graphserve.server")
 
@@ -288,3 +290,23 @@ def usage_of(progress: dict[int, ChoiceProgress], n: int) -> UsageInfo:
     return UsageInfo(
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
     )
+
+
+async def stream_events(choice_events: AsyncIterator[bytes], group: GenerationGroup, request_id: str,
+                        usage_chunk: Callable[[], BaseModel] | None) -> AsyncIterator[bytes]:
+    """A stream's body: its choice events, the usage chunk when asked, then [DONE]. An error
+    after the headers went out becomes a final error event; the group is always closed."""
+    try:
+        async for event in choice_events:
+            yield event
+        if usage_chunk is not None:
+            yield sse_event(usage_chunk())
+        yield DONE_EVENT
+    except Exception as exc:
+        error = exc if isinstance(exc, APIError) else from_engine_error(exc)
+        if not isinstance(exc, APIError):
+            logger.exception("stream %s failed", request_id)
+        yield sse_event(error.body())
+        yield DONE_EVENT
+    finally:
+        await group.close()

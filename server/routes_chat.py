@@ -12,8 +12,16 @@ from fastapi.responses import JSONResponse
 
 from server import openapi
 from server.auth import require_api_key
-from server.errors import APIError, bad_request, from_engine_error
-from server.generation import ChoiceJob, ChoiceProgress, GenerationGroup, run_to_completion, start_generation, usage_of
+from server.errors import bad_request
+from server.generation import (
+    ChoiceJob,
+    ChoiceProgress,
+    GenerationGroup,
+    run_to_completion,
+    start_generation,
+    stream_events,
+    usage_of,
+)
 from server.logprobs import chat_logprobs
 from server.protocol import (
     ChatChoiceLogprobs,
@@ -27,7 +35,7 @@ from server.protocol import (
 )
 from server.request_body import parse_body
 from server.sampling import build_sampling_params, for_choice
-from server.sse import DONE_EVENT, EventStreamResponse, sse_event
+from server.sse import EventStreamResponse, sse_event
 from server.state import ServerState, get_state, new_request_id
 
 logger = logging.getLogger("graphserve.server")
@@ -127,40 +135,29 @@ class _ChatView:
         chunk = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice])
         return sse_event(chunk, exclude=None if self.body.include_usage_in_stream else {"usage"})
 
-    async def events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
+    def events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
+        def usage() -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[],
+                                   usage=usage_of(group.progress, self.body.n))
+
+        return stream_events(self._choice_events(group), group, self.request_id,
+                             usage if self.body.include_usage_in_stream else None)
+
+    async def _choice_events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
         started: set[int] = set()
-        try:
-            async for index, output in group.outputs():
-                if index not in started:
-                    started.add(index)
-                    yield self._chunk(ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""}))
-                has_logprobs = bool(self.body.logprobs and output.delta_logprobs)
-                if not output.delta_text and not output.finished and not has_logprobs:
-                    continue
-                yield self._chunk(
-                    ChatChunkChoice(
-                        index=index,
-                        delta={"content": output.delta_text} if output.delta_text else {},
-                        logprobs=self._logprobs(output.delta_logprobs),
-                        finish_reason=output.finish_reason if output.finished else None,
-                        stop_reason=output.stop_reason if output.finished else None,
-                    )
+        async for index, output in group.outputs():
+            if index not in started:
+                started.add(index)
+                yield self._chunk(ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""}))
+            has_logprobs = bool(self.body.logprobs and output.delta_logprobs)
+            if not output.delta_text and not output.finished and not has_logprobs:
+                continue
+            yield self._chunk(
+                ChatChunkChoice(
+                    index=index,
+                    delta={"content": output.delta_text} if output.delta_text else {},
+                    logprobs=self._logprobs(output.delta_logprobs),
+                    finish_reason=output.finish_reason if output.finished else None,
+                    stop_reason=output.stop_reason if output.finished else None,
                 )
-            if self.body.include_usage_in_stream:
-                usage_chunk = ChatCompletionChunk(
-                    id=self.request_id,
-                    created=self.created,
-                    model=self.model,
-                    choices=[],
-                    usage=usage_of(group.progress, self.body.n),
-                )
-                yield sse_event(usage_chunk)
-            yield DONE_EVENT
-        except Exception as exc:  # headers are sent: report the error as a final event
-            error = exc if isinstance(exc, APIError) else from_engine_error(exc)
-            if not isinstance(exc, APIError):
-                logger.exception("stream %s failed", self.request_id)
-            yield sse_event(error.body())
-            yield DONE_EVENT
-        finally:
-            await group.close()
+            )

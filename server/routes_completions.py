@@ -13,8 +13,16 @@ from fastapi.responses import JSONResponse
 
 from server import openapi
 from server.auth import require_api_key
-from server.errors import APIError, bad_request, from_engine_error
-from server.generation import ChoiceJob, ChoiceProgress, GenerationGroup, run_to_completion, start_generation, usage_of
+from server.errors import bad_request
+from server.generation import (
+    ChoiceJob,
+    ChoiceProgress,
+    GenerationGroup,
+    run_to_completion,
+    start_generation,
+    stream_events,
+    usage_of,
+)
 from server.logprobs import append_completion_logprobs
 from server.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -26,7 +34,7 @@ from server.protocol import (
 )
 from server.request_body import parse_body
 from server.sampling import build_sampling_params, check_token_id, for_choice
-from server.sse import DONE_EVENT, EventStreamResponse, sse_event
+from server.sse import EventStreamResponse, sse_event
 from server.state import ServerState, get_state, new_request_id
 
 logger = logging.getLogger("graphserve.server")
@@ -172,59 +180,48 @@ class _CompletionView:
         entries = choice.prompt_logprobs or [None] * len(prompt_ids)
         return append_completion_logprobs(logprobs, prompt_ids, entries, self.tokenizer.token_text, 0)
 
-    async def events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
+    def events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
+        def usage() -> CompletionChunk:
+            return CompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[],
+                               usage=usage_of(group.progress, self.body.n))
+
+        return stream_events(self._choice_events(group), group, self.request_id,
+                             usage if self.body.include_usage_in_stream else None)
+
+    async def _choice_events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
         exclude = None if self.body.include_usage_in_stream else {"usage"}
         text_offsets: dict[int, int] = {}
-        try:
-            async for index, output in group.outputs():
-                first = index not in text_offsets
-                text = output.delta_text
-                logprobs = None
-                if self.body.logprobs is not None:
-                    logprobs = CompletionLogprobs()
-                    offset = text_offsets.get(index, 0)
-                    if first and self.body.echo:
-                        offset = self._append_prompt_logprobs(logprobs, group.progress[index])
-                    entries = output.delta_logprobs or []
-                    text_offsets[index] = append_completion_logprobs(
-                        logprobs, [e.token_id for e in entries], entries, self.tokenizer.token_text, offset
-                    )
-                else:
-                    text_offsets[index] = 0
+        async for index, output in group.outputs():
+            first = index not in text_offsets
+            text = output.delta_text
+            logprobs = None
+            if self.body.logprobs is not None:
+                logprobs = CompletionLogprobs()
+                offset = text_offsets.get(index, 0)
                 if first and self.body.echo:
-                    text = self.prompt_text(index) + text
-                if not text and not output.finished and not (logprobs and logprobs.tokens):
-                    continue
-                chunk = CompletionChunk(
-                    id=self.request_id,
-                    created=self.created,
-                    model=self.model,
-                    choices=[
-                        CompletionChoice(
-                            index=index,
-                            text=text,
-                            logprobs=logprobs,
-                            finish_reason=output.finish_reason if output.finished else None,
-                            stop_reason=output.stop_reason if output.finished else None,
-                        )
-                    ],
+                    offset = self._append_prompt_logprobs(logprobs, group.progress[index])
+                entries = output.delta_logprobs or []
+                text_offsets[index] = append_completion_logprobs(
+                    logprobs, [e.token_id for e in entries], entries, self.tokenizer.token_text, offset
                 )
-                yield sse_event(chunk, exclude=exclude)
-            if self.body.include_usage_in_stream:
-                usage_chunk = CompletionChunk(
-                    id=self.request_id,
-                    created=self.created,
-                    model=self.model,
-                    choices=[],
-                    usage=usage_of(group.progress, self.body.n),
-                )
-                yield sse_event(usage_chunk)
-            yield DONE_EVENT
-        except Exception as exc:  # headers are sent: report the error as a final event
-            error = exc if isinstance(exc, APIError) else from_engine_error(exc)
-            if not isinstance(exc, APIError):
-                logger.exception("stream %s failed", self.request_id)
-            yield sse_event(error.body())
-            yield DONE_EVENT
-        finally:
-            await group.close()
+            else:
+                text_offsets[index] = 0
+            if first and self.body.echo:
+                text = self.prompt_text(index) + text
+            if not text and not output.finished and not (logprobs and logprobs.tokens):
+                continue
+            chunk = CompletionChunk(
+                id=self.request_id,
+                created=self.created,
+                model=self.model,
+                choices=[
+                    CompletionChoice(
+                        index=index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=output.finish_reason if output.finished else None,
+                        stop_reason=output.stop_reason if output.finished else None,
+                    )
+                ],
+            )
+            yield sse_event(chunk, exclude=exclude)
