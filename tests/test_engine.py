@@ -161,6 +161,7 @@ def test_logit_bias_forces_a_token(llm):
 
 
 def test_repetition_penalties_change_greedy_output(llm, hf_greedy):
+    assert torch.bincount(torch.tensor(hf_greedy[0])).max() > 1  # precondition: plain greedy repeats a token
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
                                                     frequency_penalty=2.0))[0]
     counts = torch.bincount(torch.tensor(out.token_ids))
