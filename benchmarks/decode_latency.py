@@ -97,6 +97,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--gemv-ab", action="store_true",
+                        help="also time batch 1 with cuBLAS projections instead of the fused GEMV kernels")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/decode_latency.json"))
     args = parser.parse_args()
 
@@ -104,6 +106,7 @@ def main() -> None:
     import triton
 
     from engine import LLM
+    from engine.models import layers
 
     bandwidth = copy_bandwidth()
     rows = []
@@ -135,6 +138,12 @@ def main() -> None:
             graphs, engine.graphs = engine.graphs, None
             record(name, "eager", batch, 8, time_engine(llm, prompts, args.new_tokens, repeats=1), model)
             engine.graphs = graphs
+            if args.gemv_ab and batch <= layers.GEMV_MAX_ROWS:
+                gemv_rows, layers.GEMV_MAX_ROWS = layers.GEMV_MAX_ROWS, 0
+                graphs.capture(progress=False)  # the projection kernels are chosen when a graph is captured
+                record(name, "graphs-cublas", batch, 8, time_engine(llm, prompts, args.new_tokens), model)
+                layers.GEMV_MAX_ROWS = gemv_rows
+                graphs.capture(progress=False)
         prompts = torch.randint(100, 30000, (1, args.prompt_len), generator=gen).tolist()
         for k in args.chunks:
             engine.config.decode_chunk = k

@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--copy-mib", type=int, default=2048, help="size of the copied buffer in MiB")
     p.add_argument("--rep", type=int, default=200, help="do_bench repetition time in ms")
     p.add_argument("--sweep", action="store_true", help="also time other tile shapes and split counts")
+    p.add_argument("--case", action="append", default=[], metavar="NAME,BATCH,CONTEXT,HQ,HKV,HEAD_DIM",
+                   help="decode cases to run instead of the defaults (repeatable)")
     return p.parse_args(argv)
 
 
@@ -126,7 +128,7 @@ def bench_decode(case: tuple, block_size: int, rep: int, copy_gbs: float, sweep:
     if sweep:
         tiles = [DecodeTile(*t) for t in ((32, 4, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3),
                                           (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3))]
-        split_counts = [s for s in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128) if s * 64 <= ctx]
+        split_counts = [s for s in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128) if s * 32 <= ctx]
         variants += [(s, t) for t in tiles for s in split_counts if (s, t) != variants[0]]
     rows = []
     for splits, tile in variants:
@@ -196,13 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     copy = copy_bandwidth(args.copy_mib, args.rep)
     print(f"device-to-device copy: {copy['gb_per_s']:.0f} GB/s "
           f"({copy['ms']:.3f} ms for {copy['bytes_moved'] / 1e9:.2f} GB)")
+    cases = [(c.split(",")[0], *map(int, c.split(",")[1:])) for c in args.case] or CASES
     rows = []
-    for case in CASES:
+    for case in cases:
         rows += bench_decode(case, args.block_size, args.rep, copy["gb_per_s"], args.sweep)
 
     print(f"{'case':22} {'splits':>6} {'tile (bn,w,st)':>15} {'graph ms':>9} {'GB/s':>6} {'of copy':>8}"
           f" {'launch ms':>10} {'of copy':>8}")
-    for case in CASES:
+    for case in cases:
         mine = [r for r in rows if r["case"] == case[0]]
         shown = [r for r in mine if r["default"]] + sorted((r for r in mine if not r["default"]),
                                                           key=lambda r: r["graph_ms"])[:6]
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
           f"rotating caches; launch: do_bench median with L2 flush; target >= {TARGET_FRACTION:.0%} of copy)")
 
     prefill_rows = []
-    for case in PREFILL_CASES:
+    for case in PREFILL_CASES if not args.case else []:
         prefill_rows += bench_prefill(case, args.block_size, args.rep, args.sweep)
     print(f"\n{'prefill case':32} {'tile (bm,bn,w,st)':>18} {'ms':>8} {'TFLOP/s':>8}")
     for r in sorted(prefill_rows, key=lambda r: (r["case"], not r["default"], r["ms"])):

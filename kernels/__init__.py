@@ -5,19 +5,41 @@ the import to run the kernels in Triton's interpreter (slow; for tests).
 """
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref, pick_num_splits
+from kernels.decode_attention import (
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    pick_num_splits,
+)
+from kernels.gemv import GemvTile, default_gemv_tile, gemv, gemv_ref
 from kernels.kv_store import store_kv, store_kv_ref
-from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kernels.prefill_attention import (
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+)
+from kernels.rmsnorm import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
 from kernels.rope_kv_store import rope_and_store_kv, rope_and_store_kv_ref
-from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
-from kernels.rotary import apply_rotary, apply_rotary_ref, build_cos_sin_cache, rope_inv_freq
+from kernels.rotary import (
+    apply_rotary,
+    apply_rotary_ref,
+    build_cos_sin_cache,
+    rope_inv_freq,
+)
 
 __all__ = [
+    "GemvTile",
     "apply_rotary",
     "apply_rotary_ref",
     "build_cos_sin_cache",
+    "default_gemv_tile",
     "fused_add_rms_norm",
     "fused_add_rms_norm_ref",
+    "gemv",
+    "gemv_ref",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention",

@@ -11,11 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from kernels import (
+    GemvTile,
     apply_rotary,
     apply_rotary_ref,
     build_cos_sin_cache,
+    default_gemv_tile,
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
+    gemv,
+    gemv_ref,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
@@ -373,3 +377,80 @@ def test_silu_and_mul():
     dense = x[:, :1500] * torch.sigmoid(x[:, :1500]) * x[:, 1500:]
     assert rel_err(ref, dense) < 1e-6
     assert rel_err(silu_and_mul(x), ref) < TOL
+
+
+# ----------------------------------------------------------------------------- gemv
+
+
+def _gemv_case(rows: int, n: int, k: int, seed: int, strided: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k + (3 if strided else 0), generator=gen)[:, :k]
+    return gen, x, torch.randn(n, k, generator=gen) / k**0.5
+
+
+def test_gemv_ref_matches_unfused_decoder_path():
+    gen, x, w = _gemv_case(3, 40, 24, seed=20)
+    res = torch.randn(3, 24, generator=gen)
+    g = torch.randn(24, generator=gen)
+    out, new_res = gemv_ref(x, w, norm_weight=g, residual=res, eps=1e-5, silu_mul=True)
+    h = (x + res) * torch.rsqrt((x + res).pow(2).mean(-1, keepdim=True) + 1e-5) * g
+    y = h @ w.T
+    assert rel_err(new_res, x + res) < 1e-7
+    assert rel_err(out, F.silu(y[:, :20]) * y[:, 20:]) < 1e-5
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 200), (3, 64, 96), (4, 130, 1100)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv(rows, n, k, bias):
+    gen, x, w = _gemv_case(rows, n, k, seed=21 + rows, strided=rows == 3)
+    b = torch.randn(n, generator=gen) if bias else None
+    out, new_res = gemv(x, w, b)
+    assert new_res is None and out.shape == (rows, n)
+    assert rel_err(out, gemv_ref(x, w, b)[0]) < TOL
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemv_fused_norm(with_residual):
+    gen, x, w = _gemv_case(2, 48, 300, seed=25)  # K not a power of two, several K tiles below
+    res = torch.randn(2, 300, generator=gen) if with_residual else None
+    g = torch.randn(300, generator=gen)
+    x0 = x.clone()
+    out, new_res = gemv(x, w, norm_weight=g, residual=res, eps=1e-6, tile=GemvTile(16, 64, 4))
+    ref, ref_res = gemv_ref(x, w, norm_weight=g, residual=res, eps=1e-6)
+    assert torch.equal(x, x0)
+    assert rel_err(out, ref) < TOL
+    assert (new_res is None) == (not with_residual)
+    if with_residual:
+        assert torch.equal(new_res, ref_res)
+
+
+def test_gemv_fused_norm_silu_mul_float32_logits_dtype():
+    gen, x, w = _gemv_case(2, 2 * 72, 128, seed=26)
+    res = torch.randn(2, 128, generator=gen)
+    g = torch.randn(128, generator=gen)
+    out, new_res = gemv(x, w, norm_weight=g, residual=res, silu_mul=True, tile=GemvTile(8, 32, 2))
+    ref, ref_res = gemv_ref(x, w, norm_weight=g, residual=res, silu_mul=True)
+    assert out.shape == (2, 72) and torch.equal(new_res, ref_res)
+    assert rel_err(out, ref) < TOL
+    logits, _ = gemv(x.to(torch.float16), w.to(torch.float16), out_dtype=torch.float32)
+    assert logits.dtype == torch.float32
+    assert rel_err(logits, gemv_ref(x.to(torch.float16), w.to(torch.float16))[0].float()) < 1e-2
+
+
+def test_gemv_bad_shapes():
+    _, x, w = _gemv_case(2, 8, 16, seed=27)
+    with pytest.raises(ValueError):
+        gemv(x, w[:, :8])
+    with pytest.raises(ValueError):
+        gemv(x, w[:7], silu_mul=True)
+    with pytest.raises(ValueError):
+        gemv(x, w, residual=x)
+
+
+def test_default_gemv_tile_fills_the_gpu_and_bounds_registers():
+    for rows, n, k, silu in [(1, 1152, 896, False), (1, 4864, 896, True), (1, 896, 4864, False),
+                             (1, 151936, 896, False), (4, 28672 // 2, 4096, True), (8, 4096, 14336, False)]:
+        t = default_gemv_tile(rows, n, k, 132, silu)
+        programs = rows * -(-n // t.block_n)
+        assert programs >= 2 * 132 or t.block_n == 1
+        assert t.block_n * t.block_k * (2 if silu else 1) <= t.num_warps * 32 * 64

@@ -11,6 +11,8 @@ from kernels import (
     build_cos_sin_cache,
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
+    gemv,
+    gemv_ref,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
@@ -233,3 +235,38 @@ def test_rope_and_store_kv_llama_8b():
     # the reference rounds after each bf16 op, the kernel once: they differ by at most one bf16 ulp
     assert rel_err(q, ref_q) < TOL and rel_err(k_cache, ref_k_cache) < TOL
     assert torch.equal(v_cache, ref_v_cache)
+
+
+# (weight rows N, K, fused norm + residual, bias, silu_mul) of the decode-step projections
+GEMV_SHAPES = {
+    "qwen-qkv": (1152, 896, True, True, False), "qwen-gate_up": (9728, 896, True, False, True),
+    "qwen-down": (896, 4864, False, False, False), "qwen-lm_head": (151936, 896, False, False, False),
+    "llama-qkv": (6144, 4096, True, False, False), "llama-o": (4096, 4096, False, False, False),
+    "llama-gate_up": (28672, 4096, True, False, True), "llama-down": (4096, 14336, False, False, False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("name", sorted(GEMV_SHAPES))
+def test_gemv_real_shapes(name, rows, monkeypatch):
+    n, k, norm, bias, silu = GEMV_SHAPES[name]
+    real_empty, real_empty_like = torch.empty, torch.empty_like  # outputs come back poisoned
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: real_empty_like(*a, **kw).fill_(float("nan")))
+    gen = torch.Generator(device=DEV).manual_seed(rows)
+    x = torch.randn(rows, k, device=DEV, dtype=BF16, generator=gen)
+    w = torch.randn(n, k, device=DEV, dtype=BF16, generator=gen) / k**0.5
+    b = torch.randn(n, device=DEV, dtype=BF16, generator=gen) if bias else None
+    res = torch.randn(rows, k, device=DEV, dtype=BF16, generator=gen) if norm else None
+    g = torch.rand(k, device=DEV, dtype=BF16, generator=gen) + 0.5 if norm else None
+    out_dtype = torch.float32 if "lm_head" in name else None
+    out, new_res = gemv(x, w, b, norm_weight=g, residual=res, silu_mul=silu, out_dtype=out_dtype)
+    f32 = lambda t: t.float() if t is not None else None  # noqa: E731
+    ref, ref_res = gemv_ref(x.float(), w.float(), f32(b), norm_weight=f32(g), residual=f32(res), silu_mul=silu)
+    assert out.dtype == (out_dtype or BF16) and not out.isnan().any()
+    assert rel_err(out, ref) < TOL
+    if norm:
+        assert torch.equal(new_res, (x.float() + res.float()).to(BF16))
+    # the unfused bf16 path (same rounding steps, cuBLAS summation order) agrees closely too
+    assert rel_err(out, gemv_ref(x, w, b, norm_weight=g, residual=res, silu_mul=silu)[0]) < 5e-3

@@ -67,13 +67,15 @@ def test_chunked_prefill_then_decode_match_transformers(tiny):
 
 
 @torch.no_grad()
-def test_triton_path_matches_torch_path(monkeypatch, tmp_path):
+@pytest.mark.parametrize("variant", ["qwen3", "qwen2"])  # q/k norm; QKV bias and tied embeddings
+def test_triton_path_matches_torch_path(monkeypatch, tmp_path, variant):
     """The CUDA code path (Triton kernels for norms, rotary, SiLU, KV store and paged
-    attention), run in Triton's interpreter on CPU, equals the torch path."""
+    attention; the decode step's projections as fused norm + GEMV (+ SiLU) kernels), run in
+    Triton's interpreter on CPU, equals the torch path."""
     import engine.models.layers as layers
     from engine.attention import TritonAttention
 
-    path = make_tiny_model(tmp_path / "qwen3", "qwen3")
+    path = make_tiny_model(tmp_path / variant, variant)
     torch_model = load_model(path, torch.float32, torch.device("cpu"), TorchAttention(16), 128)
     triton_model = load_model(path, torch.float32, torch.device("cpu"), TritonAttention(16), 128)
     ids = torch.randint(3, 500, (21,))
@@ -82,6 +84,7 @@ def test_triton_path_matches_torch_path(monkeypatch, tmp_path):
     results = []
     for model, use_triton in ((torch_model, False), (triton_model, True)):
         monkeypatch.setattr(layers, "_triton", lambda x, use=use_triton: use)
+        monkeypatch.setattr(layers, "_use_gemv", lambda x, use=use_triton: use and x.shape[0] <= layers.GEMV_MAX_ROWS)
         kv = allocate_kv_cache(model.args, 6, 16, torch.float32, torch.device("cpu"))
         meta = _prefill_meta([slot(p) for p in range(20)], table, 20, 20)
         prefill = model.compute_logits(model(ids[:20], torch.arange(20), meta, kv))

@@ -1,5 +1,6 @@
-"""The decoder's elementwise operations. On CUDA they run our Triton kernels; on CPU
-plain torch (the same math as the kernels' references, written for speed)."""
+"""The decoder's projections and elementwise operations. On CUDA they run our Triton kernels
+(and, for decode-sized batches, our fused matrix-vector kernel); on CPU plain torch (the same
+math as the kernels' references, written for speed)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,16 @@ from torch import nn
 _ONEDNN_LINEAR = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
 
 
+# Up to this many rows a projection on CUDA runs as our Triton GEMV (kernels/gemv.py) with the
+# RMSNorm before it and the SiLU-and-mul after it fused in; above it, cuBLAS and separate kernels.
+# Chosen from benchmarks/gemv_bench.py on an H200. Benchmarks set it to 0 to measure without.
+GEMV_MAX_ROWS = 8
+
+
+def _use_gemv(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS
+
+
 def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     """A oneDNN-packed copy of a float32 CPU weight [out, in], or None where that does not apply."""
     if not _ONEDNN_LINEAR or weight.device.type != "cpu" or weight.dtype != torch.float32:
@@ -20,10 +31,17 @@ def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias); out_dtype: the result (rounded to x's dtype first) in this dtype."""
+    if _use_gemv(x):
+        from kernels.gemv import gemv
+
+        return gemv(x, weight, bias, out_dtype=out_dtype)[0]
     if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    else:
+        y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 class Linear(nn.Linear):
@@ -36,6 +54,25 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                proj: Linear, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder sub-block's input side: h = rmsnorm(x + residual) * norm_weight (rmsnorm(x) when
+    residual is None), y = proj(h), then silu(gate) * up when silu_mul. Returns (y, x + residual).
+    Decode-sized batches on CUDA do all of it in one kernel."""
+    if _use_gemv(x):
+        from kernels.gemv import gemv
+
+        y, new_residual = gemv(x, proj.weight, proj.bias, norm_weight=norm_weight, residual=residual, eps=eps,
+                               silu_mul=silu_mul)
+        return y, x if residual is None else new_residual
+    if residual is None:
+        h, residual = rms_norm(x, norm_weight, eps), x
+    else:
+        h, residual = add_rms_norm(x, residual, norm_weight, eps)
+    y = proj(h)
+    return (silu_and_mul(y) if silu_mul else y), residual
 
 
 def _triton(x: torch.Tensor) -> bool:

@@ -11,7 +11,14 @@ from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.models.config import ModelArgs
-from engine.models.layers import Linear, add_rms_norm, linear, pack_weight_for_cpu, rms_norm, silu_and_mul
+from engine.models.layers import (
+    Linear,
+    add_rms_norm,
+    linear,
+    norm_linear,
+    pack_weight_for_cpu,
+    rms_norm,
+)
 
 
 class RMSNorm(nn.Module):
@@ -37,10 +44,10 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.backend = backend
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        """Attention of the projected qkv [T, (Hq + 2 Hkv) * D], then the output projection."""
+        num_tokens = qkv.shape[0]
         heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
@@ -50,13 +57,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU MLP; the decoder layer runs gate_up (with the norm before it and the activation)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -68,15 +74,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x, residual, positions, cos_sin, meta, k_cache, v_cache):
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        h = self.self_attn(h, positions, cos_sin, meta, k_cache, v_cache)
-        h, residual = add_rms_norm(h, residual, self.post_attention_layernorm.weight,
-                                   self.post_attention_layernorm.eps)
-        return self.mlp(h), residual
+        """x: the previous layer's output (the embeddings for the first, with residual None)."""
+        norm = self.input_layernorm
+        qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, self.self_attn.qkv_proj)
+        h = self.self_attn(qkv, positions, cos_sin, meta, k_cache, v_cache)
+        norm = self.post_attention_layernorm
+        act, residual = norm_linear(h, residual, norm.weight, norm.eps, self.mlp.gate_up_proj, silu_mul=True)
+        return self.mlp.down_proj(act), residual
 
 
 class LlamaModel(nn.Module):
@@ -103,7 +107,7 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, packed=self.lm_head_packed).float()
+        return linear(hidden, weight, packed=self.lm_head_packed, out_dtype=torch.float32)
 
     def pack_for_cpu(self) -> None:
         """Pack every projection (and the LM head) for oneDNN; a no-op off CPU or float32."""

@@ -1,0 +1,150 @@
+"""Decode-step projections: our fused norm + GEMV (+ SiLU-and-mul) kernel vs the unfused path
+(RMSNorm kernel, cuBLAS GEMM, SiLU kernel) at real model shapes, rows 1..8. Needs CUDA.
+
+    python benchmarks/gemv_bench.py [--sweep] [--out PATH]
+
+Each variant is timed per call inside a CUDA graph (as the engine runs decode), rotating over
+enough weight copies that L2 (60 MB) never serves repeats. Bandwidth = weight bytes / time, also
+as a fraction of the device-to-device copy bandwidth. --sweep times other tile shapes at 1 row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from kernel_bench import copy_bandwidth, graph_ms  # noqa: E402
+
+# model -> (hidden, q size, kv size, intermediate, vocab, qkv bias)
+SHAPES = {
+    "qwen2.5-0.5b": (896, 896, 128, 4864, 151936, True),
+    "llama-3.1-8b": (4096, 4096, 1024, 14336, 128256, False),
+}
+BF16 = torch.bfloat16
+
+
+def projections(model: str) -> list[tuple[str, int, int, bool, bool, bool]]:
+    """(name, weight rows N, K, fused norm (+residual), bias, silu_mul)."""
+    hidden, q, kv, inter, vocab, bias = SHAPES[model]
+    return [
+        ("qkv", q + 2 * kv, hidden, True, bias, False),
+        ("o", hidden, q, False, False, False),
+        ("gate_up", 2 * inter, hidden, True, False, True),
+        ("down", hidden, inter, False, False, False),
+        ("lm_head", vocab, hidden, False, False, False),
+    ]
+
+
+def make_inputs(rows: int, n: int, k: int, norm: bool, bias: bool, copies: int):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, k, device="cuda", dtype=BF16, generator=gen)
+    res = torch.randn(rows, k, device="cuda", dtype=BF16, generator=gen) if norm else None
+    g = torch.rand(k, device="cuda", dtype=BF16, generator=gen) + 0.5 if norm else None
+    weights = [torch.randn(n, k, device="cuda", dtype=BF16, generator=gen) / k**0.5 for _ in range(copies)]
+    biases = [torch.randn(n, device="cuda", dtype=BF16, generator=gen) for _ in range(copies)] if bias else None
+    return x, res, g, weights, biases
+
+
+def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles: list) -> list[dict]:
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import gemv
+    from kernels.rmsnorm import fused_add_rms_norm
+
+    name, n, k, norm, bias, silu = proj
+    weight_bytes = n * k * 2
+    copies = max(2, min(64, -(-256 * 2**20 // weight_bytes)))
+    x, res, g, weights, biases = make_inputs(rows, n, k, norm, bias, copies)
+    out_dtype = torch.float32 if name == "lm_head" else None
+
+    def unfused(i):
+        def fn():
+            h = fused_add_rms_norm(x, res, g, 1e-6)[0] if norm else x
+            y = F.linear(h, weights[i], biases[i] if biases else None)
+            y = silu_and_mul(y) if silu else y
+            return y.float() if out_dtype else y
+        return fn
+
+    def fused(i, tile):
+        return lambda: gemv(x, weights[i], biases[i] if biases else None, norm_weight=g, residual=res,
+                            silu_mul=silu, out_dtype=out_dtype, tile=tile)
+
+    variants = [("unfused (cuBLAS)", None)] + [("gemv", t) for t in tiles]
+    rows_out = []
+    for kind, tile in variants:
+        fns = [unfused(i) if kind.startswith("unfused") else fused(i, tile) for i in range(copies)]
+        try:
+            ms = graph_ms(fns, min_calls=2 * copies)
+        except Exception as e:  # a tile that does not compile or fit
+            print(f"  {model} {name} rows={rows} {kind} {tile}: {type(e).__name__}: {str(e)[:100]}")
+            continue
+        rows_out.append(dict(model=model, projection=name, rows=rows, n=n, k=k, fused_norm=norm, bias=bias,
+                             silu_mul=silu, kind=kind, tile=list(tile) if tile else None, us=ms * 1e3,
+                             gb_per_s=weight_bytes / ms / 1e6, fraction_of_copy=weight_bytes / ms / 1e6 / copy_gbs))
+    del weights, biases
+    torch.cuda.empty_cache()
+    return rows_out
+
+
+def sweep_tiles():
+    from kernels.gemv import GemvTile
+
+    return [GemvTile(bn, bk, w) for bn in (1, 2, 4, 8, 16, 32, 64) for bk in (256, 512, 1024) for w in (4, 8)
+            if bn * bk <= w * 32 * 64]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=list(SHAPES))
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks/results" / f"gemv_bench-{dt.date.today()}.json")
+    args = p.parse_args()
+    import triton
+
+    from kernels._common import sm_count
+    from kernels.gemv import default_gemv_tile
+
+    copy = copy_bandwidth(2048, 100)
+    print(f"device-to-device copy: {copy['gb_per_s']:.0f} GB/s")
+    results = []
+    for model in args.models:
+        for proj in projections(model):
+            name, n, k, _, _, silu = proj
+            for rows in args.rows:
+                default = default_gemv_tile(rows, n // 2 if silu else n, k, sm_count(torch.device("cuda")), silu)
+                tiles = [default]
+                if args.sweep and rows == 1:
+                    tiles += [t for t in sweep_tiles() if t != default
+                              and t.block_n * t.block_k * (2 if silu else 1) <= t.num_warps * 32 * 64]
+                got = bench_projection(model, proj, rows, copy["gb_per_s"], tiles)
+                for r in got:
+                    r["default"] = r["tile"] == list(default)
+                results += got
+                base = next(r for r in got if r["kind"].startswith("unfused"))
+                mine = next(r for r in got if r["default"])
+                best = min((r for r in got if r["kind"] == "gemv"), key=lambda r: r["us"])
+                print(f"{model:13s} {name:8s} M={rows}  cuBLAS path {base['us']:7.2f} us ({base['fraction_of_copy']:5.1%})"
+                      f"  gemv {mine['us']:7.2f} us ({mine['fraction_of_copy']:5.1%}) {tuple(mine['tile'])}"
+                      f"  best {best['us']:7.2f} us {tuple(best['tile'])}", flush=True)
+    out = dict(benchmark="gemv_bench", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+               triton=triton.__version__, python=platform.python_version(), command=" ".join(sys.argv),
+               date=dt.datetime.now().isoformat(timespec="seconds"), copy=copy, rows=results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
