@@ -100,23 +100,27 @@ class GemvTile(NamedTuple):
     num_warps: int
 
 
-# Heuristic from benchmarks/kernel_bench.py --gemv on an H200: wide K tiles so a program has many
-# loads in flight per loop iteration, and enough programs to cover every SM a few times.
+# Tile choice from benchmarks/gemv_bench.py --sweep on an H200 (one row; Qwen2.5-0.5B and
+# Llama-3.1-8B projections; results in benchmarks/results/gemv_bench-*.json): K tiles of up to 1024
+# (one or a few loop iterations, many loads in flight), enough programs to cover every SM 2x
+# (4x for SiLU-and-mul, whose K tiles are 256 wide: gate and up are both in flight), and one
+# output per program for a long K. 8 warps where the tile would need more than 64 registers a thread.
 _MAX_BLOCK_K = 1024
-_PROGRAMS_PER_SM = 2
+_LONG_K = 4096
 
 
 def default_gemv_tile(rows: int, n: int, k: int, num_sms: int, silu_mul: bool = False) -> GemvTile:
-    block_k = min(_MAX_BLOCK_K, triton.next_power_of_2(k))
+    block_k = min(_MAX_BLOCK_K if not silu_mul else 256, triton.next_power_of_2(k))
+    if k > _LONG_K:
+        return GemvTile(1, block_k, 8)
+    target = (4 if silu_mul else 2) * num_sms
     block_n = 64
-    while block_n > 1 and rows * triton.cdiv(n, block_n) < _PROGRAMS_PER_SM * num_sms:
+    while block_n > 1 and rows * triton.cdiv(n, block_n) < target:
         block_n //= 2
-    # keep the fp32 accumulator(s) at <= 64 registers per thread
-    per_tile = block_n * block_k * (2 if silu_mul else 1)
-    num_warps = 4 if per_tile <= 4 * 32 * 64 else 8
-    while block_n * block_k * (2 if silu_mul else 1) > num_warps * 32 * 64 and block_k > 64:
+    while block_n * block_k * (2 if silu_mul else 1) > 8 * 32 * 64 and block_k > 64:
         block_k //= 2
-    return GemvTile(block_n, block_k, num_warps)
+    per_thread_4_warps = block_n * block_k * (2 if silu_mul else 1) / (4 * 32)
+    return GemvTile(block_n, block_k, 8 if silu_mul or per_thread_4_warps > 64 else 4)
 
 
 def gemv(
