@@ -16,6 +16,7 @@ from kernels.prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
+from kernels.sampling import greedy_sample, greedy_sample_ref
 from kernels.rmsnorm import (
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
@@ -40,6 +41,8 @@ __all__ = [
     "fused_add_rms_norm_ref",
     "gemv",
     "gemv_ref",
+    "greedy_sample",
+    "greedy_sample_ref",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention",

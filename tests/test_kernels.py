@@ -20,6 +20,8 @@ from kernels import (
     fused_add_rms_norm_ref,
     gemv,
     gemv_ref,
+    greedy_sample,
+    greedy_sample_ref,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
@@ -454,3 +456,21 @@ def test_default_gemv_tile_fills_the_gpu_and_bounds_registers():
         programs = rows * -(-n // t.block_n)
         assert programs >= 2 * 132 or t.block_n == 1
         assert t.block_n * t.block_k * (2 if silu else 1) <= t.num_warps * 32 * 64
+
+
+# ----------------------------------------------------------------------------- greedy sampling
+
+
+def test_greedy_sample():
+    gen = torch.Generator().manual_seed(30)
+    logits = torch.randn(4, 10_000, generator=gen) * 3  # several chunks, the last one partial
+    logits[1, 9_999] = 50.0  # the maximum in the last, partial chunk
+    logits[2, 7] = logits[2, 8_500] = 40.0  # a tie across chunks: the lower index wins
+    logits[3, :6_000] = float("-inf")  # banned tokens, whole chunks of them
+    tokens, logprobs = greedy_sample(logits)
+    ref_tokens, ref_logprobs = greedy_sample_ref(logits)
+    assert tokens.tolist() == ref_tokens.tolist() and tokens[1] == 9_999 and tokens[2] == 7
+    assert torch.allclose(logprobs, ref_logprobs, atol=1e-5)
+    tokens16, logprobs16 = greedy_sample(logits.to(torch.bfloat16))
+    ref16 = greedy_sample_ref(logits.to(torch.bfloat16))
+    assert tokens16.tolist() == ref16[0].tolist() and torch.allclose(logprobs16, ref16[1], atol=1e-4)

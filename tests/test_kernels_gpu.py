@@ -13,6 +13,8 @@ from kernels import (
     fused_add_rms_norm_ref,
     gemv,
     gemv_ref,
+    greedy_sample,
+    greedy_sample_ref,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
@@ -270,3 +272,16 @@ def test_gemv_real_shapes(name, rows, monkeypatch):
         assert torch.equal(new_res, (x.float() + res.float()).to(BF16))
     # the unfused bf16 path (same rounding steps, cuBLAS summation order) agrees closely too
     assert rel_err(out, gemv_ref(x, w, b, norm_weight=g, residual=res, silu_mul=silu)[0]) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [151936, 128256])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_greedy_sample_real_vocab(vocab, dtype):
+    gen = torch.Generator(device=DEV).manual_seed(vocab)
+    logits = (torch.randn(64, vocab, device=DEV, generator=gen) * 4).to(dtype)
+    logits[5, vocab - 1] = 100.0  # the maximum in the last vocabulary entry
+    tokens, logprobs = greedy_sample(logits)
+    ref_tokens, ref_logprobs = greedy_sample_ref(logits)
+    assert torch.equal(tokens, ref_tokens) and tokens[5] == vocab - 1
+    assert torch.allclose(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)

@@ -105,9 +105,10 @@ class LlamaModel(nn.Module):
         x, _ = add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """Logits in `dtype` (None: the model's dtype), rounded to the model's dtype first."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, packed=self.lm_head_packed, out_dtype=torch.float32)
+        return linear(hidden, weight, packed=self.lm_head_packed, out_dtype=dtype)
 
     def pack_for_cpu(self) -> None:
         """Pack every projection (and the LM head) for oneDNN; a no-op off CPU or float32."""
