@@ -54,6 +54,11 @@ class TorchAttention:
             return self._prefill(q, k_cache, v_cache, meta, scale)
         return self._decode(q, k_cache, v_cache, meta, scale)
 
+    def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+        """Decode attention of rotated q over a cache that already holds this step's K/V."""
+        return self._decode(q, k_cache, v_cache, meta, scale)
+
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
         num_blocks = -(-num_tokens // self.block_size)
         return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:num_tokens]
@@ -93,7 +98,11 @@ class TritonAttention:
     """CUDA backend: fused rotary + KV store, paged prefill and paged (split-K) decode kernels."""
 
     def __init__(self, block_size: int):
-        from kernels import paged_decode_attention, paged_prefill_attention, rope_and_store_kv
+        from kernels import (
+            paged_decode_attention,
+            paged_prefill_attention,
+            rope_and_store_kv,
+        )
 
         self.block_size = block_size
         self._rope_store, self._prefill, self._decode = rope_and_store_kv, paged_prefill_attention, paged_decode_attention
@@ -105,6 +114,11 @@ class TritonAttention:
         if meta.is_prefill:
             return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                                  meta.max_seqlen_q, scale)
+        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+
+    def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+        """Decode attention of rotated q over a cache that already holds this step's K/V."""
         return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 
 

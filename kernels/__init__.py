@@ -10,7 +10,7 @@ from kernels.decode_attention import (
     paged_decode_attention_ref,
     pick_num_splits,
 )
-from kernels.gemv import GemvTile, default_gemv_tile, gemv, gemv_ref
+from kernels.gemv import GemvTile, default_gemv_tile, gemv, gemv_ref, gemv_rope_store, gemv_rope_store_ref
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.prefill_attention import (
     paged_prefill_attention,
@@ -41,6 +41,8 @@ __all__ = [
     "fused_add_rms_norm_ref",
     "gemv",
     "gemv_ref",
+    "gemv_rope_store",
+    "gemv_rope_store_ref",
     "greedy_sample",
     "greedy_sample_ref",
     "paged_decode_attention",

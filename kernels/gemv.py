@@ -9,7 +9,10 @@ what sits around the projection in the decoder:
 - prologue: RMSNorm of x (optionally of x + residual, writing the new residual): the norm kernel
   between projections disappears; every program recomputes the row's mean square (K values, from L2);
 - epilogue: bias; SiLU-and-mul for a fused [gate; up] weight (each program reads the matching
-  gate and up rows, so the [M, 2I] intermediate is never written); output dtype (float32 logits).
+  gate and up rows, so the [M, 2I] intermediate is never written); output dtype (float32 logits);
+  or, for a fused [q; k; v] projection, rotary embedding of q and k and the KV-cache write (each
+  program takes pairs of rows d and d + D/2 of a head, the two halves rotary mixes), so a decode
+  step's attention input side is one kernel and only the rotated q is written out.
 
 Rounding follows the unfused path step by step (residual, normalised value, weighted value and the
 projection's output are each rounded to the model dtype), so fused and unfused agree to within the
@@ -24,21 +27,27 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import sm_count
+from kernels._common import check_kv_cache, sm_count
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr, out_ptr,
+    pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
     N, K, eps,
-    stride_x, stride_r, stride_ro, stride_w, stride_o,
+    stride_x, stride_r, stride_ro, stride_w, stride_o, stride_cs,
     HAS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    ROPE_STORE: tl.constexpr,
+    Q_SIZE: tl.constexpr,
+    KV_SIZE: tl.constexpr,
+    HALF: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """N: outputs (SiLU-and-mul: gate rows; rotary: row pairs). Paired modes read two row sets."""
     m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     dt = x_ptr.dtype.element_ty
@@ -46,9 +55,17 @@ def _gemv_kernel(
     n_mask = offs_n < N
     x_row = x_ptr + m * stride_x
     r_row = res_ptr + m * stride_r
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    if SILU_MUL:
-        up_rows = w_ptr + (offs_n + N).to(tl.int64)[:, None] * stride_w
+    if ROPE_STORE:  # pair p: rows d and d + HALF of head p // HALF, d = p % HALF
+        rows_a = (offs_n // HALF) * (2 * HALF) + offs_n % HALF
+        rows_b = rows_a + HALF
+    elif SILU_MUL:  # gate row n and up row N + n
+        rows_a = offs_n
+        rows_b = offs_n + N
+    else:
+        rows_a = offs_n
+    w_rows = w_ptr + rows_a.to(tl.int64)[:, None] * stride_w
+    if SILU_MUL or ROPE_STORE:
+        b_rows = w_ptr + rows_b.to(tl.int64)[:, None] * stride_w
 
     if HAS_NORM:
         sq = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -64,8 +81,8 @@ def _gemv_kernel(
     # one program per row writes the new residual (the others only read the old one)
     res_store_end = tl.where(pid_n == 0, K, 0)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if SILU_MUL:
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if SILU_MUL or ROPE_STORE:
+        acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
@@ -80,18 +97,55 @@ def _gemv_kernel(
         wk_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
         acc += w.to(tl.float32) * xk[None, :]
-        if SILU_MUL:
-            u = tl.load(up_rows + offs_k[None, :], mask=wk_mask, other=0.0)
-            acc_up += u.to(tl.float32) * xk[None, :]
+        if SILU_MUL or ROPE_STORE:
+            u = tl.load(b_rows + offs_k[None, :], mask=wk_mask, other=0.0)
+            acc_b += u.to(tl.float32) * xk[None, :]
 
     y = tl.sum(acc, 1)
     if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if SILU_MUL:
-        gate = y.to(dt).to(tl.float32)
-        up = tl.sum(acc_up, 1).to(dt).to(tl.float32)
-        y = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up
-    tl.store(out_ptr + m * stride_o + offs_n, y.to(dt).to(out_ptr.dtype.element_ty), mask=n_mask)
+        y += tl.load(bias_ptr + rows_a, mask=n_mask, other=0.0).to(tl.float32)
+    if ROPE_STORE:
+        y_b = tl.sum(acc_b, 1)
+        if HAS_BIAS:
+            y_b += tl.load(bias_ptr + rows_b, mask=n_mask, other=0.0).to(tl.float32)
+        _rope_store_epilogue(y.to(dt).to(tl.float32), y_b.to(dt).to(tl.float32), rows_a, rows_b, offs_n % HALF,
+                             n_mask, m, out_ptr + m * stride_o, pos_ptr, cos_sin_ptr, stride_cs, slot_ptr,
+                             k_cache_ptr, v_cache_ptr, Q_SIZE, KV_SIZE, HALF)
+    else:
+        if SILU_MUL:
+            gate = y.to(dt).to(tl.float32)
+            up = tl.sum(acc_b, 1).to(dt).to(tl.float32)
+            y = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up
+        tl.store(out_ptr + m * stride_o + offs_n, y.to(dt).to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _rope_store_epilogue(y_a, y_b, rows_a, rows_b, d, n_mask, m, q_out_row, pos_ptr, cos_sin_ptr, stride_cs,
+                         slot_ptr, k_cache_ptr, v_cache_ptr,
+                         Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HALF: tl.constexpr):
+    """Rows a (first half of a head) and b (second half) of q, k or v, rounded to the model dtype:
+    rotate q and k as kernels.rope_kv_store does, write q out and k, v into the cache slot."""
+    dt = q_out_row.dtype.element_ty
+    pos = tl.load(pos_ptr + m).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d).to(dt).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d).to(dt).to(tl.float32)
+    is_v = rows_a >= Q_SIZE + KV_SIZE
+    rot_a = tl.where(is_v, y_a, y_a * cos - y_b * sin).to(dt)
+    rot_b = tl.where(is_v, y_b, y_b * cos + y_a * sin).to(dt)
+    is_q = rows_a < Q_SIZE
+    tl.store(q_out_row + rows_a, rot_a, mask=n_mask & is_q)
+    tl.store(q_out_row + rows_b, rot_b, mask=n_mask & is_q)
+    # slot broadcast to the tile first: a scalar-bool & tensor mask trips Triton's interpreter
+    slots = tl.zeros_like(rows_a).to(tl.int64) + tl.load(slot_ptr + m).to(tl.int64)
+    keep = n_mask & (slots >= 0)
+    is_k = keep & (rows_a >= Q_SIZE) & (rows_a < Q_SIZE + KV_SIZE)
+    in_kv_a = rows_a - Q_SIZE - tl.where(is_v, KV_SIZE, 0)  # (kv head, d) offset within a token's K or V
+    in_kv_b = rows_b - Q_SIZE - tl.where(is_v, KV_SIZE, 0)
+    cache_dt = k_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + slots * KV_SIZE + in_kv_a, rot_a.to(cache_dt), mask=is_k)
+    tl.store(k_cache_ptr + slots * KV_SIZE + in_kv_b, rot_b.to(cache_dt), mask=is_k)
+    tl.store(v_cache_ptr + slots * KV_SIZE + in_kv_a, rot_a.to(cache_dt), mask=keep & is_v)
+    tl.store(v_cache_ptr + slots * KV_SIZE + in_kv_b, rot_b.to(cache_dt), mask=keep & is_v)
 
 
 class GemvTile(NamedTuple):
@@ -123,6 +177,47 @@ def default_gemv_tile(rows: int, n: int, k: int, num_sms: int, silu_mul: bool = 
     return GemvTile(block_n, block_k, 8 if silu_mul or per_thread_4_warps > 64 else 4)
 
 
+def _check_inputs(x, weight, norm_weight, residual) -> None:
+    k = x.shape[1]
+    if x.dim() != 2 or x.stride(-1) != 1 or weight.dim() != 2 or weight.shape[1] != k or weight.stride(-1) != 1:
+        raise ValueError(f"expected x [M, K] and weight [N, K] with contiguous rows, got {tuple(x.shape)} "
+                         f"and {tuple(weight.shape)}")
+    if residual is not None and (norm_weight is None or residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError("residual needs norm_weight and the shape of x")
+    if norm_weight is not None and (norm_weight.shape != (k,) or not norm_weight.is_contiguous()):
+        raise ValueError(f"norm_weight must be [{k}] and contiguous")
+
+
+def _launch(x, weight, bias, norm_weight, residual, eps, out, n, tile, silu_mul=False, rope=None) -> torch.Tensor | None:
+    """rope: (positions, cos_sin, slot_mapping, k_cache, v_cache, q_size, kv_size, head_dim) or None."""
+    rows, k = x.shape
+    new_residual = torch.empty_like(x) if residual is not None else None
+    if rows == 0:
+        return new_residual
+    positions, cos_sin, slots, k_cache, v_cache, q_size, kv_size, head_dim = rope or (x, x, x, x, x, 0, 0, 2)
+    _gemv_kernel[(rows, triton.cdiv(n, tile.block_n))](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
+        new_residual if new_residual is not None else out, weight, bias if bias is not None else weight, out,
+        positions, cos_sin, slots, k_cache, v_cache,
+        n, k, eps,
+        x.stride(0), residual.stride(0) if residual is not None else 0,
+        new_residual.stride(0) if new_residual is not None else 0, weight.stride(0), out.stride(0),
+        cos_sin.stride(0) if rope else 0,
+        HAS_NORM=norm_weight is not None,
+        HAS_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul,
+        ROPE_STORE=rope is not None,
+        Q_SIZE=q_size,
+        KV_SIZE=kv_size,
+        HALF=head_dim // 2,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps,
+    )
+    return new_residual
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -144,37 +239,52 @@ def gemv(
     out_dtype: the result, rounded to x's dtype, is stored in this dtype (default x's dtype).
     Returns (out, new_residual or None).
     """
-    rows, k = x.shape
-    if x.stride(-1) != 1 or weight.dim() != 2 or weight.shape[1] != k or weight.stride(-1) != 1:
-        raise ValueError(f"expected x [M, K] and weight [N, K] with contiguous rows, got {tuple(x.shape)} "
-                         f"and {tuple(weight.shape)}")
-    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    _check_inputs(x, weight, norm_weight, residual)
     if silu_mul and (weight.shape[0] % 2 or bias is not None):
         raise ValueError("silu_mul needs an even number of weight rows and no bias")
-    if residual is not None and (norm_weight is None or residual.shape != x.shape or residual.stride(-1) != 1):
-        raise ValueError("residual needs norm_weight and the shape of x")
-    if norm_weight is not None and (norm_weight.shape != (k,) or not norm_weight.is_contiguous()):
-        raise ValueError(f"norm_weight must be [{k}] and contiguous")
+    rows, k = x.shape
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty((rows, n), dtype=out_dtype or x.dtype, device=x.device)
-    new_residual = torch.empty_like(x) if residual is not None else None
-    if rows == 0:
-        return out, new_residual
     tile = tile or default_gemv_tile(rows, n, k, sm_count(x.device), silu_mul)
-    _gemv_kernel[(rows, triton.cdiv(n, tile.block_n))](
-        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
-        new_residual if new_residual is not None else out, weight, bias if bias is not None else weight, out,
-        n, k, eps,
-        x.stride(0), residual.stride(0) if residual is not None else 0,
-        new_residual.stride(0) if new_residual is not None else 0, weight.stride(0), out.stride(0),
-        HAS_NORM=norm_weight is not None,
-        HAS_RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul,
-        BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps,
-    )
-    return out, new_residual
+    return out, _launch(x, weight, bias, norm_weight, residual, eps, out, n, tile, silu_mul=silu_mul)
+
+
+def gemv_rope_store(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    tile: GemvTile | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The input side of decode attention in one kernel: qkv = f(x) @ weight.T (+ bias) for a fused
+    [q; k; v] weight, f as in gemv; rotary embedding of q and k at `positions`; rotated k and v
+    written into the paged caches at slot_mapping [M] (-1: skipped). Returns (rotated q [M, Hq, D],
+    new_residual or None). Equals gemv + kernels.rope_kv_store.rope_and_store_kv."""
+    _check_inputs(x, weight, norm_weight, residual)
+    _, _, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    if weight.shape[0] != q_size + 2 * kv_size or cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(f"weight {tuple(weight.shape)} / cos_sin_cache {tuple(cos_sin_cache.shape)} do not match "
+                         f"{num_heads} q heads and the cache's {num_kv_heads} kv heads of {head_dim}")
+    if cos_sin_cache.stride(-1) != 1 or positions.shape != slot_mapping.shape or positions.shape[0] != x.shape[0]:
+        raise ValueError("positions and slot_mapping need one entry per row; cos_sin_cache a contiguous last dim")
+    rows, k = x.shape
+    pairs = weight.shape[0] // 2
+    q = torch.empty((rows, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    if tile is None:  # the plain GEMV's tile for these weight rows, in pairs
+        plain = default_gemv_tile(rows, weight.shape[0], k, sm_count(x.device))
+        tile = GemvTile(max(1, plain.block_n // 2), plain.block_k, plain.num_warps)
+    rope = (positions, cos_sin_cache, slot_mapping, k_cache, v_cache, q_size, kv_size, head_dim)
+    return q, _launch(x, weight, bias, norm_weight, residual, eps, q.view(rows, q_size), pairs, tile, rope=rope)
 
 
 def gemv_ref(
@@ -208,3 +318,17 @@ def gemv_ref(
         y = (torch.nn.functional.silu(gate).to(x.dtype).float() * up).to(x.dtype)
     return y.to(out_dtype or x.dtype), new_residual
 
+
+
+def gemv_rope_store_ref(x, weight, bias, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, num_heads, *,
+                        norm_weight=None, residual=None, eps=1e-6) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """gemv_ref, then rotary and the cache write as kernels.rope_kv_store's reference does."""
+    from kernels.rope_kv_store import rope_and_store_kv_ref
+
+    qkv, new_residual = gemv_ref(x, weight, bias, norm_weight=norm_weight, residual=residual, eps=eps)
+    head_dim, num_kv_heads = k_cache.shape[3], k_cache.shape[2]
+    heads = qkv.view(x.shape[0], -1, head_dim)
+    q, k, v = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    q = q.clone()
+    rope_and_store_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return q, new_residual

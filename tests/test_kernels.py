@@ -20,6 +20,8 @@ from kernels import (
     fused_add_rms_norm_ref,
     gemv,
     gemv_ref,
+    gemv_rope_store,
+    gemv_rope_store_ref,
     greedy_sample,
     greedy_sample_ref,
     paged_decode_attention,
@@ -474,3 +476,32 @@ def test_greedy_sample():
     tokens16, logprobs16 = greedy_sample(logits.to(torch.bfloat16))
     ref16 = greedy_sample_ref(logits.to(torch.bfloat16))
     assert tokens16.tolist() == ref16[0].tolist() and torch.allclose(logprobs16, ref16[1], atol=1e-4)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_rope_store(with_bias):
+    """Fused norm + qkv projection + rotary + KV-cache write = gemv_ref, rotary, store_kv (refs)."""
+    gen = torch.Generator().manual_seed(31)
+    hq, hkv, head_dim, hidden, rows = 4, 2, 16, 40, 3
+    n = (hq + 2 * hkv) * head_dim
+    x = torch.randn(rows, hidden, generator=gen)
+    res = torch.randn(rows, hidden, generator=gen)
+    g = torch.randn(hidden, generator=gen)
+    w = torch.randn(n, hidden, generator=gen) / hidden**0.5
+    b = torch.randn(n, generator=gen) if with_bias else None
+    cos_sin = build_cos_sin_cache(head_dim, 64, 10000.0, None)
+    positions = torch.tensor([5, 63, 17])
+    slots = torch.tensor([9, -1, 30])  # the second row writes nothing
+    caches = [torch.randn(4, 8, hkv, head_dim, generator=gen) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    q, new_res = gemv_rope_store(x, w, b, positions, cos_sin, slots, *caches, hq, norm_weight=g, residual=res,
+                                 tile=None if with_bias else GemvTile(4, 16, 2))
+    ref_q, ref_res = gemv_rope_store_ref(x, w, b, positions, cos_sin, slots, *ref_caches, hq, norm_weight=g,
+                                         residual=res)
+    assert q.shape == (rows, hq, head_dim) and torch.equal(new_res, ref_res)
+    assert rel_err(q, ref_q) < TOL
+    assert rel_err(caches[0], ref_caches[0]) < TOL and rel_err(caches[1], ref_caches[1]) < TOL
+    written = torch.zeros(4 * 8, dtype=torch.bool)
+    written[[9, 30]] = True
+    for c, before in zip(caches, [ref_caches[0], ref_caches[1]]):  # untouched slots stay as they were
+        assert torch.equal(c.view(32, -1)[~written], before.view(32, -1)[~written])

@@ -13,6 +13,8 @@ from kernels import (
     fused_add_rms_norm_ref,
     gemv,
     gemv_ref,
+    gemv_rope_store,
+    gemv_rope_store_ref,
     greedy_sample,
     greedy_sample_ref,
     paged_decode_attention,
@@ -264,7 +266,7 @@ def test_gemv_real_shapes(name, rows, monkeypatch):
     g = torch.rand(k, device=DEV, dtype=BF16, generator=gen) + 0.5 if norm else None
     out_dtype = torch.float32 if "lm_head" in name else None
     out, new_res = gemv(x, w, b, norm_weight=g, residual=res, silu_mul=silu, out_dtype=out_dtype)
-    f32 = lambda t: t.float() if t is not None else None  # noqa: E731
+    f32 = lambda t: t.float() if t is not None else None
     ref, ref_res = gemv_ref(x.float(), w.float(), f32(b), norm_weight=f32(g), residual=f32(res), silu_mul=silu)
     assert out.dtype == (out_dtype or BF16) and not out.isnan().any()
     assert rel_err(out, ref) < TOL
@@ -285,3 +287,30 @@ def test_greedy_sample_real_vocab(vocab, dtype):
     ref_tokens, ref_logprobs = greedy_sample_ref(logits)
     assert torch.equal(tokens, ref_tokens) and tokens[5] == vocab - 1
     assert torch.allclose(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,hidden,bias", [(QWEN_05B, 896, True), (LLAMA_8B, 4096, False)], ids=["qwen", "llama"])
+def test_gemv_rope_store_real_shapes(shape, hidden, bias):
+    hq, hkv, head_dim = shape["hq"], shape["hkv"], shape["head_dim"]
+    gen = torch.Generator(device=DEV).manual_seed(hidden)
+    n = (hq + 2 * hkv) * head_dim
+    x = torch.randn(1, hidden, device=DEV, dtype=BF16, generator=gen)
+    res = torch.randn(1, hidden, device=DEV, dtype=BF16, generator=gen)
+    g = torch.rand(hidden, device=DEV, dtype=BF16, generator=gen) + 0.5
+    w = torch.randn(n, hidden, device=DEV, dtype=BF16, generator=gen) / hidden**0.5
+    b = torch.randn(n, device=DEV, dtype=BF16, generator=gen) if bias else None
+    cache = build_cos_sin_cache(head_dim, 131072, 500000.0, LLAMA3_SCALING, device=DEV)
+    positions = torch.tensor([70000], device=DEV)
+    slots = torch.tensor([1234], device=DEV)
+    caches = [torch.randn(100, 16, hkv, head_dim, device=DEV, dtype=BF16, generator=gen) for _ in range(2)]
+    ref_caches = [c.float() for c in caches]
+    q, new_res = gemv_rope_store(x, w, b, positions, cache, slots, *caches, hq, norm_weight=g, residual=res)
+    f32 = lambda t: t.float() if t is not None else None
+    ref_q, _ = gemv_rope_store_ref(x.float(), w.float(), f32(b), positions, cache, slots, *ref_caches, hq,
+                                   norm_weight=g.float(), residual=res.float())
+    assert rel_err(q, ref_q) < TOL and torch.equal(new_res, (x.float() + res.float()).to(BF16))
+    written = (slots // 16, slots % 16)
+    for c, ref in zip(caches, ref_caches):
+        assert rel_err(c[written], ref[written]) < TOL
+        assert torch.equal(c[0], ref[0].to(BF16))  # other slots untouched

@@ -3,11 +3,11 @@
 import pytest
 import torch
 import transformers
+from tiny_models import VARIANTS, make_tiny_model
 
 from engine.attention import AttentionMetadata, TorchAttention
 from engine.kv_cache import allocate_kv_cache
 from engine.models.loader import load_model
-from tiny_models import VARIANTS, make_tiny_model
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -53,7 +53,7 @@ def test_chunked_prefill_then_decode_match_transformers(tiny):
     expected = ref(ids[None]).logits[0].float()
     kv = allocate_kv_cache(ours.args, 8, 16, torch.float32, torch.device("cpu"))
     table = [3, 6, 1]
-    slot = lambda p: table[p // 16] * 16 + p % 16  # noqa: E731
+    slot = lambda p: table[p // 16] * 16 + p % 16
     got = []
     for start, end in ((0, 20), (20, 33)):
         meta = _prefill_meta([slot(p) for p in range(start, end)], table, end - start, end)
@@ -72,15 +72,15 @@ def test_triton_path_matches_torch_path(monkeypatch, tmp_path, variant):
     """The CUDA code path (Triton kernels for norms, rotary, SiLU, KV store and paged
     attention; the decode step's projections as fused norm + GEMV (+ SiLU) kernels), run in
     Triton's interpreter on CPU, equals the torch path."""
-    import engine.models.layers as layers
     from engine.attention import TritonAttention
+    from engine.models import layers
 
     path = make_tiny_model(tmp_path / variant, variant)
     torch_model = load_model(path, torch.float32, torch.device("cpu"), TorchAttention(16), 128)
     triton_model = load_model(path, torch.float32, torch.device("cpu"), TritonAttention(16), 128)
     ids = torch.randint(3, 500, (21,))
     table = [4, 1]
-    slot = lambda p: table[p // 16] * 16 + p % 16  # noqa: E731
+    slot = lambda p: table[p // 16] * 16 + p % 16
     results = []
     for model, use_triton in ((torch_model, False), (triton_model, True)):
         monkeypatch.setattr(layers, "_triton", lambda x, use=use_triton: use)
@@ -92,5 +92,6 @@ def test_triton_path_matches_torch_path(monkeypatch, tmp_path, variant):
                                  block_tables=torch.tensor([table], dtype=torch.int32),
                                  context_lens=torch.tensor([21], dtype=torch.int32))
         decode = model.compute_logits(model(ids[20:21], torch.tensor([20]), meta, kv))
-        results.append(torch.cat([prefill, decode]))
-    assert _rel(results[1], results[0]) < 1e-4
+        results.append((prefill, decode, torch.stack([torch.stack(layer) for layer in kv])))
+    for got, want in zip(results[1], results[0]):  # prefill logits, decode logits, the whole KV cache
+        assert _rel(got, want) < 1e-5

@@ -84,6 +84,22 @@ def _triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+def fused_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                         qkv_proj: Linear, num_heads: int, positions: torch.Tensor, cos_sin: torch.Tensor,
+                         slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Decode attention's input side in one kernel where the fused GEMV applies: norm, qkv
+    projection, rotary of q and k, K/V written into the cache. Returns (rotated q [M, Hq, D],
+    x + residual), or None elsewhere (the caller runs norm_linear and the backend's rotary + store)."""
+    if not _use_gemv(x, qkv_proj.weight):
+        return None
+    from kernels.gemv import gemv_rope_store
+
+    q, new_residual = gemv_rope_store(x, qkv_proj.weight, qkv_proj.bias, positions, cos_sin, slot_mapping, k_cache,
+                                      v_cache, num_heads, norm_weight=norm_weight, residual=residual, eps=eps)
+    return q, x if residual is None else new_residual
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _triton(x):
         from kernels.rmsnorm import rms_norm as rms_norm_kernel

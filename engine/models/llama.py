@@ -14,6 +14,7 @@ from engine.models.config import ModelArgs
 from engine.models.layers import (
     Linear,
     add_rms_norm,
+    fused_qkv_rope_store,
     linear,
     norm_linear,
     pack_weight_for_cpu,
@@ -44,16 +45,27 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.backend = backend
 
-    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Attention of the projected qkv [T, (Hq + 2 Hkv) * D], then the output projection."""
-        num_tokens = qkv.shape[0]
-        heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = self.backend.forward(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, positions: torch.Tensor,
+                cos_sin: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(x + residual), the qkv projection, rotary, the KV-cache write, attention and the output
+        projection. Returns (output, x + residual)."""
+        num_tokens = x.shape[0]
+        fused = None
+        if not meta.is_prefill and self.q_norm is None:
+            fused = fused_qkv_rope_store(x, residual, norm.weight, norm.eps, self.qkv_proj, self.num_heads, positions,
+                                         cos_sin, meta.slot_mapping, k_cache, v_cache)
+        if fused is not None:
+            q, residual = fused
+            out = self.backend.attend_decode(q, k_cache, v_cache, meta, self.scale)
+        else:
+            qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, self.qkv_proj)
+            heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+            q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            out = self.backend.forward(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size)), residual
 
 
 class MLP(nn.Module):
@@ -75,9 +87,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, cos_sin, meta, k_cache, v_cache):
         """x: the previous layer's output (the embeddings for the first, with residual None)."""
-        norm = self.input_layernorm
-        qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, self.self_attn.qkv_proj)
-        h = self.self_attn(qkv, positions, cos_sin, meta, k_cache, v_cache)
+        h, residual = self.self_attn(x, residual, self.input_layernorm, positions, cos_sin, meta, k_cache, v_cache)
         norm = self.post_attention_layernorm
         act, residual = norm_linear(h, residual, norm.weight, norm.eps, self.mlp.gate_up_proj, silu_mul=True)
         return self.mlp.down_proj(act), residual
