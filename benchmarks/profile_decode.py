@@ -60,6 +60,28 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         engine.runner.decode(rnd)
         torch.cuda.synchronize()
+    # the same step as one CUDA graph replay: kernel time inside the graph vs the replay's span
+    entry = engine.graphs.graphs[(engine.graphs.bucket_for(args.batch), "greedy")]
+    replays = 20
+    with profile(activities=[ProfilerActivity.CUDA]) as graph_prof:
+        for _ in range(replays):
+            engine.graphs.step.zero_()
+            entry.graph.replay()
+        torch.cuda.synchronize()
+    graph_kernels = [e for e in graph_prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0]
+    graph_kernel_us = sum(e.device_time_total for e in graph_kernels) / replays
+    graph_counts: dict[str, list[float]] = {}
+    for e in graph_kernels:
+        graph_counts.setdefault(e.name[:120], []).append(e.device_time_total)
+    graph_top = sorted(((k, len(v) / replays, sum(v) / replays) for k, v in graph_counts.items()), key=lambda t: -t[2])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        entry.graph.replay()
+    end.record()
+    end.synchronize()
+    replay_us = start.elapsed_time(end) * 1e3 / replays
+
     kernels = {}
     for evt in prof.key_averages():
         if evt.self_device_time_total > 0:  # a kernel (CPU-side ops carry no self device time)
@@ -69,13 +91,19 @@ def main() -> None:
     top = sorted(kernels.items(), key=lambda kv: -kv[1]["device_us"])[:25]
     result = dict(model=args.model, batch=args.batch, graph_ms_per_step=graph_step * 1e3,
                   eager_ms_per_step=eager_step * 1e3, kernel_time_us_per_step=total, kernels_per_step=launches,
-                  top_kernels=[dict(name=k[:120], **v) for k, v in top], gpu=torch.cuda.get_device_name(),
+                  top_kernels=[dict(name=k[:120], **v) for k, v in top],
+                  graph_replay_us=replay_us, graph_kernel_us=graph_kernel_us,
+                  graph_kernels_per_step=len(graph_kernels) / replays,
+                  graph_top_kernels=[dict(name=k, per_step=c, device_us=t) for k, c, t in graph_top[:30]],
+                  gpu=torch.cuda.get_device_name(),
                   command=" ".join(sys.argv))
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{args.model} B={args.batch}: graph {graph_step * 1e3:.3f} ms/step, eager {eager_step * 1e3:.3f} ms/step, "
           f"sum of kernel times {total / 1e3:.3f} ms/step over ~{launches:.0f} kernel launches")
-    for name, v in top[:15]:
-        print(f"  {v['device_us']:8.1f} us  x{v['count'] / 8:5.1f}  {name[:90]}")
+    print(f"graph replay {replay_us:.1f} us/step: kernels {graph_kernel_us:.1f} us over {len(graph_kernels) / replays:.0f} "
+          f"kernels, so {replay_us - graph_kernel_us:.1f} us between kernels")
+    for name, count, t in graph_top[:20]:
+        print(f"  {t:8.1f} us  x{count:5.1f}  {name[:90]}")
 
 
 if __name__ == "__main__":
