@@ -22,6 +22,7 @@ class EngineConfig:
     kv_cache_bytes: int = 512 * 1024**2  # KV pool size on CPU
     num_kv_blocks: int | None = None  # override the budget (tests use tiny pools)
     enforce_eager: bool = False
+    overlap_rounds: bool = True  # launch the next graph decode round before reading the current one's tokens
     cuda_graph_max_batch: int = 512
     num_threads: int | None = None  # torch CPU threads; None: all cores
     seed: int = 0

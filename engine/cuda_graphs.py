@@ -5,6 +5,11 @@ A round with B sequences is padded to the smallest bucket >= B; padded rows read
 (the dummy block) and write their K/V only there. Each replay is one whole decode step,
 sampling included, and feeds the sampled token into the next step on the device.
 
+A round is launched (staged, replayed, its tokens queued for the host) and collected
+(wait, read) separately, so the engine can launch the next round before it waits for
+this one. Everything runs on one CUDA stream: a round's input copies run after the
+previous round's replays, and its token copy before the next round's replays.
+
 On CPU (tests) the same static-buffer path runs eagerly, so padding and buffer handling
 are checked without a GPU.
 """
@@ -12,6 +17,7 @@ are checked without a GPU.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -57,6 +63,46 @@ class _Graph:
     state: DecodeState  # views of the static buffers, `bucket` rows
 
 
+# static buffers staged from the host each round
+_STAGED = ("input_ids", "step_positions", "step_slots", "step_context_lens", "block_tables", "temperature", "top_k",
+           "top_p", "min_p", "seeds", "output_pos")
+_PER_STEP = ("step_positions", "step_slots", "step_context_lens")  # [K, n]; the others are [n] or [n, W]
+
+
+class _HostSlot:
+    """Host memory of one launched round, page-locked on CUDA: its staged inputs and its
+    tokens copied back. Two slots alternate, so a round's host memory is not rewritten
+    while the device may still read (inputs) or write (tokens) it."""
+
+    def __init__(self, decoder: GraphDecoder, pin: bool):
+        self.inputs = {name: torch.empty(getattr(decoder, name).numel(), dtype=getattr(decoder, name).dtype,
+                                         pin_memory=pin) for name in _STAGED}
+        self.tokens = torch.zeros(decoder.out_tokens.shape, dtype=decoder.out_tokens.dtype, pin_memory=pin)
+        self.logprobs = torch.zeros(decoder.out_logprobs.shape, dtype=decoder.out_logprobs.dtype, pin_memory=pin)
+        self.event: torch.cuda.Event | None = None  # recorded after the last copy of the slot's last round
+        self.launches = 0  # rounds that used this slot: a handle is valid while its own is the last
+
+    def view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A contiguous view of the front of the buffer for `name` (a direct DMA source)."""
+        return self.inputs[name][:math.prod(shape)].view(shape)
+
+    def stage(self, name: str, src: torch.Tensor) -> torch.Tensor:
+        view = self.view(name, tuple(src.shape))
+        view.copy_(src)
+        return view
+
+
+@dataclass
+class RoundHandle:
+    """A launched round: where its tokens land on the host and the event that says they have."""
+
+    rnd: DecodeRound
+    bucket: int
+    slot: _HostSlot
+    launch_index: int  # slot.launches when this round took the slot
+    event: torch.cuda.Event | None  # None on CPU, where the round ran inside launch()
+
+
 class GraphDecoder:
     def __init__(self, runner: ModelRunner, max_batch: int, max_steps: int, table_width: int,
                  use_cuda_graphs: bool = True):
@@ -84,6 +130,10 @@ class GraphDecoder:
         self.out_logprobs = torch.zeros(max_steps, n, dtype=torch.float32, device=dev)
         self.graphs: dict[tuple[int, str], _Graph] = {}
         self.pool = None
+        pin = self.device.type == "cuda"
+        self._slots = [_HostSlot(self, pin), _HostSlot(self, pin)]
+        self._next_slot = 0
+        self._last_seqs: list[Sequence] | None = None  # the rows of the last launch, while it is valid
 
     def _state(self, bucket: int, variant: str) -> DecodeState:
         st = SamplingTensors(
@@ -143,36 +193,98 @@ class GraphDecoder:
                          (self.step_context_lens, 1)):
             t[:, start:end].fill_(value)
 
-    @torch.inference_mode()
-    def run(self, rnd: DecodeRound) -> tuple[dict[str, StepTokens], int]:
-        """Run a round through the graphs; returns the tokens and the bucket used."""
-        seqs, k = rnd.seqs, rnd.num_steps
-        b = len(seqs)
-        bucket = self.bucket_for(b)
-        st = build_sampling_tensors(seqs, self.runner.vocab_size, self.runner.eos_ids, torch.device("cpu"))
-        variant = "greedy" if st.all_greedy else "sample"
-        # stage everything on the host, then one copy per buffer
-        table = torch.full((b, self.table_width), DUMMY_BLOCK, dtype=torch.int32)
+    def _take_slot(self) -> _HostSlot:
+        """The host buffers for the next launch, once the device is done with them (they were
+        last used two launches ago, a round the engine has collected by now)."""
+        slot = self._slots[self._next_slot]
+        self._next_slot = 1 - self._next_slot
+        if slot.event is not None:
+            slot.event.synchronize()
+            slot.event = None
+        slot.launches += 1
+        return slot
+
+    def _continues_last_launch(self, seqs: list[Sequence]) -> bool:
+        last = self._last_seqs
+        return last is not None and len(last) == len(seqs) and all(a is b for a, b in zip(last, seqs))
+
+    def _device_rows(self, name: str, k: int, b: int) -> torch.Tensor:
+        buf = getattr(self, name)
+        return buf[:k, :b] if name in _PER_STEP else buf[:b]
+
+    def _stage_inputs(self, slot: _HostSlot, rnd: DecodeRound, pending: int) -> str:
+        """Fill the slot's host buffers for `rnd` and queue their copies into the static
+        buffers; returns the sampler variant."""
+        seqs, k, b = rnd.seqs, rnd.num_steps, len(rnd.seqs)
+        st = build_sampling_tensors(seqs, self.runner.vocab_size, self.runner.eos_ids, torch.device("cpu"), pending)
+        table = slot.view("block_tables", (b, self.table_width))
+        table.fill_(DUMMY_BLOCK)
         for i, s in enumerate(seqs):
             table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        positions, slots, context_lens = plan_steps(seqs, k, table, self.runner.block_size)
-        self._reset_padding(b, bucket)
+        positions, slots, context_lens = plan_steps(seqs, k, table, self.runner.block_size, pending)
+        values = {"step_positions": positions, "step_slots": slots, "step_context_lens": context_lens,
+                  **{name: getattr(st, name) for name in ("temperature", "top_k", "top_p", "min_p", "seeds",
+                                                          "output_pos")}}
+        host = {name: slot.stage(name, src) for name, src in values.items()}
+        host["block_tables"] = table
+        if not pending:  # else each row's last token is already in input_ids, on the device only
+            host["input_ids"] = slot.stage("input_ids", torch.tensor([s.last_token_id for s in seqs]))
         non_blocking = self.device.type == "cuda"
-        for dst, src in ((self.input_ids[:b], torch.tensor([s.last_token_id for s in seqs])),
-                         (self.step_positions[:k, :b], positions), (self.step_slots[:k, :b], slots),
-                         (self.step_context_lens[:k, :b], context_lens), (self.block_tables[:b], table),
-                         (self.temperature[:b], st.temperature), (self.top_k[:b], st.top_k), (self.top_p[:b], st.top_p),
-                         (self.min_p[:b], st.min_p), (self.seeds[:b], st.seeds), (self.output_pos[:b], st.output_pos)):
-            dst.copy_(src, non_blocking=non_blocking)
-        self.step.zero_()
-        entry = self.graphs[(bucket, variant)]
-        for _ in range(k):
-            if entry.graph is not None:
-                entry.graph.replay()
-            else:
-                self.runner.decode_step(entry.state)
-        state = entry.state
-        state.out_tokens, state.out_logprobs = self.out_tokens[:k, :bucket], self.out_logprobs[:k, :bucket]
-        results = self.runner.collect(rnd, state)
-        state.out_tokens, state.out_logprobs = self.out_tokens[:, :bucket], self.out_logprobs[:, :bucket]
-        return results, bucket
+        for name, src in host.items():
+            self._device_rows(name, k, b).copy_(src, non_blocking=non_blocking)
+        return "greedy" if st.all_greedy else "sample"
+
+    @torch.inference_mode()
+    def launch(self, rnd: DecodeRound, pending: int = 0) -> RoundHandle:
+        """Stage a round, queue its K replays and the copy of its tokens to the host, and
+        return without waiting for the device (on CPU the steps run here, eagerly).
+
+        `pending` > 0: the round continues the last launch (the same sequences in the same
+        order), which generated `pending` tokens per sequence that the host has not appended
+        yet. The last of them is in the static input_ids already (each step writes its
+        sampled token there), so input_ids is not restaged; everything else is, shifted by
+        `pending`."""
+        seqs, k = rnd.seqs, rnd.num_steps
+        if pending and not self._continues_last_launch(seqs):
+            raise ValueError("a round with pending tokens must continue the last launched round")
+        self._last_seqs = None  # until this launch is fully queued
+        b = len(seqs)
+        bucket = self.bucket_for(b)
+        slot = self._take_slot()
+        non_blocking = self.device.type == "cuda"
+        try:
+            variant = self._stage_inputs(slot, rnd, pending)
+            self._reset_padding(b, bucket)
+            self.step.zero_()
+            entry = self.graphs[(bucket, variant)]
+            for _ in range(k):
+                if entry.graph is not None:
+                    entry.graph.replay()
+                else:
+                    self.runner.decode_step(entry.state)
+            # the next round's replays overwrite out_tokens: copy them out first, in stream order.
+            # Whole leading rows are contiguous on both sides: one DMA straight into pinned memory.
+            slot.tokens[:k].copy_(self.out_tokens[:k], non_blocking=non_blocking)
+            slot.logprobs[:k].copy_(self.out_logprobs[:k], non_blocking=non_blocking)
+        finally:  # also after a failure: the slot is reused only once the device is done with it
+            if non_blocking:
+                slot.event = torch.cuda.Event()
+                slot.event.record(torch.cuda.current_stream(self.device))
+        self._last_seqs = list(seqs)
+        return RoundHandle(rnd, bucket, slot, slot.launches, slot.event)
+
+    def collect(self, handle: RoundHandle) -> tuple[dict[str, StepTokens], int]:
+        """Wait for a launched round's tokens; returns them per sequence, and the bucket used.
+        Collect a round before launching the one after the next (they share host buffers)."""
+        slot = handle.slot
+        if slot.launches != handle.launch_index:
+            raise RuntimeError("a round was collected after its host buffers went to a later round")
+        if handle.event is not None:
+            handle.event.synchronize()
+        k, b = handle.rnd.num_steps, len(handle.rnd.seqs)
+        results = self.runner.tokens_by_seq(handle.rnd.seqs, slot.tokens[:k, :b], slot.logprobs[:k, :b])
+        return results, handle.bucket
+
+    def run(self, rnd: DecodeRound) -> tuple[dict[str, StepTokens], int]:
+        """A round launched and waited for; returns the tokens and the bucket used."""
+        return self.collect(self.launch(rnd))

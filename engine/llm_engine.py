@@ -1,5 +1,10 @@
 """LLMEngine: the synchronous core. Owns the model, KV cache, scheduler and runner;
-`step()` runs one prefill batch or one decode round and returns the outputs."""
+`step()` runs one prefill batch or one decode round and returns the outputs.
+
+Overlap (EngineConfig.overlap_rounds): a decode round through the graph decoder is left
+in flight on the device; the next step launches the round after it (when the scheduler
+can tell it without the tokens of the one in flight) before it waits for and processes
+the one in flight, so the device never idles while the host works."""
 
 from __future__ import annotations
 
@@ -12,13 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig
-from engine.cuda_graphs import GraphDecoder, eager_reason
+from engine.cuda_graphs import GraphDecoder, RoundHandle, eager_reason
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block
 from engine.models.config import ModelArgs
 from engine.output import OutputProcessor
 from engine.request import RequestOutput, SamplingParams, Sequence
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, StepTokens
 from engine.scheduler import DecodeRound, PrefillBatch, Scheduler
 from engine.tokenizer import Tokenizer
 
@@ -35,6 +40,7 @@ class EngineStats:
     kv_blocks_free: int = 0
     num_preemptions: int = 0
     decode_rounds: int = 0
+    decode_rounds_ahead: int = 0  # rounds launched before the previous round's tokens were read
     prefill_steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -94,6 +100,7 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self.stats_counters = EngineStats(kv_blocks_total=self.block_manager.num_usable_blocks)
         self._injected_fault: str | None = None
+        self._in_flight: RoundHandle | None = None  # a launched decode round, not collected yet
         self._seeds = random.Random(config.seed)
         logger.info("loaded %s (%s, %d layers) on %s in %s: %.1fs; KV pool %d blocks x %d tokens, max_model_len %d",
                     self.model_path, args.architecture, args.num_layers, self.device, str(self.dtype).split(".")[-1],
@@ -175,10 +182,11 @@ class LLMEngine:
             return None
         self.scheduler.finish(seq)
         seq.finish_reason = "abort"
+        self._drop_unwanted_round()
         return self.outputs.make_output(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # ---- the step ------------------------------------------------------------------
 
@@ -190,25 +198,76 @@ class LLMEngine:
         self._injected_fault = kind
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch. An exception from the model run fails only the requests
-        of this batch (finish_reason "error", blocks freed); anything else propagates."""
+        """Run one scheduled batch, or (overlap) collect the decode round in flight after
+        launching the next one; returns the outputs of one batch or round. An exception from
+        the model run fails only the requests of that batch or round (finish_reason "error",
+        blocks freed); anything else propagates."""
         if self._injected_fault == "fatal":
             self._injected_fault = None
             raise RuntimeError("injected fatal engine fault")
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
+        if self._in_flight is None:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return []
+            if not self._overlaps(batch):
+                return self._run_now(batch)
+            try:
+                self._take_step_fault()
+                self._in_flight = self._launch(batch)
+            except Exception:
+                logger.exception("launching a decode round failed; failing its %d requests", len(batch.seqs))
+                return self._fail_all(batch.seqs)
+        return self._collect_in_flight()
+
+    def _overlaps(self, batch: PrefillBatch | DecodeRound) -> bool:
+        return (self.config.overlap_rounds and isinstance(batch, DecodeRound)
+                and self._eager_reason(batch) is None)
+
+    def _run_now(self, batch: PrefillBatch | DecodeRound) -> list[RequestOutput]:
+        """A batch run and processed synchronously: prefills, eager rounds, no overlap."""
         try:
-            if self._injected_fault == "step":
-                self._injected_fault = None
-                raise RuntimeError("injected step fault")
+            self._take_step_fault()
             if isinstance(batch, PrefillBatch):
                 new_tokens = self.runner.prefill(batch)
             else:
                 new_tokens = self.decode(batch)
         except Exception:
             logger.exception("engine step failed; failing the %d requests in it", len(batch.seqs))
-            return [self._fail(seq) for seq in batch.seqs]
+            return self._fail_all(batch.seqs)
+        return self._process(batch, new_tokens)
+
+    def _collect_in_flight(self) -> list[RequestOutput]:
+        """Launch the round after the one in flight if the scheduler can already tell it,
+        then wait for the one in flight and process its tokens."""
+        prev, self._in_flight = self._in_flight, None
+        ahead = self.scheduler.schedule_decode_ahead(prev.rnd)
+        if ahead is not None:
+            try:
+                self._take_step_fault()
+                self._in_flight = self._launch(ahead, pending=prev.rnd.num_steps)
+            except Exception:  # the same requests as prev's: their tokens in flight go with them
+                logger.exception("launching a decode round ahead failed; failing its %d requests", len(ahead.seqs))
+                return self._fail_all(ahead.seqs)
+            self.stats_counters.decode_rounds_ahead += 1
+        try:
+            new_tokens, _ = self.graphs.collect(prev)
+        except Exception:
+            logger.exception("collecting a decode round failed; failing its %d requests", len(prev.rnd.seqs))
+            self._in_flight = None  # the round ahead, if any, continues the same requests
+            return self._fail_all(prev.rnd.seqs)
+        outputs = self._process(prev.rnd, new_tokens)
+        self._drop_unwanted_round()
+        return outputs
+
+    def _drop_unwanted_round(self) -> None:
+        """Forget the round in flight once every request in it has ended: nobody needs its
+        tokens. The device still runs it, before anything launched later (one stream), and
+        the graph decoder reuses its host buffers only after its event."""
+        if self._in_flight is not None and all(s.is_finished for s in self._in_flight.rnd.seqs):
+            self._in_flight = None
+
+    def _process(self, batch: PrefillBatch | DecodeRound, new_tokens: dict[str, StepTokens]) -> list[RequestOutput]:
+        """Append a batch's tokens, end the sequences that are done, and make their outputs."""
         stats = self.stats_counters
         if isinstance(batch, PrefillBatch):
             stats.prefill_steps += 1
@@ -216,7 +275,8 @@ class LLMEngine:
             touched = [s for s in batch.seqs if not s.in_prefill]
         else:
             stats.decode_rounds += 1
-            touched = batch.seqs
+            # a sequence that ended (stop, abort) while its round was in flight: its tokens are dropped
+            touched = [s for s in batch.seqs if not s.is_finished]
         outputs = []
         for seq in touched:
             step = new_tokens.get(seq.request_id)
@@ -232,24 +292,41 @@ class LLMEngine:
             outputs.append(self.outputs.make_output(seq))
         return outputs
 
+    def _take_step_fault(self) -> None:
+        if self._injected_fault == "step":
+            self._injected_fault = None
+            raise RuntimeError("injected step fault")
+
+    def _fail_all(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        return [self._fail(seq) for seq in seqs if not seq.is_finished]
+
     def _fail(self, seq: Sequence) -> RequestOutput:
         self.scheduler.finish(seq)
         self.sequences.pop(seq.request_id, None)
         seq.finish_reason = "error"
         return self.outputs.make_output(seq)
 
-    def decode(self, rnd: DecodeRound):
-        """A decode round through the CUDA graphs when they can take it, else eagerly (counted by reason)."""
-        stats = self.stats_counters
+    def _eager_reason(self, rnd: DecodeRound) -> str | None:
+        """Why `rnd` cannot go through the graph decoder, or None if it can."""
         if self.graphs is None:
-            reason = "cpu" if self.device.type == "cpu" else "enforce_eager"
-        else:
-            reason = eager_reason(rnd.seqs, self.graphs.max_bucket)
+            return "cpu" if self.device.type == "cpu" else "enforce_eager"
+        return eager_reason(rnd.seqs, self.graphs.max_bucket)
+
+    def _launch(self, rnd: DecodeRound, pending: int = 0) -> RoundHandle:
+        handle = self.graphs.launch(rnd, pending)
+        stats = self.stats_counters
+        # copy-on-write: stats() may read these dicts from another thread at any time
+        stats.graph_replays = {**stats.graph_replays, handle.bucket: stats.graph_replays.get(handle.bucket, 0)
+                               + rnd.num_steps}
+        return handle
+
+    def decode(self, rnd: DecodeRound) -> dict[str, StepTokens]:
+        """A decode round run to the end: through the graphs when they can take it, else
+        eagerly (counted by reason)."""
+        reason = self._eager_reason(rnd)
         if reason is None:
-            results, bucket = self.graphs.run(rnd)
-            # copy-on-write: stats() may read these dicts from another thread at any time
-            stats.graph_replays = {**stats.graph_replays, bucket: stats.graph_replays.get(bucket, 0) + rnd.num_steps}
-            return results
+            return self.graphs.collect(self._launch(rnd))[0]
+        stats = self.stats_counters
         stats.eager_rounds = {**stats.eager_rounds, reason: stats.eager_rounds.get(reason, 0) + 1}
         return self.runner.decode(rnd)
 

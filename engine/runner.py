@@ -46,15 +46,17 @@ class DecodeState:
     out_top_logprobs: torch.Tensor | None = None
 
 
-def plan_steps(seqs: list[Sequence], num_steps: int, tables: torch.Tensor,
-               block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def plan_steps(seqs: list[Sequence], num_steps: int, tables: torch.Tensor, block_size: int,
+               pending: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Positions, slots and context lengths of every step of a round, [K, B] each, on the host.
 
     The KV blocks of all K steps were reserved by the scheduler; a row that reaches its end
-    (max_tokens) before step K keeps running, writing only into the dummy block. (numpy: a
-    handful of tiny torch CPU ops would cost more than the arithmetic.)"""
-    n = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
-    remaining = np.fromiter((s.params.max_tokens - s.num_output_tokens for s in seqs), dtype=np.int64,
+    (max_tokens) before step K keeps running, writing only into the dummy block. `pending`:
+    tokens each sequence already generated on the device that the host has not appended yet
+    (a round launched before the previous one was collected). (numpy: a handful of tiny
+    torch CPU ops would cost more than the arithmetic.)"""
+    n = np.fromiter((s.num_tokens + pending for s in seqs), dtype=np.int64, count=len(seqs))
+    remaining = np.fromiter((s.params.max_tokens - s.num_output_tokens - pending for s in seqs), dtype=np.int64,
                             count=len(seqs))
     last = n - 2 + np.minimum(remaining, num_steps)  # last position a row writes for real
     wanted = n[None, :] - 1 + np.arange(num_steps, dtype=np.int64)[:, None]
@@ -213,12 +215,20 @@ class ModelRunner:
     def collect(self, rnd: DecodeRound, state: DecodeState) -> dict[str, StepTokens]:
         """The round's single device-to-host transfer, then per-sequence token lists."""
         b = len(rnd.seqs)
-        tokens = state.out_tokens[:, :b].T.tolist()
-        logprobs = state.out_logprobs[:, :b].T.tolist()
-        top_ids = state.out_top_ids[:, :b].transpose(0, 1).tolist() if state.out_top_ids is not None else None
-        top_lps = state.out_top_logprobs[:, :b].transpose(0, 1).tolist() if state.out_top_ids is not None else None
+        top_ids = state.out_top_ids[:, :b] if state.out_top_ids is not None else None
+        top_lps = state.out_top_logprobs[:, :b] if state.out_top_ids is not None else None
+        return self.tokens_by_seq(rnd.seqs, state.out_tokens[:, :b], state.out_logprobs[:, :b], top_ids, top_lps)
+
+    def tokens_by_seq(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor,
+                      top_ids: torch.Tensor | None = None,
+                      top_lps: torch.Tensor | None = None) -> dict[str, StepTokens]:
+        """Per-sequence token lists from [K, B] (and [K, B, N]) outputs, row i = seqs[i]."""
+        tokens_l = tokens.T.tolist()
+        logprobs_l = logprobs.T.tolist()
+        top_ids_l = top_ids.transpose(0, 1).tolist() if top_ids is not None else None
+        top_lps_l = top_lps.transpose(0, 1).tolist() if top_lps is not None else None
         return {
-            seq.request_id: self._step_tokens(seq, tokens[i], logprobs[i], top_ids[i] if top_ids else None,
-                                              top_lps[i] if top_lps else None)
-            for i, seq in enumerate(rnd.seqs)
+            seq.request_id: self._step_tokens(seq, tokens_l[i], logprobs_l[i], top_ids_l[i] if top_ids_l else None,
+                                              top_lps_l[i] if top_lps_l else None)
+            for i, seq in enumerate(seqs)
         }

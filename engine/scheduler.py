@@ -37,9 +37,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remaining_steps(self, seq: Sequence) -> int:
-        """Tokens `seq` may still generate (max_tokens and the context length both bound it)."""
-        return seq.params.max_tokens - seq.num_output_tokens
+    def remaining_steps(self, seq: Sequence, pending: int = 0) -> int:
+        """Tokens `seq` may still generate (max_tokens and the context length both bound it),
+        `pending` of them already generated on the device but not appended yet."""
+        return seq.params.max_tokens - seq.num_output_tokens - pending
 
     def schedule(self) -> PrefillBatch | DecodeRound | None:
         batch = self._schedule_prefill()
@@ -101,6 +102,28 @@ class Scheduler:
         if not self.running:
             return None
         return DecodeRound(list(self.running), k)
+
+    def schedule_decode_ahead(self, prev: DecodeRound) -> DecodeRound | None:
+        """The round after `prev`, scheduled while `prev` is still on the device: the same
+        sequences in the same order, each assumed to have prev.num_steps more tokens. None
+        unless that is surely what schedule() would decide once `prev` is collected, short
+        of a sequence stopping inside `prev` (its extra tokens are then dropped): nothing
+        waits, none of prev's sequences has left the batch or would end with `prev`, and
+        KV for every one of them fits without preempting."""
+        if self.waiting or self.running != prev.seqs:
+            return None
+        pending = prev.num_steps
+        remaining = [self.remaining_steps(s, pending) for s in prev.seqs]
+        if min(remaining) < 1:
+            return None
+        k = max(1, min(self.config.decode_chunk, max(remaining)))
+        # positions written: num_tokens + pending - 1 .. num_tokens + pending - 2 + steps
+        needed = [s.num_tokens + pending - 1 + min(k, r) for s, r in zip(prev.seqs, remaining)]
+        if not self.blocks.can_allocate(sum(self.blocks.blocks_needed(s, n) for s, n in zip(prev.seqs, needed))):
+            return None
+        for seq, n in zip(prev.seqs, needed):
+            self.blocks.allocate(seq, n)
+        return DecodeRound(list(prev.seqs), k)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -44,6 +44,8 @@ ENGINE_FLAG_HELP = {
     "kv_cache_bytes": "KV pool size on CPU, e.g. 536870912 or 512MiB",
     "num_kv_blocks": "force the number of KV blocks (overrides the memory budget)",
     "enforce_eager": "never capture or replay CUDA graphs",
+    "overlap_rounds": "launch each CUDA-graph decode round before the host reads the previous one's tokens "
+                      "(--no-overlap-rounds: one round at a time)",
     "cuda_graph_max_batch": "largest batch bucket captured as a CUDA graph",
     "num_threads": "torch CPU threads (serve: all cores but one, left to HTTP; generate: all cores)",
     "seed": "engine seed for unseeded sampling",

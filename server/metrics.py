@@ -127,6 +127,10 @@ class EngineStatsCollector(Collector):
         yield CounterMetricFamily(
             f"{PREFIX}_decode_rounds", "Decode rounds run (each up to K steps).", stats.decode_rounds
         )
+        yield CounterMetricFamily(
+            f"{PREFIX}_decode_rounds_ahead", "Decode rounds launched before the previous one was read.",
+            stats.decode_rounds_ahead,
+        )
         prefill_steps = getattr(stats, "prefill_steps", None)
         if prefill_steps is not None:
             yield CounterMetricFamily(f"{PREFIX}_prefill_steps", "Prefill batches run.", prefill_steps)
