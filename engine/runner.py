@@ -195,7 +195,7 @@ class ModelRunner:
                                  block_tables=state.block_tables,
                                  context_lens=state.step_context_lens.index_select(0, step)[0])
         hidden = self.model(state.input_ids, pos, meta, self.kv_caches)
-        out = sample(self.model.compute_logits(hidden), state.sampling)
+        out = sample(self.model.compute_logits(hidden, dtype=None), state.sampling)  # sample() upcasts if it must
         state.out_tokens.index_copy_(0, step, out.tokens[None])
         state.out_logprobs.index_copy_(0, step, out.logprobs[None])
         if state.out_top_ids is not None:

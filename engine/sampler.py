@@ -41,6 +41,10 @@ class SamplingTensors:
     def has_penalties(self) -> bool:
         return self.output_counts is not None
 
+    @property
+    def has_processors(self) -> bool:
+        return self.logit_bias is not None or self.output_counts is not None or self.min_tokens_ban is not None
+
 
 def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_ids: tuple[int, ...],
                            device: torch.device, pending: int = 0) -> SamplingTensors:
@@ -148,7 +152,13 @@ class SamplerOutput:
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
-    """logits: [B, V] float32 raw model logits. Returns the next tokens and their logprobs."""
+    """logits: [B, V] raw model logits (float32 or the model's dtype). Returns the next tokens and
+    their logprobs (computed in float32)."""
+    if logits.is_cuda and st.all_greedy and st.num_logprobs == 0 and not st.has_processors:
+        from kernels.sampling import greedy_sample
+
+        return SamplerOutput(*greedy_sample(logits))  # two kernels instead of about ten
+    logits = logits.float()
     processed = apply_processors(logits, st)
     greedy_tokens = processed.argmax(dim=-1)
     if st.all_greedy:
