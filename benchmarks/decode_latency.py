@@ -97,6 +97,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--max-num-seqs", type=int, default=512,
+                        help="engine max_num_seqs: graphs are captured for every bucket up to it (capture time is recorded)")
+    parser.add_argument("--overlap-ab", action="store_true",
+                        help="also time the graph rows with overlap_rounds off (the host reads each round before the next)")
     parser.add_argument("--gemv-ab", action="store_true",
                         help="also time batch 1 with cuBLAS projections instead of the fused GEMV kernels")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/decode_latency.json"))
@@ -109,7 +113,7 @@ def main() -> None:
     from engine.models import layers
 
     bandwidth = copy_bandwidth()
-    rows = []
+    rows, captures = [], []
     avg_context = args.prompt_len + args.new_tokens // 2
 
     def record(model_name, engine_kind, batch, k, step_s, model):
@@ -125,16 +129,26 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         max_batch = max(args.batches)
         started = time.perf_counter()
-        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=max_batch, decode_chunk=max(args.chunks),
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=max(max_batch, args.max_num_seqs),
+                  decode_chunk=max(args.chunks),
                   max_model_len=args.prompt_len + args.new_tokens + 64, max_num_batched_tokens=8192,
                   gpu_memory_utilization=0.5)
-        print(f"{name}: engine start (load + KV + graph capture) {time.perf_counter() - started:.1f}s", flush=True)
         engine = llm.engine
+        captures.append(dict(model=name, engine_start_s=time.perf_counter() - started,
+                             buckets=len(engine.graphs.buckets), largest_bucket=engine.graphs.max_bucket,
+                             capture_s=engine.graphs.capture_seconds, capture_gib=engine.graphs.capture_gib))
+        print(f"{name}: engine start {captures[-1]['engine_start_s']:.1f}s, of which capturing "
+              f"{2 * len(engine.graphs.buckets)} CUDA graphs (buckets up to {engine.graphs.max_bucket}) "
+              f"{engine.graphs.capture_seconds:.1f}s, {engine.graphs.capture_gib:.2f} GiB", flush=True)
         model = engine.model
         for batch in args.batches:
             prompts = torch.randint(100, 30000, (batch, args.prompt_len), generator=gen).tolist()
             engine.config.decode_chunk = 8
             record(name, "graphs", batch, 8, time_engine(llm, prompts, args.new_tokens), model)
+            if args.overlap_ab:
+                engine.config.overlap_rounds = False
+                record(name, "graphs-no-overlap", batch, 8, time_engine(llm, prompts, args.new_tokens), model)
+                engine.config.overlap_rounds = True
             graphs, engine.graphs = engine.graphs, None
             record(name, "eager", batch, 8, time_engine(llm, prompts, args.new_tokens, repeats=1), model)
             engine.graphs = graphs
@@ -166,7 +180,8 @@ def main() -> None:
         benchmark="decode_latency", date=datetime.datetime.now().isoformat(timespec="seconds"),
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
         transformers=transformers.__version__, python=platform.python_version(), command=" ".join(sys.argv),
-        copy_bandwidth_gb_s=bandwidth / 1e9, prompt_len=args.prompt_len, new_tokens=args.new_tokens, rows=rows)
+        copy_bandwidth_gb_s=bandwidth / 1e9, prompt_len=args.prompt_len, new_tokens=args.new_tokens, rows=rows,
+        graph_capture=captures)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; wrote {args.out}")

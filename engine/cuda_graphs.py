@@ -129,6 +129,8 @@ class GraphDecoder:
         self.out_tokens = torch.zeros(max_steps, n, dtype=torch.int64, device=dev)
         self.out_logprobs = torch.zeros(max_steps, n, dtype=torch.float32, device=dev)
         self.graphs: dict[tuple[int, str], _Graph] = {}
+        self.capture_seconds = 0.0  # of the last capture(), and the GPU memory it took
+        self.capture_gib = 0.0
         self.pool = None
         pin = self.device.type == "cuda"
         self._slots = [_HostSlot(self, pin), _HostSlot(self, pin)]
@@ -173,9 +175,10 @@ class GraphDecoder:
                 self.runner.decode_step(state)
             self.graphs[(bucket, variant)] = _Graph(graph, state)
         torch.cuda.synchronize()
-        used = (mem_before - torch.cuda.mem_get_info(self.device)[0]) / 1024**3
+        self.capture_seconds = time.perf_counter() - started
+        self.capture_gib = (mem_before - torch.cuda.mem_get_info(self.device)[0]) / 1024**3
         logger.info("captured %d CUDA graphs (%d buckets up to %d) in %.1fs using %.2f GiB",
-                    len(todo), len(self.buckets), self.max_bucket, time.perf_counter() - started, used)
+                    len(todo), len(self.buckets), self.max_bucket, self.capture_seconds, self.capture_gib)
 
     def bucket_for(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
