@@ -241,6 +241,18 @@ def test_rope_and_store_kv_llama_8b():
     assert torch.equal(v_cache, ref_v_cache)
 
 
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Tensors the wrappers allocate (outputs, partials) come back filled with NaN, or -7 for integers."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan") if t.is_floating_point() else -7)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_empty_like(*a, **kw)))
+
+
 # (weight rows N, K, fused norm + residual, bias, silu_mul) of the decode-step projections
 GEMV_SHAPES = {
     "qwen-qkv": (1152, 896, True, True, False), "qwen-gate_up": (9728, 896, True, False, True),
@@ -253,11 +265,8 @@ GEMV_SHAPES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("name", sorted(GEMV_SHAPES))
-def test_gemv_real_shapes(name, rows, monkeypatch):
+def test_gemv_real_shapes(name, rows, poisoned_outputs):
     n, k, norm, bias, silu = GEMV_SHAPES[name]
-    real_empty, real_empty_like = torch.empty, torch.empty_like  # outputs come back poisoned
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: real_empty_like(*a, **kw).fill_(float("nan")))
     gen = torch.Generator(device=DEV).manual_seed(rows)
     x = torch.randn(rows, k, device=DEV, dtype=BF16, generator=gen)
     w = torch.randn(n, k, device=DEV, dtype=BF16, generator=gen) / k**0.5
@@ -279,7 +288,7 @@ def test_gemv_real_shapes(name, rows, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("vocab", [151936, 128256])
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
-def test_greedy_sample_real_vocab(vocab, dtype):
+def test_greedy_sample_real_vocab(vocab, dtype, poisoned_outputs):
     gen = torch.Generator(device=DEV).manual_seed(vocab)
     logits = (torch.randn(64, vocab, device=DEV, generator=gen) * 4).to(dtype)
     logits[5, vocab - 1] = 100.0  # the maximum in the last vocabulary entry
@@ -291,7 +300,7 @@ def test_greedy_sample_real_vocab(vocab, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,hidden,bias", [(QWEN_05B, 896, True), (LLAMA_8B, 4096, False)], ids=["qwen", "llama"])
-def test_gemv_rope_store_real_shapes(shape, hidden, bias):
+def test_gemv_rope_store_real_shapes(shape, hidden, bias, poisoned_outputs):
     hq, hkv, head_dim = shape["hq"], shape["hkv"], shape["head_dim"]
     gen = torch.Generator(device=DEV).manual_seed(hidden)
     n = (hq + 2 * hkv) * head_dim
