@@ -31,7 +31,7 @@ serve: model
 test: model
 	$(PY) -m pytest -q -m "not gpu" tests
 
-test-gpu:
+test-gpu: install
 	$(PY) -m pytest -q -m gpu tests
 
 bench-cpu: model

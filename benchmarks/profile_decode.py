@@ -53,7 +53,7 @@ def main() -> None:
         torch.cuda.synchronize()
         return (time.perf_counter() - t) / n / 8
 
-    graph_step = timed(lambda: engine.graphs.run(rnd))
+    graph_step = timed(lambda: engine.graphs.collect(engine.graphs.launch(rnd)))
     eager_step = timed(lambda: engine.runner.decode(rnd), n=5)
     from torch.profiler import ProfilerActivity, profile
 

@@ -287,7 +287,3 @@ class GraphDecoder:
         k, b = handle.rnd.num_steps, len(handle.rnd.seqs)
         results = self.runner.tokens_by_seq(handle.rnd.seqs, slot.tokens[:k, :b], slot.logprobs[:k, :b])
         return results, handle.bucket
-
-    def run(self, rnd: DecodeRound) -> tuple[dict[str, StepTokens], int]:
-        """A round launched and waited for; returns the tokens and the bucket used."""
-        return self.collect(self.launch(rnd))

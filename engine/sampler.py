@@ -38,10 +38,6 @@ class SamplingTensors:
     num_logprobs: int = 0  # top-N alternatives to return (max over rows)
 
     @property
-    def has_penalties(self) -> bool:
-        return self.output_counts is not None
-
-    @property
     def has_processors(self) -> bool:
         return self.logit_bias is not None or self.output_counts is not None or self.min_tokens_ban is not None
 

@@ -38,9 +38,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def remaining_steps(self, seq: Sequence, pending: int = 0) -> int:
-        """Tokens `seq` may still generate (max_tokens and the context length both bound it),
-        `pending` of them already generated on the device but not appended yet."""
+        """Tokens `seq` may still generate (max_tokens, which admission capped at the context
+        length), less `pending` ones already generated on the device but not appended yet."""
         return seq.params.max_tokens - seq.num_output_tokens - pending
+
+    def _kv_tokens_needed(self, seq: Sequence, num_steps: int, pending: int = 0) -> int:
+        """KV slots `seq` needs for a round of `num_steps`: it writes positions
+        num_tokens + pending - 1 .. num_tokens + pending - 2 + (the steps it really runs)."""
+        return seq.num_tokens + pending - 1 + min(num_steps, self.remaining_steps(seq, pending))
 
     def schedule(self) -> PrefillBatch | DecodeRound | None:
         batch = self._schedule_prefill()
@@ -74,13 +79,13 @@ class Scheduler:
             budget -= n
         return PrefillBatch(seqs, chunks) if seqs else None
 
-    def decode_steps(self) -> int:
+    def decode_steps(self, pending: int = 0) -> int:
         """K for the next round: the configured chunk, cut short when requests wait for a
         prefill (so their time to first token stays low) or when every sequence ends sooner."""
         k = self.config.decode_chunk
         if self.waiting and len(self.running) < self.config.max_num_seqs:
             k = min(k, 2)
-        return max(1, min(k, max(self.remaining_steps(s) for s in self.running)))
+        return max(1, min(k, max(self.remaining_steps(s, pending) for s in self.running)))
 
     def _schedule_decode(self) -> DecodeRound | None:
         if not self.running:
@@ -89,8 +94,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            # positions written this round: num_tokens - 1 .. num_tokens - 2 + steps
-            needed = seq.num_tokens - 1 + min(k, self.remaining_steps(seq))
+            needed = self._kv_tokens_needed(seq, k)
             if self.blocks.can_allocate(self.blocks.blocks_needed(seq, needed)):
                 self.blocks.allocate(seq, needed)
                 i += 1
@@ -113,12 +117,10 @@ class Scheduler:
         if self.waiting or self.running != prev.seqs:
             return None
         pending = prev.num_steps
-        remaining = [self.remaining_steps(s, pending) for s in prev.seqs]
-        if min(remaining) < 1:
+        if min(self.remaining_steps(s, pending) for s in prev.seqs) < 1:
             return None
-        k = max(1, min(self.config.decode_chunk, max(remaining)))
-        # positions written: num_tokens + pending - 1 .. num_tokens + pending - 2 + steps
-        needed = [s.num_tokens + pending - 1 + min(k, r) for s, r in zip(prev.seqs, remaining)]
+        k = self.decode_steps(pending)
+        needed = [self._kv_tokens_needed(s, k, pending) for s in prev.seqs]
         if not self.blocks.can_allocate(sum(self.blocks.blocks_needed(s, n) for s, n in zip(prev.seqs, needed))):
             return None
         for seq, n in zip(prev.seqs, needed):

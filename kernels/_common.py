@@ -28,6 +28,21 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def attention_output(q: torch.Tensor, num_kv_heads: int, head_dim: int, out: torch.Tensor | None) -> torch.Tensor:
+    """Check q [T, Hq, D] against the cache's heads and return the output tensor for it: `out`
+    (checked) or a new one."""
+    num_heads, q_dim = q.shape[1], q.shape[2]
+    if q_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not match cache heads={num_kv_heads} dim={head_dim}")
+    if q.stride(-1) != 1:
+        raise ValueError("q's last dimension must be contiguous")
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)} with a contiguous last dim")
+    return out
+
+
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """Validate the paged cache layout and return (num_blocks, block_size, num_kv_heads, head_dim)."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:

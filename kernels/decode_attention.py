@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_kv_cache, dot_precision, sm_count
+from kernels._common import attention_output, check_kv_cache, dot_precision, sm_count
 
 _LOG2E = 1.4426950408889634
 # Split-count heuristic, tuned on an H200 (benchmarks/kernel_bench.py --sweep): aim for about
@@ -191,15 +191,8 @@ def paged_decode_attention(
     tile overrides the launch shape (benchmark sweeps); None uses default_decode_tile.
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    batch, num_heads, q_dim = q.shape
-    if q_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not match cache heads={num_kv_heads} dim={head_dim}")
-    if q.stride(-1) != 1:
-        raise ValueError("q's last dimension must be contiguous")
-    if out is None:
-        out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)} with a contiguous last dim")
+    batch, num_heads, _ = q.shape
+    out = attention_output(q, num_kv_heads, head_dim, out)
     if batch == 0:
         return out
     group = num_heads // num_kv_heads

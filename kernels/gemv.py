@@ -178,7 +178,7 @@ def default_gemv_tile(rows: int, n: int, k: int, num_sms: int, silu_mul: bool = 
 
 
 def _check_inputs(x, weight, norm_weight, residual) -> None:
-    k = x.shape[1]
+    k = x.shape[-1]
     if x.dim() != 2 or x.stride(-1) != 1 or weight.dim() != 2 or weight.shape[1] != k or weight.stride(-1) != 1:
         raise ValueError(f"expected x [M, K] and weight [N, K] with contiguous rows, got {tuple(x.shape)} "
                          f"and {tuple(weight.shape)}")

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_kv_cache, dot_precision
+from kernels._common import attention_output, check_kv_cache, dot_precision
 
 _LOG2E = 1.4426950408889634
 
@@ -121,15 +121,8 @@ def paged_prefill_attention(
     `out`). tile overrides the launch shape (benchmark sweeps).
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    num_tokens, num_heads, q_dim = q.shape
-    if q_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not match cache heads={num_kv_heads} dim={head_dim}")
-    if q.stride(-1) != 1:
-        raise ValueError("q's last dimension must be contiguous")
-    if out is None:
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)} with a contiguous last dim")
+    num_tokens, num_heads, _ = q.shape
+    out = attention_output(q, num_kv_heads, head_dim, out)
     batch = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or batch <= 0 or max_seqlen_q <= 0:
         return out

@@ -24,8 +24,12 @@ GEMV_MAX_ROWS = 1
 GEMV_MAX_WEIGHT_ELEMENTS = 1 << 24
 
 
+def _triton(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
 def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS and weight.numel() <= GEMV_MAX_WEIGHT_ELEMENTS
+    return _triton(x) and x.shape[0] <= GEMV_MAX_ROWS and weight.numel() <= GEMV_MAX_WEIGHT_ELEMENTS
 
 
 def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
@@ -78,10 +82,6 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         h, residual = add_rms_norm(x, residual, norm_weight, eps)
     y = proj(h)
     return (silu_and_mul(y) if silu_mul else y), residual
-
-
-def _triton(x: torch.Tensor) -> bool:
-    return x.is_cuda
 
 
 def fused_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -94,7 +94,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Causal LM: forward() gives final hidden states, compute_logits() the float32 logits."""
+    """Causal LM: forward() gives final hidden states, compute_logits() the logits."""
 
     def __init__(self, args: ModelArgs, backend, cos_sin: torch.Tensor):
         super().__init__()
@@ -115,15 +115,17 @@ class LlamaModel(nn.Module):
         x, _ = add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return x
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """Logits in `dtype` (None: the model's dtype), rounded to the model's dtype first."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, packed=self.lm_head_packed, out_dtype=dtype)
+        return linear(hidden, self.lm_head_weight, packed=self.lm_head_packed, out_dtype=dtype)
 
     def pack_for_cpu(self) -> None:
         """Pack every projection (and the LM head) for oneDNN; a no-op off CPU or float32."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
-        self.lm_head_packed = pack_weight_for_cpu(
-            self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        self.lm_head_packed = pack_weight_for_cpu(self.lm_head_weight)
