@@ -11,10 +11,7 @@ measured in the same run.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -25,37 +22,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from measure import copy_bandwidth, run_info, write_json  # noqa: E402
 from random_models import random_model  # noqa: E402
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    n = 2 * 1024**3 // 2
-    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    times.sort()
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * n * 2 / times[len(times) // 2]
+def weight_bytes(model) -> int:
+    """Weights a decode step reads (the input embedding only where it is also the LM head)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if not (n.startswith("embed_tokens") and model.lm_head is not None))
 
 
-def step_bytes(model, batch: int, avg_context: int) -> int:
-    args = model.args
-    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                  if not (n.startswith("embed_tokens") and model.lm_head is not None))
-    kv = batch * avg_context * 2 * args.num_layers * args.num_kv_heads * args.head_dim * 2
-    return weights + kv
+def kv_bytes(args, batch: int, avg_context: int) -> int:
+    """bf16 K and V of every layer for `batch` sequences of `avg_context` tokens."""
+    return batch * avg_context * 2 * args.num_layers * args.num_kv_heads * args.head_dim * 2
 
 
 def time_engine(llm, prompts, new_tokens: int, repeats: int = 2) -> float:
@@ -93,7 +72,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "llama-3.1-8b"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 64])
-    parser.add_argument("--chunks", nargs="+", type=int, default=[1, 4, 8, 16])
+    parser.add_argument("--chunks", nargs="+", type=int, default=[1, 4, 8, 16], help="K values timed at batch 1")
+    parser.add_argument("--k", type=int, default=8, help="K of the batch rows (graphs, eager, A/B)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--skip-transformers", action="store_true")
@@ -107,18 +87,18 @@ def main() -> None:
     args = parser.parse_args()
 
     import transformers
-    import triton
 
     from engine import LLM
     from engine.models import layers
 
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth()["gb_per_s"] * 1e9
     rows, captures = [], []
     avg_context = args.prompt_len + args.new_tokens // 2
 
-    def record(model_name, engine_kind, batch, k, step_s, model):
+    def record(model_name, engine_kind, batch, k, step_s, shape):
+        """shape: (weight bytes, ModelArgs) of the model timed."""
         tok_s = batch / step_s
-        roof = step_bytes(model, batch, avg_context) / bandwidth
+        roof = (shape[0] + kv_bytes(shape[1], batch, avg_context)) / bandwidth
         rows.append(dict(model=model_name, engine=engine_kind, batch=batch, decode_chunk=k, ms_per_step=step_s * 1e3,
                          tokens_per_s=tok_s, roofline_fraction=roof / step_s))
         print(f"{model_name:14s} {engine_kind:13s} B={batch:<3d} K={k if k else '-':<3} "
@@ -130,7 +110,7 @@ def main() -> None:
         max_batch = max(args.batches)
         started = time.perf_counter()
         llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=max(max_batch, args.max_num_seqs),
-                  decode_chunk=max(args.chunks),
+                  decode_chunk=max(args.k, *args.chunks),
                   max_model_len=args.prompt_len + args.new_tokens + 64, max_num_batched_tokens=8192,
                   gpu_memory_utilization=0.5)
         engine = llm.engine
@@ -140,28 +120,28 @@ def main() -> None:
         print(f"{name}: engine start {captures[-1]['engine_start_s']:.1f}s, of which capturing "
               f"{2 * len(engine.graphs.buckets)} CUDA graphs (buckets up to {engine.graphs.max_bucket}) "
               f"{engine.graphs.capture_seconds:.1f}s, {engine.graphs.capture_gib:.2f} GiB", flush=True)
-        model = engine.model
+        shape = (weight_bytes(engine.model), engine.model.args)
         for batch in args.batches:
             prompts = torch.randint(100, 30000, (batch, args.prompt_len), generator=gen).tolist()
-            engine.config.decode_chunk = 8
-            record(name, "graphs", batch, 8, time_engine(llm, prompts, args.new_tokens), model)
+            engine.config.decode_chunk = args.k
+            record(name, "graphs", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape)
             if args.overlap_ab:
                 engine.config.overlap_rounds = False
-                record(name, "graphs-no-overlap", batch, 8, time_engine(llm, prompts, args.new_tokens), model)
+                record(name, "graphs-no-overlap", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape)
                 engine.config.overlap_rounds = True
             graphs, engine.graphs = engine.graphs, None
-            record(name, "eager", batch, 8, time_engine(llm, prompts, args.new_tokens, repeats=1), model)
+            record(name, "eager", batch, args.k, time_engine(llm, prompts, args.new_tokens, repeats=1), shape)
             engine.graphs = graphs
             if args.gemv_ab and batch <= layers.GEMV_MAX_ROWS:
                 gemv_rows, layers.GEMV_MAX_ROWS = layers.GEMV_MAX_ROWS, 0
                 graphs.capture(progress=False)  # the projection kernels are chosen when a graph is captured
-                record(name, "graphs-cublas", batch, 8, time_engine(llm, prompts, args.new_tokens), model)
+                record(name, "graphs-cublas", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape)
                 layers.GEMV_MAX_ROWS = gemv_rows
                 graphs.capture(progress=False)
         prompts = torch.randint(100, 30000, (1, args.prompt_len), generator=gen).tolist()
         for k in args.chunks:
             engine.config.decode_chunk = k
-            record(name, "graphs", 1, k, time_engine(llm, prompts, args.new_tokens), model)
+            record(name, "graphs", 1, k, time_engine(llm, prompts, args.new_tokens), shape)
         stats = engine.stats()
         del llm, engine, graphs
         gc.collect()
@@ -170,21 +150,16 @@ def main() -> None:
             hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
             for batch in args.batches:
                 prompts = torch.randint(100, 30000, (batch, args.prompt_len), generator=gen).tolist()
-                record(name, "transformers", batch, None, time_transformers(hf, prompts, args.new_tokens), model)
+                record(name, "transformers", batch, None, time_transformers(hf, prompts, args.new_tokens), shape)
             del hf
             gc.collect()
             torch.cuda.empty_cache()
         print(f"{name}: graph replays per bucket {stats.graph_replays}, eager rounds {stats.eager_rounds}")
 
-    result = dict(
-        benchmark="decode_latency", date=datetime.datetime.now().isoformat(timespec="seconds"),
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-        transformers=transformers.__version__, python=platform.python_version(), command=" ".join(sys.argv),
-        copy_bandwidth_gb_s=bandwidth / 1e9, prompt_len=args.prompt_len, new_tokens=args.new_tokens, rows=rows,
-        graph_capture=captures)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; wrote {args.out}")
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    write_json(args.out, dict(**run_info("decode_latency"), copy_bandwidth_gb_s=bandwidth / 1e9,
+                              prompt_len=args.prompt_len, new_tokens=args.new_tokens, rows=rows,
+                              graph_capture=captures))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import platform
 import sys
 from pathlib import Path
 
@@ -24,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from kernel_bench import copy_bandwidth, graph_ms  # noqa: E402
+from measure import copy_bandwidth, graph_ms, run_info, write_json  # noqa: E402
 
 # model -> (hidden, q size, kv size, intermediate, vocab, qkv bias)
 SHAPES = {
@@ -110,7 +108,6 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results" / f"gemv_bench-{dt.date.today()}.json")
     args = p.parse_args()
-    import triton
 
     from kernels._common import sm_count
     from kernels.gemv import default_gemv_tile
@@ -137,12 +134,7 @@ def main() -> int:
                 print(f"{model:13s} {name:8s} M={rows}  cuBLAS path {base['us']:7.2f} us ({base['fraction_of_copy']:5.1%})"
                       f"  gemv {mine['us']:7.2f} us ({mine['fraction_of_copy']:5.1%}) {tuple(mine['tile'])}"
                       f"  best {best['us']:7.2f} us {tuple(best['tile'])}", flush=True)
-    out = dict(benchmark="gemv_bench", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-               triton=triton.__version__, python=platform.python_version(), command=" ".join(sys.argv),
-               date=dt.datetime.now().isoformat(timespec="seconds"), copy=copy, rows=results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, dict(**run_info("gemv_bench"), copy=copy, rows=results))
     return 0
 
 

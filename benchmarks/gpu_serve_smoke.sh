@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # The HTTP server on the GPU: start `graphserve serve` (CUDA graphs by default) on a
 # random-weight Qwen2.5-0.5B-shaped model, stream one completion with curl, run the
-# serving benchmark, and keep the CUDA-graph metrics. Needs the server's wheels in .whl/
-# (../shared/gpu/fetch-wheels). Usage: OUT=dir bash benchmarks/gpu_serve_smoke.sh
+# serving benchmark, and keep the CUDA-graph metrics. Needs the server's packages: installed
+# (make install), or as wheels in .whl/ for a machine without them (../shared/gpu/fetch-wheels).
+# Usage: OUT=dir bash benchmarks/gpu_serve_smoke.sh
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
-MODEL=$(python3 -c "import sys; sys.path[:0] = ['benchmarks', 'tests']; from random_models import random_model; print(random_model('qwen2.5-0.5b'))" 2>/dev/null | tail -1)
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
+fi
+MODEL=$(python3 -c "import sys; sys.path[:0] = ['benchmarks']; from random_models import random_model; print(random_model('qwen2.5-0.5b'))" 2>/dev/null | tail -1)
 python3 -m server serve --config configs/gpu-h200.toml --model "$MODEL" --port 8000 --max-model-len 1024 > "$OUT/server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 120); do curl -sf localhost:8000/health > /dev/null && break; sleep 1; done

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import platform
 import sys
 from pathlib import Path
 
@@ -23,6 +21,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from measure import bench_ms, copy_bandwidth, graph_ms, run_info, write_json  # noqa: E402
 
 # (name, batch, context, q heads, kv heads, head_dim)
 CASES = [
@@ -53,20 +54,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def bench_ms(fn, rep: int) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
-
-
-def copy_bandwidth(mib: int, rep: int) -> dict:
-    n = mib * 1024 * 1024
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src), rep)
-    return {"bytes_moved": 2 * n, "ms": ms, "gb_per_s": 2 * n / ms / 1e6}
-
-
 def decode_inputs(batch: int, ctx: int, hq: int, hkv: int, head_dim: int, block_size: int, seed: int = 0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     max_blocks = -(-ctx // block_size)
@@ -81,33 +68,14 @@ def decode_inputs(batch: int, ctx: int, hq: int, hkv: int, head_dim: int, block_
     return q, k_cache, v_cache, block_tables.to(torch.int32), context_lens
 
 
-def graph_ms(fns: list, min_calls: int = 40, replays: int = 15) -> float:
-    """Median time per call of `fns` captured into one CUDA graph (how the engine runs decode)."""
-    for fn in fns:  # compile and warm up outside the capture
-        fn()
-    torch.cuda.synchronize()
-    rounds = max(1, -(-min_calls // len(fns)))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(rounds):
-            for fn in fns:
-                fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / (rounds * len(fns)))
-    del graph
-    return sorted(times)[len(times) // 2]
-
-
 def bench_decode(case: tuple, block_size: int, rep: int, copy_gbs: float, sweep: bool) -> list[dict]:
     from kernels._common import sm_count
-    from kernels.decode_attention import DecodeTile, default_decode_tile, paged_decode_attention, pick_num_splits
+    from kernels.decode_attention import (
+        DecodeTile,
+        default_decode_tile,
+        paged_decode_attention,
+        pick_num_splits,
+    )
 
     name, batch, ctx, hq, hkv, head_dim = case
     kv_bytes = batch * ctx * hkv * head_dim * 2 * 2
@@ -156,7 +124,11 @@ def bench_decode(case: tuple, block_size: int, rep: int, copy_gbs: float, sweep:
 
 
 def bench_prefill(case: tuple, block_size: int, rep: int, sweep: bool) -> list[dict]:
-    from kernels.prefill_attention import PrefillTile, default_prefill_tile, paged_prefill_attention
+    from kernels.prefill_attention import (
+        PrefillTile,
+        default_prefill_tile,
+        paged_prefill_attention,
+    )
 
     name, q_lens, prefixes = case
     hq, hkv, head_dim = 32, 8, 128
@@ -193,7 +165,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("kernel_bench: needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
 
     copy = copy_bandwidth(args.copy_mib, args.rep)
     print(f"device-to-device copy: {copy['gb_per_s']:.0f} GB/s "
@@ -225,20 +196,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{'*' if r['default'] else ''}")
 
     result = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "command": " ".join(sys.argv),
-        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        **run_info("kernel_bench"),
         "copy": copy,
         "decode_attention": rows,
         "prefill_attention": prefill_rows,
         "target_fraction_of_copy": TARGET_FRACTION,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 

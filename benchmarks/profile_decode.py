@@ -20,6 +20,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from random_models import random_model  # noqa: E402
 
+K = 8  # decode steps per round: the profiled eager round and the timed graph rounds
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
@@ -29,20 +31,16 @@ def main() -> None:
     args = parser.parse_args()
 
     from engine import LLM, SamplingParams
-    from engine.scheduler import DecodeRound
 
     llm = LLM(str(random_model(args.model)), device="cuda", dtype="bfloat16", max_num_seqs=max(args.batch, 1),
-              max_model_len=512, decode_chunk=8)
+              max_model_len=512, decode_chunk=K)
     engine = llm.engine
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-    seqs = [engine.make_sequence(f"p{i}", list(range(100 + i, 228 + i)), SamplingParams(**vars(params)))
-            for i in range(args.batch)]
-    for s in seqs:
-        engine.add_sequence(s)
+    for i in range(args.batch):
+        engine.add_request(f"p{i}", list(range(100 + i, 228 + i)), params)
     engine.step()  # prefill
-    rnd = DecodeRound(engine.scheduler.running, 8)
-    for s in rnd.seqs:  # blocks for the 8 steps
-        engine.block_manager.allocate(s, s.num_tokens - 1 + 8)
+    rnd = engine.scheduler.schedule()  # the first decode round, its KV blocks reserved
+    assert rnd.num_steps == K and len(rnd.seqs) == args.batch
 
     def timed(fn, n=20):
         fn()
@@ -51,7 +49,7 @@ def main() -> None:
         for _ in range(n):
             fn()
         torch.cuda.synchronize()
-        return (time.perf_counter() - t) / n / 8
+        return (time.perf_counter() - t) / n / K
 
     graph_step = timed(lambda: engine.graphs.collect(engine.graphs.launch(rnd)))
     eager_step = timed(lambda: engine.runner.decode(rnd), n=5)
@@ -91,9 +89,9 @@ def main() -> None:
     kernels = {}
     for evt in prof.key_averages():
         if evt.self_device_time_total > 0:  # a kernel (CPU-side ops carry no self device time)
-            kernels[evt.key] = dict(count=evt.count, device_us=evt.self_device_time_total / 8)
+            kernels[evt.key] = dict(count=evt.count, device_us=evt.self_device_time_total / K)
     total = sum(v["device_us"] for v in kernels.values())
-    launches = sum(v["count"] for v in kernels.values()) / 8
+    launches = sum(v["count"] for v in kernels.values()) / K
     top = sorted(kernels.items(), key=lambda kv: -kv[1]["device_us"])[:25]
     result = dict(model=args.model, batch=args.batch, graph_ms_per_step=graph_step * 1e3,
                   eager_ms_per_step=eager_step * 1e3, kernel_time_us_per_step=total, kernels_per_step=launches,

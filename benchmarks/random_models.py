@@ -5,7 +5,6 @@ engine's own loader."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -38,14 +37,14 @@ def models_root() -> Path:
 
 def random_model(name: str, seed: int = 0) -> Path:
     """The folder for `name`, written on first use (random weights, bf16)."""
+    path = models_root() / name
+    if (path / "config.json").is_file():
+        return path
     import transformers
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from tiny_models import write_byte_tokenizer
 
-    path = models_root() / name
-    if (path / "config.json").is_file():
-        return path
     tmp = path.with_name(path.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     cfg = CONFIGS[name]
@@ -64,7 +63,5 @@ def random_model(name: str, seed: int = 0) -> Path:
                 p.normal_(0, 0.5 if "embed_tokens" in n or "lm_head" in n else 0.02)
     model.save_pretrained(tmp, safe_serialization=True, max_shard_size="5GB")
     write_byte_tokenizer(tmp)
-    (tmp / "config.json").write_text(json.dumps({**json.loads((tmp / "config.json").read_text()),
-                                                 "torch_dtype": "bfloat16"}, indent=1))
     os.replace(tmp, path)
     return path

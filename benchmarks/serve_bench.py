@@ -17,10 +17,7 @@ import json
 import os
 import platform
 import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -29,6 +26,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # server.testing for --launch, also without an install
 RESULTS = REPO / "benchmarks" / "results"
 # Continuation-style prompts, so the first token is text (not an end-of-turn token).
 BASE_PROMPTS = [
@@ -148,29 +146,6 @@ def _auth(args: argparse.Namespace) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def launch_server(extra_args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port), *extra_args]
-    print("launching:", shlex.join(command), flush=True)
-    process = subprocess.Popen(command, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise TimeoutError("the server did not become ready")
-        time.sleep(0.5)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     target = parser.add_mutually_exclusive_group()
@@ -188,10 +163,15 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    process = None
+    server = None
     url = args.url
     if args.launch:
-        process, url = launch_server(shlex.split(args.server_args))
+        from server.testing import ServerProcess
+
+        server = ServerProcess(shlex.split(args.server_args))
+        print("launched the server on", server.url, flush=True)
+        server.wait_ready(600)
+        url = server.url
     try:
         models = httpx.get(url + "/v1/models", headers=_auth(args), timeout=10).json()["data"]
         asyncio.run(run_level(url, 1, 1, argparse.Namespace(**{**vars(args), "max_tokens": 4})))  # warm-up
@@ -207,9 +187,9 @@ def main() -> int:
                 flush=True,
             )
     finally:
-        if process is not None:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=60)
+        if server is not None:
+            server.terminate()
+            server.wait(60)
 
     report = {
         "command": shlex.join([sys.executable, *sys.argv]),

@@ -1,10 +1,9 @@
-"""EngineConfig: every engine knob in one dataclass, read from configs/*.toml and CLI flags."""
+"""EngineConfig: every engine knob in one dataclass; the server fills it from configs/*.toml and
+CLI flags (server/settings.py)."""
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 
@@ -14,8 +13,8 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: the checkpoint's on CUDA, float32 on CPU)
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the KV pool
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # prefill token budget per step
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024  # prefill token budget per step
     block_size: int = 16
     decode_chunk: int = 8  # K: decode steps per round between host syncs
     gpu_memory_utilization: float = 0.90
@@ -26,14 +25,6 @@ class EngineConfig:
     cuda_graph_max_batch: int = 512
     num_threads: int | None = None  # torch CPU threads; None: all cores
     seed: int = 0
-
-    @classmethod
-    def from_toml(cls, path: str | Path, **overrides: Any) -> "EngineConfig":
-        """Read the [engine] table (or the top level) of a TOML file; overrides win."""
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-        data = data.get("engine", data)
-        return cls.from_dict({**data, **{k: v for k, v in overrides.items() if v is not None}})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":

@@ -156,8 +156,11 @@ class GraphDecoder:
             return
         from tqdm import tqdm
 
+        torch.cuda.synchronize(self.device)
         started = time.perf_counter()
-        mem_before = torch.cuda.mem_get_info(self.device)[0]
+        # what the caching allocator holds (the graph pool is in it), not device-wide free memory,
+        # which other work freeing memory at the same time would distort
+        mem_before = torch.cuda.memory_reserved(self.device)
         self.pool = torch.cuda.graph_pool_handle()
         todo = [(b, v) for b in reversed(self.buckets) for v in VARIANTS]
         for bucket, variant in tqdm(todo, desc="capturing CUDA graphs", disable=not progress):
@@ -176,7 +179,7 @@ class GraphDecoder:
             self.graphs[(bucket, variant)] = _Graph(graph, state)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
-        self.capture_gib = (mem_before - torch.cuda.mem_get_info(self.device)[0]) / 1024**3
+        self.capture_gib = (torch.cuda.memory_reserved(self.device) - mem_before) / 1024**3
         logger.info("captured %d CUDA graphs (%d buckets up to %d) in %.1fs using %.2f GiB",
                     len(todo), len(self.buckets), self.max_bucket, self.capture_seconds, self.capture_gib)
 

@@ -84,7 +84,7 @@ class OutputProcessor:
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             text=text,
-            token_ids=list(out_ids),
+            token_ids=out_ids,  # output_token_ids is a fresh slice already
             delta_text=text[state.sent_chars:],
             delta_token_ids=out_ids[state.sent_tokens:],
             finished=finished,

@@ -266,11 +266,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_model(args: argparse.Namespace) -> int:
-    from engine.models.default_model import ensure_default_model
+    from engine.models.default_model import main as prepare_default_model
 
-    _setup_logging("info")
-    print(ensure_default_model())
-    return 0
+    return prepare_default_model([])
 
 
 def main(argv: list[str] | None = None) -> int:

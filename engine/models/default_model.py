@@ -127,8 +127,6 @@ def ensure_default_model(progress: bool = True) -> Path:
     without a valid completion marker (half written, or from an older format) is rebuilt.
     """
     target = default_model_path()
-    if is_complete(target):
-        return target
 
     def build(tmp: Path) -> None:
         convert_gguf(find_gguf(), tmp, progress=progress)
