@@ -9,6 +9,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+pytest_plugins = ["tensor_checks"]  # the poisoned_outputs fixture
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

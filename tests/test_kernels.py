@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tensor_checks import rel_err
 
 from kernels import (
     GemvTile,
@@ -42,20 +43,7 @@ from kernels import (
 TOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def poison_empty(monkeypatch):
-    """Every torch.empty/empty_like in a wrapper (outputs, split-K partials) comes back NaN-filled."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def poison(t: torch.Tensor) -> torch.Tensor:
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_empty_like(*a, **kw)))
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")  # every wrapper's outputs start as NaN / -7
 
 
 def make_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, gen: torch.Generator):
@@ -112,9 +100,12 @@ def test_decode_ref_matches_dense():
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, None])
-def test_decode_attention(num_splits):
+def test_decode_attention(num_splits, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     q, k_cache, v_cache, bt, cl = decode_case(gen)
+    if num_splits is None:  # the automatic choice, made to split this small cache
+        monkeypatch.setattr("kernels.decode_attention._MIN_TOKENS_PER_SPLIT", 16)
+        assert pick_num_splits(q.shape[0], k_cache.shape[2], bt.shape[1] * k_cache.shape[1], 132) > 1
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=num_splits, out=out)
     ref = paged_decode_attention_ref(q, k_cache, v_cache, bt, cl, 0.125)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensor_checks import rel_err
 
 from kernels import (
     apply_rotary,
@@ -39,10 +40,6 @@ LLAMA_8B = dict(hq=32, hkv=8, head_dim=128)
 QWEN_05B = dict(hq=14, hkv=2, head_dim=64)
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def nan_like(t: torch.Tensor) -> torch.Tensor:
@@ -239,18 +236,6 @@ def test_rope_and_store_kv_llama_8b():
     # the reference rounds after each bf16 op, the kernel once: they differ by at most one bf16 ulp
     assert rel_err(q, ref_q) < TOL and rel_err(k_cache, ref_k_cache) < TOL
     assert torch.equal(v_cache, ref_v_cache)
-
-
-@pytest.fixture
-def poisoned_outputs(monkeypatch):
-    """Tensors the wrappers allocate (outputs, partials) come back filled with NaN, or -7 for integers."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def poison(t: torch.Tensor) -> torch.Tensor:
-        return t.fill_(float("nan") if t.is_floating_point() else -7)
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_empty_like(*a, **kw)))
 
 
 # (weight rows N, K, fused norm + residual, bias, silu_mul) of the decode-step projections

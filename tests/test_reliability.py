@@ -328,6 +328,7 @@ def test_soak_1000_requests_at_concurrency_64(
     assert len(results) == SOAK_REQUESTS and by_kind["malformed"] == figures.malformed
     broken = [r for r in results if r.error and r.request.kind != "disconnect"]
     assert not broken, broken[:5]
+    assert figures.transport_errors == 0, [r for r in results if r.error][:5]  # disconnects included
     assert figures.valid_5xx == 0 and figures.server_errors_5xx == 0, figures.statuses
     bad_malformed = [r for r in results if r.request.kind == "malformed" and not 400 <= (r.status or 0) < 500]
     assert not bad_malformed, bad_malformed[:5]

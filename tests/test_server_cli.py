@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from server.settings import (
     repo_configs_dir,
     resolve_config_path,
 )
+from server.testing import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -93,16 +93,10 @@ def test_parse_size() -> None:
         parse_size("lots")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_process_streams_and_drains_on_sigterm() -> None:
     """`graphserve serve`; what `curl -N URL -d '{"prompt":"Hello","stream":true}'` sends;
     then SIGTERM mid-stream: the running stream still ends normally, the process exits 0."""
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable,
         "-m",

@@ -243,6 +243,7 @@ def test_draining_server_refuses_new_requests(server: BackgroundServer, client: 
 
 
 def test_rejected_requests_leave_no_kv_blocks_behind(client: httpx.Client) -> None:
+    assert client.post("/v1/completions", json={"prompt": ""}).status_code == 400  # also when run alone
     metrics = client.get("/metrics").text
     values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line and line[0] != "#"}
     assert values["graphserve_kv_blocks_free"] == values["graphserve_kv_blocks_total"]
