@@ -21,6 +21,7 @@ from server.admission import Admission
 from server.errors import install_error_handlers
 from server.generation import ClientDisconnected
 from server.metrics import ServerMetrics
+from server.settings import ServerSettings
 from server.state import ServerState
 
 logger = logging.getLogger("graphserve.server")
@@ -35,8 +36,8 @@ def create_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     log_requests: bool = False,
-    max_queue_len: int = 256,
-    max_body_bytes: int = 1024**2,
+    max_queue_len: int = ServerSettings.max_queue_len,
+    max_body_bytes: int = ServerSettings.max_body_bytes,
     allowed_origins: list[str] | None = None,
     enable_fault_injection: bool = False,
     on_ready: Callable[[ServerState], None] | None = None,

@@ -20,6 +20,7 @@ from server.settings import (
     SettingsError,
     default_config_path,
     fault_injection_enabled,
+    format_size,
     merge_settings,
     parse_origins,
     parse_size,
@@ -92,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the HTTP server")
     add_config_flag(serve)
     group = serve.add_argument_group("server")
-    group.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
-    group.add_argument("--port", type=int, default=None, help="port to bind (default 8000)")
+    defaults = ServerSettings()
+    group.add_argument("--host", default=None, help=f"address to bind (default {defaults.host})")
+    group.add_argument("--port", type=int, default=None, help=f"port to bind (default {defaults.port})")
     group.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
     group.add_argument("--served-model-name", default=None, help="model name clients use (default: the folder name)")
     group.add_argument(
@@ -104,19 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--shutdown-timeout",
         type=float,
         default=None,
-        help="seconds running requests get to finish after SIGTERM (default 30)",
+        help=f"seconds running requests get to finish after SIGTERM (default {defaults.shutdown_timeout:g})",
     )
     group.add_argument(
         "--max-queue-len",
         type=int,
         default=None,
-        help="most engine requests waiting to run; beyond it new requests get 429 with Retry-After (default 256)",
+        help="most engine requests waiting to run; beyond it new requests get 429 with Retry-After "
+        f"(default {defaults.max_queue_len})",
     )
     group.add_argument(
         "--max-body-bytes",
         type=parse_size,
         default=None,
-        help="largest request body, e.g. 1MiB; larger ones get 413 (default 1MiB)",
+        help=f"largest request body, e.g. 1MiB; larger ones get 413 "
+        f"(default {format_size(defaults.max_body_bytes)})",
     )
     group.add_argument(
         "--allowed-origins",
@@ -146,9 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 def load_settings(args: argparse.Namespace) -> tuple[ServerSettings, EngineConfig, Path | None]:
     config_path = resolve_config_path(args.config) if args.config else default_config_path()
     file_values = read_config_file(config_path) if config_path else {}
-    flag_values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-    known = {f.name for f in fields(EngineConfig)} | {f.name for f in fields(ServerSettings)}
-    server, engine = merge_settings(file_values, {k: v for k, v in flag_values.items() if k in known})
+    server, engine = merge_settings(file_values, vars(args))  # it keeps only the settings' keys
     return server, engine, config_path
 
 
@@ -233,19 +235,16 @@ def _exit_cleanly(signum: int, frame: Any) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
+    from server.chat_prompt import render_chat_prompt
+    from server.protocol import ChatMessage
 
     _, engine_config, _ = load_settings(args)
     _setup_logging("warning")
-    config = {k: v for k, v in vars(engine_config).items() if k not in ("model", "device")}
-    llm = LLM(model=engine_config.model, device=engine_config.device, **config)
+    llm = LLM(**vars(engine_config))
     prompts: list[str] | list[list[int]] = list(args.prompt)
-    if args.chat:  # the template already holds any BOS, so tokenize without special tokens
-        tokenizer = llm.tokenizer
+    if args.chat:
         prompts = [
-            tokenizer.encode(
-                tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
-                add_special_tokens=False,
-            )
+            render_chat_prompt(llm.tokenizer, [ChatMessage(role="user", content=p)], add_generation_prompt=True)
             for p in args.prompt
         ]
     params = SamplingParams(

@@ -13,7 +13,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
@@ -157,12 +156,14 @@ async def _api_error_handler(request: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
+async def _invalid_request_handler(request: Request, exc: InvalidRequestError) -> JSONResponse:
+    """The engine's own checks (sampling values, prompt, chat template) raised outside a generation."""
+    error = from_engine_error(exc)
+    _count_error(request, error.status_code)
+    return error.response()
+
+
 async def _validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
-    _count_error(request, 400)
-    return from_validation_errors(list(exc.errors())).response()
-
-
-async def _pydantic_error_handler(request: Request, exc: ValidationError) -> JSONResponse:
     _count_error(request, 400)
     return from_validation_errors(list(exc.errors())).response()
 
@@ -172,8 +173,8 @@ async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> 
         message = str(exc.detail) if exc.detail else HTTPStatus(exc.status_code).phrase
     except ValueError:
         message = "HTTP error"
-    error = APIError(exc.status_code, message)
-    response = error.response()
+    _count_error(request, exc.status_code)
+    response = APIError(exc.status_code, message).response()
     if exc.headers:
         response.headers.update(exc.headers)
     return response
@@ -186,8 +187,10 @@ async def _unexpected_error_handler(request: Request, exc: Exception) -> JSONRes
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """A pydantic ValidationError gets no handler of its own: parse_body turns the client's
+    into 400s, and one raised while building a response is a server bug (500)."""
     app.add_exception_handler(APIError, _api_error_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(InvalidRequestError, _invalid_request_handler)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error_handler)  # type: ignore[arg-type]
-    app.add_exception_handler(ValidationError, _pydantic_error_handler)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected_error_handler)

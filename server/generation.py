@@ -15,7 +15,7 @@ import anyio
 from fastapi import Request
 from pydantic import BaseModel
 
-from engine.request import RequestOutput, SamplingParams, TokenLogprob
+from engine.request import RequestOutput, SamplingParams
 from server.admission import Admission
 from server.errors import APIError, from_engine_error, internal_error
 from server.metrics import ServerMetrics
@@ -47,7 +47,6 @@ class ChoiceProgress:
     arrival_time: float
     first_token_time: float | None = None
     last: RequestOutput | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
     done: bool = False
 
 
@@ -107,7 +106,7 @@ class GenerationGroup:
                 self.admission.enter()
         except Exception as exc:
             await self.close(record=False)  # a rejected request is an error, not an abort
-            raise _as_api_error(exc) from None
+            raise _as_api_error(exc, self.request_id) from None
         if self.log_requests:
             job = self.jobs[0]
             logger.info(
@@ -134,10 +133,8 @@ class GenerationGroup:
                 self._dequeue(pump)
                 try:
                     output = task.result()
-                except StopAsyncIteration:
-                    raise internal_error() from None
                 except Exception as exc:
-                    raise _as_api_error(exc) from exc
+                    raise _as_api_error(exc, self.request_id) from exc
                 self._record(index, output)
                 if not output.finished:
                     pump.task = asyncio.ensure_future(anext(pump.stream))
@@ -166,8 +163,6 @@ class GenerationGroup:
     def _record(self, index: int, output: RequestOutput) -> None:
         progress = self.progress[index]
         progress.last = output
-        if progress.prompt_logprobs is None and output.prompt_logprobs is not None:
-            progress.prompt_logprobs = output.prompt_logprobs
         if progress.first_token_time is None and output.token_ids:
             progress.first_token_time = time.monotonic()
         if output.finished and not progress.done:
@@ -231,14 +226,14 @@ class GenerationGroup:
                         logger.debug("closing engine stream %s failed", self.engine_request_id(index), exc_info=True)
 
 
-def _as_api_error(exc: BaseException) -> BaseException:
-    if isinstance(exc, APIError) or not isinstance(exc, Exception):
+def _as_api_error(exc: Exception, request_id: str) -> APIError:
+    """What the client sees of `exc`; a server-side failure (5xx) is logged with its traceback.
+    StopAsyncIteration: an engine stream that ended before its final output."""
+    if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, StopAsyncIteration):
-        return internal_error()
-    error = from_engine_error(exc)
+    error = internal_error() if isinstance(exc, StopAsyncIteration) else from_engine_error(exc)
     if error.status_code >= 500:
-        logger.error("engine request failed: %r", exc, exc_info=exc)
+        logger.error("request %s failed: %r", request_id, exc, exc_info=exc)
     return error
 
 
@@ -258,9 +253,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
         done, _ = await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if work_task in done:
             return work_task.result()
-        work_task.cancel()
-        await asyncio.gather(work_task, return_exceptions=True)
-        raise ClientDisconnected()
+        raise ClientDisconnected()  # the finally cancels the work first
     finally:
         watcher.cancel()
         if not work_task.done():
@@ -302,11 +295,8 @@ async def stream_events(choice_events: AsyncIterator[bytes], group: GenerationGr
         if usage_chunk is not None:
             yield sse_event(usage_chunk())
         yield DONE_EVENT
-    except Exception as exc:
-        error = exc if isinstance(exc, APIError) else from_engine_error(exc)
-        if not isinstance(exc, APIError):
-            logger.exception("stream %s failed", request_id)
-        yield sse_event(error.body())
+    except Exception as exc:  # noqa: BLE001  # the headers are out: any failure becomes the last event
+        yield sse_event(_as_api_error(exc, request_id).body())
         yield DONE_EVENT
     finally:
         await group.close()

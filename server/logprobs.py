@@ -57,14 +57,11 @@ def chat_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText, num_to
                 token=text,
                 logprob=finite(entry.logprob),
                 bytes=list(text.encode("utf-8")),
-                top_logprobs=[
-                    ChatTopLogprob(
-                        token=token_text(alt_id),
-                        logprob=finite(alt_logprob),
-                        bytes=list(token_text(alt_id).encode("utf-8")),
-                    )
-                    for alt_id, alt_logprob in entry.top[:num_top]
-                ],
+                top_logprobs=[_chat_top_logprob(token_text(alt_id), alt_lp) for alt_id, alt_lp in entry.top[:num_top]],
             )
         )
     return result
+
+
+def _chat_top_logprob(text: str, logprob: float) -> ChatTopLogprob:
+    return ChatTopLogprob(token=text, logprob=finite(logprob), bytes=list(text.encode("utf-8")))

@@ -131,9 +131,7 @@ class EngineStatsCollector(Collector):
             f"{PREFIX}_decode_rounds_ahead", "Decode rounds launched before the previous one was read.",
             stats.decode_rounds_ahead,
         )
-        prefill_steps = getattr(stats, "prefill_steps", None)
-        if prefill_steps is not None:
-            yield CounterMetricFamily(f"{PREFIX}_prefill_steps", "Prefill batches run.", prefill_steps)
+        yield CounterMetricFamily(f"{PREFIX}_prefill_steps", "Prefill batches run.", stats.prefill_steps)
         replays = CounterMetricFamily(
             f"{PREFIX}_cuda_graph_replays",
             "Decode steps replayed from a CUDA graph, by batch bucket.",

@@ -11,7 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
-MAX_LOGPROBS = 20
+from engine.request import MAX_LOGPROBS
+
 MAX_N = 128
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -228,16 +229,9 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None = None
 
 
-class CompletionChunk(BaseModel):
-    """A streamed completions event has the same shape as the full response."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
+class CompletionChunk(CompletionResponse):
+    """A streamed completions event: the full response's fields, `object` included
+    ("text_completion", as OpenAI sends for chunks too)."""
 
 
 class TokenizeResponse(BaseModel):

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from server import openapi
 from server.auth import require_api_key
+from server.chat_prompt import render_chat_prompt
 from server.errors import bad_request
 from server.generation import (
     ChoiceJob,
@@ -30,32 +30,14 @@ from server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
     ChatResponseMessage,
 )
 from server.request_body import parse_body
 from server.sampling import build_sampling_params, for_choice
-from server.sse import EventStreamResponse, sse_event
+from server.sse import EventStreamResponse, json_response, sse_event
 from server.state import ServerState, get_state, new_request_id
 
-logger = logging.getLogger("graphserve.server")
-
 router = APIRouter()
-
-
-def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """Apply the model's chat template and tokenize; the template already holds any BOS."""
-    conversation = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        | ({"name": m.name} if m.name else {})
-        for m in messages
-    ]
-    try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # jinja errors such as "roles must alternate" are the caller's fault
-        logger.debug("chat template failed", exc_info=True)
-        raise bad_request(f"Cannot apply the chat template to these messages: {exc}", param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 @router.post(
@@ -65,11 +47,10 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generati
     openapi_extra=openapi.request_body(ChatCompletionRequest),
     responses=openapi.responses(ChatCompletionResponse, streams=True),
 )
-async def create_chat_completion(request: Request) -> JSONResponse | EventStreamResponse:
+async def create_chat_completion(request: Request) -> Response:
     state = get_state(request)
     body = await parse_body(request, ChatCompletionRequest)
-    engine = state.ready_engine()
-    state.check_model(body.model)
+    engine = state.ready_engine(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     tokenizer = engine.tokenizer
@@ -90,7 +71,7 @@ async def create_chat_completion(request: Request) -> JSONResponse | EventStream
     if body.stream:
         return EventStreamResponse(view.events(group), on_close=group.close)
     progress = await run_to_completion(request, group)
-    return JSONResponse(view.response(progress).model_dump(mode="json"))
+    return json_response(view.response(progress))
 
 
 class _ChatView:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
+from engine.request import RequestOutput
 from server import openapi
 from server.auth import require_api_key
 from server.errors import bad_request
@@ -33,17 +32,16 @@ from server.protocol import (
     CompletionResponse,
 )
 from server.request_body import parse_body
-from server.sampling import build_sampling_params, check_token_id, for_choice
-from server.sse import EventStreamResponse, sse_event
+from server.sampling import build_sampling_params, for_choice
+from server.sse import EventStreamResponse, json_response, sse_event
 from server.state import ServerState, get_state, new_request_id
-
-logger = logging.getLogger("graphserve.server")
 
 router = APIRouter()
 
 
-def normalize_prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:
-    """One entry per prompt; empty prompts and out-of-vocabulary ids are 400s."""
+def normalize_prompts(prompt: Any) -> list[str | list[int]]:
+    """One entry per prompt; an empty prompt is a 400. (The engine rejects out-of-vocabulary
+    ids, against the model's vocabulary, with a 400 before anything is sent.)"""
     if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
         prompts = [prompt]
     else:
@@ -53,27 +51,25 @@ def normalize_prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:
     for entry in prompts:
         if len(entry) == 0:
             raise bad_request("prompt must not be empty", param="prompt")
-        if isinstance(entry, list):
-            for token_id in entry:
-                check_token_id(token_id, vocab_size, "prompt")
     return prompts
 
 
 def fit_max_tokens(
     body: CompletionRequest, prompts: list[str | list[int]], tokenizer: Any, max_model_len: int
-) -> list[tuple[str | list[int], int | None]]:
-    """(engine prompt, max_tokens) per prompt. A max_tokens the client gave goes to the
-    engine as is: a number that does not fit after the prompt is a 400, null means as many
-    as fit (as in vLLM). Left out, OpenAI's default of 16 is clamped to what fits, so a
-    default the client never chose cannot make a request fail."""
-    if "max_tokens" in body.model_fields_set:
-        return [(prompt, body.max_tokens) for prompt in prompts]
-    fitted: list[tuple[str | list[int], int | None]] = []
+) -> list[tuple[list[int], int | None]]:
+    """(prompt ids, max_tokens) per prompt, each text prompt tokenized once here (as the
+    engine would) rather than once per choice by the engine. A max_tokens the client gave
+    goes to the engine as is: a number that does not fit after the prompt is a 400, null
+    means as many as fit (as in vLLM). Left out, OpenAI's default of 16 is clamped to what
+    fits, so a default the client never chose cannot make a request fail."""
+    given = "max_tokens" in body.model_fields_set
+    fitted: list[tuple[list[int], int | None]] = []
     for prompt in prompts:
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt  # as the engine would
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         room = max_model_len - len(ids)
         # no room at all: None lets the engine answer that the prompt is too long
-        fitted.append((ids, min(COMPLETIONS_DEFAULT_MAX_TOKENS, room) if room > 0 else None))
+        default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, room) if room > 0 else None
+        fitted.append((ids, body.max_tokens if given else default))
     return fitted
 
 
@@ -94,13 +90,12 @@ def _prompt_logprobs(body: CompletionRequest) -> int | None:
     openapi_extra=openapi.request_body(CompletionRequest),
     responses=openapi.responses(CompletionResponse, streams=True),
 )
-async def create_completion(request: Request) -> JSONResponse | EventStreamResponse:
+async def create_completion(request: Request) -> Response:
     state = get_state(request)
     body = await parse_body(request, CompletionRequest)
-    engine = state.ready_engine()
-    state.check_model(body.model)
+    engine = state.ready_engine(body.model)
     tokenizer = engine.tokenizer
-    prompts = normalize_prompts(body.prompt, tokenizer.vocab_size)
+    prompts = normalize_prompts(body.prompt)
     params = build_sampling_params(
         body,
         max_tokens=body.max_tokens,
@@ -109,8 +104,8 @@ async def create_completion(request: Request) -> JSONResponse | EventStreamRespo
         vocab_size=tokenizer.vocab_size,
     )
     jobs = [
-        ChoiceJob(index=p * body.n + c, prompt=prompt, params=for_choice(replace(params, max_tokens=limit), c))
-        for p, (prompt, limit) in enumerate(fit_max_tokens(body, prompts, tokenizer, engine.max_model_len))
+        ChoiceJob(index=p * body.n + c, prompt=ids, params=for_choice(params, c, max_tokens=limit))
+        for p, (ids, limit) in enumerate(fit_max_tokens(body, prompts, tokenizer, engine.max_model_len))
         for c in range(body.n)
     ]
     request_id = new_request_id("cmpl")
@@ -119,7 +114,7 @@ async def create_completion(request: Request) -> JSONResponse | EventStreamRespo
     if body.stream:
         return EventStreamResponse(view.events(group), on_close=group.close)
     progress = await run_to_completion(request, group)
-    return JSONResponse(view.response(progress).model_dump(mode="json"))
+    return json_response(view.response(progress))
 
 
 class _CompletionView:
@@ -142,8 +137,7 @@ class _CompletionView:
     def response(self, progress: dict[int, ChoiceProgress]) -> CompletionResponse:
         choices = []
         for index in sorted(progress):
-            choice = progress[index]
-            output = choice.last
+            output = progress[index].last
             assert output is not None
             text = output.text
             logprobs = None
@@ -151,7 +145,7 @@ class _CompletionView:
                 logprobs = CompletionLogprobs()
                 offset = 0
                 if self.body.echo:
-                    offset = self._append_prompt_logprobs(logprobs, choice)
+                    offset = self._append_prompt_logprobs(logprobs, output)
                 append_completion_logprobs(
                     logprobs, output.token_ids, output.logprobs or [], self.tokenizer.token_text, offset
                 )
@@ -174,10 +168,9 @@ class _CompletionView:
             usage=usage_of(progress, self.body.n),
         )
 
-    def _append_prompt_logprobs(self, logprobs: CompletionLogprobs, choice: ChoiceProgress) -> int:
-        assert choice.last is not None
-        prompt_ids = choice.last.prompt_token_ids
-        entries = choice.prompt_logprobs or [None] * len(prompt_ids)
+    def _append_prompt_logprobs(self, logprobs: CompletionLogprobs, output: RequestOutput) -> int:
+        prompt_ids = output.prompt_token_ids
+        entries = output.prompt_logprobs or [None] * len(prompt_ids)
         return append_completion_logprobs(logprobs, prompt_ids, entries, self.tokenizer.token_text, 0)
 
     def events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
@@ -199,7 +192,7 @@ class _CompletionView:
                 logprobs = CompletionLogprobs()
                 offset = text_offsets.get(index, 0)
                 if first and self.body.echo:
-                    offset = self._append_prompt_logprobs(logprobs, group.progress[index])
+                    offset = self._append_prompt_logprobs(logprobs, output)
                 entries = output.delta_logprobs or []
                 text_offsets[index] = append_completion_logprobs(
                     logprobs, [e.token_id for e in entries], entries, self.tokenizer.token_text, offset

@@ -13,18 +13,9 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 once the model is loaded; 503 while it loads or after the engine died."""
-    state = get_state(request)
-    engine = state.engine
-    if state.startup_error is not None:
-        return JSONResponse({"status": "failed"}, status_code=503)  # the cause is in the log, not here
-    if engine.dead:
-        return JSONResponse({"status": "dead"}, status_code=503)
-    if state.draining:
-        return JSONResponse({"status": "draining"}, status_code=503)
-    if not engine.ready:
-        return JSONResponse({"status": "loading"}, status_code=503)
-    return JSONResponse({"status": "ok"})
+    """200 once the model is loaded; 503 while it loads, while draining, or after the engine failed."""
+    status = get_state(request).status()  # a failure's cause is in the log, not here
+    return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
 
 @router.get("/metrics")

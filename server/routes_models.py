@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from server.auth import require_api_key
 from server.protocol import ModelCard, ModelList
+from server.sse import json_response
 from server.state import ServerState, get_state
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-def model_card(state: ServerState) -> ModelCard:
-    engine = state.ready_engine()
+def model_card(state: ServerState, model: str | None = None) -> ModelCard:
+    """The served model's card: 503 unless the engine is ready, 404 unless `model` names it."""
+    engine = state.ready_engine(model)
     return ModelCard(
         id=state.model_name,
         created=state.created,
@@ -23,14 +25,10 @@ def model_card(state: ServerState) -> ModelCard:
 
 
 @router.get("/v1/models")
-async def list_models(request: Request) -> JSONResponse:
-    state = get_state(request)
-    return JSONResponse(ModelList(data=[model_card(state)]).model_dump(mode="json"))
+async def list_models(request: Request) -> Response:
+    return json_response(ModelList(data=[model_card(get_state(request))]))
 
 
 @router.get("/v1/models/{model:path}")
-async def retrieve_model(model: str, request: Request) -> JSONResponse:
-    state = get_state(request)
-    state.ready_engine()
-    state.check_model(model)
-    return JSONResponse(model_card(state).model_dump(mode="json"))
+async def retrieve_model(model: str, request: Request) -> Response:
+    return json_response(model_card(get_state(request), model))

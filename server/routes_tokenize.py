@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from server import openapi
 from server.auth import require_api_key
+from server.chat_prompt import render_chat_prompt
 from server.errors import bad_request
 from server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from server.request_body import parse_body
-from server.routes_chat import render_chat_prompt
 from server.sampling import check_token_id
+from server.sse import json_response
 from server.state import get_state
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -25,11 +26,10 @@ _ERRORS = (400, 401, 404, 413, 503)
     openapi_extra=openapi.request_body(TokenizeRequest),
     responses=openapi.responses(TokenizeResponse, errors=_ERRORS),
 )
-async def tokenize(request: Request) -> JSONResponse:
+async def tokenize(request: Request) -> Response:
     state = get_state(request)
     body = await parse_body(request, TokenizeRequest)
-    engine = state.ready_engine()
-    state.check_model(body.model)
+    engine = state.ready_engine(body.model)
     tokenizer = engine.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Give exactly one of `prompt` or `messages`.", param="prompt")
@@ -40,7 +40,7 @@ async def tokenize(request: Request) -> JSONResponse:
     result = TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
     if body.return_token_strs:
         result.token_strs = [tokenizer.token_text(t) for t in tokens]
-    return JSONResponse(result.model_dump(mode="json", exclude_none=True))
+    return json_response(result, exclude_none=True)
 
 
 @router.post(
@@ -48,13 +48,12 @@ async def tokenize(request: Request) -> JSONResponse:
     openapi_extra=openapi.request_body(DetokenizeRequest),
     responses=openapi.responses(DetokenizeResponse, errors=_ERRORS),
 )
-async def detokenize(request: Request) -> JSONResponse:
+async def detokenize(request: Request) -> Response:
     state = get_state(request)
     body = await parse_body(request, DetokenizeRequest)
-    engine = state.ready_engine()
-    state.check_model(body.model)
+    engine = state.ready_engine(body.model)
     tokenizer = engine.tokenizer
     for token_id in body.tokens:
         check_token_id(token_id, tokenizer.vocab_size, "tokens")
     text = tokenizer.decode(body.tokens, skip_special_tokens=False)
-    return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+    return json_response(DetokenizeResponse(prompt=text))

@@ -106,6 +106,14 @@ def parse_size(value: str | int) -> int:
     return int(number * scale)
 
 
+def format_size(value: int) -> str:
+    """The shortest exact binary form: 1048576 -> "1MiB", 1000 -> "1000"."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if value >= scale and value % scale == 0:
+            return f"{value // scale}{unit}"
+    return str(value)
+
+
 def parse_origins(value: str) -> list[str]:
     """"https://a.example,https://b.example" (or "*") -> a list of CORS origins."""
     return [origin.strip() for origin in value.split(",") if origin.strip()]

@@ -1,4 +1,5 @@
-"""Server-sent events: the wire format and a response that always closes its source."""
+"""Response bodies on the wire: a JSON body encoded once, server-sent events, and an
+event-stream response that always closes its source."""
 
 from __future__ import annotations
 
@@ -8,10 +9,15 @@ from typing import Any
 
 import anyio
 from pydantic import BaseModel
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def json_response(model: BaseModel, **dump_kwargs: Any) -> Response:
+    """`model` as an application/json body, serialized by pydantic straight to JSON."""
+    return Response(model.model_dump_json(**dump_kwargs), media_type="application/json")
 
 
 def sse_event(payload: BaseModel | dict[str, Any], *, exclude: set[str] | None = None) -> bytes:

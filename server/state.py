@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Request
 
@@ -14,16 +14,18 @@ from server.admission import Admission
 from server.errors import engine_dead, model_not_found, not_ready, shutting_down
 from server.metrics import ServerMetrics
 
+Status = Literal["failed", "dead", "draining", "loading", "ok"]
+
 
 @dataclass
 class ServerState:
     engine: Any  # engine.AsyncEngine (typed loosely so tests can pass a stand-in)
     metrics: ServerMetrics
     admission: Admission
+    max_body_bytes: int
     served_model_name: str | None = None
     api_key: str | None = None
     log_requests: bool = False
-    max_body_bytes: int = 1024**2
     created: int = field(default_factory=lambda: int(time.time()))
     startup_error: BaseException | None = None
     draining: bool = False  # shutting down: finish running requests, take no new ones
@@ -32,14 +34,28 @@ class ServerState:
     def model_name(self) -> str:
         return self.served_model_name or self.engine.model_name
 
-    def ready_engine(self) -> Any:
-        """The engine, or a 503 while it loads / after it died."""
-        if self.engine.dead or self.startup_error is not None:
-            raise engine_dead()
+    def status(self) -> Status:
+        """failed (never started) > dead (the loop stopped) > draining > loading > ok."""
+        if self.startup_error is not None:
+            return "failed"
+        if self.engine.dead:
+            return "dead"
         if self.draining:
-            raise shutting_down()
+            return "draining"
         if not self.engine.ready:
+            return "loading"
+        return "ok"
+
+    def ready_engine(self, model: str | None = None) -> Any:
+        """The engine, or a 503 unless it is ok; then a 404 unless `model` names it (see check_model)."""
+        status = self.status()
+        if status in ("failed", "dead"):
+            raise engine_dead()
+        if status == "draining":
+            raise shutting_down()
+        if status == "loading":
             raise not_ready()
+        self.check_model(model)
         return self.engine
 
     def check_model(self, requested: str | None) -> None:
