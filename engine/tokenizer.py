@@ -68,7 +68,7 @@ class Tokenizer:
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except jinja2.TemplateError as e:
+        except Exception as e:  # the template compiled, so a render failure follows from these messages
             raise InvalidRequestError(f"chat template failed: {e}", param="messages") from e
 
 

@@ -278,9 +278,10 @@ def test_echo_with_max_tokens_0_returns_prompt_logprobs(client: httpx.Client) ->
         "completion_tokens": 0,
         "total_tokens": len(prompt_ids) + len(gen_ids),
     }
-    if len(gen_ids) == 4:  # the same tokens scored by prefill and by decoding agree
-        tail = logprobs["token_logprobs"][-4:]
-        assert tail == pytest.approx(gen_choice["logprobs"]["token_logprobs"], abs=2e-3)
+    # the same tokens scored by prefill and by decoding agree (the text re-tokenizes to them)
+    assert len(gen_ids) == 4, gen_ids
+    tail = logprobs["token_logprobs"][-4:]
+    assert tail == pytest.approx(gen_choice["logprobs"]["token_logprobs"], abs=2e-3)
 
     echoed = complete(client, prompt=PROMPTS[4], max_tokens=3, echo=True, temperature=0, ignore_eos=True)
     assert echoed["choices"][0]["text"].startswith(PROMPTS[4]) and len(echoed["choices"][0]["text"]) > len(PROMPTS[4])
@@ -296,7 +297,9 @@ def test_max_tokens_null_generates_as_many_as_fit(client: httpx.Client) -> None:
     assert result["choices"][0]["finish_reason"] == "length"
 
 
-def test_sampling_controls_reach_the_engine(client: httpx.Client) -> None:
+def test_sampling_controls_reach_the_engine(
+    client: httpx.Client, server: BackgroundServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     forced = client.post("/tokenize", json={"prompt": " banana", "add_special_tokens": False}).json()["tokens"][0]
     biased = complete(
         client, prompt=PROMPTS[5], max_tokens=5, temperature=0, logit_bias={str(forced): 100}, ignore_eos=True
@@ -326,6 +329,16 @@ def test_sampling_controls_reach_the_engine(client: httpx.Client) -> None:
         user="someone",
     )
     assert penalized["usage"]["completion_tokens"] >= 2
+    engine = server.app.state.graphserve.engine
+    seen = []
+    real_add = engine.add_request
+    monkeypatch.setattr(engine, "add_request", lambda prompt, params, rid: seen.append(params) or real_add(prompt, params, rid))
+    complete(client, prompt=PROMPTS[5], max_tokens=3, temperature=0.8, top_p=0.9, top_k=40, min_p=0.05,
+             presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.2, seed=3, min_tokens=2)
+    (p,) = seen
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.min_tokens, p.max_tokens) == (
+        pytest.approx(0.8), pytest.approx(0.9), 40, pytest.approx(0.05), 3, 2, 3)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, 0.25, pytest.approx(1.2))
 
 
 # ---- chat ----------------------------------------------------------------------------------
