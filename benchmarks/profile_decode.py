@@ -34,7 +34,7 @@ def main() -> None:
 
     llm = LLM(str(random_model(args.model)), device="cuda", dtype="bfloat16", max_num_seqs=max(args.batch, 1),
               max_model_len=512, decode_chunk=K)
-    engine = llm.engine
+    engine = llm.engine.core
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(f"p{i}", list(range(100 + i, 228 + i)), params)

@@ -1,99 +1,163 @@
-"""AsyncEngine: the asyncio face of the engine. The engine loop runs in its own thread;
-requests come in through a thread-safe queue and outputs go back to each request's
-asyncio.Queue with call_soon_threadsafe (one call per step for all requests)."""
+"""AsyncEngine: the asyncio face of the engine, in a front end. It checks prompts, sends
+them to the engine core, turns the core's token ids into text deltas (incremental
+detokenizer, stop strings) and hands each request its updates, one per engine round.
+
+The core runs in its own process when serving (`core_address` and `core_pid` given by
+server/supervisor.py), or in a thread of this process (tests, servers built in-process):
+the same loop and the same messages over the same kind of socket either way."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
+import os
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.core_client import CoreClient
+from engine.core_messages import (
+    Abort,
+    AddRequest,
+    CoreDied,
+    CoreReady,
+    Hello,
+    InjectFault,
+    RoundOutputs,
+    Shutdown,
+)
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
-from engine.llm_engine import EngineStats, LLMEngine
-from engine.request import RequestOutput, SamplingParams, Sequence
+from engine.inputs import InputProcessor, ModelLimits
+from engine.output import OutputProcessor
+from engine.request import RequestOutput, SamplingParams
+from engine.stats import EngineStats
+from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("graphserve.engine")
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, core_address: str | None = None, core_pid: int | None = None):
         self.config = config
-        self.engine: LLMEngine | None = None
+        self._core_address = core_address
+        self._core_pid = core_pid
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Sequence) | ("abort", request_id)
-        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None  # the core loop, when it runs in this process
+        self._client: CoreClient | None = None
+        self._reader: asyncio.Task | None = None
+        self._pidfd: int | None = None
+        self._core_ready: asyncio.Future[CoreReady] | None = None
         self._queues: dict[str, asyncio.Queue] = {}
+        self._stats = EngineStats()
         self._stopping = False
+        self.info: CoreReady | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.inputs: InputProcessor | None = None
+        self.outputs: OutputProcessor | None = None
         self.dead = False
         self.error: BaseException | None = None
 
     # ---- life cycle ------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the model (in a worker thread, so the event loop keeps serving) and start the loop."""
+        """Connect to the core (starting it in a thread of this process if no address was
+        given) and wait until its model is loaded. Raises what stopped the core from starting."""
         self._loop = asyncio.get_running_loop()
-        self.engine = await asyncio.to_thread(LLMEngine, self.config)
-        self._thread = threading.Thread(target=self._run, name="graphserve-engine", daemon=True)
-        self._thread.start()
+        self._core_ready = self._loop.create_future()
+        address = self._core_address
+        if address is None:
+            from engine.core_process import new_core_address
+
+            address = new_core_address()
+            self._thread = threading.Thread(target=self._run_core_thread, args=(address,),
+                                            name="graphserve-engine", daemon=True)
+            self._thread.start()
+        if self._core_pid is not None:
+            self._pidfd = os.pidfd_open(self._core_pid)
+            self._loop.add_reader(self._pidfd, self._core_gone,
+                                  EngineDeadError("the engine core process exited"))
+        self._client = CoreClient(address)
+        self._reader = asyncio.create_task(self._read())
+        self._client.send(Hello())
+        info = await self._core_ready
+        self.tokenizer = await asyncio.to_thread(Tokenizer, info.model_path)
+        self.inputs = InputProcessor(self.tokenizer, ModelLimits(info.max_model_len, info.vocab_size))
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._stats = info.stats
+        self.info = info
+
+    def _run_core_thread(self, address: str) -> None:
+        import zmq
+
+        from engine.core import EngineCore
+        from engine.core_loop import CoreLoop, bind_core_socket
+
+        context = zmq.Context()
+        socket = bind_core_socket(context, address)
+        try:
+            CoreLoop(EngineCore(self.config), socket).run()
+        except BaseException as exc:
+            self._loop.call_soon_threadsafe(self._core_gone, exc)
+        finally:
+            socket.close()
+            context.term()
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.dead and not self._stopping
+        return self.info is not None and not self.dead and not self._stopping
 
     async def shutdown(self) -> None:
         self._stopping = True
-        self._wakeup.set()
+        if self._client is not None and self._thread is not None:
+            self._client.send(Shutdown())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        if self._pidfd is not None:
+            self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     # ---- facts the server needs --------------------------------------------------------
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
     def model_path(self) -> str:
-        return self.engine.model_path
+        return self.info.model_path
 
     @property
     def model_name(self) -> str:
-        from pathlib import Path
-
-        return Path(self.engine.model_path).name
+        return Path(self.info.model_path).name
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.info.max_model_len
 
     def stats(self) -> EngineStats:
-        return self.engine.stats() if self.engine is not None else EngineStats()
+        """The core's latest figures (it sends them when they change, at most every 0.1 s)."""
+        return self._stats
 
     # ---- requests ------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> "RequestStream":
-        """Validate and enqueue now (raises InvalidRequestError / PromptTooLongError before the
-        request takes any KV); returns the stream of its outputs, one per engine round.
-        Closing the stream before the last output, read or not, aborts the request."""
+        """Validate and send now (raises InvalidRequestError / PromptTooLongError before the
+        request takes any KV); returns the stream of its updates, one per engine round.
+        Closing the stream before the last update, read or not, aborts the request."""
         if self.dead:
             raise EngineDeadError("the engine has stopped after an error")
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        seq: Sequence = self.engine.make_sequence(request_id, prompt, params)
-        outputs: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = outputs
-        self._inbox.put(("add", seq))
-        self._wakeup.set()
-        return RequestStream(self, request_id, outputs)
-
-    def _release(self, request_id: str, finished: bool) -> None:
-        self._queues.pop(request_id, None)
-        if not finished:
-            self.abort(request_id)
+        token_ids, params = self.inputs.check(prompt, params)
+        updates: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = updates
+        self.outputs.add(request_id, token_ids, params)
+        self._client.send(AddRequest(request_id, token_ids, params))
+        return RequestStream(self, request_id, updates)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -101,66 +165,84 @@ class AsyncEngine:
         async for out in self.add_request(prompt, params, request_id):
             yield out
 
-    def inject_fault(self, kind: str) -> None:
-        """Tests only: see LLMEngine.inject_fault."""
-        self.engine.inject_fault(kind)
-        self._wakeup.set()
-
     def abort(self, request_id: str) -> None:
-        """Thread-safe and idempotent; the engine frees the request's blocks before its next step."""
-        self._inbox.put(("abort", request_id))
-        self._wakeup.set()
+        """Idempotent; the core frees the request's blocks before its next step. Call it
+        from the event loop."""
+        self._queues.pop(request_id, None)
+        if self.outputs is not None:
+            self.outputs.discard(request_id)
+        if self._client is not None and not self.dead:
+            self._client.send(Abort([request_id]))
 
-    # ---- the engine thread ----------------------------------------------------------------
+    def _release(self, request_id: str, finished: bool) -> None:
+        if finished:
+            self._queues.pop(request_id, None)
+        else:
+            self.abort(request_id)
 
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                if item.request_id in self._queues:  # not closed while queued
-                    self.engine.add_sequence(item)
-            else:
-                self.engine.abort(item)
+    def inject_fault(self, kind: str) -> None:
+        """Tests only: see EngineCore.inject_fault."""
+        self._client.send(InjectFault(kind))
 
-    def _run(self) -> None:
-        engine = self.engine
+    # ---- what the core sends -------------------------------------------------------------
+
+    async def _read(self) -> None:
         try:
-            while not self._stopping:
-                self._drain_inbox()
-                if not engine.has_unfinished():
-                    self._wakeup.wait(timeout=0.5)
-                    self._wakeup.clear()
-                    continue
-                outputs = engine.step()
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
-        except BaseException as e:  # the loop cannot go on: fail every waiting request
-            logger.exception("engine loop died")
-            self.error, self.dead = e, True
-            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine error: {type(e).__name__}"))
+            while True:
+                message = await self._client.receive()
+                if isinstance(message, RoundOutputs):
+                    self._dispatch(message)
+                elif isinstance(message, CoreReady):
+                    if not self._core_ready.done():
+                        self._core_ready.set_result(message)
+                elif isinstance(message, CoreDied):
+                    self._core_gone(EngineDeadError(f"engine error: {message.error}"))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a frame we cannot read: nothing after it can be trusted
+            logger.exception("reading from the engine core failed")
+            self._core_gone(exc)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            q = self._queues.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
+    def _dispatch(self, message: RoundOutputs) -> None:
+        if message.stats is not None:
+            self._stats = message.stats
+        stopped = []
+        for out in message.outputs:
+            processed = self.outputs.process(out)
+            if processed is None:  # aborted here while the core was still working on it
+                continue
+            update, stopped_here = processed
+            if stopped_here:
+                stopped.append(out.request_id)
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(update)
+        if stopped:  # a stop string: the core cannot know, so it must be told to end these
+            self._client.send(Abort(stopped))
 
-    def _fail_all(self, error: BaseException) -> None:
-        for q in self._queues.values():
-            q.put_nowait(error)
+    def _core_gone(self, error: BaseException) -> None:
+        """The core failed to start, or stopped: fail whatever waits on it."""
+        if self._pidfd is not None:
+            self._loop.remove_reader(self._pidfd)
+        if self._core_ready is not None and not self._core_ready.done():
+            self._core_ready.set_exception(error)
+            return
+        if self.dead or self._stopping:
+            return
+        logger.error("the engine core stopped: %r", error)
+        self.error, self.dead = error, True
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(f"engine error: {type(error).__name__}"))
 
 
 class RequestStream:
-    """The outputs of one request: an async iterator whose aclose() aborts the request
+    """The updates of one request: an async iterator whose aclose() aborts the request
     (also when nothing was read yet)."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue):
+    def __init__(self, engine: AsyncEngine, request_id: str, updates: asyncio.Queue):
         self._engine = engine
         self.request_id = request_id
-        self._outputs = outputs
+        self._updates = updates
         self._done = False
 
     def __aiter__(self) -> "RequestStream":
@@ -170,7 +252,7 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            item = await self._outputs.get()
+            item = await self._updates.get()
         except BaseException:  # cancelled while waiting: the caller is gone
             await self.aclose()
             raise

@@ -24,7 +24,7 @@ class EngineConfig:
     overlap_rounds: bool = True  # launch the next graph decode round before reading the current one's tokens
     cuda_graph_max_batch: int = 512
     num_threads: int | None = None  # torch CPU threads; None: all cores
-    seed: int = 0
+    seed: int | None = None  # seeds of unseeded requests: None draws them from the OS
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":

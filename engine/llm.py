@@ -21,7 +21,7 @@ class LLM:
 
     def generate(self, prompts: list[str] | list[list[int]] | str,
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run all prompts together (continuous batching) and return their final outputs in order."""
+        """Run all prompts together (continuous batching) and return each one's whole output, in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -29,9 +29,11 @@ class LLM:
                 for p, sp in zip(prompts, params_list)]
         for seq in seqs:
             self.engine.add_sequence(seq)
-        finals: dict[str, RequestOutput] = {}
-        while len(finals) < len(seqs):
-            for out in self.engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
-        return [finals[s.request_id] for s in seqs]
+        results: dict[str, RequestOutput] = {}
+        while any(not r.finished for r in results.values()) or len(results) < len(seqs):
+            for update in self.engine.step():
+                if update.request_id in results:
+                    results[update.request_id].merge(update)
+                else:
+                    results[update.request_id] = update
+        return [results[s.request_id] for s in seqs]

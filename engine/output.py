@@ -1,103 +1,74 @@
-"""OutputProcessor: after each step, appends a sequence's new tokens, finds its end
-(EOS / stop ids / max_tokens / stop strings, dropping tokens past the end), and turns
-ids into text deltas for RequestOutput."""
+"""OutputProcessor: the text side of a request, where the request arrived (a front end,
+or the offline engine). Turns the core's token ids into text deltas with an incremental
+detokenizer and finds stop strings; tokens after a stop string are dropped, and the
+caller tells the core to end the request."""
 
 from __future__ import annotations
 
-import time
-
-from engine.request import RequestOutput, Sequence, TokenLogprob
+from engine.core_messages import CoreOutput
+from engine.request import RequestOutput, SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 
 class _TextState:
-    def __init__(self, tokenizer: Tokenizer, seq: Sequence):
-        self.detok = IncrementalDetokenizer(tokenizer, seq.params.skip_special_tokens)
-        self.stops = StopStringMatcher(seq.params.stop, seq.params.include_stop_str_in_output)
-        self.text = ""  # everything decoded so far (may run past a stop string)
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        self.prompt_token_ids = prompt_token_ids
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self.text = ""  # everything decoded so far (it may run past a stop string); kept only with stop strings
         self.visible_end = 0  # text[:visible_end] may be shown
         self.sent_chars = 0
-        self.sent_tokens = 0
-        self.sent_logprobs = 0
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, eos_ids: tuple[int, ...]):
+    def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self.eos_ids = frozenset(eos_ids)
         self.states: dict[str, _TextState] = {}
 
-    def start(self, seq: Sequence) -> None:
-        self.states[seq.request_id] = _TextState(self.tokenizer, seq)
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.states[request_id] = _TextState(self.tokenizer, prompt_token_ids, params)
 
-    def append(self, seq: Sequence, step) -> int:
-        """Append `step.tokens` to `seq` up to its end; returns how many were kept."""
-        state = self.states[seq.request_id]
-        params = seq.params
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        kept = 0
-        for i, token in enumerate(step.tokens):
-            seq.token_ids.append(token)
-            kept += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = time.monotonic()
-            if seq.logprobs is not None:
-                seq.logprobs.append(TokenLogprob(token, step.logprobs[i], step.top[i]))
-            n_out = seq.num_output_tokens
-            if token in stop_ids and n_out > params.min_tokens:
-                seq.finish_reason, seq.stop_reason = "stop", token if token not in self.eos_ids else None
-            elif n_out >= params.max_tokens:
-                seq.finish_reason = "length"
-            if state.stops.stops:  # stop strings: decode token by token to know where the text ends
-                if self._update_text(seq, state, [token]) and seq.finish_reason is None:
-                    seq.finish_reason = "stop"
-            if seq.finish_reason is not None:
-                break
-        if not state.stops.stops:
-            self._update_text(seq, state, step.tokens[:kept])
-        if seq.finish_reason is not None and not isinstance(seq.stop_reason, str):
-            state.text += state.detok.flush()
+    def discard(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def process(self, out: CoreOutput) -> tuple[RequestOutput, bool] | None:
+        """The update for the client, and whether a stop string ended the request here (then
+        the core must be told: it does not know). None for a request not (or no longer) here."""
+        state = self.states.get(out.request_id)
+        if state is None:
+            return None
+        token_ids, logprobs = out.token_ids, out.logprobs
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        stopped_here = False
+        if state.stops.stops:
+            for i, token in enumerate(token_ids):  # token by token: the stop's token ends the output
+                stop = self._add_text(state, [token])
+                if stop is not None:
+                    token_ids, logprobs = token_ids[:i + 1], logprobs[:i + 1] if logprobs is not None else None
+                    stopped_here = finish_reason is None or i + 1 < len(out.token_ids)
+                    finish_reason, stop_reason = "stop", stop
+                    break
+        else:
+            self._add_text(state, token_ids)
+        finished = finish_reason is not None
+        if finished and not isinstance(stop_reason, str):
+            state.text += state.detok.flush()  # nothing more can complete a character or a stop string
             state.visible_end = len(state.text)
-        return kept
+        text = state.text[state.sent_chars:state.visible_end]
+        state.sent_chars = state.visible_end
+        if not state.stops.stops:  # without stop strings nothing is held back: keep no history
+            state.text, state.sent_chars, state.visible_end = "", 0, 0
+        if finished:
+            del self.states[out.request_id]
+        update = RequestOutput(out.request_id, state.prompt_token_ids, text, token_ids, finished, finish_reason,
+                               stop_reason, logprobs, out.prompt_logprobs)
+        return update, stopped_here
 
-    def _update_text(self, seq: Sequence, state: _TextState, tokens: list[int]) -> bool:
-        """Decode `tokens`; returns True when a stop string matched."""
+    def _add_text(self, state: _TextState, tokens: list[int]) -> str | None:
+        """Decode `tokens`; returns the stop string that matched, if one did."""
         state.text += state.detok.add(tokens)
         end, stop = state.stops.check(state.text, state.visible_end)
         state.visible_end = end
         if stop is not None:
-            seq.stop_reason = stop
             state.text = state.text[:end]
-            return True
-        return False
-
-    def make_output(self, seq: Sequence) -> RequestOutput:
-        state = self.states[seq.request_id]
-        finished = seq.finish_reason is not None
-        if finished:
-            if seq.finish_reason != "stop" or not isinstance(seq.stop_reason, str):
-                state.visible_end = len(state.text)  # nothing more can complete a stop string
-            self.states.pop(seq.request_id, None)
-        text = state.text[:state.visible_end]
-        out_ids = seq.output_token_ids
-        out = RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=text,
-            token_ids=out_ids,  # output_token_ids is a fresh slice already
-            delta_text=text[state.sent_chars:],
-            delta_token_ids=out_ids[state.sent_tokens:],
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time,
-        )
-        if seq.logprobs is not None:
-            out.logprobs = list(seq.logprobs)
-            out.delta_logprobs = seq.logprobs[state.sent_logprobs:]
-            state.sent_logprobs = len(seq.logprobs)
-        if seq.prompt_logprobs is not None:
-            out.prompt_logprobs = seq.prompt_logprobs
-        state.sent_chars, state.sent_tokens = len(text), len(out_ids)
-        return out
+        return stop

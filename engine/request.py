@@ -4,12 +4,25 @@ and what comes back (RequestOutput)."""
 from __future__ import annotations
 
 import enum
-import time
+import math
+import numbers
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# Bounds on what one request may ask for: each is checked by the HTTP protocol (a 400 naming
+# the field) and again by SamplingParams (the offline API). Integers reach the device as
+# int64 and must fit int32 where they count tokens; floats must be finite.
+MAX_TOKEN_COUNT = 2**31 - 1  # max_tokens, min_tokens, top_k
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI and vLLM accept; the sampler hashes the low 32 bits
+MAX_TEMPERATURE = 100.0  # logits / T stays finite in float32 (OpenAI caps at 2, vLLM has no cap)
+MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS_VALUE = 100.0  # |bias|, as OpenAI
+MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI allows 300
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass
@@ -39,6 +52,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
+        self._check_bounds()
         checks = [
             (self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
@@ -62,6 +76,55 @@ class SamplingParams:
                     param="max_tokens")
             self.min_tokens = min(self.min_tokens, self.max_tokens)
 
+    def _check_bounds(self) -> None:
+        """Types, finiteness and the caps above: what the engine can represent, checked before
+        a value reaches a tensor shared with other requests."""
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", param=name)
+        _check_int("top_k", self.top_k, -1, MAX_TOKEN_COUNT)
+        _check_int("min_tokens", self.min_tokens, 0, MAX_TOKEN_COUNT)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 0, MAX_TOKEN_COUNT)
+        if self.seed is not None:
+            _check_int("seed", self.seed, SEED_MIN, SEED_MAX)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
+        if self.temperature > MAX_TEMPERATURE:
+            raise InvalidRequestError(f"temperature must be <= {MAX_TEMPERATURE:g}, got {self.temperature}",
+                                      param="temperature")
+        if self.repetition_penalty > MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(
+                f"repetition_penalty must be <= {MAX_REPETITION_PENALTY:g}, got {self.repetition_penalty}",
+                param="repetition_penalty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"stop: at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}",
+                                      param="stop")
+        for stop in self.stop:
+            if not isinstance(stop, str) or len(stop) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(
+                    f"stop: each stop string must be a string of at most {MAX_STOP_STRING_CHARS} characters",
+                    param="stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids are allowed, got {len(self.stop_token_ids)}",
+                param="stop_token_ids")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, 0, MAX_TOKEN_COUNT)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(
+                f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries are allowed, got {len(self.logit_bias)}",
+                param="logit_bias")
+        for token_id, bias in self.logit_bias.items():
+            _check_int("logit_bias", token_id, 0, MAX_TOKEN_COUNT)
+            if (isinstance(bias, bool) or not isinstance(bias, numbers.Real) or not math.isfinite(bias)
+                    or abs(bias) > MAX_LOGIT_BIAS_VALUE):
+                raise InvalidRequestError(
+                    f"logit_bias: each bias must be a number in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], "
+                    f"got {bias!r}", param="logit_bias")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -69,6 +132,11 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
+        raise InvalidRequestError(f"{name} must be an integer in [{low}, {high}], got {value!r}", param=name)
 
 
 @dataclass
@@ -82,23 +150,29 @@ class TokenLogprob:
 
 @dataclass
 class RequestOutput:
-    """One update of one request. `text`/`token_ids`/`logprobs` are cumulative; the
-    `delta_*` fields hold what is new since the previous update of this request."""
+    """One update of one request: what it added since the previous update (text, token ids,
+    logprobs), so a slow reader's queue costs what it holds, not the length squared. The
+    offline API merges a request's updates into one, which then holds the whole output."""
 
     request_id: str
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    delta_text: str
-    delta_token_ids: list[int]
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] | None = None
-    delta_logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # first prompt token has none
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # in the first update; the first token has none
+
+    def merge(self, later: "RequestOutput") -> None:
+        """Append a later update of the same request to this one."""
+        self.text += later.text
+        self.token_ids = self.token_ids + later.token_ids
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason
 
 
 class SequenceStatus(enum.Enum):
@@ -122,11 +196,8 @@ class Sequence:
         # sampling noise is a function of (seed, output position): fixed per request
         self.seed = seed
         self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
+        self.stop_reason: int | None = None  # the stop token id that ended it (None for EOS)
         self.num_preemptions = 0
-        self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
-        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property

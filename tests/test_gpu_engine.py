@@ -101,7 +101,7 @@ def llm(model_path):
 def test_graph_path_matches_eager_path(llm, batch):
     from engine import SamplingParams
 
-    engine = llm.engine
+    engine = llm.engine.core
     assert engine.graphs is not None
     gen = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(100, 30000, (int(n),), generator=gen).tolist()

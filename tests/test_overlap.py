@@ -30,7 +30,7 @@ def make_llm(model_dir, mode: str, **kw) -> LLM:
     kw.setdefault("num_kv_blocks", 96)
     llm = LLM(str(model_dir), device="cpu", decode_chunk=K, overlap_rounds=mode == "overlap", **kw)
     if mode != "eager":
-        engine = llm.engine
+        engine = llm.engine.core
         engine.graphs = GraphDecoder(engine.runner, max_batch=8, max_steps=K,
                                      table_width=-(-engine.max_model_len // engine.config.block_size),
                                      use_cuda_graphs=False)
@@ -53,12 +53,15 @@ def generate(llm: LLM, prompts, params) -> list[tuple[list[int], str]]:
     return [(o.token_ids, o.finish_reason) for o in outs]
 
 
-def run_by_hand(engine) -> dict[str, list]:
-    """Step until nothing is left; every output of every request, in order."""
-    seen: dict[str, list] = {}
+def run_by_hand(engine) -> dict:
+    """Step until nothing is left; each request's updates merged into its whole output."""
+    seen: dict = {}
     while engine.has_unfinished():
         for out in engine.step():
-            seen.setdefault(out.request_id, []).append(out)
+            if out.request_id in seen:
+                seen[out.request_id].merge(out)
+            else:
+                seen[out.request_id] = out
     return seen
 
 
@@ -149,14 +152,16 @@ def test_stop_string(engines):
 
 
 def _start_two(engine, max_tokens: int = 30):
-    """Two requests through their prefill and one decode round; the next round is left in flight."""
+    """Two requests through their prefill and one decode round (their first 1 + K tokens,
+    not seen by run_by_hand after it); the next round is left in flight."""
     params = params_for("greedy", max_tokens, ignore_eos=True)
     engine.add_request("a", PROMPTS[0], params)
     engine.add_request("b", PROMPTS[1], params)
-    engine.step()  # prefill
+    outs = engine.step()  # prefill
+    assert {o.request_id: len(o.token_ids) for o in outs} == {"a": 1, "b": 1}
     ahead = engine.stats().decode_rounds_ahead
     outs = engine.step()
-    assert {o.request_id: len(o.token_ids) for o in outs} == {"a": 1 + K, "b": 1 + K}
+    assert {o.request_id: len(o.token_ids) for o in outs} == {"a": K, "b": K}
     assert engine.stats().decode_rounds_ahead == ahead + 1  # a round is in flight
     return params
 
@@ -165,13 +170,13 @@ def test_abort_while_a_round_is_in_flight(engines):
     engine = engines["overlap"].engine
     free = engine.block_manager.num_free_blocks
     params = _start_two(engine)
-    aborted = engine.abort("a")
-    assert aborted.finish_reason == "abort" and len(aborted.token_ids) == 1 + K
+    engine.abort("a")
+    assert "a" not in engine.core.sequences and "a" not in engine.outputs.states
     assert engine.has_unfinished()
     seen = run_by_hand(engine)
     assert "a" not in seen
     want = engines["eager"].generate([PROMPTS[1]], params)[0].token_ids
-    assert seen["b"][-1].token_ids == want and seen["b"][-1].finish_reason == "length"
+    assert seen["b"].token_ids == want[1 + K:] and seen["b"].finish_reason == "length"
     assert engine.block_manager.num_free_blocks == free
 
 
@@ -195,9 +200,9 @@ def test_request_added_while_a_round_is_in_flight(engines):
     engine.add_request("c", PROMPTS[2], late)
     seen = run_by_hand(engine)
     eager = engines["eager"]
-    assert seen["a"][-1].token_ids == eager.generate([PROMPTS[0]], params)[0].token_ids
-    assert seen["b"][-1].token_ids == eager.generate([PROMPTS[1]], params)[0].token_ids
-    assert seen["c"][-1].token_ids == eager.generate([PROMPTS[2]], late)[0].token_ids
+    assert seen["a"].token_ids == eager.generate([PROMPTS[0]], params)[0].token_ids[1 + K:]
+    assert seen["b"].token_ids == eager.generate([PROMPTS[1]], params)[0].token_ids[1 + K:]
+    assert seen["c"].token_ids == eager.generate([PROMPTS[2]], late)[0].token_ids
     assert engine.block_manager.num_free_blocks == free
 
 
@@ -205,10 +210,9 @@ def test_failed_round_in_flight_fails_only_its_requests(engines):
     engine = engines["overlap"].engine
     free = engine.block_manager.num_free_blocks
     _start_two(engine)
-    engine.inject_fault("step")  # the round launched next fails
-    outs = engine.step()
-    assert sorted((o.request_id, o.finish_reason) for o in outs) == [("a", "error"), ("b", "error")]
-    assert not engine.has_unfinished()
+    engine.inject_fault("step")  # the round launched next fails, and so does each request on its own
+    seen = run_by_hand(engine)
+    assert sorted((r, o.finish_reason) for r, o in seen.items()) == [("a", "error"), ("b", "error")]
     assert engine.block_manager.num_free_blocks == free
     params = params_for("greedy", 10, ignore_eos=True)
     assert generate(engines["overlap"], PROMPTS[:2], params) == generate(engines["eager"], PROMPTS[:2], params)

@@ -1,0 +1,395 @@
+"""EngineCore: the token-level engine. Owns the model, KV cache, scheduler, runner and
+CUDA graphs; `step()` runs one prefill batch or one decode round and returns, per
+request, the token ids it added (EOS, stop token ids and max_tokens are found here;
+text, detokenization and stop strings belong to the front end).
+
+Overlap (EngineConfig.overlap_rounds): a decode round through the graph decoder is left
+in flight on the device; the next step launches the round after it (when the scheduler
+can tell it without the tokens of the one in flight) before it waits for and processes
+the one in flight, so the device never idles while the host works.
+
+A batch that raises is retried one request at a time, so a request that makes the
+model run fail (whatever slipped past validation) fails alone and its batch mates go on."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core_messages import CoreOutput
+from engine.cuda_graphs import GraphDecoder, RoundHandle, eager_reason
+from engine.device_time import DeviceTimeline
+from engine.errors import InvalidRequestError
+from engine.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block
+from engine.models.config import ModelArgs
+from engine.request import SamplingParams, Sequence, TokenLogprob
+from engine.runner import ModelRunner, StepTokens
+from engine.scheduler import DecodeRound, PrefillBatch, Scheduler
+from engine.stats import EngineStats
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger("graphserve.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device cuda was asked for, but no CUDA GPU is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, args: ModelArgs, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(args.dtype, torch.bfloat16) if args.dtype != "float32" else torch.bfloat16
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None:
+        from engine.models.default_model import ensure_default_model
+
+        return str(ensure_default_model())
+    return model
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        from engine.attention import make_attention_backend
+        from engine.models.loader import load_model
+
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu" and config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        args = ModelArgs.from_dir(self.model_path)
+        self.args = args
+        self.dtype = resolve_dtype(config.dtype, args, self.device)
+        eos_token_id = Tokenizer(self.model_path).eos_token_id
+        self.eos_ids = tuple(dict.fromkeys([*args.eos_token_ids, *([eos_token_id] if eos_token_id is not None else [])]))
+
+        started = time.perf_counter()
+        max_len_wanted = config.max_model_len or args.max_position_embeddings
+        backend = make_attention_backend(self.device, config.block_size)
+        self.model = load_model(self.model_path, self.dtype, self.device, backend, max_len_wanted)
+        num_blocks = self._num_kv_blocks()
+        self.max_model_len = min(max_len_wanted, (num_blocks - 1) * config.block_size)
+        self.kv_caches = allocate_kv_cache(args, num_blocks, config.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(self.model, self.kv_caches, self.block_manager, self.device, self.eos_ids)
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = GraphDecoder(self.runner, min(config.max_num_seqs, config.cuda_graph_max_batch),
+                                       config.decode_chunk, -(-self.max_model_len // config.block_size))
+            self.graphs.capture()
+        self.sequences: dict[str, Sequence] = {}
+        self.stats_counters = EngineStats(kv_blocks_total=self.block_manager.num_usable_blocks)
+        self.timeline = DeviceTimeline(self.device)
+        self._injected_fault: str | None = None
+        self._poisoned: set[str] = set()  # tests: requests whose every batch fails
+        self._in_flight: RoundHandle | None = None  # a launched decode round, not collected yet
+        # unseeded requests get a seed from here: the OS's entropy unless --seed fixes it
+        self._seeds = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
+        logger.info("loaded %s (%s, %d layers) on %s in %s: %.1fs; KV pool %d blocks x %d tokens, max_model_len %d",
+                    self.model_path, args.architecture, args.num_layers, self.device, str(self.dtype).split(".")[-1],
+                    time.perf_counter() - started, num_blocks, config.block_size, self.max_model_len)
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks
+        per_block = kv_bytes_per_block(self.args, cfg.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # leave room for activations, logits and CUDA graphs
+            reserve = 2 * 1024**3 + cfg.max_num_batched_tokens * self.args.vocab_size * 8
+            budget = free - (1 - cfg.gpu_memory_utilization) * total - reserve
+        else:
+            budget = cfg.kv_cache_bytes
+        max_len = cfg.max_model_len or self.args.max_position_embeddings
+        # no more than every sequence at full length needs, plus the dummy block
+        cap = cfg.max_num_seqs * -(-max_len // cfg.block_size) + 1
+        return max(2, min(int(budget // per_block), cap))
+
+    # ---- requests ------------------------------------------------------------------
+
+    def make_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        """A sequence for a checked prompt (InputProcessor.check); the seed of an unseeded
+        request is drawn here, the one place that decides it."""
+        n = len(prompt_token_ids)
+        if params.max_tokens is None or n + params.max_tokens > self.max_model_len or n == 0:
+            raise InvalidRequestError(f"request {request_id} was not checked against max_model_len")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
+        return Sequence(request_id, prompt_token_ids, params, seed)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self.sequences:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already running")
+        self.sequences[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        seq = self.make_sequence(request_id, prompt_token_ids, params)
+        self.add_sequence(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now and free its blocks (no output). False if it was not running."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+        self._drop_unwanted_round()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or self._in_flight is not None
+
+    # ---- the step ------------------------------------------------------------------
+
+    def inject_fault(self, kind: str, request_id: str | None = None) -> None:
+        """Tests only. "step": the next step's model run raises for every request in it
+        (they fail, the engine goes on); "request": every batch holding `request_id` (default:
+        the newest request) raises, so it fails alone and its batch mates are retried;
+        "fatal": the engine's own bookkeeping raises (the engine dies)."""
+        if kind == "request":
+            if request_id is None and self.sequences:
+                request_id = next(reversed(self.sequences))
+            if request_id is not None:
+                self._poisoned.add(request_id)
+            return
+        if kind not in ("step", "fatal"):
+            raise ValueError(f"unknown fault kind {kind!r}")
+        self._injected_fault = kind
+
+    def step(self) -> list[CoreOutput]:
+        """Run one scheduled batch, or (overlap) collect the decode round in flight after
+        launching the next one; returns what it added to each request. Requests that make
+        the model run raise fail alone (finish_reason "error", blocks freed); anything else
+        propagates."""
+        if self._injected_fault == "fatal":
+            self._injected_fault = None
+            raise RuntimeError("injected fatal engine fault")
+        outputs = self._step()
+        if not self.has_unfinished():
+            self.timeline.pause()
+        return outputs
+
+    def _step(self) -> list[CoreOutput]:
+        if self._in_flight is None:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                self.timeline.pause()
+                return []
+            if not self._overlaps(batch):
+                return self._run_now(batch)
+            try:
+                self._in_flight = self._launch(batch)
+            except Exception:
+                logger.exception("launching a decode round failed; retrying its %d requests one by one",
+                                 len(batch.seqs))
+                return self._retry_alone(batch)
+        return self._collect_in_flight()
+
+    def _overlaps(self, batch: PrefillBatch | DecodeRound) -> bool:
+        return (self.config.overlap_rounds and isinstance(batch, DecodeRound)
+                and self._eager_reason(batch) is None)
+
+    def _run_now(self, batch: PrefillBatch | DecodeRound) -> list[CoreOutput]:
+        """A batch run and processed synchronously: prefills, eager rounds, no overlap."""
+        try:
+            new_tokens = self._run(batch)
+        except Exception:
+            if len(batch.seqs) == 1:
+                logger.exception("engine step failed; failing its request")
+                return self._fail_all(batch.seqs)
+            logger.exception("engine step failed; retrying its %d requests one by one", len(batch.seqs))
+            return self._retry_alone(batch)
+        return self._process(batch, new_tokens)
+
+    def _run(self, batch: PrefillBatch | DecodeRound) -> dict[str, StepTokens]:
+        self._take_step_fault(batch)
+        mark = self.timeline.begin()
+        try:
+            if isinstance(batch, PrefillBatch):
+                return self.runner.prefill(batch)
+            return self.decode(batch)
+        finally:
+            self.timeline.end(mark)
+
+    def _retry_alone(self, batch: PrefillBatch | DecodeRound) -> list[CoreOutput]:
+        """Run each request of a failed batch on its own: the one(s) that still fail are
+        failed, the others get their tokens as if nothing happened (the retry recomputes the
+        same positions; sampling noise depends on (seed, position) only)."""
+        outputs = []
+        for i, seq in enumerate(batch.seqs):
+            if seq.is_finished:
+                continue
+            if isinstance(batch, PrefillBatch):
+                alone: PrefillBatch | DecodeRound = PrefillBatch([seq], [batch.chunk_lens[i]])
+            else:
+                alone = DecodeRound([seq], batch.num_steps)
+            try:
+                new_tokens = self._run(alone)
+            except Exception:
+                logger.exception("request %s fails on its own; failing it", seq.request_id)
+                outputs += self._fail_all([seq])
+                continue
+            outputs += self._process(alone, new_tokens)
+        return outputs
+
+    def _collect_in_flight(self) -> list[CoreOutput]:
+        """Launch the round after the one in flight if the scheduler can already tell it,
+        then wait for the one in flight and process its tokens."""
+        prev, self._in_flight = self._in_flight, None
+        ahead = self.scheduler.schedule_decode_ahead(prev.rnd)
+        if ahead is not None:
+            try:
+                self._in_flight = self._launch(ahead, pending=prev.rnd.num_steps)
+                self.stats_counters.decode_rounds_ahead += 1
+            except Exception:  # prev is collected below; its requests are scheduled again after it
+                logger.exception("launching a decode round ahead failed; it will be scheduled again")
+                self._in_flight = None
+        try:
+            new_tokens, _ = self.graphs.collect(prev)
+        except Exception:
+            logger.exception("collecting a decode round failed; retrying its %d requests one by one",
+                             len(prev.rnd.seqs))
+            self._in_flight = None  # the round ahead continued the failed one: drop its tokens too
+            return self._retry_alone(prev.rnd)
+        outputs = self._process(prev.rnd, new_tokens)
+        self._drop_unwanted_round()
+        return outputs
+
+    def _drop_unwanted_round(self) -> None:
+        """Forget the round in flight once every request in it has ended: nobody needs its
+        tokens. The device still runs it, before anything launched later (one stream), and
+        the graph decoder reuses its host buffers only after its event."""
+        if self._in_flight is not None and all(s.is_finished for s in self._in_flight.rnd.seqs):
+            self._in_flight = None
+
+    def _process(self, batch: PrefillBatch | DecodeRound, new_tokens: dict[str, StepTokens]) -> list[CoreOutput]:
+        """Append a batch's tokens, end the sequences that are done, and make their outputs."""
+        stats = self.stats_counters
+        if isinstance(batch, PrefillBatch):
+            stats.prefill_steps += 1
+            stats.prompt_tokens += sum(batch.chunk_lens)
+            touched = [s for s in batch.seqs if not s.in_prefill]
+        else:
+            stats.decode_rounds += 1
+            # a sequence that ended (stop, abort) while its round was in flight: its tokens are dropped
+            touched = [s for s in batch.seqs if not s.is_finished]
+        outputs = []
+        for seq in touched:
+            step = new_tokens.get(seq.request_id)
+            first = seq.num_output_tokens == 0
+            if step is not None:
+                kept = self._append(seq, step)
+                stats.generation_tokens += kept
+                if not seq.is_finished and isinstance(batch, DecodeRound):
+                    seq.num_computed_tokens = seq.num_tokens - 1
+                out = CoreOutput(seq.request_id, step.tokens[:kept], finish_reason=seq.finish_reason,
+                                 stop_reason=seq.stop_reason)
+                if step.logprobs is not None:
+                    out.logprobs = [TokenLogprob(t, lp, top)
+                                    for t, lp, top in zip(step.tokens[:kept], step.logprobs, step.top)]
+            else:
+                if seq.num_output_tokens >= seq.params.max_tokens:  # max_tokens 0: prompt logprobs only
+                    seq.finish_reason = "length"
+                out = CoreOutput(seq.request_id, [], finish_reason=seq.finish_reason)
+            if first and seq.prompt_logprobs is not None:
+                out.prompt_logprobs = seq.prompt_logprobs
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                self.sequences.pop(seq.request_id, None)
+            outputs.append(out)
+        return outputs
+
+    def _append(self, seq: Sequence, step: StepTokens) -> int:
+        """Append `step.tokens` to `seq` up to its end (EOS, a stop token id, max_tokens);
+        returns how many were kept."""
+        params = seq.params
+        eos = () if params.ignore_eos else self.eos_ids
+        kept = 0
+        for token in step.tokens:
+            seq.token_ids.append(token)
+            kept += 1
+            n_out = seq.num_output_tokens
+            if (token in eos or token in params.stop_token_ids) and n_out > params.min_tokens:
+                seq.finish_reason, seq.stop_reason = "stop", token if token not in self.eos_ids else None
+                break
+            if n_out >= params.max_tokens:
+                seq.finish_reason = "length"
+                break
+        return kept
+
+    def _take_step_fault(self, batch: PrefillBatch | DecodeRound) -> None:
+        if self._injected_fault == "step":
+            self._injected_fault = None
+            self._poisoned.update(s.request_id for s in batch.seqs)
+        if self._poisoned and any(s.request_id in self._poisoned for s in batch.seqs):
+            raise RuntimeError("injected step fault")
+
+    def _fail_all(self, seqs: list[Sequence]) -> list[CoreOutput]:
+        outputs = []
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            self.scheduler.finish(seq)
+            self.sequences.pop(seq.request_id, None)
+            self._poisoned.discard(seq.request_id)
+            seq.finish_reason = "error"
+            outputs.append(CoreOutput(seq.request_id, [], finish_reason="error"))
+        return outputs
+
+    def _eager_reason(self, rnd: DecodeRound) -> str | None:
+        """Why `rnd` cannot go through the graph decoder, or None if it can."""
+        if self.graphs is None:
+            return "cpu" if self.device.type == "cpu" else "enforce_eager"
+        return eager_reason(rnd.seqs, self.graphs.max_bucket)
+
+    def _launch(self, rnd: DecodeRound, pending: int = 0) -> RoundHandle:
+        self._take_step_fault(rnd)
+        mark = self.timeline.begin()
+        try:
+            handle = self.graphs.launch(rnd, pending)
+        finally:
+            self.timeline.end(mark)
+        stats = self.stats_counters
+        # copy-on-write: stats() may read these dicts from another thread at any time
+        stats.graph_replays = {**stats.graph_replays, handle.bucket: stats.graph_replays.get(handle.bucket, 0)
+                               + rnd.num_steps}
+        return handle
+
+    def decode(self, rnd: DecodeRound) -> dict[str, StepTokens]:
+        """A decode round run to the end: through the graphs when they can take it, else
+        eagerly (counted by reason)."""
+        reason = self._eager_reason(rnd)
+        if reason is None:
+            return self.graphs.collect(self.graphs.launch(rnd))[0]
+        stats = self.stats_counters
+        stats.eager_rounds = {**stats.eager_rounds, reason: stats.eager_rounds.get(reason, 0) + 1}
+        return self.runner.decode(rnd)
+
+    def stats(self) -> EngineStats:
+        """A snapshot; safe to call from another thread."""
+        self.timeline.poll()
+        # the counter dicts are replaced, never mutated, so sharing them is safe
+        return dataclasses.replace(self.stats_counters, num_running=len(self.scheduler.running),
+                                   num_waiting=len(self.scheduler.waiting),
+                                   kv_blocks_free=self.block_manager.num_free_blocks,
+                                   num_preemptions=self.scheduler.num_preemptions,
+                                   device_busy_seconds=self.timeline.busy_seconds,
+                                   device_idle_seconds=self.timeline.idle_seconds)

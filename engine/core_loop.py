@@ -1,0 +1,129 @@
+"""CoreLoop: serves one EngineCore to its front ends over a ZeroMQ ROUTER socket.
+
+A busy loop, no asyncio: take whatever arrived without blocking (new requests, aborts),
+run one engine step, send each front end one RoundOutputs with its requests' new tokens.
+With nothing to run it blocks on the socket, waking every STATS_INTERVAL_S to send
+fresh stats. It runs in its own process when serving (engine/core_process.py), or in a
+thread of the front end's process (tests, `AsyncEngine` without a core address).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from engine.core import EngineCore
+from engine.core_messages import (
+    Abort,
+    AddRequest,
+    CoreDied,
+    CoreOutput,
+    CoreReady,
+    Hello,
+    InjectFault,
+    RoundOutputs,
+    Shutdown,
+    decode_to_core,
+    encode,
+)
+from engine.errors import InvalidRequestError
+
+logger = logging.getLogger("graphserve.engine")
+
+STATS_INTERVAL_S = 0.1
+
+
+def bind_core_socket(context: zmq.Context, address: str) -> zmq.Socket:
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.SNDHWM, 0)  # never drop a round's outputs for a front end that reads late
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.bind(address)
+    return socket
+
+
+class CoreLoop:
+    def __init__(self, core: EngineCore, socket: zmq.Socket):
+        self.core = core
+        self.socket = socket
+        self.frontends: set[bytes] = set()  # identities of the front ends that said Hello
+        self.owner: dict[str, bytes] = {}  # request id -> the front end that sent it
+        self._stopping = False
+        self._stats_sent_at = 0.0
+        self._last_stats = None
+
+    def run(self) -> None:
+        """Until a Shutdown message; an exception from the engine is sent to every front end
+        (CoreDied) and re-raised."""
+        core = self.core
+        try:
+            while not self._stopping:
+                self._receive(wait=not core.has_unfinished())
+                if core.has_unfinished() and not self._stopping:
+                    self._send_outputs(core.step())
+                self._send_stats()
+        except BaseException as exc:
+            logger.exception("engine core loop died")
+            self._broadcast(CoreDied(f"{type(exc).__name__}: {exc}"))
+            raise
+
+    def _receive(self, wait: bool) -> None:
+        if wait and not self.socket.poll(int(STATS_INTERVAL_S * 1000)):
+            return
+        while True:
+            try:
+                identity, frame = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(identity, decode_to_core(frame))
+
+    def _handle(self, identity: bytes, message) -> None:
+        core = self.core
+        if isinstance(message, AddRequest):
+            try:
+                core.add_request(message.request_id, message.prompt_token_ids, message.params)
+            except InvalidRequestError:
+                logger.exception("front end sent a request the core cannot take")
+                self._send(identity, RoundOutputs([CoreOutput(message.request_id, [], finish_reason="error")]))
+                return
+            self.owner[message.request_id] = identity
+        elif isinstance(message, Abort):
+            for request_id in message.request_ids:
+                core.abort(request_id)
+                self.owner.pop(request_id, None)
+        elif isinstance(message, Hello):
+            self.frontends.add(identity)
+            self._send(identity, CoreReady(core.model_path, core.max_model_len, core.args.vocab_size,
+                                           list(core.eos_ids), core.stats()))
+        elif isinstance(message, InjectFault):
+            core.inject_fault(message.kind)
+        elif isinstance(message, Shutdown):
+            self._stopping = True
+
+    def _send_outputs(self, outputs: list[CoreOutput]) -> None:
+        by_frontend: dict[bytes, list[CoreOutput]] = {}
+        for out in outputs:
+            identity = self.owner.pop(out.request_id) if out.finish_reason else self.owner.get(out.request_id)
+            if identity is not None:
+                by_frontend.setdefault(identity, []).append(out)
+        for identity, outs in by_frontend.items():
+            self._send(identity, RoundOutputs(outs))
+
+    def _send_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._stats_sent_at < STATS_INTERVAL_S:
+            return
+        self._stats_sent_at = now
+        stats = self.core.stats()
+        if stats != self._last_stats:
+            self._last_stats = stats
+            self._broadcast(RoundOutputs([], stats))
+
+    def _broadcast(self, message) -> None:
+        for identity in self.frontends:
+            self._send(identity, message)
+
+    def _send(self, identity: bytes, message) -> None:
+        self.socket.send_multipart([identity, encode(message)], copy=False)

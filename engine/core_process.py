@@ -1,0 +1,70 @@
+"""The engine-core process: `start_core_process(config)` spawns it; it binds the core's
+socket, loads the model and runs CoreLoop until it is stopped (SIGTERM from the server's
+supervisor) or its parent dies (it is killed with its parent, so no orphan holds the GPU).
+A failure to start or an engine error exits non-zero; the front ends see the exit."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+from multiprocessing.process import BaseProcess
+
+from engine.config import EngineConfig
+
+logger = logging.getLogger("graphserve.engine")
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: have the kernel SIGKILL this process when its parent exits (no orphans);
+    exit now if the parent is already gone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def new_core_address() -> str:
+    return f"ipc://{tempfile.mkdtemp(prefix='graphserve-')}/core"
+
+
+def run_core(config: EngineConfig, address: str, parent_pid: int, log_level: int) -> None:
+    """The process's entry point."""
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which stops us in order
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s",
+                        datefmt="%H:%M:%S")
+    import zmq
+
+    from engine.core import EngineCore
+    from engine.core_loop import CoreLoop, bind_core_socket
+
+    context = zmq.Context()
+    socket = bind_core_socket(context, address)
+    try:
+        core = EngineCore(config)
+    except BaseException:
+        logger.exception("the engine core failed to start")
+        os._exit(1)
+    try:
+        CoreLoop(core, socket).run()
+    except BaseException:
+        os._exit(1)  # CoreLoop logged it and told the front ends
+    socket.close()
+    context.term()
+
+
+def start_core_process(config: EngineConfig) -> tuple[BaseProcess, str]:
+    """Spawn the engine core; returns the process and the address its socket binds."""
+    address = new_core_address()
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_core, args=(config, address, os.getpid(), logging.getLogger().getEffectiveLevel()),
+        name="graphserve-core", daemon=False)
+    process.start()
+    return process, address

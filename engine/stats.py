@@ -1,0 +1,23 @@
+"""EngineStats: the engine core's counters, read by /metrics (sent to the front ends)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    num_preemptions: int = 0
+    decode_rounds: int = 0
+    decode_rounds_ahead: int = 0  # rounds launched before the previous round's tokens were read
+    prefill_steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    graph_replays: dict[int, int] = field(default_factory=dict)  # batch bucket -> decode steps replayed
+    eager_rounds: dict[str, int] = field(default_factory=dict)  # reason -> decode rounds run eagerly
+    device_busy_seconds: float = 0.0  # the device ran a batch or round
+    device_idle_seconds: float = 0.0  # requests were running, but the device waited for the host
