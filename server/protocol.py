@@ -1,7 +1,10 @@
 """Pydantic models of the OpenAI-compatible request and response bodies.
 
 Range checks live here so that a bad value becomes a 400 naming the field; the
-engine's SamplingParams re-checks what it needs.
+engine's SamplingParams re-checks what it needs. Every input is bounded before it costs
+anything: integers to what the engine represents, floats finite (JSON `NaN` and
+`Infinity`, which the parser accepts, are 400s), lists to the caps below and in
+engine/request.py (each error message names its cap).
 """
 
 from __future__ import annotations
@@ -11,9 +14,23 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
-from engine.request import MAX_LOGPROBS
+from engine.request import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGIT_BIAS_VALUE,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TOKEN_COUNT,
+    SEED_MAX,
+    SEED_MIN,
+)
 
 MAX_N = 128
+MAX_PROMPTS = 2048  # entries of a prompt array (strings or token-id lists), as the OpenAI API
+MAX_CHAT_MESSAGES = 4096
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 Prompt = str | list[int] | list[str] | list[list[int]]
@@ -21,7 +38,8 @@ Prompt = str | list[int] | list[str] | list[list[int]]
 
 class _Request(BaseModel):
     # Unknown fields are ignored, as OpenAI clients send extras (e.g. `extra_body` ones).
-    model_config = ConfigDict(extra="ignore")
+    # NaN and +-Infinity (JSON literals the parser accepts, or 1e999) are rejected in every float field.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -32,20 +50,20 @@ class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOKEN_COUNT)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)]] | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=MAX_REPETITION_PENALTY)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)]] | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)] = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
@@ -55,6 +73,30 @@ class _SamplingFields(_Request):
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        if any(len(stop) > MAX_STOP_STRING_CHARS for stop in stops):
+            raise ValueError(f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and len(value) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {len(value)}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries are allowed, got {len(value)}")
+        return value
 
 
 PROMPT_JSON_SCHEMA = {
@@ -69,7 +111,7 @@ PROMPT_JSON_SCHEMA = {
 
 class CompletionRequest(_SamplingFields):
     prompt: Annotated[Any, WithJsonSchema(PROMPT_JSON_SCHEMA)]
-    max_tokens: Annotated[int, Field(ge=0)] | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)] | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
 
@@ -80,7 +122,9 @@ class CompletionRequest(_SamplingFields):
             return value
         if isinstance(value, list):
             if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-                return value
+                return value  # one prompt of token ids (its length is checked against the context)
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed per request, got {len(value)}")
             if all(isinstance(x, str) for x in value):
                 return value
             if all(
@@ -109,9 +153,9 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=0)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)]
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
@@ -125,7 +169,7 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_CHAT_MESSAGES)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False

@@ -3,7 +3,9 @@
 `curl -d '{...}'` sends application/x-www-form-urlencoded; OpenAI-compatible servers
 accept it as JSON anyway, so routes parse the raw body instead of FastAPI's Body().
 The body is read at most `max_body_bytes` far: a larger one is a 413, whether it
-declares its length or comes chunked.
+declares its length or comes chunked. A client that leaves during the upload (or is cut
+off by the body timeout, server/connections.py) is the client-disconnect case: a silent
+499, no traceback, no 5xx in the metrics.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from server.errors import bad_request, body_too_large, from_validation_errors
+from server.generation import ClientDisconnected
 from server.state import get_state
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -26,11 +30,14 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise body_too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise body_too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise body_too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientDisconnected() from None
     return b"".join(chunks)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -54,9 +55,9 @@ async def create_chat_completion(request: Request) -> Response:
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     tokenizer = engine.tokenizer
-    prompt_ids = render_chat_prompt(tokenizer, body.messages, body.add_generation_prompt)
-    if not prompt_ids:
-        raise bad_request("messages render to an empty prompt", param="messages")
+    # the cheap checks first (n against the queue: 400 / 429; the parameters), then the
+    # template and the tokenizer, O(body size), off the event loop
+    state.admission.admit(body.n)
     params = build_sampling_params(
         body,
         max_tokens=body.effective_max_tokens,
@@ -64,6 +65,9 @@ async def create_chat_completion(request: Request) -> Response:
         prompt_logprobs=None,
         vocab_size=tokenizer.vocab_size,
     )
+    prompt_ids = await asyncio.to_thread(render_chat_prompt, tokenizer, body.messages, body.add_generation_prompt)
+    if not prompt_ids:
+        raise bad_request("messages render to an empty prompt", param="messages")
     jobs = [ChoiceJob(index=c, prompt=prompt_ids, params=for_choice(params, c)) for c in range(body.n)]
     request_id = new_request_id("chatcmpl")
     group = await start_generation(state, request_id, jobs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -96,6 +97,8 @@ async def create_completion(request: Request) -> Response:
     engine = state.ready_engine(body.model)
     tokenizer = engine.tokenizer
     prompts = normalize_prompts(body.prompt)
+    # the cheap checks first: prompts x n against the queue (400 / 429), the parameters
+    state.admission.admit(len(prompts) * body.n)
     params = build_sampling_params(
         body,
         max_tokens=body.max_tokens,
@@ -103,9 +106,11 @@ async def create_completion(request: Request) -> Response:
         prompt_logprobs=_prompt_logprobs(body),
         vocab_size=tokenizer.vocab_size,
     )
+    # tokenizing is O(body size): off the event loop, so other clients keep being served
+    fitted = await asyncio.to_thread(fit_max_tokens, body, prompts, tokenizer, engine.max_model_len)
     jobs = [
         ChoiceJob(index=p * body.n + c, prompt=ids, params=for_choice(params, c, max_tokens=limit))
-        for p, (ids, limit) in enumerate(fit_max_tokens(body, prompts, tokenizer, engine.max_model_len))
+        for p, (ids, limit) in enumerate(fitted)
         for c in range(body.n)
     ]
     request_id = new_request_id("cmpl")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
@@ -33,14 +36,21 @@ async def tokenize(request: Request) -> Response:
     tokenizer = engine.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Give exactly one of `prompt` or `messages`.", param="prompt")
+    # O(body size): off the event loop
+    result = await asyncio.to_thread(_tokenize, tokenizer, body, engine.max_model_len)
+    return json_response(result, exclude_none=True)
+
+
+def _tokenize(tokenizer: Any, body: TokenizeRequest, max_model_len: int) -> TokenizeResponse:
     if body.messages is not None:
         tokens = render_chat_prompt(tokenizer, body.messages, body.add_generation_prompt)
     else:
+        assert body.prompt is not None
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    result = TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
+    result = TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
     if body.return_token_strs:
         result.token_strs = [tokenizer.token_text(t) for t in tokens]
-    return json_response(result, exclude_none=True)
+    return result
 
 
 @router.post(
@@ -55,5 +65,5 @@ async def detokenize(request: Request) -> Response:
     tokenizer = engine.tokenizer
     for token_id in body.tokens:
         check_token_id(token_id, tokenizer.vocab_size, "tokens")
-    text = tokenizer.decode(body.tokens, skip_special_tokens=False)
+    text = await asyncio.to_thread(tokenizer.decode, body.tokens, skip_special_tokens=False)
     return json_response(DetokenizeResponse(prompt=text))

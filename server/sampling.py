@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
-from engine.request import SamplingParams
+from engine.request import SEED_MAX, SEED_MIN, SamplingParams
 from server.errors import bad_request
 from server.protocol import _SamplingFields
 
@@ -71,7 +71,58 @@ def build_sampling_params(
 
 def for_choice(params: SamplingParams, choice_index: int, **changes: Any) -> SamplingParams:
     """The params of choice i, with `changes` applied: choice i of a seeded request samples
-    with seed + i, so the n choices differ. The copy is shallow (the engine copies params
-    itself and never mutates their lists or dicts)."""
-    seed = None if params.seed is None else params.seed + choice_index
+    with seed + i (wrapped into int64, so seed 2**63 - 1 with n > 1 stays valid), so the n
+    choices differ. The copy is shallow (the engine copies params itself and never mutates
+    their lists or dicts)."""
+    seed = None if params.seed is None else wrap_seed(params.seed + choice_index)
     return replace(params, seed=seed, **changes)
+
+
+def wrap_seed(seed: int) -> int:
+    """`seed` modulo 2**64, as a signed int64 (the low 32 bits, which the sampler hashes, are kept)."""
+    span = SEED_MAX - SEED_MIN + 1
+    return (seed - SEED_MIN) % span + SEED_MIN
+
+
+SUMMARY_ITEMS = 3  # items shown of each list or dict
+SUMMARY_STRING_CHARS = 100
+SUMMARY_MAX_CHARS = 500
+
+
+def summarize_params(params: SamplingParams) -> str:
+    """SamplingParams for a log line, bounded whatever the request held: only the fields that
+    differ from the defaults; each list or dict shows its first few items and its length,
+    each string at most ~100 characters, the whole line at most ~500."""
+    defaults = SamplingParams()
+    parts = []
+    for f in fields(params):
+        value = getattr(params, f.name)
+        if value == getattr(defaults, f.name):
+            continue
+        parts.append(f"{f.name}={_summarize(value)}")
+    line = "SamplingParams(" + ", ".join(parts) + ")"
+    if len(line) > SUMMARY_MAX_CHARS:
+        line = line[: SUMMARY_MAX_CHARS - 4] + "...)"
+    return line
+
+
+def _summarize(value: Any) -> str:
+    if isinstance(value, str):
+        return _short_string(value)
+    if isinstance(value, (list, tuple)):
+        shown = ", ".join(_summarize(v) for v in value[:SUMMARY_ITEMS])
+        more = f", ... ({len(value)} items)" if len(value) > SUMMARY_ITEMS else ""
+        return f"[{shown}{more}]"
+    if isinstance(value, dict):
+        items = list(value.items())[:SUMMARY_ITEMS]
+        shown = ", ".join(f"{_summarize(k)}: {_summarize(v)}" for k, v in items)
+        more = f", ... ({len(value)} items)" if len(value) > SUMMARY_ITEMS else ""
+        return "{" + shown + more + "}"
+    text = repr(value)
+    return text if len(text) <= SUMMARY_STRING_CHARS else text[:SUMMARY_STRING_CHARS] + "..."
+
+
+def _short_string(text: str) -> str:
+    if len(text) <= SUMMARY_STRING_CHARS:
+        return repr(text)
+    return repr(text[:SUMMARY_STRING_CHARS]) + f"...({len(text)} chars)"

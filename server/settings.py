@@ -32,6 +32,9 @@ class ServerSettings:
     max_queue_len: int = 256  # engine requests waiting to run; beyond it new requests get 429
     max_body_bytes: int = 1024**2  # request bodies larger than this get 413
     allowed_origins: list[str] | None = None  # CORS origins; None: no CORS headers at all
+    max_connections: int = 2048  # open connections; beyond it idle ones are evicted, else 503 (connections.py)
+    header_timeout: float = 10.0  # seconds for a request's head to arrive (from connect or its first byte)
+    body_timeout: float = 30.0  # seconds for a request's body to arrive after its head
 
 
 SERVER_KEYS = {f.name for f in fields(ServerSettings)}
@@ -124,6 +127,11 @@ def check_server_settings(server: ServerSettings) -> None:
         raise SettingsError(f"max_queue_len must be >= 1, got {server.max_queue_len}")
     if server.max_body_bytes < 1024:
         raise SettingsError(f"max_body_bytes must be >= 1024, got {server.max_body_bytes}")
+    if server.max_connections < 1:
+        raise SettingsError(f"max_connections must be >= 1, got {server.max_connections}")
+    for name in ("header_timeout", "body_timeout"):
+        if not 0 < getattr(server, name) < float("inf"):
+            raise SettingsError(f"{name} must be a positive number of seconds, got {getattr(server, name)}")
     if server.allowed_origins is not None and not isinstance(server.allowed_origins, list):
         raise SettingsError("allowed_origins must be a list of origins or a comma-separated string")
 
