@@ -1,7 +1,9 @@
 """Random-weight model folders with real model configs, for GPU tests and benchmarks
 (real weights are too large to ship to the GPU machine). Written once per machine into
-a cache folder as safetensors + config.json + a byte-level tokenizer, then loaded by the
-engine's own loader."""
+a cache folder ($GRAPHSERVE_RANDOM_MODELS) as safetensors + config.json + a synthetic
+tokenizer of the model's vocabulary size (every id decodes to text, as with a real model),
+then loaded by the engine's own loader. A folder whose tokenizer is older than
+SYNTHETIC_TOKENIZER_VERSION gets a new tokenizer (the weights are kept)."""
 
 from __future__ import annotations
 
@@ -35,15 +37,37 @@ def models_root() -> Path:
     return Path(os.environ.get("GRAPHSERVE_RANDOM_MODELS", "/tmp/graphserve-random-models"))
 
 
+def _tiny_models():
+    tests = str(Path(__file__).resolve().parents[1] / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import tiny_models
+
+    return tiny_models
+
+
+def tokenizer_is_current(path: Path, name: str) -> bool:
+    version = path / "tokenizer_version.txt"
+    want = f"{_tiny_models().SYNTHETIC_TOKENIZER_VERSION} {CONFIGS[name]['vocab_size']}"
+    return version.is_file() and version.read_text().strip() == want
+
+
+def write_tokenizer(path: Path, name: str) -> None:
+    """The synthetic tokenizer of config `name` into folder `path` (tokenizer.json,
+    tokenizer_config.json, tokenizer_version.txt); no weights."""
+    cfg = CONFIGS[name]
+    path.mkdir(parents=True, exist_ok=True)
+    _tiny_models().write_synthetic_tokenizer(path, cfg["vocab_size"], cfg.get("bos_token_id"), cfg["eos_token_id"])
+
+
 def random_model(name: str, seed: int = 0) -> Path:
     """The folder for `name`, written on first use (random weights, bf16)."""
     path = models_root() / name
     if (path / "config.json").is_file():
+        if not tokenizer_is_current(path, name):
+            write_tokenizer(path, name)
         return path
     import transformers
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from tiny_models import write_byte_tokenizer
 
     tmp = path.with_name(path.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -62,6 +86,11 @@ def random_model(name: str, seed: int = 0) -> Path:
             else:
                 p.normal_(0, 0.5 if "embed_tokens" in n or "lm_head" in n else 0.02)
     model.save_pretrained(tmp, safe_serialization=True, max_shard_size="5GB")
-    write_byte_tokenizer(tmp)
+    write_tokenizer(tmp, name)
     os.replace(tmp, path)
     return path
+
+
+if __name__ == "__main__":  # python benchmarks/random_models.py NAME...: write them, print their folders
+    for arg in sys.argv[1:] or list(CONFIGS):
+        print(random_model(arg), flush=True)

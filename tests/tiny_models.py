@@ -63,3 +63,94 @@ def write_byte_tokenizer(path: Path) -> None:
         "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<assistant>{% endif %}",
     }))
+
+
+# ---- a synthetic vocabulary of a given size (random-weight models with real shapes) ----
+
+SYNTHETIC_TOKENIZER_VERSION = "synthetic-bpe-v1"
+
+
+def _synthetic_words(count: int, seed: int = 0) -> list[str]:
+    """`count` distinct ByteLevel token strings that look like subwords: consonant-vowel
+    syllables, one to three of them, as a word start ("Ġ" = a leading space) or a
+    continuation, in a seeded random order (so ids mix short and long pieces)."""
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]  # 90
+    short = syllables + [a + b for a, b in itertools.product(syllables, repeat=2)]  # 8,190
+    words = [p + w for w in short for p in ("Ġ", "")]
+    if len(words) < count:
+        need = count - len(words)
+        total = len(syllables) ** 3  # 729,000 three-syllable words; pick `need` of them without repeats
+        if need > total:
+            raise ValueError(f"a synthetic vocabulary holds at most {len(words) + 2 * total} words")
+        picks = rng.sample(range(2 * total), need)
+        n = len(syllables)
+        for k in picks:  # k // 2: which three syllables; k % 2: with a leading space or not
+            i = k // 2
+            words.append(("Ġ" if k % 2 else "") + syllables[i // (n * n)] + syllables[i // n % n] + syllables[i % n])
+    rng.shuffle(words)
+    return words[:count]
+
+
+def synthetic_tokenizer(vocab_size: int, specials: dict[int, str], seed: int = 0) -> Tokenizer:
+    """A byte-level BPE tokenizer (as Llama 3 and Qwen2 use) with exactly `vocab_size`
+    ids, every one of which decodes to text: `specials` (id -> token, e.g. BOS/EOS) at
+    their ids, the 256 byte tokens next (so any text encodes, one token per byte: there
+    are no merges), the rest distinct subword-like strings, most with a leading space."""
+    from tokenizers import AddedToken
+
+    vocab: dict[str, int] = {}
+    free = iter(i for i in range(vocab_size) if i not in specials)
+    alphabet = [_BYTES_TO_UNICODE[b] for b in range(256)]
+    words = _synthetic_words(vocab_size - len(specials) - len(alphabet), seed)
+    for token, token_id in zip([*alphabet, *words], free):
+        vocab[token] = token_id
+    for token_id, token in specials.items():
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(f"special token id {token_id} is outside the vocabulary of {vocab_size}")
+        vocab[token] = token_id
+    if len(vocab) != vocab_size:
+        raise ValueError(f"built {len(vocab)} distinct tokens for a vocabulary of {vocab_size}")
+    tok = Tokenizer(models.BPE(vocab, [], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for _, t in sorted(specials.items())])
+    return tok
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (ByteLevel's alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+_BYTES_TO_UNICODE = _bytes_to_unicode()
+
+
+def write_synthetic_tokenizer(path: Path, vocab_size: int, bos_token_id: int | None,
+                              eos_token_ids: int | list[int], seed: int = 0) -> None:
+    """tokenizer.json (synthetic_tokenizer) + tokenizer_config.json naming BOS and EOS (the
+    first EOS id; the engine takes the others from config.json) + a version file, so a
+    cached model folder can tell whether its tokenizer is current."""
+    eos_ids = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids)
+    specials = {i: ("<|eos|>" if n == 0 else f"<|eos_{n}|>") for n, i in enumerate(eos_ids)}
+    if bos_token_id is not None and bos_token_id not in specials:
+        specials[bos_token_id] = "<|bos|>"
+    synthetic_tokenizer(vocab_size, specials, seed).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": specials.get(bos_token_id) if bos_token_id is not None else None,
+        "eos_token": specials[eos_ids[0]], "add_bos_token": False,
+        "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}",
+    }))
+    (path / "tokenizer_version.txt").write_text(f"{SYNTHETIC_TOKENIZER_VERSION} {vocab_size}\n")
