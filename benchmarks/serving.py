@@ -462,8 +462,10 @@ def main() -> int:
             levels.append(row)
             print(fmt(row), flush=True)
     except Exception as e:
-        print(f"benchmark failed: {type(e).__name__}: {e}", flush=True)
-        report["failure"] = f"{type(e).__name__}: {e}"
+        failure = f"{type(e).__name__}: {e}"
+        failure = failure if len(failure) < 4000 else failure[:1000] + " ... " + failure[-3000:]  # a server log
+        print(f"benchmark failed: {failure}", flush=True)
+        report["failure"] = failure
         exit_code = 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stop the server and write the JSON undisturbed
