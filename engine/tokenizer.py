@@ -3,13 +3,17 @@ incremental detokenizer and the stop-string matcher."""
 
 from __future__ import annotations
 
+import functools
 import json
+import re
+import secrets
 from pathlib import Path
 from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models
 
 from engine.errors import InvalidRequestError, ModelFilesError
 
@@ -50,6 +54,83 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    @functools.cached_property
+    def special_tokens(self) -> dict[str, int]:
+        """The text of each special (control) token -> its id."""
+        return {tok.content: i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special}
+
+    @functools.cached_property
+    def special_token_pattern(self) -> re.Pattern[str] | None:
+        """Finds the text of any special token (longest first at each position)."""
+        if not self.special_tokens:
+            return None
+        return re.compile("|".join(re.escape(t) for t in sorted(self.special_tokens, key=len, reverse=True)))
+
+    @functools.cached_property
+    def _text_tok(self) -> HFTokenizer:
+        """A copy that splits special-token text like any other text (its own object:
+        flipping encode_special_tokens on the shared one would race with other threads)."""
+        tok = HFTokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Tokenize with special-token text kept as ordinary text (no BOS/EOS added)."""
+        return self._text_tok.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Render the chat template and tokenize it so that only the template's own markup
+        becomes control tokens: special-token text inside a message's content or name
+        stays text. Messages without such text give exactly encode(render) (the ids of
+        plain rendering and tokenizing).
+
+        Otherwise only the special-token texts inside contents are swapped for markers
+        before rendering (so templates that trim or inspect contents still see them
+        nearly whole), the rendered text is tokenized as usual, and each run of text
+        between two of the template's control tokens that holds a marker is tokenized
+        again with the markers' texts put back, as text. Runs without content special
+        text keep exactly the ids they had."""
+        pattern = self.special_token_pattern
+        fields = ("content", "name")
+        if pattern is None or not any(isinstance(m.get(f), str) and pattern.search(m[f])
+                                      for m in messages for f in fields):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        # Each special-token text in a content becomes a marker no client can guess, so
+        # that the only control tokens in the rendered text are the template's.
+        nonce = secrets.token_hex(8)
+        found: list[str] = []
+
+        def mark(m: re.Match[str]) -> str:
+            found.append(m.group())
+            return f"\ue000{nonce}.{len(found) - 1}\ue001"
+
+        marked = [{k: pattern.sub(mark, v) if k in fields and isinstance(v, str) else v for k, v in m.items()}
+                  for m in messages]
+        text = self.apply_chat_template(marked, add_generation_prompt)
+        marker = re.compile(f"\ue000{nonce}\\.(\\d+)\ue001")
+        restored = marker.sub(lambda m: found[int(m.group(1))], text)
+        if restored != self.apply_chat_template(messages, add_generation_prompt):
+            # the template rewrote the characters of a content (upper, a slice...) or
+            # branched on its special-token text: the two cannot be told apart safely
+            raise InvalidRequestError("the chat template transforms message content that holds special-token "
+                                      "text; remove that text from the messages", param="messages")
+        enc = self._tok.encode(text, add_special_tokens=False)
+        special_ids = set(self.special_tokens.values())
+        ids: list[int] = []
+        seg_start, seg_tok = 0, 0  # the text and tokens since the last template control token
+        for i, (tid, (start, end)) in enumerate([*zip(enc.ids, enc.offsets), (None, (len(text), len(text)))]):
+            if tid is not None and tid not in special_ids:
+                continue
+            segment = text[seg_start:start]
+            if marker.search(segment):  # content text: re-tokenize as text, specials included
+                ids += self.encode_as_text(marker.sub(lambda m: found[int(m.group(1))], segment))
+            else:
+                ids += enc.ids[seg_tok:i]
+            if tid is not None:
+                ids.append(tid)
+            seg_start, seg_tok = end, i + 1
+        return ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -76,11 +157,32 @@ def _raise_template_error(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
+def _decode_stream_takes_lists() -> bool:
+    """tokenizers' streaming decoder (0.21+) and whether its step takes a list of ids."""
+    if not hasattr(decoders, "DecodeStream"):
+        return False
+    probe = HFTokenizer(models.WordLevel({"a": 0}, unk_token="a"))
+    try:
+        decoders.DecodeStream(skip_special_tokens=True).step(probe, [0, 0])
+    except TypeError:
+        return False
+    return True
+
+
+_HAS_DECODE_STREAM = _decode_stream_takes_lists()
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas. Never emits half a UTF-8
     character (held back while the decoded tail is U+FFFD), and the concatenated deltas
     equal decode(all ids). Decodes only a short window: the last emitted token(s) as
-    context plus the new ones, so the cost per token is constant."""
+    context plus the new ones, so the cost per token is constant.
+
+    The window algorithm runs inside tokenizers (`decoders.DecodeStream`, one call per
+    add); benchmarks/detok_bench.py measured it at about half the cost per token of doing
+    the same two window decodes from Python. `prefix_offset`/`read_offset` mirror the
+    stream's window, so `flush` (which DecodeStream lacks) and the pure-Python path (a
+    tokenizers without DecodeStream) work on the same state."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
@@ -88,9 +190,26 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0  # start of the context window
         self.read_offset = 0  # ids before this are already in the text
+        raw = getattr(tokenizer, "_tok", None)
+        self._raw = raw if isinstance(raw, HFTokenizer) and _HAS_DECODE_STREAM else None
+        self._stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens) if self._raw else None
 
     def add(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
+        if not new_ids:
+            return ""
+        ids = self.ids
+        ids.extend(new_ids)
+        stream = self._stream
+        if stream is not None:
+            try:  # one id as an int: the library's cheaper path
+                text = stream.step(self._raw, new_ids[0] if len(new_ids) == 1 else new_ids)
+            except Exception:  # the window's text no longer starts with its prefix: hold, as below
+                return ""
+            if text is None:
+                return ""
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(ids)
+            return text
         decode = self.tokenizer.decode
         prefix_text = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
         full_text = decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
@@ -102,40 +221,136 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end: whatever is still held back (an incomplete character decodes to U+FFFD)."""
+        if self.read_offset == len(self.ids):
+            return ""
         decode = self.tokenizer.decode
         prefix_text = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
         full_text = decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
         self.prefix_offset = self.read_offset = len(self.ids)
+        if self._stream is not None:  # a fresh stream; the emitted text is its context no more
+            self._stream = decoders.DecodeStream(skip_special_tokens=self.skip_special_tokens)
         return full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
+
+
+class _StopAutomaton:
+    """Aho-Corasick automaton over the stop strings, built once per request in
+    O(total characters of the stops).
+
+    Per state: goto edges, failure link, depth (the length of the longest suffix of the
+    text read so far that is a prefix of some stop string) and the best stop string that
+    ends there: the longest (so the earliest start), a duplicate keeping its first index."""
+
+    __slots__ = ("goto", "fail", "depth", "out_len", "out_idx")
+
+    def __init__(self, stops: list[str]):
+        goto: list[dict[str, int]] = [{}]
+        depth = [0]
+        out_len = [0]
+        out_idx = [-1]
+        for idx, stop in enumerate(stops):
+            s = 0
+            for ch in stop:
+                nxt = goto[s].get(ch)
+                if nxt is None:
+                    nxt = len(goto)
+                    goto[s][ch] = nxt
+                    goto.append({})
+                    depth.append(depth[s] + 1)
+                    out_len.append(0)
+                    out_idx.append(-1)
+                s = nxt
+            if out_idx[s] == -1:
+                out_len[s], out_idx[s] = len(stop), idx
+        fail = [0] * len(goto)
+        queue = list(goto[0].values())  # depth 1: fail to the root
+        for s in queue:  # breadth first, so fail[s] (shallower) is complete before s
+            f = fail[s]
+            if out_idx[s] == -1:  # not a stop itself: the longest stop that is a suffix
+                out_len[s], out_idx[s] = out_len[f], out_idx[f]
+            for ch, t in goto[s].items():
+                g = f
+                while ch not in goto[g] and g:
+                    g = fail[g]
+                fail[t] = goto[g].get(ch, 0)
+                queue.append(t)
+        self.goto, self.fail, self.depth, self.out_len, self.out_idx = goto, fail, depth, out_len, out_idx
+
+
+@functools.lru_cache(maxsize=4)
+def _stop_automaton(stops: tuple[str, ...]) -> _StopAutomaton:
+    """The automaton is read-only once built (a matcher keeps its own state), so requests
+    with the same stops (the n choices of one request) share it."""
+    return _StopAutomaton(list(stops))
 
 
 class StopStringMatcher:
     """Finds stop strings across token boundaries and holds back any text that might be
-    the start of one, so that a stop string is never partly streamed."""
+    the start of one, so that a stop string is never partly streamed.
+
+    One Aho-Corasick automaton over all stops; its state is kept across calls, so a call
+    costs O(new characters) (amortized), whatever the number and length of the stops.
+    Empty stop strings are ignored (SamplingParams drops them already)."""
 
     def __init__(self, stops: list[str], include_stop: bool):
-        self.stops = stops
+        self.stops = [s for s in stops if s]
         self.include_stop = include_stop
-        self.max_len = max((len(s) for s in stops), default=0)
+        self.max_len = max((len(s) for s in self.stops), default=0)
+        # Built here, at admission: O(total characters), ~25 ms in pure Python at
+        # 64 stops x 512 characters; n > 1 choices with the same stops share one.
+        self._ac = _stop_automaton(tuple(self.stops)) if self.stops else None
+        self._state = 0  # automaton state after text[:self._scanned]
+        self._scanned = 0
+        self._last_end = 0  # what the last call allowed to be emitted
+        self._done = False  # the last call found a stop
 
     def check(self, text: str, num_emitted: int) -> tuple[int, str | None]:
         """Given the whole text and how much of it was emitted, return (end, stop):
-        text[:end] may be emitted now; `stop` is the matched stop string or None."""
+        text[:end] may be emitted now; `stop` is the matched stop string or None.
+
+        The earliest match (by start) wins; on an equal start the stop earlier in the
+        list wins. Calls are expected to pass a growing text and the `end` they were
+        given as `num_emitted`; any other call rescans the window the answer depends on
+        (from num_emitted - longest stop + 1), with the same result."""
         if not self.stops:
             return len(text), None
-        search_from = max(0, num_emitted - self.max_len + 1)
-        best: tuple[int, str] | None = None
-        for stop in self.stops:
-            i = text.find(stop, search_from)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, stop)
-        if best is not None:
-            i, stop = best
-            return (i + len(stop) if self.include_stop else i), stop
-        hold = 0
-        for stop in self.stops:  # longest text suffix that is a proper prefix of a stop string
-            for n in range(min(len(stop) - 1, len(text)), hold, -1):
-                if text.endswith(stop[:n]):
-                    hold = n
+        ac = self._ac
+        n = len(text)
+        if self._done or n < self._scanned or num_emitted > self._last_end:
+            self._state, self._scanned = 0, max(0, num_emitted - self.max_len + 1)
+            self._done = False
+        goto, fail, out_len = ac.goto, ac.fail, ac.out_len
+        s = self._state
+        best_start = n
+        best_idx = -1
+        pos = self._scanned
+        # A match ending at pos starts at >= pos - max_len + 1: scan until no later
+        # match can start earlier than (or as early as) the best one found.
+        limit = n
+        while pos < limit:
+            ch = text[pos]
+            while True:
+                nxt = goto[s].get(ch)
+                if nxt is not None:
+                    s = nxt
                     break
-        return max(num_emitted, len(text) - hold), None
+                if not s:
+                    break
+                s = fail[s]
+            length = out_len[s]
+            if length:
+                start = pos - length + 1
+                idx = ac.out_idx[s]
+                if start < best_start or (start == best_start and idx < best_idx):
+                    best_start, best_idx = start, idx
+                    limit = min(n, start + self.max_len)
+            pos += 1
+        if best_idx >= 0:
+            self._done = True
+            stop = self.stops[best_idx]
+            end = best_start + len(stop) if self.include_stop else best_start
+            self._last_end = end
+            return end, stop
+        self._state, self._scanned = s, n
+        end = max(num_emitted, n - ac.depth[s])
+        self._last_end = end
+        return end, None

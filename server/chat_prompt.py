@@ -1,5 +1,12 @@
 """Chat messages -> prompt token ids through the model's chat template (chat route,
-/tokenize, `graphserve generate --chat`)."""
+/tokenize, `graphserve generate --chat`).
+
+Message contents are text: special-token text in them (`<|im_start|>` ...) is tokenized
+as ordinary text, so a user cannot forge system or assistant turns; only the template's
+own markup becomes control tokens. `parse_special_in_content=True` restores the old
+behaviour (the rendered prompt tokenized as a whole, special-token text parsed anywhere).
+Raw `prompt` strings on /v1/completions are not chat: they keep parsing special tokens,
+as vLLM does."""
 
 from __future__ import annotations
 
@@ -8,7 +15,8 @@ from typing import Any
 from server.protocol import ChatMessage
 
 
-def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
+                       parse_special_in_content: bool = False) -> list[int]:
     """Apply the model's chat template and tokenize; the template already holds any BOS.
     A template that rejects the messages raises the engine's InvalidRequestError (a 400)."""
     conversation = [
@@ -16,5 +24,7 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generati
         | ({"name": m.name} if m.name else {})
         for m in messages
     ]
+    if not parse_special_in_content and hasattr(tokenizer, "encode_chat"):
+        return tokenizer.encode_chat(conversation, add_generation_prompt=add_generation_prompt)
     text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
     return tokenizer.encode(text, add_special_tokens=False)
