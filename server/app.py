@@ -74,7 +74,7 @@ def create_app(
             except Exception:
                 logger.exception("engine shutdown failed")
 
-    app = FastAPI(title="graphserve", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="graphserve", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
     app.state.graphserve = state
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_disconnected)  # type: ignore[arg-type]

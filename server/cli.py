@@ -5,13 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
-
-import uvicorn
 
 from engine.config import EngineConfig
 from server.settings import (
@@ -19,7 +16,6 @@ from server.settings import (
     ServerSettings,
     SettingsError,
     default_config_path,
-    fault_injection_enabled,
     format_size,
     merge_settings,
     parse_origins,
@@ -27,8 +23,6 @@ from server.settings import (
     read_config_file,
     resolve_config_path,
 )
-from server.draining import FLUSH_TIMEOUT_S, DrainingServer
-from server.state import ServerState
 
 logger = logging.getLogger("graphserve.server")
 
@@ -49,7 +43,8 @@ ENGINE_FLAG_HELP = {
                       "(--no-overlap-rounds: one round at a time)",
     "cuda_graph_max_batch": "largest batch bucket captured as a CUDA graph",
     "num_threads": "torch CPU threads (serve: all cores but one, left to HTTP; generate: all cores)",
-    "seed": "engine seed for unseeded sampling",
+    "seed": "seed the seeds of unseeded requests (default: drawn from the OS, so they differ across "
+            "restarts and replicas)",
 }
 
 
@@ -128,6 +123,33 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="CORS: comma-separated origins allowed to call the API from a browser, or '*' (default: CORS off)",
     )
+    group.add_argument(
+        "--api-server-count",
+        type=int,
+        default=None,
+        help="front-end processes (HTTP, tokenization, streaming) on the one port, all feeding the one "
+        "engine-core process (default: 1 on CPU; on a GPU machine one per ~3 cores, at most 4)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="most open connections; past it a new one evicts an idle one, else gets 503 "
+        f"(default {defaults.max_connections})",
+    )
+    group.add_argument(
+        "--header-timeout",
+        type=float,
+        default=None,
+        help=f"seconds for a request's head to arrive, else 408 and close (default {defaults.header_timeout:g})",
+    )
+    group.add_argument(
+        "--body-timeout",
+        type=float,
+        default=None,
+        help=f"seconds for a request's body to arrive after its head, else 408 and close "
+        f"(default {defaults.body_timeout:g})",
+    )
     add_engine_flags(serve)
 
     generate = commands.add_parser("generate", help="generate text offline (no server)")
@@ -170,8 +192,7 @@ def serving_cpu_threads() -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from engine import AsyncEngine
-    from server.app import create_app
+    from server import supervisor
 
     server_settings, engine_config, config_path = load_settings(args)
     _setup_logging(server_settings.log_level)
@@ -181,56 +202,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logger.info("engine config: %s", engine_config)
     shown = {**vars(server_settings), "api_key": "***" if server_settings.api_key else None}
     logger.info("server settings: %s", shown)
-
-    url = f"http://{server_settings.host}:{server_settings.port}"
-    http_server: DrainingServer | None = None
-    failures: list[BaseException] = []
-
-    def on_ready(state: ServerState) -> None:
-        print(f"graphserve ready: {url}/v1 (model {state.model_name})", flush=True)
-
-    def on_engine_failure(exc: BaseException) -> None:
-        failures.append(exc)
-        if http_server is not None:
-            http_server.should_exit = True
-
-    app = create_app(
-        AsyncEngine(engine_config),
-        served_model_name=server_settings.served_model_name,
-        api_key=server_settings.api_key,
-        log_requests=server_settings.log_requests,
-        max_queue_len=server_settings.max_queue_len,
-        max_body_bytes=server_settings.max_body_bytes,
-        allowed_origins=server_settings.allowed_origins,
-        enable_fault_injection=fault_injection_enabled(),
-        on_ready=on_ready,
-        on_engine_failure=on_engine_failure,
-    )
-    config = uvicorn.Config(
-        app,
-        host=server_settings.host,
-        port=server_settings.port,
-        log_level=server_settings.log_level,
-        access_log=server_settings.log_requests,
-        timeout_graceful_shutdown=FLUSH_TIMEOUT_S,  # the drain already waited --shutdown-timeout
-    )
-    http_server = DrainingServer(config, app.state.graphserve, drain_timeout=server_settings.shutdown_timeout)
-    logger.info("loading the model; %s/health answers 503 until it is ready", url)
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the
-    # previous handler; make that a clean exit rather than a traceback or a kill.
-    signal.signal(signal.SIGTERM, _exit_cleanly)
-    try:
-        http_server.run()
-    except KeyboardInterrupt:
-        pass
-    if failures:
-        print(f"graphserve: the engine failed: {failures[0]!r}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _exit_cleanly(signum: int, frame: Any) -> None:
-    raise SystemExit(0)
+    return supervisor.serve(server_settings, engine_config)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from server.admission import Admission
 from server.errors import APIError, from_engine_error, internal_error
 from server.metrics import ServerMetrics
 from server.protocol import UsageInfo
+from server.sampling import summarize_params
 from server.sse import DONE_EVENT, sse_event
 
 logger = logging.getLogger("graphserve.server")
@@ -42,11 +43,15 @@ class ChoiceJob:
 
 @dataclass
 class ChoiceProgress:
-    """What the server tracks per choice for metrics and the final response."""
+    """What the server tracks per choice for metrics, usage and the final response."""
 
     arrival_time: float
     first_token_time: float | None = None
-    last: RequestOutput | None = None
+    # the whole output so far when the group keeps outputs (a response sent at the end),
+    # else only the latest update (a stream sends each update as it comes)
+    output: RequestOutput | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
     done: bool = False
 
 
@@ -72,8 +77,10 @@ class GenerationGroup:
         metrics: ServerMetrics,
         admission: Admission,
         log_requests: bool = False,
+        keep_outputs: bool = True,
     ):
         self.engine = engine
+        self.keep_outputs = keep_outputs
         self.request_id = request_id
         self.jobs = jobs
         self.metrics = metrics
@@ -114,7 +121,7 @@ class GenerationGroup:
                 self.request_id,
                 len(self.jobs),
                 job.prompt,
-                job.params,
+                summarize_params(job.params),
             )
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -162,7 +169,12 @@ class GenerationGroup:
 
     def _record(self, index: int, output: RequestOutput) -> None:
         progress = self.progress[index]
-        progress.last = output
+        if self.keep_outputs and progress.output is not None:
+            progress.output.merge(output)
+        else:
+            progress.output = output
+        progress.num_prompt_tokens = len(output.prompt_token_ids)
+        progress.num_output_tokens += len(output.token_ids)
         if progress.first_token_time is None and output.token_ids:
             progress.first_token_time = time.monotonic()
         if output.finished and not progress.done:
@@ -171,9 +183,7 @@ class GenerationGroup:
 
     def _observe(self, index: int, finish_reason: str | None) -> None:
         progress = self.progress[index]
-        last = progress.last
-        num_prompt = len(last.prompt_token_ids) if last is not None else 0
-        num_generated = len(last.token_ids) if last is not None else 0
+        num_prompt, num_generated = progress.num_prompt_tokens, progress.num_output_tokens
         self.metrics.observe_finished(
             finish_reason=finish_reason,
             num_prompt_tokens=num_prompt,
@@ -261,9 +271,11 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
             await asyncio.gather(work_task, return_exceptions=True)
 
 
-async def start_generation(state: Any, request_id: str, jobs: list[ChoiceJob]) -> GenerationGroup:
-    """Submit the jobs (a full queue raises 429, a rejected prompt a 4xx APIError)."""
-    group = GenerationGroup(state.engine, request_id, jobs, state.metrics, state.admission, state.log_requests)
+async def start_generation(state: Any, request_id: str, jobs: list[ChoiceJob], stream: bool) -> GenerationGroup:
+    """Submit the jobs (a full queue raises 429, a rejected prompt a 4xx APIError). A
+    stream's group keeps only each choice's latest update; otherwise whole outputs."""
+    group = GenerationGroup(state.engine, request_id, jobs, state.metrics, state.admission, state.log_requests,
+                            keep_outputs=not stream)
     await group.start()
     return group
 
@@ -278,8 +290,8 @@ async def run_to_completion(request: Request, group: GenerationGroup) -> dict[in
 
 def usage_of(progress: dict[int, ChoiceProgress], n: int) -> UsageInfo:
     """Prompt tokens count once per prompt (choices p*n .. p*n+n-1 share it)."""
-    prompt_tokens = sum(len(p.last.prompt_token_ids) for i, p in progress.items() if i % n == 0 and p.last is not None)
-    completion_tokens = sum(len(p.last.token_ids) for p in progress.values() if p.last is not None)
+    prompt_tokens = sum(p.num_prompt_tokens for i, p in progress.items() if i % n == 0)
+    completion_tokens = sum(p.num_output_tokens for p in progress.values())
     return UsageInfo(
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
     )

@@ -2,15 +2,19 @@
 server, plus engine gauges read from `engine.stats()` at scrape time.
 
 Each app owns its CollectorRegistry, so several apps can live in one process (tests).
+With several front-end processes (PROMETHEUS_MULTIPROC_DIR set by the supervisor), each
+one's counters live in shared files and /metrics on any of them adds them all up; the
+engine's figures come from the one core, so every front end reports the same.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -63,7 +67,8 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(EngineStatsCollector(engine))
+        self.engine_collector = EngineStatsCollector(engine)
+        self.registry.register(self.engine_collector)
 
     def observe_finished(
         self,
@@ -88,7 +93,12 @@ class ServerMetrics:
         self.http_errors.labels(status=str(status_code)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()  # every front end's counters, from their shared files
+        multiprocess.MultiProcessCollector(registry)
+        registry.register(self.engine_collector)
+        return generate_latest(registry)
 
 
 class EngineStatsCollector(Collector):
@@ -132,6 +142,15 @@ class EngineStatsCollector(Collector):
             stats.decode_rounds_ahead,
         )
         yield CounterMetricFamily(f"{PREFIX}_prefill_steps", "Prefill batches run.", stats.prefill_steps)
+        yield CounterMetricFamily(
+            f"{PREFIX}_device_busy_seconds", "Time the device spent running prefill batches and decode rounds.",
+            stats.device_busy_seconds,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_device_idle_seconds",
+            "Time the device waited for the host between batches while requests were running.",
+            stats.device_idle_seconds,
+        )
         replays = CounterMetricFamily(
             f"{PREFIX}_cuda_graph_replays",
             "Decode steps replayed from a CUDA graph, by batch bucket.",

@@ -70,7 +70,7 @@ async def create_chat_completion(request: Request) -> Response:
         raise bad_request("messages render to an empty prompt", param="messages")
     jobs = [ChoiceJob(index=c, prompt=prompt_ids, params=for_choice(params, c)) for c in range(body.n)]
     request_id = new_request_id("chatcmpl")
-    group = await start_generation(state, request_id, jobs)
+    group = await start_generation(state, request_id, jobs, stream=body.stream)
     view = _ChatView(state, body, request_id)
     if body.stream:
         return EventStreamResponse(view.events(group), on_close=group.close)
@@ -97,7 +97,7 @@ class _ChatView:
     def response(self, progress: dict[int, ChoiceProgress]) -> ChatCompletionResponse:
         choices = []
         for index in sorted(progress):
-            output = progress[index].last
+            output = progress[index].output
             assert output is not None
             choices.append(
                 ChatCompletionChoice(
@@ -134,14 +134,14 @@ class _ChatView:
             if index not in started:
                 started.add(index)
                 yield self._chunk(ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""}))
-            has_logprobs = bool(self.body.logprobs and output.delta_logprobs)
-            if not output.delta_text and not output.finished and not has_logprobs:
+            has_logprobs = bool(self.body.logprobs and output.logprobs)
+            if not output.text and not output.finished and not has_logprobs:
                 continue
             yield self._chunk(
                 ChatChunkChoice(
                     index=index,
-                    delta={"content": output.delta_text} if output.delta_text else {},
-                    logprobs=self._logprobs(output.delta_logprobs),
+                    delta={"content": output.text} if output.text else {},
+                    logprobs=self._logprobs(output.logprobs),
                     finish_reason=output.finish_reason if output.finished else None,
                     stop_reason=output.stop_reason if output.finished else None,
                 )

@@ -114,7 +114,7 @@ async def create_completion(request: Request) -> Response:
         for c in range(body.n)
     ]
     request_id = new_request_id("cmpl")
-    group = await start_generation(state, request_id, jobs)
+    group = await start_generation(state, request_id, jobs, stream=body.stream)
     view = _CompletionView(state, body, prompts, request_id)
     if body.stream:
         return EventStreamResponse(view.events(group), on_close=group.close)
@@ -142,7 +142,7 @@ class _CompletionView:
     def response(self, progress: dict[int, ChoiceProgress]) -> CompletionResponse:
         choices = []
         for index in sorted(progress):
-            output = progress[index].last
+            output = progress[index].output
             assert output is not None
             text = output.text
             logprobs = None
@@ -191,14 +191,14 @@ class _CompletionView:
         text_offsets: dict[int, int] = {}
         async for index, output in group.outputs():
             first = index not in text_offsets
-            text = output.delta_text
+            text = output.text
             logprobs = None
             if self.body.logprobs is not None:
                 logprobs = CompletionLogprobs()
                 offset = text_offsets.get(index, 0)
                 if first and self.body.echo:
                     offset = self._append_prompt_logprobs(logprobs, output)
-                entries = output.delta_logprobs or []
+                entries = output.logprobs or []
                 text_offsets[index] = append_completion_logprobs(
                     logprobs, [e.token_id for e in entries], entries, self.tokenizer.token_text, offset
                 )

@@ -32,6 +32,7 @@ class ServerSettings:
     max_queue_len: int = 256  # engine requests waiting to run; beyond it new requests get 429
     max_body_bytes: int = 1024**2  # request bodies larger than this get 413
     allowed_origins: list[str] | None = None  # CORS origins; None: no CORS headers at all
+    api_server_count: int | None = None  # front-end processes; None: decided by the machine (supervisor.py)
     max_connections: int = 2048  # open connections; beyond it idle ones are evicted, else 503 (connections.py)
     header_timeout: float = 10.0  # seconds for a request's head to arrive (from connect or its first byte)
     body_timeout: float = 30.0  # seconds for a request's body to arrive after its head
@@ -125,6 +126,8 @@ def parse_origins(value: str) -> list[str]:
 def check_server_settings(server: ServerSettings) -> None:
     if server.max_queue_len < 1:
         raise SettingsError(f"max_queue_len must be >= 1, got {server.max_queue_len}")
+    if server.api_server_count is not None and not 1 <= server.api_server_count <= 64:
+        raise SettingsError(f"api_server_count must be in [1, 64], got {server.api_server_count}")
     if server.max_body_bytes < 1024:
         raise SettingsError(f"max_body_bytes must be >= 1024, got {server.max_body_bytes}")
     if server.max_connections < 1:
