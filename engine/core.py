@@ -251,13 +251,20 @@ class EngineCore:
         return outputs
 
     def _collect_in_flight(self) -> list[CoreOutput]:
-        """Launch the round after the one in flight if the scheduler can already tell it,
-        then wait for the one in flight and process its tokens."""
+        """While the round in flight runs: prefill what waits (queued behind it on the
+        device; its first tokens come back now), and launch the round after it for the
+        sequences that surely continue plus the ones just prefilled. Then wait for the
+        round in flight and process its tokens. So under turnover the device keeps a
+        round queued, and a new request joins the next round without draining the pipeline."""
         prev, self._in_flight = self._in_flight, None
+        outputs = []
+        prefill = self.scheduler.schedule_prefill()
+        if prefill is not None:
+            outputs += self._run_now(prefill)
         ahead = self.scheduler.schedule_decode_ahead(prev.rnd)
-        if ahead is not None:
+        if ahead is not None and self._eager_reason(ahead) is None:
             try:
-                self._in_flight = self._launch(ahead, pending=prev.rnd.num_steps)
+                self._in_flight = self._launch(ahead)
                 self.stats_counters.decode_rounds_ahead += 1
             except Exception:  # prev is collected below; its requests are scheduled again after it
                 logger.exception("launching a decode round ahead failed; it will be scheduled again")
@@ -268,8 +275,8 @@ class EngineCore:
             logger.exception("collecting a decode round failed; retrying its %d requests one by one",
                              len(prev.rnd.seqs))
             self._in_flight = None  # the round ahead continued the failed one: drop its tokens too
-            return self._retry_alone(prev.rnd)
-        outputs = self._process(prev.rnd, new_tokens)
+            return outputs + self._retry_alone(prev.rnd)
+        outputs += self._process(prev.rnd, new_tokens)
         self._drop_unwanted_round()
         return outputs
 
@@ -360,11 +367,11 @@ class EngineCore:
             return "cpu" if self.device.type == "cpu" else "enforce_eager"
         return eager_reason(rnd.seqs, self.graphs.max_bucket)
 
-    def _launch(self, rnd: DecodeRound, pending: int = 0) -> RoundHandle:
+    def _launch(self, rnd: DecodeRound) -> RoundHandle:
         self._take_step_fault(rnd)
         mark = self.timeline.begin()
         try:
-            handle = self.graphs.launch(rnd, pending)
+            handle = self.graphs.launch(rnd)
         finally:
             self.timeline.end(mark)
         stats = self.stats_counters

@@ -64,8 +64,8 @@ class _Graph:
 
 
 # static buffers staged from the host each round
-_STAGED = ("input_ids", "step_positions", "step_slots", "step_context_lens", "block_tables", "temperature", "top_k",
-           "top_p", "min_p", "seeds", "output_pos")
+_STAGED = ("input_ids", "input_rows", "step_positions", "step_slots", "step_context_lens", "block_tables",
+           "temperature", "top_k", "top_p", "min_p", "seeds", "output_pos")
 _PER_STEP = ("step_positions", "step_slots", "step_context_lens")  # [K, n]; the others are [n] or [n, W]
 
 
@@ -115,6 +115,7 @@ class GraphDecoder:
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         n, dev = self.max_bucket, self.device
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.input_rows = torch.zeros(n, dtype=torch.int64, device=dev)  # staging only: see _stage_input_ids
         self.step_positions = torch.zeros(max_steps, n, dtype=torch.int64, device=dev)
         self.step_slots = torch.zeros(max_steps, n, dtype=torch.int64, device=dev)
         self.step_context_lens = torch.ones(max_steps, n, dtype=torch.int32, device=dev)
@@ -210,18 +211,29 @@ class GraphDecoder:
         slot.launches += 1
         return slot
 
-    def _continues_last_launch(self, seqs: list[Sequence]) -> bool:
-        last = self._last_seqs
-        return last is not None and len(last) == len(seqs) and all(a is b for a, b in zip(last, seqs))
+    def _carried_rows(self, rnd: DecodeRound) -> list[int] | None:
+        """For each row of `rnd`, the row of the last launch whose last sampled token it
+        continues from (its pending tokens were made there), or -1 when the host has its
+        last token; None when no row carries one."""
+        if not rnd.pending or not any(rnd.pending):
+            return None
+        last = {id(s): row for row, s in enumerate(self._last_seqs or [])}
+        rows = []
+        for seq, pending in zip(rnd.seqs, rnd.pending):
+            if pending and id(seq) not in last:
+                raise ValueError("a sequence with pending tokens must come from the last launched round")
+            rows.append(last[id(seq)] if pending else -1)
+        return rows
 
     def _device_rows(self, name: str, k: int, b: int) -> torch.Tensor:
         buf = getattr(self, name)
         return buf[:k, :b] if name in _PER_STEP else buf[:b]
 
-    def _stage_inputs(self, slot: _HostSlot, rnd: DecodeRound, pending: int) -> str:
+    def _stage_inputs(self, slot: _HostSlot, rnd: DecodeRound) -> str:
         """Fill the slot's host buffers for `rnd` and queue their copies into the static
         buffers; returns the sampler variant."""
-        seqs, k, b = rnd.seqs, rnd.num_steps, len(rnd.seqs)
+        seqs, k, b, pending = rnd.seqs, rnd.num_steps, len(rnd.seqs), rnd.pending
+        carried = self._carried_rows(rnd)
         st = build_sampling_tensors(seqs, self.runner.vocab_size, self.runner.eos_ids, torch.device("cpu"), pending)
         table = slot.view("block_tables", (b, self.table_width))
         table.fill_(DUMMY_BLOCK)
@@ -233,41 +245,60 @@ class GraphDecoder:
                                                           "output_pos")}}
         host = {name: slot.stage(name, src) for name, src in values.items()}
         host["block_tables"] = table
-        if not pending:  # else each row's last token is already in input_ids, on the device only
-            host["input_ids"] = slot.stage("input_ids", torch.tensor([s.last_token_id for s in seqs]))
         non_blocking = self.device.type == "cuda"
         for name, src in host.items():
             self._device_rows(name, k, b).copy_(src, non_blocking=non_blocking)
+        self._stage_input_ids(slot, seqs, carried, non_blocking)
         return "greedy" if st.all_greedy else "sample"
 
+    def _stage_input_ids(self, slot: _HostSlot, seqs: list[Sequence], carried: list[int] | None,
+                         non_blocking: bool) -> None:
+        """The token each row feeds in: from the host, or (a carried row) the last token the
+        row's sequence sampled in the last launch, which is on the device only; gathered
+        there, in stream order after that launch."""
+        b = len(seqs)
+        if carried == list(range(len(self._last_seqs or []))) and b == len(carried):
+            return  # the same rows in the same order: input_ids holds them already
+        ids = slot.stage("input_ids", torch.tensor([s.last_token_id if carried is None or carried[i] < 0 else 0
+                                                    for i, s in enumerate(seqs)]))
+        if carried is None:
+            self.input_ids[:b].copy_(ids, non_blocking=non_blocking)
+            return
+        rows = self.input_rows[:b]
+        rows.copy_(slot.stage("input_rows", torch.tensor(carried)), non_blocking=non_blocking)
+        from_device = self.input_ids.index_select(0, rows.clamp(min=0))
+        self.input_ids[:b].copy_(ids, non_blocking=non_blocking)
+        torch.where(rows >= 0, from_device, self.input_ids[:b], out=self.input_ids[:b])
+
     @torch.inference_mode()
-    def launch(self, rnd: DecodeRound, pending: int = 0) -> RoundHandle:
+    def launch(self, rnd: DecodeRound) -> RoundHandle:
         """Stage a round, queue its K replays and the copy of its tokens to the host, and
         return without waiting for the device (on CPU the steps run here, eagerly).
 
-        `pending` > 0: the round continues the last launch (the same sequences in the same
-        order), which generated `pending` tokens per sequence that the host has not appended
-        yet. The last of them is in the static input_ids already (each step writes its
-        sampled token there), so input_ids is not restaged; everything else is, shifted by
-        `pending`."""
+        `rnd.pending`: a sequence with pending tokens continues a row of the last launch,
+        which generated them and whose last one is in the static input_ids (each step
+        writes its sampled token there); its positions, slots and sampling noise are shifted
+        by them."""
         seqs, k = rnd.seqs, rnd.num_steps
-        if pending and not self._continues_last_launch(seqs):
-            raise ValueError("a round with pending tokens must continue the last launched round")
-        self._last_seqs = None  # until this launch is fully queued
+        self._carried_rows(rnd)  # checks before anything is staged
         b = len(seqs)
         bucket = self.bucket_for(b)
         slot = self._take_slot()
         non_blocking = self.device.type == "cuda"
         try:
-            variant = self._stage_inputs(slot, rnd, pending)
-            self._reset_padding(b, bucket)
-            self.step.zero_()
-            entry = self.graphs[(bucket, variant)]
-            for _ in range(k):
-                if entry.graph is not None:
-                    entry.graph.replay()
-                else:
-                    self.runner.decode_step(entry.state)
+            try:
+                variant = self._stage_inputs(slot, rnd)
+                self._reset_padding(b, bucket)
+                self.step.zero_()
+                entry = self.graphs[(bucket, variant)]
+                for _ in range(k):
+                    if entry.graph is not None:
+                        entry.graph.replay()
+                    else:
+                        self.runner.decode_step(entry.state)
+            except BaseException:
+                self._last_seqs = None  # input_ids may be half restaged or half stepped
+                raise
             # the next round's replays overwrite out_tokens: copy them out first, in stream order.
             # Whole leading rows are contiguous on both sides: one DMA straight into pinned memory.
             slot.tokens[:k].copy_(self.out_tokens[:k], non_blocking=non_blocking)

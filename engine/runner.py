@@ -47,17 +47,18 @@ class DecodeState:
 
 
 def plan_steps(seqs: list[Sequence], num_steps: int, tables: torch.Tensor, block_size: int,
-               pending: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               pending: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Positions, slots and context lengths of every step of a round, [K, B] each, on the host.
 
     The KV blocks of all K steps were reserved by the scheduler; a row that reaches its end
     (max_tokens) before step K keeps running, writing only into the dummy block. `pending`:
-    tokens each sequence already generated on the device that the host has not appended yet
-    (a round launched before the previous one was collected). (numpy: a handful of tiny
+    per sequence, tokens it already generated on the device that the host has not appended
+    yet (a round launched before the previous one was collected). (numpy: a handful of tiny
     torch CPU ops would cost more than the arithmetic.)"""
-    n = np.fromiter((s.num_tokens + pending for s in seqs), dtype=np.int64, count=len(seqs))
-    remaining = np.fromiter((s.params.max_tokens - s.num_output_tokens - pending for s in seqs), dtype=np.int64,
-                            count=len(seqs))
+    ahead = np.zeros(len(seqs), dtype=np.int64) if pending is None else np.asarray(pending, dtype=np.int64)
+    n = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs)) + ahead
+    remaining = np.fromiter((s.params.max_tokens - s.num_output_tokens for s in seqs), dtype=np.int64,
+                            count=len(seqs)) - ahead
     last = n - 2 + np.minimum(remaining, num_steps)  # last position a row writes for real
     wanted = n[None, :] - 1 + np.arange(num_steps, dtype=np.int64)[:, None]
     positions = np.minimum(wanted, last[None, :])

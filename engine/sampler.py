@@ -43,14 +43,15 @@ class SamplingTensors:
 
 
 def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_ids: tuple[int, ...],
-                           device: torch.device, pending: int = 0) -> SamplingTensors:
-    """Per-row tensors for `seqs`, built on the host once per round. `pending`: tokens each
-    sequence generated on the device that are not appended yet; they shift the output
+                           device: torch.device, pending: list[int] | None = None) -> SamplingTensors:
+    """Per-row tensors for `seqs`, built on the host once per round. `pending`: per sequence,
+    tokens it generated on the device that are not appended yet; they shift the output
     position (and with it the sampling noise and min_tokens). The penalties count the
     appended tokens only, so they cannot be combined with pending ones."""
     params = [s.params for s in seqs]
     b = len(seqs)
-    if pending and any(p.needs_penalties for p in params):
+    pending = pending or [0] * b
+    if any(pending) and any(p.needs_penalties for p in params):
         raise ValueError("penalties need every generated token on the host (pending must be 0)")
 
     def col(values, dtype):
@@ -62,7 +63,7 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_ids: tuple
         top_p=col([p.top_p for p in params], torch.float32),
         min_p=col([p.min_p for p in params], torch.float32),
         seeds=col([s.seed & _MASK32 for s in seqs], torch.int64),
-        output_pos=col([s.num_output_tokens + pending for s in seqs], torch.int64),
+        output_pos=col([s.num_output_tokens + ahead for s, ahead in zip(seqs, pending)], torch.int64),
         all_greedy=all(p.greedy for p in params),
         use_top_filters=any(not p.greedy and (0 < p.top_k < vocab_size or p.top_p < 1 or p.min_p > 0)
                             for p in params),

@@ -21,6 +21,9 @@ class PrefillBatch:
 class DecodeRound:
     seqs: list[Sequence]
     num_steps: int  # K: decode steps before the host looks at the tokens
+    # per sequence: tokens it generated on the device that the host has not appended yet
+    # (a round launched while the round before it was still in flight); None: all 0
+    pending: list[int] | None = None
 
 
 class Scheduler:
@@ -48,12 +51,14 @@ class Scheduler:
         return seq.num_tokens + pending - 1 + min(num_steps, self.remaining_steps(seq, pending))
 
     def schedule(self) -> PrefillBatch | DecodeRound | None:
-        batch = self._schedule_prefill()
+        batch = self.schedule_prefill()
         if batch is not None:
             return batch
         return self._schedule_decode()
 
-    def _schedule_prefill(self) -> PrefillBatch | None:
+    def schedule_prefill(self) -> PrefillBatch | None:
+        """Unfinished chunked prefills, then waiting requests, within the token budget and
+        the KV blocks that are free (admission never preempts)."""
         budget = self.config.max_num_batched_tokens
         seqs, chunks = [], []
         for seq in self.running:  # unfinished chunked prefills first
@@ -79,18 +84,19 @@ class Scheduler:
             budget -= n
         return PrefillBatch(seqs, chunks) if seqs else None
 
-    def decode_steps(self, pending: int = 0) -> int:
-        """K for the next round: the configured chunk, cut short when requests wait for a
+    def decode_steps(self, seqs: list[Sequence], pending: list[int] | None = None) -> int:
+        """K for a round of `seqs`: the configured chunk, cut short when requests wait for a
         prefill (so their time to first token stays low) or when every sequence ends sooner."""
         k = self.config.decode_chunk
         if self.waiting and len(self.running) < self.config.max_num_seqs:
             k = min(k, 2)
-        return max(1, min(k, max(self.remaining_steps(s, pending) for s in self.running)))
+        pending = pending or [0] * len(seqs)
+        return max(1, min(k, max(self.remaining_steps(s, p) for s, p in zip(seqs, pending))))
 
     def _schedule_decode(self) -> DecodeRound | None:
         if not self.running:
             return None
-        k = self.decode_steps()
+        k = self.decode_steps(self.running)
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -108,24 +114,29 @@ class Scheduler:
         return DecodeRound(list(self.running), k)
 
     def schedule_decode_ahead(self, prev: DecodeRound) -> DecodeRound | None:
-        """The round after `prev`, scheduled while `prev` is still on the device: the same
-        sequences in the same order, each assumed to have prev.num_steps more tokens. None
-        unless that is surely what schedule() would decide once `prev` is collected, short
-        of a sequence stopping inside `prev` (its extra tokens are then dropped): nothing
-        waits, none of prev's sequences has left the batch or would end with `prev`, and
-        KV for every one of them fits without preempting."""
-        if self.waiting or self.running != prev.seqs:
+        """The round after `prev`, scheduled while `prev` is still on the device: first prev's
+        sequences that surely continue (not ended, not reaching max_tokens within prev), each
+        with prev.num_steps tokens pending, in prev's order; then the running sequences that
+        are ready to decode but were not in prev (prefilled meanwhile). A sequence that stops
+        inside prev (EOS, a stop string) has its extra tokens dropped. None when no sequence
+        is left, or when KV for all of them does not fit without preempting (schedule()
+        decides then, once prev is collected)."""
+        steps = prev.num_steps
+        seqs = [s for s in prev.seqs if not s.is_finished and self.remaining_steps(s, steps) >= 1]
+        pending = [steps] * len(seqs)
+        in_prev = set(map(id, prev.seqs))
+        fresh = [s for s in self.running if id(s) not in in_prev and not s.in_prefill and not s.is_finished]
+        seqs += fresh
+        pending += [0] * len(fresh)
+        if not seqs:
             return None
-        pending = prev.num_steps
-        if min(self.remaining_steps(s, pending) for s in prev.seqs) < 1:
+        k = self.decode_steps(seqs, pending)
+        needed = [self._kv_tokens_needed(s, k, p) for s, p in zip(seqs, pending)]
+        if not self.blocks.can_allocate(sum(self.blocks.blocks_needed(s, n) for s, n in zip(seqs, needed))):
             return None
-        k = self.decode_steps(pending)
-        needed = [self._kv_tokens_needed(s, k, pending) for s in prev.seqs]
-        if not self.blocks.can_allocate(sum(self.blocks.blocks_needed(s, n) for s, n in zip(prev.seqs, needed))):
-            return None
-        for seq, n in zip(prev.seqs, needed):
+        for seq, n in zip(seqs, needed):
             self.blocks.allocate(seq, n)
-        return DecodeRound(list(prev.seqs), k)
+        return DecodeRound(seqs, k, pending)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
