@@ -167,3 +167,52 @@ class ServerProcess:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+# ---- the processes of a server (Linux /proc) ----------------------------------------------------
+
+
+def process_start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot; with the pid it names one process
+    even if the pid is reused), or None if there is no such process or it is a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces
+    if fields[0] in ("Z", "X"):  # exited, not yet reaped: it holds nothing but its pid
+        return None
+    return int(fields[19])
+
+
+def child_pids(pid: int) -> list[int]:
+    """The children of `pid` (every thread's), from /proc/PID/task/*/children."""
+    children: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return []
+    for task in tasks:
+        try:
+            children += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return children
+
+
+def descendant_pids(pid: int) -> dict[int, int]:
+    """Every live descendant of `pid`: pid -> start time (see `still_running`)."""
+    found: dict[int, int] = {}
+    todo = child_pids(pid)
+    while todo:
+        child = todo.pop()
+        started = process_start_time(child)
+        if started is not None and child not in found:
+            found[child] = started
+            todo += child_pids(child)
+    return found
+
+
+def still_running(processes: dict[int, int]) -> list[int]:
+    """The pids of `processes` (pid -> start time, as `descendant_pids` gives) that still run."""
+    return [pid for pid, started in processes.items() if process_start_time(pid) == started]
