@@ -3,9 +3,10 @@
     supervisor ─┬─ engine core (engine/core_process.py): scheduler, KV cache, model, graphs
                 └─ front end × N (server/frontend.py): HTTP, tokenize, detokenize, SSE
 
-It binds the listening socket once and hands it to every front end (the kernel spreads
-connections among them), prints the ready line once all of them are ready, and keeps
-the processes' fates tied together:
+It binds one listening socket per front end on the one port (SO_REUSEPORT: the kernel
+spreads new connections evenly over them, bursts included, where a shared socket lets
+whichever front end wakes first accept the whole queue), prints the ready line once all
+front ends are ready, and keeps the processes' fates tied together:
 - SIGTERM / SIGINT: each front end drains (its running requests finish), then the core
   is stopped; exit 0.
 - the core dies: the front ends end their open requests with an error and exit 1;
@@ -47,14 +48,19 @@ def frontend_count(server: ServerSettings, engine: EngineConfig) -> int:
     return max(1, min(4, ((os.cpu_count() or 1) - 2) // 3))
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
+def bind_listeners(host: str, port: int, count: int) -> list[socket.socket]:
+    """`count` sockets listening on host:port (SO_REUSEPORT when there are several)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((host, port))
-    listener.listen(2048)
-    listener.set_inheritable(True)
-    return listener
+    listeners = []
+    for _ in range(count):
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if count > 1:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        listener.bind((host, port))
+        listener.listen(2048)
+        listeners.append(listener)
+    return listeners
 
 
 def serve(server: ServerSettings, engine: EngineConfig) -> int:
@@ -64,7 +70,7 @@ def serve(server: ServerSettings, engine: EngineConfig) -> int:
     url = f"http://{server.host}:{server.port}"
     if count > 1:  # /metrics of any front end adds up all of them (server/metrics.py)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="graphserve-metrics-")
-    listener = bind_listener(server.host, server.port)
+    listeners = bind_listeners(server.host, server.port, count)
     core, address = start_core_process(engine)
     spawn = multiprocessing.get_context("spawn")
     from server.frontend import run_frontend
@@ -73,9 +79,10 @@ def serve(server: ServerSettings, engine: EngineConfig) -> int:
     for index in range(count):
         receiver, sender = spawn.Pipe(duplex=False)
         process = spawn.Process(target=run_frontend, name=f"graphserve-api{index}", args=(
-            index, server, engine, address, core.pid, listener, sender, os.getpid(), LOG_FORMAT))
+            index, server, engine, address, core.pid, listeners[index], sender, os.getpid(), LOG_FORMAT))
         process.start()
         sender.close()
+        listeners[index].close()  # the child has its own copy: once the front ends are gone, nothing listens
         frontends.append(process)
         waiting_ready.append(receiver)
     logger.info("engine core pid %d, %d front end(s) %s; loading the model; %s/health answers 503 until ready",
@@ -97,7 +104,6 @@ def serve(server: ServerSettings, engine: EngineConfig) -> int:
     for process in frontends:
         _stop(process, signal.SIGTERM)
     _stop(core, signal.SIGTERM)
-    listener.close()
     return code
 
 
