@@ -49,7 +49,9 @@ class Tokenizer:
         self._template = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode does not): a long prompt tokenized in a worker
+        # thread then does not stall the event loop
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
         return ids
@@ -114,7 +116,7 @@ class Tokenizer:
             # branched on its special-token text: the two cannot be told apart safely
             raise InvalidRequestError("the chat template transforms message content that holds special-token "
                                       "text; remove that text from the messages", param="messages")
-        enc = self._tok.encode(text, add_special_tokens=False)
+        enc = self._tok.encode_batch([text], add_special_tokens=False)[0]
         special_ids = set(self.special_tokens.values())
         ids: list[int] = []
         seg_start, seg_tok = 0, 0  # the text and tokens since the last template control token

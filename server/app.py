@@ -36,6 +36,7 @@ def create_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     log_requests: bool = False,
+    chat_content_special_tokens: bool = False,
     max_queue_len: int = ServerSettings.max_queue_len,
     max_body_bytes: int = ServerSettings.max_body_bytes,
     allowed_origins: list[str] | None = None,
@@ -57,6 +58,7 @@ def create_app(
         served_model_name=served_model_name,
         api_key=api_key or None,
         log_requests=log_requests,
+        chat_content_special_tokens=chat_content_special_tokens,
         max_body_bytes=max_body_bytes,
     )
 

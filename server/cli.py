@@ -124,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="CORS: comma-separated origins allowed to call the API from a browser, or '*' (default: CORS off)",
     )
     group.add_argument(
+        "--chat-content-special-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="tokenize special-token text inside chat message contents as control tokens (the old "
+        "behaviour; by default contents are text, so a user cannot forge system or assistant turns)",
+    )
+    group.add_argument(
         "--api-server-count",
         type=int,
         default=None,

@@ -65,7 +65,8 @@ async def create_chat_completion(request: Request) -> Response:
         prompt_logprobs=None,
         vocab_size=tokenizer.vocab_size,
     )
-    prompt_ids = await asyncio.to_thread(render_chat_prompt, tokenizer, body.messages, body.add_generation_prompt)
+    prompt_ids = await asyncio.to_thread(render_chat_prompt, tokenizer, body.messages, body.add_generation_prompt,
+                                         state.chat_content_special_tokens)
     if not prompt_ids:
         raise bad_request("messages render to an empty prompt", param="messages")
     jobs = [ChoiceJob(index=c, prompt=prompt_ids, params=for_choice(params, c)) for c in range(body.n)]

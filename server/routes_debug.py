@@ -2,8 +2,10 @@
 
 The router is mounted only when the server starts with GRAPHSERVE_ENABLE_FAULT_INJECTION=1
 (`create_app(..., enable_fault_injection=True)`); otherwise the route does not exist (404).
-Body: {"kind": "step"} (the requests in the next step fail, the engine goes on) or
-{"kind": "fatal"} (the engine loop dies: /health 503, the process exits non-zero).
+Body: {"kind": "step"} (the requests in the next step fail, the engine goes on),
+{"kind": "request"} (the newest request makes every batch it is in fail: it fails alone,
+its batch mates are retried without it) or {"kind": "fatal"} (the engine loop dies:
+/health 503, the process exits non-zero).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ router = APIRouter(dependencies=[Depends(require_api_key)], include_in_schema=Fa
 
 
 class FaultRequest(_Request):
-    kind: Literal["step", "fatal"]
+    kind: Literal["step", "request", "fatal"]
 
 
 @router.post("/debug/fault")

@@ -37,13 +37,15 @@ async def tokenize(request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Give exactly one of `prompt` or `messages`.", param="prompt")
     # O(body size): off the event loop
-    result = await asyncio.to_thread(_tokenize, tokenizer, body, engine.max_model_len)
+    result = await asyncio.to_thread(_tokenize, tokenizer, body, engine.max_model_len,
+                                     state.chat_content_special_tokens)
     return json_response(result, exclude_none=True)
 
 
-def _tokenize(tokenizer: Any, body: TokenizeRequest, max_model_len: int) -> TokenizeResponse:
+def _tokenize(tokenizer: Any, body: TokenizeRequest, max_model_len: int,
+              parse_special_in_content: bool) -> TokenizeResponse:
     if body.messages is not None:
-        tokens = render_chat_prompt(tokenizer, body.messages, body.add_generation_prompt)
+        tokens = render_chat_prompt(tokenizer, body.messages, body.add_generation_prompt, parse_special_in_content)
     else:
         assert body.prompt is not None
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -32,6 +32,7 @@ class ServerSettings:
     max_queue_len: int = 256  # engine requests waiting to run; beyond it new requests get 429
     max_body_bytes: int = 1024**2  # request bodies larger than this get 413
     allowed_origins: list[str] | None = None  # CORS origins; None: no CORS headers at all
+    chat_content_special_tokens: bool = False  # parse special-token text inside chat message contents
     api_server_count: int | None = None  # front-end processes; None: decided by the machine (supervisor.py)
     max_connections: int = 2048  # open connections; beyond it idle ones are evicted, else 503 (connections.py)
     header_timeout: float = 10.0  # seconds for a request's head to arrive (from connect or its first byte)

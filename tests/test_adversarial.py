@@ -184,6 +184,42 @@ def test_an_attacker_beside_victims_changes_nothing(client: httpx.Client, server
     assert error_counts(client).get("500", 0) == before.get("500", 0)
 
 
+def test_a_request_that_fails_inside_a_step_fails_alone() -> None:
+    """What no validation catches (here: a fault injected into the newest request, so every
+    batch holding it raises) fails that request alone; its batch mates are retried without
+    it and return exactly their solo text, and the server stays healthy."""
+    # long enough to be still running together when the attacker joins
+    victims = [{"prompt": p, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+               for p in ("The capital of France", "One, two,", "def f(x):")]
+    attacker = {"prompt": "Once upon a time", "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+    env = {"GRAPHSERVE_ENABLE_FAULT_INJECTION": "1"}
+    with ServerProcess(SERVER_ARGS, env=env) as faulty:
+        faulty.wait_ready()
+        with httpx.Client(base_url=faulty.url, timeout=60.0) as http:
+            solo = [http.post("/v1/completions", json=v).json()["choices"][0]["text"] for v in victims]
+
+        async def scenario() -> tuple[list[httpx.Response], httpx.Response]:
+            async with httpx.AsyncClient(base_url=faulty.url, timeout=60.0) as http:
+                async def running(n: int) -> None:
+                    deadline = time.monotonic() + 30
+                    while "graphserve_num_requests_running " + f"{n}.0" not in (await http.get("/metrics")).text:
+                        assert time.monotonic() < deadline
+                        await asyncio.sleep(0.02)
+
+                victim_calls = [asyncio.ensure_future(http.post("/v1/completions", json=v)) for v in victims]
+                await running(len(victims))
+                attack = asyncio.ensure_future(http.post("/v1/completions", json=attacker))
+                await running(len(victims) + 1)
+                injected = await http.post("/debug/fault", json={"kind": "request"})
+                assert injected.status_code == 200
+                return list(await asyncio.gather(*victim_calls)), await attack
+
+        victim_responses, attack_response = asyncio.run(scenario())
+        assert [r.json()["choices"][0]["text"] for r in victim_responses] == solo
+        assert assert_error(attack_response, 500)["code"] == "internal_error"
+        assert httpx.get(faulty.url + "/health", timeout=5.0).status_code == 200
+
+
 # ---- 1. list fields past their caps --------------------------------------------------------------
 
 

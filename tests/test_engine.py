@@ -300,3 +300,55 @@ def test_engine_seed_makes_unseeded_sampling_reproducible(model_dir):
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
     assert len({tuple(t) for t in runs[0]}) == 3  # each request draws its own seed
+
+
+def _run_merged(engine, steps: int | None = None, seen: dict | None = None) -> dict:
+    """Step (until nothing is left, or `steps` times); each request's updates merged into `seen`."""
+    seen = {} if seen is None else seen
+    while engine.has_unfinished() and (steps is None or steps > 0):
+        for out in engine.step():
+            if out.request_id in seen:
+                seen[out.request_id].merge(out)
+            else:
+                seen[out.request_id] = out
+        steps = None if steps is None else steps - 1
+    return seen
+
+
+@pytest.mark.parametrize("when", ["prefill", "decode"])
+def test_a_request_that_fails_inside_a_step_fails_alone(llm, hf_greedy, when):
+    """Whatever slipped past validation and makes the model run raise: the batch is retried
+    one request at a time, so only that request fails and its batch mates' tokens are
+    exactly their solo ones."""
+    engine = llm.engine
+    for i in range(4):
+        engine.add_request(f"{when}{i}", PROMPTS[i], GREEDY)
+    seen = _run_merged(engine, steps=1) if when == "decode" else {}  # decode: the prefill of all four first
+    engine.inject_fault("request", f"{when}2")
+    _run_merged(engine, seen=seen)
+    assert seen[f"{when}2"].finish_reason == "error"
+    assert [seen[f"{when}{i}"].token_ids for i in (0, 1, 3)] == [hf_greedy[i] for i in (0, 1, 3)]
+
+
+def test_unseeded_sampling_differs_across_engines(model_dir):
+    """Without --seed the seeds of unseeded requests come from the OS: a restart or another
+    replica does not repeat the same "random" text."""
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    runs = [[o.token_ids for o in make_llm(model_dir).generate(PROMPTS[:3], params)] for _ in range(2)]
+    assert runs[0] != runs[1]
+
+
+def test_updates_carry_only_what_is_new(llm):
+    """Each update holds the tokens and text added since the previous one (a slow reader's
+    queue costs what it holds, not the output's length squared); together they are the output."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)
+    engine.add_request("delta", PROMPTS[1], params)
+    updates = []
+    while engine.has_unfinished():
+        updates += engine.step()
+    whole = llm.generate([PROMPTS[1]], params)[0]
+    assert len(updates) > 3 and all(len(u.token_ids) <= llm.engine.config.decode_chunk for u in updates)
+    assert [t for u in updates for t in u.token_ids] == whole.token_ids
+    assert "".join(u.text for u in updates) == whole.text
+    assert [lp.token_id for u in updates for lp in u.logprobs] == whole.token_ids
