@@ -226,6 +226,31 @@ def _interrupt(signum, frame) -> None:
     raise Interrupted(f"signal {signum}")
 
 
+SERVER_PROCESSES: dict[str, int] = {}  # "core", "api0", ... -> pid, from the server's log (when launched here)
+
+
+def server_processes(log: str) -> dict[str, int]:
+    """The supervisor's log line "engine core pid N, M front end(s) [a, b]"."""
+    match = re.search(r"engine core pid (\d+), \d+ front end\(s\) \[([\d, ]*)\]", log)
+    if not match:
+        return {}
+    fronts = [int(p) for p in match.group(2).split(",") if p.strip()]
+    return {"core": int(match.group(1)), **{f"api{i}": pid for i, pid in enumerate(fronts)}}
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """user + system CPU seconds of each process so far (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        seconds[name] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return seconds
+
+
 def run_level(args, url: str, model_name: str, requests: list, concurrency: int | None, procs: int,
               poisson_rate: float | None = None, timeout: float | None = None) -> dict:
     """Closed loop at `concurrency` (or Poisson arrivals at `poisson_rate` req/s) over `procs`
@@ -249,6 +274,7 @@ def run_level(args, url: str, model_name: str, requests: list, concurrency: int 
                          streams=streams if not poisson_rate else 64, requests=plain[w::active],
                          arrivals=arrivals[w::active] if arrivals else None, timeout=deadline_s + 30))
     before = scrape(url, headers)
+    cpu_before, wall_before = cpu_seconds(SERVER_PROCESSES), time.monotonic()
     pipes, workers = [], []
     for job in jobs:
         parent, child = ctx.Pipe()
@@ -286,7 +312,12 @@ def run_level(args, url: str, model_name: str, requests: list, concurrency: int 
                 proc.kill()
                 proc.join()
     after = scrape(url, headers)
-    return summarize(results, before, after, concurrency, active, poisson_rate, len(requests))
+    row = summarize(results, before, after, concurrency, active, poisson_rate, len(requests))
+    cpu_after, wall = cpu_seconds(SERVER_PROCESSES), time.monotonic() - wall_before
+    # each server process's CPU use over the level, as a fraction of one core
+    row["server_cpu_fraction"] = {name: round((cpu_after[name] - cpu_before[name]) / wall, 3)
+                                  for name in cpu_after if name in cpu_before} or None
+    return row
 
 
 def summarize(results, before, after, concurrency, procs, poisson_rate, num_requests) -> dict:
@@ -339,7 +370,9 @@ def fmt(row: dict) -> str:
             f"{row['wall_s']:7.1f}s {row['output_tok_s'] or 0:10,.0f} out tok/s  TTFT p50/p99 {ms(row['ttft_p50_s'])}"
             f"{ms(row['ttft_p99_s'])} ms  TPOT p50/p99 {ms(row['tpot_p50_s'])}{ms(row['tpot_p99_s'])} ms  "
             f"ITL p99 {ms(row['itl_p99_s'])} ms  client CPU max {row['client_cpu_fraction_max'] or 0:.2f}  "
-            f"GPU idle {idle}" + (f"\n    errors: {row['error_samples']}" if row["error_samples"] else ""))
+            f"GPU idle {idle}" + (f"\n    server CPU (cores): {row['server_cpu_fraction']}"
+                                  if row.get("server_cpu_fraction") else "")
+            + (f"\n    errors: {row['error_samples']}" if row["error_samples"] else ""))
 
 
 # ---- main ------------------------------------------------------------------------------------------------------
@@ -431,6 +464,7 @@ def main() -> int:
         if server is not None:
             server.wait_ready(args.server_timeout)
             print(f"server ready in {time.perf_counter() - started:.1f}s at {server.url}", flush=True)
+            SERVER_PROCESSES.update(server_processes(server.log))
             url = server.url
         model_name = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
         # warm-up (not measured): a few short requests through the same path

@@ -79,8 +79,11 @@ class EngineCore:
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.device = resolve_device(config.device)
-        if self.device.type == "cpu" and config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            if config.num_threads:
+                torch.set_num_threads(config.num_threads)
+        else:  # the host's share of a GPU round is tiny; idle OpenMP workers would spin on the front ends' cores
+            torch.set_num_threads(1)
         args = ModelArgs.from_dir(self.model_path)
         self.args = args
         self.dtype = resolve_dtype(config.dtype, args, self.device)
