@@ -45,16 +45,15 @@ def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
     return node
 
 
-def request_body(model: type[BaseModel]) -> dict[str, Any]:
-    """`openapi_extra` for a route that reads `model` from a JSON body (no recursive models)."""
+def request_body(model: type[BaseModel], example: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`openapi_extra` for a route that reads `model` from a JSON body (no recursive models),
+    with a valid `example` body (shown in /docs; schemathesis sends it first)."""
     schema = model.model_json_schema()
     defs = schema.pop("$defs", {})
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": _inline_refs(schema, defs)}},
-        }
-    }
+    media: dict[str, Any] = {"schema": _inline_refs(schema, defs)}
+    if example is not None:
+        media["example"] = example
+    return {"requestBody": {"required": True, "content": {"application/json": media}}}
 
 
 def responses(ok: type[BaseModel], *, streams: bool = False, errors: tuple[int, ...] = tuple(ERROR_STATUSES)) -> dict:

@@ -45,7 +45,8 @@ router = APIRouter()
     "/v1/chat/completions",
     dependencies=[Depends(require_api_key)],
     response_model=None,
-    openapi_extra=openapi.request_body(ChatCompletionRequest),
+    openapi_extra=openapi.request_body(
+        ChatCompletionRequest, example={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}),
     responses=openapi.responses(ChatCompletionResponse, streams=True),
 )
 async def create_chat_completion(request: Request) -> Response:

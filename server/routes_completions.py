@@ -88,7 +88,7 @@ def _prompt_logprobs(body: CompletionRequest) -> int | None:
     "/v1/completions",
     dependencies=[Depends(require_api_key)],
     response_model=None,
-    openapi_extra=openapi.request_body(CompletionRequest),
+    openapi_extra=openapi.request_body(CompletionRequest, example={"prompt": "Hello", "max_tokens": 8}),
     responses=openapi.responses(CompletionResponse, streams=True),
 )
 async def create_completion(request: Request) -> Response:

@@ -26,7 +26,7 @@ _ERRORS = (400, 401, 404, 413, 503)
 
 @router.post(
     "/tokenize",
-    openapi_extra=openapi.request_body(TokenizeRequest),
+    openapi_extra=openapi.request_body(TokenizeRequest, example={"prompt": "Hello"}),
     responses=openapi.responses(TokenizeResponse, errors=_ERRORS),
 )
 async def tokenize(request: Request) -> Response:
@@ -57,7 +57,7 @@ def _tokenize(tokenizer: Any, body: TokenizeRequest, max_model_len: int,
 
 @router.post(
     "/detokenize",
-    openapi_extra=openapi.request_body(DetokenizeRequest),
+    openapi_extra=openapi.request_body(DetokenizeRequest, example={"tokens": [1, 2, 3]}),
     responses=openapi.responses(DetokenizeResponse, errors=_ERRORS),
 )
 async def detokenize(request: Request) -> Response:

@@ -53,15 +53,20 @@ def generate(llm: LLM, prompts, params) -> list[tuple[list[int], str]]:
     return [(o.token_ids, o.finish_reason) for o in outs]
 
 
+def merge_into(seen: dict, out) -> None:
+    """Add an update to its request's whole output in `seen`."""
+    if out.request_id in seen:
+        seen[out.request_id].merge(out)
+    else:
+        seen[out.request_id] = out
+
+
 def run_by_hand(engine) -> dict:
     """Step until nothing is left; each request's updates merged into its whole output."""
     seen: dict = {}
     while engine.has_unfinished():
         for out in engine.step():
-            if out.request_id in seen:
-                seen[out.request_id].merge(out)
-            else:
-                seen[out.request_id] = out
+            merge_into(seen, out)
     return seen
 
 
@@ -258,10 +263,7 @@ def test_the_pipeline_survives_turnover(engines):
     arrivals = iter(("t3", "t4", "t5"))
     while engine.has_unfinished():
         for out in engine.step():
-            if out.request_id in seen:
-                seen[out.request_id].merge(out)
-            else:
-                seen[out.request_id] = out
+            merge_into(seen, out)
             if out.finished:  # one leaves, the next arrives while a round is in flight
                 late = next(arrivals, None)
                 if late is not None:
