@@ -21,6 +21,7 @@ class EngineConfig:
     kv_cache_bytes: int = 512 * 1024**2  # KV pool size on CPU
     num_kv_blocks: int | None = None  # override the budget (tests use tiny pools)
     enforce_eager: bool = False
+    prefix_caching: bool = True  # reuse the KV of cached full blocks of a prompt's prefix (kv_cache.py)
     overlap_rounds: bool = True  # launch the next graph decode round before reading the current one's tokens
     cuda_graph_max_batch: int = 512
     num_threads: int | None = None  # torch CPU threads; None: all cores

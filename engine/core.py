@@ -101,7 +101,8 @@ class EngineCore:
         num_blocks = self._num_kv_blocks()
         self.max_model_len = min(max_len_wanted, (num_blocks - 1) * config.block_size)
         self.kv_caches = allocate_kv_cache(args, num_blocks, config.block_size, self.dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching,
+                                          cache_salt=f"{self.model_path}:{self.dtype}")
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_caches, self.block_manager, self.device, self.eos_ids)
         self.graphs = None
@@ -332,8 +333,10 @@ class EngineCore:
                 if seq.num_output_tokens >= seq.params.max_tokens:  # max_tokens 0: prompt logprobs only
                     seq.finish_reason = "length"
                 out = CoreOutput(seq.request_id, [], finish_reason=seq.finish_reason)
-            if first and seq.prompt_logprobs is not None:
-                out.prompt_logprobs = seq.prompt_logprobs
+            if first:
+                out.num_cached_tokens = seq.num_cached_tokens
+                if seq.prompt_logprobs is not None:
+                    out.prompt_logprobs = seq.prompt_logprobs
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 self.sequences.pop(seq.request_id, None)
@@ -414,5 +417,8 @@ class EngineCore:
                                    num_waiting=len(self.scheduler.waiting),
                                    kv_blocks_free=self.block_manager.num_free_blocks,
                                    num_preemptions=self.scheduler.num_preemptions,
+                                   kv_blocks_cached_free=self.block_manager.num_cached_free_blocks,
+                                   prefix_cache_queries=self.scheduler.num_queried_tokens,
+                                   prefix_cache_hits=self.scheduler.num_cached_tokens,
                                    device_busy_seconds=self.timeline.busy_seconds,
                                    device_idle_seconds=self.timeline.idle_seconds)

@@ -69,6 +69,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None
     stop_reason: int | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first output only
+    num_cached_tokens: int = 0  # with the first output: prompt tokens whose KV the prefix cache held
 
 
 class RoundOutputs(msgspec.Struct, tag=True, array_like=True):

@@ -1,8 +1,18 @@
-"""Paged KV cache: the block pool (BlockManager) and the per-layer cache tensors."""
+"""Paged KV cache: the block pool (BlockManager) and the per-layer cache tensors.
+
+Prefix caching: a full block whose KV is computed is registered under a hash chain,
+sha256(parent block's hash, its token ids). A block whose last user ends stays cached
+("cached-free": counted as free, evicted least-recently-used only when no truly free
+block is left). A new prompt shares the longest run of cached full blocks by reference
+count; a hit is checked against the stored token ids, never trusted on the hash alone.
+A shared block is never written: only full blocks are shared, and at least the prompt's
+last token is always recomputed (into a block of the request's own)."""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 
 import torch
 
@@ -17,14 +27,19 @@ DUMMY_BLOCK = 0
 class BlockManager:
     """Fixed-size blocks with reference counts; sequences own lists of block ids."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False, cache_salt: str = ""):
         if num_blocks < 2:
             raise ValueError(f"the KV pool needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.ref_counts = [0] * num_blocks
         self.ref_counts[DUMMY_BLOCK] = 1
         self.free_blocks: deque[int] = deque(range(1, num_blocks))
+        self._root = hashlib.sha256(cache_salt.encode()).digest()  # anything else the KV depends on (the model)
+        self._by_hash: dict[bytes, int] = {}  # registered full blocks
+        self._block_key: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (its hash, its token ids)
+        self._cached_free: OrderedDict[int, None] = OrderedDict()  # registered, no user; LRU first
 
     @property
     def num_usable_blocks(self) -> int:
@@ -32,32 +47,111 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Blocks a request can get: truly free plus cached-free (evictable)."""
+        return len(self.free_blocks) + len(self._cached_free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self._cached_free)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` must gain so that its first `num_tokens` token slots exist."""
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self.free_blocks)
+        return num_blocks <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow seq.block_table to cover `num_tokens` slots. Caller checked can_allocate."""
         for _ in range(self.blocks_needed(seq, num_tokens)):
-            block = self.free_blocks.popleft()
-            assert self.ref_counts[block] == 0
+            block = self._take_block()
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
+    def _take_block(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        else:  # evict the least recently used cached block
+            block, _ = self._cached_free.popitem(last=False)
+            self._unregister(block)
+        assert self.ref_counts[block] == 0
+        return block
+
     def free(self, seq: Sequence) -> None:
+        """Release seq's blocks; first register its full blocks whose KV is computed, so a
+        later request (or this one, re-admitted after preemption) can reuse them."""
+        self.register(seq)
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                if block in self._block_key:
+                    self._cached_free[block] = None  # most recently used last
+                else:
+                    self.free_blocks.append(block)
         seq.block_table = []
+        seq.block_hashes = []
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    # ---- prefix caching ------------------------------------------------------------------
+
+    def _hash(self, parent: bytes, tokens: list[int]) -> bytes:
+        return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+    def register(self, seq: Sequence) -> None:
+        """Register seq's full blocks whose every token's KV is computed (they never change
+        again). A block whose content another block already holds stays unregistered."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        hashes = seq.block_hashes
+        for i in range(len(hashes), full):
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            key = self._hash(hashes[-1] if hashes else self._root, tokens)
+            hashes.append(key)
+            block = seq.block_table[i]
+            if key not in self._by_hash and block not in self._block_key:
+                self._by_hash[key] = block
+                self._block_key[block] = (key, tuple(tokens))
+
+    def _unregister(self, block: int) -> None:
+        key, _ = self._block_key.pop(block)
+        if self._by_hash.get(key) == block:
+            del self._by_hash[key]
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The longest run of cached blocks holding seq's first tokens (its prompt, and after
+        a preemption what it generated too), checked token by token; it stops short of the
+        last token, which is recomputed for the next logits."""
+        if not self.prefix_caching:
+            return []
+        bs = self.block_size
+        blocks, parent = [], self._root
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            key = self._hash(parent, tokens)
+            block = self._by_hash.get(key)
+            if block is None or self._block_key[block][1] != tuple(tokens):
+                break
+            blocks.append(block)
+            parent = key
+        return blocks
+
+    def share(self, seq: Sequence, blocks: list[int]) -> None:
+        """Start seq's block table with cached blocks (seq holds none yet)."""
+        assert not seq.block_table
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self._cached_free[block]
+            self.ref_counts[block] += 1
+        seq.block_table = list(blocks)
+        seq.block_hashes = [self._block_key[b][0] for b in blocks]
+
+    def num_reusable(self, blocks: list[int]) -> int:
+        """How many of `blocks` are cached-free (sharing them takes them out of the free count)."""
+        return sum(1 for b in blocks if self.ref_counts[b] == 0)
 
 
 def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:

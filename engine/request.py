@@ -163,6 +163,7 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # in the first update; the first token has none
+    num_cached_tokens: int = 0  # in the first update: prompt tokens served from the prefix cache
 
     def merge(self, later: "RequestOutput") -> None:
         """Append a later update of the same request to this one."""
@@ -172,6 +173,7 @@ class RequestOutput:
             self.logprobs = (self.logprobs or []) + later.logprobs
         if self.prompt_logprobs is None:
             self.prompt_logprobs = later.prompt_logprobs
+        self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
         self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason
 
 
@@ -192,6 +194,8 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_prefill_tokens = len(prompt_token_ids)  # reset to num_tokens on preemption
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # prefix-cache keys of its first full blocks (kv_cache.py)
+        self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache at admission
         self.status = SequenceStatus.WAITING
         # sampling noise is a function of (seed, output position): fixed per request
         self.seed = seed

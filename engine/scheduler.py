@@ -33,6 +33,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_queried_tokens = 0  # tokens looked up in the prefix cache at admission
+        self.num_cached_tokens = 0  # of them, found there
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -69,11 +71,20 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            # the prompt's longest cached prefix (echo's prompt logprobs need every prompt position)
+            cached = self.blocks.cached_prefix(seq) if seq.params.prompt_logprobs is None else []
             # reserve KV for every token present now, so an admitted prefill never stalls
-            need = self.blocks.blocks_needed(seq, seq.num_tokens)
-            if not self.blocks.can_allocate(need):
+            need = -(-seq.num_tokens // self.blocks.block_size) - len(cached)
+            if not self.blocks.can_allocate(need + self.blocks.num_reusable(cached)):
                 break
             self.waiting.popleft()
+            if cached:
+                self.blocks.share(seq, cached)
+                seq.num_computed_tokens = len(cached) * self.blocks.block_size
+                if seq.num_output_tokens == 0:
+                    seq.num_cached_tokens = seq.num_computed_tokens
+                self.num_cached_tokens += seq.num_computed_tokens
+            self.num_queried_tokens += seq.num_tokens
             self.blocks.allocate(seq, seq.num_tokens)
             seq.status = SequenceStatus.RUNNING
             seq.num_prefill_tokens = seq.num_tokens

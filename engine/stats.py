@@ -10,7 +10,10 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_blocks_total: int = 0
-    kv_blocks_free: int = 0
+    kv_blocks_free: int = 0  # truly free plus cached-free
+    kv_blocks_cached_free: int = 0  # no user, but holding a cached prefix (evicted LRU when needed)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of them, found there
     num_preemptions: int = 0
     decode_rounds: int = 0
     decode_rounds_ahead: int = 0  # rounds launched before the previous round's tokens were read

@@ -38,6 +38,8 @@ ENGINE_FLAG_HELP = {
     "kv_cache_bytes": "KV pool size on CPU, e.g. 536870912 or 512MiB",
     "num_kv_blocks": "force the number of KV blocks (overrides the memory budget)",
     "enforce_eager": "never capture or replay CUDA graphs",
+    "prefix_caching": "reuse the KV of a prompt's cached prefix (full blocks, hash chain + token check, "
+                      "LRU eviction); --no-prefix-caching: compute every prompt in full",
     "overlap_rounds": "launch each CUDA-graph decode round before the host reads the previous one's tokens "
                       "(--no-overlap-rounds: one round at a time)",
     "cuda_graph_max_batch": "largest batch bucket captured as a CUDA graph",

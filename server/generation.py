@@ -19,7 +19,7 @@ from engine.request import RequestOutput, SamplingParams
 from server.admission import Admission
 from server.errors import APIError, from_engine_error, internal_error
 from server.metrics import ServerMetrics
-from server.protocol import UsageInfo
+from server.protocol import PromptTokensDetails, UsageInfo
 from server.sampling import summarize_params
 from server.sse import DONE_EVENT, sse_event
 
@@ -51,6 +51,7 @@ class ChoiceProgress:
     # else only the latest update (a stream sends each update as it comes)
     output: RequestOutput | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
     num_output_tokens: int = 0
     done: bool = False
 
@@ -174,6 +175,7 @@ class GenerationGroup:
         else:
             progress.output = output
         progress.num_prompt_tokens = len(output.prompt_token_ids)
+        progress.num_cached_tokens = max(progress.num_cached_tokens, output.num_cached_tokens)
         progress.num_output_tokens += len(output.token_ids)
         if progress.first_token_time is None and output.token_ids:
             progress.first_token_time = time.monotonic()
@@ -291,9 +293,11 @@ async def run_to_completion(request: Request, group: GenerationGroup) -> dict[in
 def usage_of(progress: dict[int, ChoiceProgress], n: int) -> UsageInfo:
     """Prompt tokens count once per prompt (choices p*n .. p*n+n-1 share it)."""
     prompt_tokens = sum(p.num_prompt_tokens for i, p in progress.items() if i % n == 0)
+    cached_tokens = sum(p.num_cached_tokens for i, p in progress.items() if i % n == 0)
     completion_tokens = sum(p.num_output_tokens for p in progress.values())
     return UsageInfo(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
 
 

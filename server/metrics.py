@@ -125,6 +125,17 @@ class EngineStatsCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_kv_blocks_total", "KV-cache blocks in the pool.", stats.kv_blocks_total)
         yield GaugeMetricFamily(f"{PREFIX}_kv_blocks_free", "Free KV-cache blocks.", stats.kv_blocks_free)
         yield GaugeMetricFamily(
+            f"{PREFIX}_kv_blocks_cached_free",
+            "Free KV-cache blocks that still hold a cached prefix (counted as free; evicted LRU when needed).",
+            stats.kv_blocks_cached_free,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held.", stats.prefix_cache_hits
+        )
+        yield GaugeMetricFamily(
             f"{PREFIX}_kv_blocks_used",
             "KV-cache blocks owned by requests.",
             stats.kv_blocks_total - stats.kv_blocks_free,

@@ -172,15 +172,29 @@ def test_streamed_text_never_splits_a_utf8_character(client: httpx.Client) -> No
 def test_usage_counts_prompt_and_generated_tokens(client: httpx.Client) -> None:
     prompt_ids = client.post("/tokenize", json={"prompt": PROMPTS[1]}).json()["tokens"]
     text_result = complete(client, prompt=PROMPTS[1], max_tokens=7, temperature=0, ignore_eos=True)
-    assert text_result["usage"] == {
+    usage = dict(text_result["usage"])
+    cached = usage.pop("prompt_tokens_details")["cached_tokens"]
+    assert usage == {
         "prompt_tokens": len(prompt_ids),
         "completion_tokens": 7,
         "total_tokens": len(prompt_ids) + 7,
     }
+    assert 0 <= cached < len(prompt_ids)
     assert text_result["choices"][0]["finish_reason"] == "length"
     ids_result = complete(client, prompt=prompt_ids, max_tokens=7, temperature=0, ignore_eos=True)
-    assert ids_result["usage"] == text_result["usage"]
+    assert {k: v for k, v in ids_result["usage"].items() if k != "prompt_tokens_details"} == usage
     assert ids_result["choices"][0]["text"] == text_result["choices"][0]["text"]
+
+
+def test_a_resent_prefix_is_reported_as_cached_tokens(client: httpx.Client) -> None:
+    """The second request with the same 100-token prompt reuses its full KV blocks (16
+    tokens each; the last prompt token is always recomputed) and says so as OpenAI does,
+    in usage.prompt_tokens_details.cached_tokens; the text is the same."""
+    prompt = list(range(1000, 1100))
+    first = complete(client, prompt=prompt, max_tokens=5, temperature=0, ignore_eos=True)
+    second = complete(client, prompt=prompt, max_tokens=5, temperature=0, ignore_eos=True)
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": (len(prompt) - 1) // 16 * 16}
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
 
 
 def test_n2_and_several_prompts(client: httpx.Client) -> None:
@@ -277,6 +291,7 @@ def test_echo_with_max_tokens_0_returns_prompt_logprobs(client: httpx.Client) ->
         "prompt_tokens": len(prompt_ids) + len(gen_ids),
         "completion_tokens": 0,
         "total_tokens": len(prompt_ids) + len(gen_ids),
+        "prompt_tokens_details": {"cached_tokens": 0},  # prompt logprobs need every position: no cache
     }
     # the same tokens scored by prefill and by decoding agree (the text re-tokenizes to them)
     assert len(gen_ids) == 4, gen_ids
