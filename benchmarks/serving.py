@@ -66,7 +66,8 @@ METRIC_IDLE = "graphserve_device_idle_seconds"
 METRIC_BUSY = "graphserve_device_busy_seconds"
 SERVER_COUNTERS = (METRIC_IDLE, METRIC_BUSY, "graphserve_decode_rounds", "graphserve_decode_rounds_ahead",
                    "graphserve_prefill_steps", "graphserve_num_preemptions", "graphserve_generation_tokens",
-                   "graphserve_prompt_tokens", "graphserve_cuda_graph_replays", "graphserve_eager_decode_rounds")
+                   "graphserve_prompt_tokens", "graphserve_cuda_graph_replays", "graphserve_eager_decode_rounds",
+                   "graphserve_prefix_cache_queries", "graphserve_prefix_cache_hits")
 
 
 # ---- one client process --------------------------------------------------------------------------------------

@@ -310,6 +310,8 @@ class EngineCore:
         if isinstance(batch, PrefillBatch):
             stats.prefill_steps += 1
             stats.prompt_tokens += sum(batch.chunk_lens)
+            for seq in batch.seqs:  # requests admitted from now on can share these blocks already
+                self.block_manager.register(seq)
             touched = [s for s in batch.seqs if not s.in_prefill]
         else:
             stats.decode_rounds += 1

@@ -57,6 +57,24 @@ def test_a_shared_prefix_gives_the_same_tokens(model_dir, plain, params):
     assert_idle(cached)
 
 
+def test_a_running_request_shares_its_prefilled_prefix(model_dir, plain):
+    """Blocks are registered once prefilled, not only when their request ends: a request
+    arriving while the first one still decodes hits them."""
+    cached = make_llm(model_dir, caching=True)
+    engine = cached.engine
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    engine.add_request("first", PROMPTS[0], params)
+    outs: dict = {"first": engine.step()}  # its prefill
+    engine.add_request("second", PROMPTS[1], params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert outs["second"][0].num_cached_tokens == 3 * BS
+    got = {r: [t for o in outs[r] for t in o.token_ids] for r in outs}
+    assert [got["first"], got["second"]] == tokens(plain, PROMPTS[:2], params)
+    assert_idle(cached)
+
+
 def test_a_prompt_made_of_full_blocks_recomputes_its_last_token(model_dir, plain):
     prompt = SHARED[:3 * BS]  # exactly three blocks
     cached = make_llm(model_dir, caching=True)
