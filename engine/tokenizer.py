@@ -13,7 +13,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models
+from tokenizers import decoders
 
 from engine.errors import InvalidRequestError, ModelFilesError
 
@@ -159,21 +159,6 @@ def _raise_template_error(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _decode_stream_takes_lists() -> bool:
-    """tokenizers' streaming decoder (0.21+) and whether its step takes a list of ids."""
-    if not hasattr(decoders, "DecodeStream"):
-        return False
-    probe = HFTokenizer(models.WordLevel({"a": 0}, unk_token="a"))
-    try:
-        decoders.DecodeStream(skip_special_tokens=True).step(probe, [0, 0])
-    except TypeError:
-        return False
-    return True
-
-
-_HAS_DECODE_STREAM = _decode_stream_takes_lists()
-
-
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas. Never emits half a UTF-8
     character (held back while the decoded tail is U+FFFD), and the concatenated deltas
@@ -183,8 +168,7 @@ class IncrementalDetokenizer:
     The window algorithm runs inside tokenizers (`decoders.DecodeStream`, one call per
     add); benchmarks/detok_bench.py measured it at about half the cost per token of doing
     the same two window decodes from Python. `prefix_offset`/`read_offset` mirror the
-    stream's window, so `flush` (which DecodeStream lacks) and the pure-Python path (a
-    tokenizers without DecodeStream) work on the same state."""
+    stream's window, so `flush` (which DecodeStream lacks) decodes what is still held back."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
@@ -192,34 +176,21 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0  # start of the context window
         self.read_offset = 0  # ids before this are already in the text
-        raw = getattr(tokenizer, "_tok", None)
-        self._raw = raw if isinstance(raw, HFTokenizer) and _HAS_DECODE_STREAM else None
-        self._stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens) if self._raw else None
+        self._stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def add(self, new_ids: list[int]) -> str:
         if not new_ids:
             return ""
-        ids = self.ids
-        ids.extend(new_ids)
-        stream = self._stream
-        if stream is not None:
-            try:  # one id as an int: the library's cheaper path
-                text = stream.step(self._raw, new_ids[0] if len(new_ids) == 1 else new_ids)
-            except Exception:  # the window's text no longer starts with its prefix: hold, as below
-                return ""
-            if text is None:
-                return ""
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(ids)
-            return text
-        decode = self.tokenizer.decode
-        prefix_text = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        full_text = decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
-        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd") and full_text.startswith(prefix_text):
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            return full_text[len(prefix_text):]
-        return ""
+        self.ids.extend(new_ids)
+        try:  # one id as an int: the library's cheaper path
+            text = self._stream.step(self.tokenizer._tok, new_ids[0] if len(new_ids) == 1 else new_ids)
+        except Exception:  # the window's text no longer starts with its prefix: hold it back
+            return ""
+        if text is None:  # an incomplete character: held back
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return text
 
     def flush(self) -> str:
         """At the end: whatever is still held back (an incomplete character decodes to U+FFFD)."""
@@ -229,8 +200,7 @@ class IncrementalDetokenizer:
         prefix_text = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
         full_text = decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
         self.prefix_offset = self.read_offset = len(self.ids)
-        if self._stream is not None:  # a fresh stream; the emitted text is its context no more
-            self._stream = decoders.DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        self._stream = decoders.DecodeStream(skip_special_tokens=self.skip_special_tokens)  # a fresh window
         return full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
 
 

@@ -166,12 +166,32 @@ def test_detokenizer_holds_back_an_incomplete_character_and_flush_releases_it(to
     assert detok.add(ids[:1]) + detok.add(ids[1:]) == "🚀"
 
 
-def test_detokenizer_python_path_matches_the_streaming_decoder(tok: Tokenizer, monkeypatch) -> None:
+class ReferenceWindowDetokenizer:
+    """The previous IncrementalDetokenizer, verbatim in effect: two decodes of a window per add."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok, self.ids, self.prefix_offset, self.read_offset = tok, [], 0, 0
+
+    def add(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
+        full_text = self.tok.decode(self.ids[self.prefix_offset:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd") and full_text.startswith(prefix_text):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full_text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
+        full_text = self.tok.decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
+
+
+def test_detokenizer_matches_the_two_decode_window_reference(tok: Tokenizer) -> None:
     ids = tok.encode(DETOK_TEXTS[0] + DETOK_TEXTS[1], add_special_tokens=False)
     fast = IncrementalDetokenizer(tok)
-    monkeypatch.setattr(engine_tokenizer, "_HAS_DECODE_STREAM", False)
-    slow = IncrementalDetokenizer(tok)
-    assert slow._stream is None and (fast._stream is not None) == engine_tokenizer._decode_stream_takes_lists()
+    slow = ReferenceWindowDetokenizer(tok)
     for i in range(0, len(ids), 2):
         assert fast.add(ids[i:i + 2]) == slow.add(ids[i:i + 2])
         assert (fast.prefix_offset, fast.read_offset) == (slow.prefix_offset, slow.read_offset)
