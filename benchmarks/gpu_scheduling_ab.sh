@@ -6,13 +6,7 @@
 # 0.5B run at 8,192 also repeats C=512 with 4 and 8 client processes (the doubling check).
 # Usage: OUT=dir bash benchmarks/gpu_scheduling_ab.sh     (~5 min on an H200)
 set -u
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
-fi
+. benchmarks/gpu_env.sh
 COMMON=(--config configs/gpu-h200.toml --num-requests 1000 --client-procs 4 --poisson-fraction 0
         --level-timeout 150 --server-timeout 180 --out "$OUT")
 run() {  # shape, name, serving.py args...

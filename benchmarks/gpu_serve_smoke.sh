@@ -7,13 +7,7 @@
 # (../shared/gpu/fetch-wheels).
 # Usage: OUT=dir bash benchmarks/gpu_serve_smoke.sh
 set -u
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
-fi
+. benchmarks/gpu_env.sh
 MODEL=$(python3 -c "import sys; sys.path[:0] = ['benchmarks']; from random_models import random_model; print(random_model('qwen2.5-0.5b'))" 2>/dev/null | tail -1)
 python3 -m server serve --config configs/gpu-h200.toml --model "$MODEL" --port 8000 --max-model-len 1024 > "$OUT/server.log" 2>&1 &
 SERVER=$!

@@ -13,13 +13,7 @@
 # step has a timeout and the whole stays under BUDGET_S (570 s): with "all", levels that
 # would start without time left are skipped (serving.py --time-budget; listed in its JSON).
 set -u
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
-fi
+. benchmarks/gpu_env.sh
 WHICH=${1:-all}
 shift || true
 case "$WHICH" in
