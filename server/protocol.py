@@ -69,6 +69,9 @@ class _SamplingFields(_Request):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extension: each choice carries `token_ids` (the generated ids), and the prompt's ids
+    # come back as `prompt_token_ids` (per choice in completions, per response in chat)
+    return_token_ids: bool = False
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -187,6 +190,10 @@ def _now() -> int:
     return int(time.time())
 
 
+# return_token_ids' response fields: left out of the JSON unless asked for (never `null`)
+OptionalTokenIds = Annotated[list[int] | None, Field(default=None, exclude_if=lambda v: v is None)]
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
@@ -211,6 +218,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # return_token_ids only (left out otherwise); a stream sends prompt_token_ids in a choice's first chunk
+    prompt_token_ids: OptionalTokenIds = None
+    token_ids: OptionalTokenIds = None
 
 
 class CompletionResponse(BaseModel):
@@ -248,6 +258,7 @@ class ChatCompletionChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: OptionalTokenIds = None  # return_token_ids only
 
 
 class ChatCompletionResponse(BaseModel):
@@ -258,6 +269,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: OptionalTokenIds = None  # return_token_ids only
 
 
 class ChatChunkChoice(BaseModel):
@@ -266,6 +278,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: OptionalTokenIds = None  # return_token_ids only: this chunk's generated ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -276,6 +289,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: OptionalTokenIds = None  # return_token_ids only, in a choice's first chunk
 
 
 class CompletionChunk(CompletionResponse):

@@ -108,18 +108,24 @@ class _ChatView:
                     logprobs=self._logprobs(output.logprobs),
                     finish_reason=output.finish_reason,
                     stop_reason=output.stop_reason,
+                    token_ids=output.token_ids if self.body.return_token_ids else None,
                 )
             )
+        prompt_ids = None
+        if self.body.return_token_ids and progress:
+            prompt_ids = progress[min(progress)].output.prompt_token_ids  # type: ignore[union-attr]
         return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
             model=self.model,
             choices=choices,
             usage=usage_of(progress, self.body.n),
+            prompt_token_ids=prompt_ids,
         )
 
-    def _chunk(self, choice: ChatChunkChoice) -> bytes:
-        chunk = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice])
+    def _chunk(self, choice: ChatChunkChoice, prompt_token_ids: list[int] | None = None) -> bytes:
+        chunk = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice],
+                                    prompt_token_ids=prompt_token_ids)
         return sse_event(chunk, exclude=None if self.body.include_usage_in_stream else {"usage"})
 
     def events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
@@ -132,12 +138,15 @@ class _ChatView:
 
     async def _choice_events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
         started: set[int] = set()
+        with_ids = self.body.return_token_ids
         async for index, output in group.outputs():
             if index not in started:
                 started.add(index)
-                yield self._chunk(ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""}))
+                # return_token_ids: the prompt's ids in each choice's first chunk, as vLLM
+                yield self._chunk(ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""}),
+                                  prompt_token_ids=output.prompt_token_ids if with_ids else None)
             has_logprobs = bool(self.body.logprobs and output.logprobs)
-            if not output.text and not output.finished and not has_logprobs:
+            if not output.text and not output.finished and not has_logprobs and not (with_ids and output.token_ids):
                 continue
             yield self._chunk(
                 ChatChunkChoice(
@@ -146,5 +155,6 @@ class _ChatView:
                     logprobs=self._logprobs(output.logprobs),
                     finish_reason=output.finish_reason if output.finished else None,
                     stop_reason=output.stop_reason if output.finished else None,
+                    token_ids=list(output.token_ids) if with_ids else None,
                 )
             )

@@ -163,6 +163,8 @@ class _CompletionView:
                     logprobs=logprobs,
                     finish_reason=output.finish_reason,
                     stop_reason=output.stop_reason,
+                    prompt_token_ids=output.prompt_token_ids if self.body.return_token_ids else None,
+                    token_ids=output.token_ids if self.body.return_token_ids else None,
                 )
             )
         return CompletionResponse(
@@ -189,6 +191,8 @@ class _CompletionView:
     async def _choice_events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
         exclude = None if self.body.include_usage_in_stream else {"usage"}
         text_offsets: dict[int, int] = {}
+        with_ids = self.body.return_token_ids
+        prompt_ids_sent: set[int] = set()
         async for index, output in group.outputs():
             first = index not in text_offsets
             text = output.text
@@ -206,8 +210,13 @@ class _CompletionView:
                 text_offsets[index] = 0
             if first and self.body.echo:
                 text = self.prompt_text(index) + text
-            if not text and not output.finished and not (logprobs and logprobs.tokens):
+            if not text and not output.finished and not (logprobs and logprobs.tokens) and not (
+                    with_ids and output.token_ids):
                 continue
+            prompt_ids = None
+            if with_ids and index not in prompt_ids_sent:  # in each choice's first chunk, as vLLM
+                prompt_ids_sent.add(index)
+                prompt_ids = output.prompt_token_ids
             chunk = CompletionChunk(
                 id=self.request_id,
                 created=self.created,
@@ -219,6 +228,8 @@ class _CompletionView:
                         logprobs=logprobs,
                         finish_reason=output.finish_reason if output.finished else None,
                         stop_reason=output.stop_reason if output.finished else None,
+                        prompt_token_ids=prompt_ids,
+                        token_ids=list(output.token_ids) if with_ids else None,
                     )
                 ],
             )
