@@ -32,6 +32,7 @@ from engine.inputs import InputProcessor, ModelLimits
 from engine.output import OutputProcessor
 from engine.request import RequestOutput, SamplingParams
 from engine.stats import EngineStats
+from engine.structured import GrammarCompiler, GrammarSpec
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("graphserve.engine")
@@ -55,6 +56,7 @@ class AsyncEngine:
         self.tokenizer: Tokenizer | None = None
         self.inputs: InputProcessor | None = None
         self.outputs: OutputProcessor | None = None
+        self.grammars: GrammarCompiler | None = None
         self.dead = False
         self.error: BaseException | None = None
 
@@ -84,6 +86,8 @@ class AsyncEngine:
         self.tokenizer = await asyncio.to_thread(Tokenizer, info.model_path)
         self.inputs = InputProcessor(self.tokenizer, ModelLimits(info.max_model_len, info.vocab_size))
         self.outputs = OutputProcessor(self.tokenizer)
+        self.grammars = GrammarCompiler(info.model_path, info.vocab_size, info.eos_token_ids,
+                                        self.config.grammar_compile_timeout)
         self._stats = info.stats
         self.info = info
 
@@ -123,6 +127,8 @@ class AsyncEngine:
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self.grammars is not None:
+            self.grammars.close()
 
     # ---- facts the server needs --------------------------------------------------------
 
@@ -143,6 +149,11 @@ class AsyncEngine:
         return self._stats
 
     # ---- requests ------------------------------------------------------------------------
+
+    async def check_grammar(self, spec: GrammarSpec) -> None:
+        """Compile `spec` here first (in a worker thread, bounded in time), so a grammar that
+        is malformed, fails to compile or takes too long is a 400 before anything is queued."""
+        await self.grammars.check(spec)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> "RequestStream":
         """Validate and send now (raises InvalidRequestError / PromptTooLongError before the
@@ -261,7 +272,7 @@ class RequestStream:
             raise item
         if item.finish_reason == "error":
             self._finish(True)
-            raise RequestFailedError(f"the engine step serving request {self.request_id} failed")
+            raise RequestFailedError(item.error or f"the engine step serving request {self.request_id} failed")
         if item.finished:
             self._finish(True)
         return item

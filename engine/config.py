@@ -26,6 +26,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = 512
     num_threads: int | None = None  # torch CPU threads; None: all cores
     seed: int | None = None  # seeds of unseeded requests: None draws them from the OS
+    grammar_compile_timeout: float = 10.0  # seconds a response_format / tool grammar may take to compile
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":

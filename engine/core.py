@@ -31,6 +31,7 @@ from engine.request import SamplingParams, Sequence, TokenLogprob
 from engine.runner import ModelRunner, StepTokens
 from engine.scheduler import DecodeRound, PrefillBatch, Scheduler
 from engine.stats import EngineStats
+from engine.structured import GrammarCompiler, StructuredOutputs
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("graphserve.engine")
@@ -105,6 +106,10 @@ class EngineCore:
                                           cache_salt=f"{self.model_path}:{self.dtype}")
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_caches, self.block_manager, self.device, self.eos_ids)
+        self.structured = StructuredOutputs(
+            GrammarCompiler(self.model_path, args.vocab_size, list(self.eos_ids), config.grammar_compile_timeout),
+            max_rows=config.max_num_seqs)
+        self.runner.structured = self.structured
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = GraphDecoder(self.runner, min(config.max_num_seqs, config.cuda_graph_max_batch),
@@ -154,7 +159,10 @@ class EngineCore:
         if seq.request_id in self.sequences:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already running")
         self.sequences[seq.request_id] = seq
-        self.scheduler.add(seq)
+        if seq.params.grammar is not None:
+            self.structured.submit(seq)  # joins the scheduler when its grammar is compiled
+        else:
+            self.scheduler.add(seq)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         seq = self.make_sequence(request_id, prompt_token_ids, params)
@@ -167,12 +175,13 @@ class EngineCore:
         if seq is None:
             return False
         self.scheduler.finish(seq)
+        self.structured.release(request_id)
         seq.finish_reason = "abort"
         self._drop_unwanted_round()
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
+        return self.scheduler.has_work() or self._in_flight is not None or bool(self.structured.compiling)
 
     # ---- the step ------------------------------------------------------------------
 
@@ -199,9 +208,22 @@ class EngineCore:
         if self._injected_fault == "fatal":
             self._injected_fault = None
             raise RuntimeError("injected fatal engine fault")
-        outputs = self._step()
+        outputs = self._admit_compiled() if self.structured.compiling else []
+        outputs += self._step()
         if not self.has_unfinished():
             self.timeline.pause()
+        return outputs
+
+    def _admit_compiled(self) -> list[CoreOutput]:
+        """Requests whose grammar compiled join the scheduler; those whose grammar failed end."""
+        ready, failed = self.structured.poll()
+        for seq in ready:
+            if not seq.is_finished:
+                self.scheduler.add(seq)
+        outputs = []
+        for seq, error in failed:
+            logger.warning("request %s: %s", seq.request_id, error)
+            outputs += self._fail_all([seq], error)
         return outputs
 
     def _step(self) -> list[CoreOutput]:
@@ -209,6 +231,8 @@ class EngineCore:
             batch = self.scheduler.schedule()
             if batch is None:
                 self.timeline.pause()
+                if self.structured.compiling:
+                    time.sleep(0.0005)  # only grammars compiling: no need to spin
                 return []
             if not self._overlaps(batch):
                 return self._run_now(batch)
@@ -222,7 +246,12 @@ class EngineCore:
 
     def _overlaps(self, batch: PrefillBatch | DecodeRound) -> bool:
         return (self.config.overlap_rounds and isinstance(batch, DecodeRound)
-                and self._eager_reason(batch) is None)
+                and self._eager_reason(batch) is None and not self._constrained(batch))
+
+    def _constrained(self, rnd: DecodeRound) -> bool:
+        """A grammar row needs its last token on the host before its next mask: no round
+        can be launched ahead of it."""
+        return any(s.params.grammar is not None for s in rnd.seqs)
 
     def _run_now(self, batch: PrefillBatch | DecodeRound) -> list[CoreOutput]:
         """A batch run and processed synchronously: prefills, eager rounds, no overlap."""
@@ -279,7 +308,7 @@ class EngineCore:
         if prefill is not None:
             outputs += self._run_now(prefill)
         ahead = self.scheduler.schedule_decode_ahead(prev.rnd)
-        if ahead is not None and self._eager_reason(ahead) is None:
+        if ahead is not None and self._eager_reason(ahead) is None and not self._constrained(ahead):
             try:
                 self._in_flight = self._launch(ahead)
                 self.stats_counters.decode_rounds_ahead += 1
@@ -342,6 +371,7 @@ class EngineCore:
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 self.sequences.pop(seq.request_id, None)
+                self.structured.release(seq.request_id)
             outputs.append(out)
         return outputs
 
@@ -352,6 +382,17 @@ class EngineCore:
         eos = () if params.ignore_eos else self.eos_ids
         kept = 0
         for token in step.tokens:
+            if params.grammar is not None:
+                accepted, grammar_done = self.structured.accept(seq.request_id, token)
+                if not accepted:  # the mask allowed it: only a bug gets here
+                    logger.error("request %s: the grammar rejected sampled token %d", seq.request_id, token)
+                    seq.finish_reason = "error"
+                    break
+                if grammar_done:  # the grammar accepted an end-of-sequence token
+                    seq.token_ids.append(token)
+                    kept += 1
+                    seq.finish_reason, seq.stop_reason = "stop", None
+                    break
             seq.token_ids.append(token)
             kept += 1
             n_out = seq.num_output_tokens
@@ -370,16 +411,17 @@ class EngineCore:
         if self._poisoned and any(s.request_id in self._poisoned for s in batch.seqs):
             raise RuntimeError("injected step fault")
 
-    def _fail_all(self, seqs: list[Sequence]) -> list[CoreOutput]:
+    def _fail_all(self, seqs: list[Sequence], error: str | None = None) -> list[CoreOutput]:
         outputs = []
         for seq in seqs:
             if seq.is_finished:
                 continue
             self.scheduler.finish(seq)
             self.sequences.pop(seq.request_id, None)
+            self.structured.release(seq.request_id)
             self._poisoned.discard(seq.request_id)
             seq.finish_reason = "error"
-            outputs.append(CoreOutput(seq.request_id, [], finish_reason="error"))
+            outputs.append(CoreOutput(seq.request_id, [], finish_reason="error", error=error))
         return outputs
 
     def _eager_reason(self, rnd: DecodeRound) -> str | None:

@@ -31,7 +31,8 @@ from engine.scheduler import DecodeRound
 
 logger = logging.getLogger("graphserve.engine")
 
-VARIANTS = ("greedy", "sample")  # all-greedy batches skip the sort and the noise
+# all-greedy batches skip the sort and the noise; "masked" ones apply grammar bitmasks
+VARIANTS = ("greedy", "sample", "greedy_masked", "sample_masked")
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -65,7 +66,7 @@ class _Graph:
 
 # static buffers staged from the host each round
 _STAGED = ("input_ids", "input_rows", "step_positions", "step_slots", "step_context_lens", "block_tables",
-           "temperature", "top_k", "top_p", "min_p", "seeds", "output_pos")
+           "temperature", "top_k", "top_p", "min_p", "seeds", "output_pos", "token_bitmask")
 _PER_STEP = ("step_positions", "step_slots", "step_context_lens")  # [K, n]; the others are [n] or [n, W]
 
 
@@ -126,6 +127,7 @@ class GraphDecoder:
         self.min_p = torch.zeros(n, dtype=torch.float32, device=dev)
         self.seeds = torch.zeros(n, dtype=torch.int64, device=dev)
         self.output_pos = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.token_bitmask = torch.full((n, -(-runner.vocab_size // 32)), -1, dtype=torch.int32, device=dev)
         self.step = torch.zeros((), dtype=torch.int64, device=dev)
         self.out_tokens = torch.zeros(max_steps, n, dtype=torch.int64, device=dev)
         self.out_logprobs = torch.zeros(max_steps, n, dtype=torch.float32, device=dev)
@@ -142,7 +144,8 @@ class GraphDecoder:
         st = SamplingTensors(
             temperature=self.temperature[:bucket], top_k=self.top_k[:bucket], top_p=self.top_p[:bucket],
             min_p=self.min_p[:bucket], seeds=self.seeds[:bucket], output_pos=self.output_pos[:bucket],
-            all_greedy=variant == "greedy", use_top_filters=variant == "sample")
+            all_greedy=variant.startswith("greedy"), use_top_filters=variant.startswith("sample"),
+            token_bitmask=self.token_bitmask[:bucket] if variant.endswith("_masked") else None)
         return DecodeState(
             input_ids=self.input_ids[:bucket], step_positions=self.step_positions[:, :bucket],
             step_slots=self.step_slots[:, :bucket], step_context_lens=self.step_context_lens[:, :bucket],
@@ -194,7 +197,7 @@ class GraphDecoder:
             return
         for t, value in ((self.input_ids, 0), (self.temperature, 0.0), (self.seeds, 0), (self.output_pos, 0),
                          (self.min_p, 0.0), (self.top_p, 1.0), (self.top_k, self.runner.vocab_size),
-                         (self.block_tables, DUMMY_BLOCK)):
+                         (self.block_tables, DUMMY_BLOCK), (self.token_bitmask, -1)):
             t[start:end].fill_(value)
         for t, value in ((self.step_positions, 0), (self.step_slots, DUMMY_BLOCK * self.runner.block_size),
                          (self.step_context_lens, 1)):
@@ -234,6 +237,9 @@ class GraphDecoder:
         buffers; returns the sampler variant."""
         seqs, k, b, pending = rnd.seqs, rnd.num_steps, len(rnd.seqs), rnd.pending
         carried = self._carried_rows(rnd)
+        bitmask = self.runner.token_bitmask(seqs)
+        if bitmask is not None and k != 1:
+            raise ValueError("a round with grammar-constrained rows runs one step (its mask needs the last token)")
         st = build_sampling_tensors(seqs, self.runner.vocab_size, self.runner.eos_ids, torch.device("cpu"), pending)
         table = slot.view("block_tables", (b, self.table_width))
         table.fill_(DUMMY_BLOCK)
@@ -243,13 +249,15 @@ class GraphDecoder:
         values = {"step_positions": positions, "step_slots": slots, "step_context_lens": context_lens,
                   **{name: getattr(st, name) for name in ("temperature", "top_k", "top_p", "min_p", "seeds",
                                                           "output_pos")}}
+        if bitmask is not None:
+            values["token_bitmask"] = bitmask
         host = {name: slot.stage(name, src) for name, src in values.items()}
         host["block_tables"] = table
         non_blocking = self.device.type == "cuda"
         for name, src in host.items():
             self._device_rows(name, k, b).copy_(src, non_blocking=non_blocking)
         self._stage_input_ids(slot, seqs, carried, non_blocking)
-        return "greedy" if st.all_greedy else "sample"
+        return ("greedy" if st.all_greedy else "sample") + ("_masked" if bitmask is not None else "")
 
     def _stage_input_ids(self, slot: _HostSlot, seqs: list[Sequence], carried: list[int] | None,
                          non_blocking: bool) -> None:

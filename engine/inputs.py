@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.request import SamplingParams
+from engine.structured import check_spec
 from engine.tokenizer import Tokenizer
 
 
@@ -29,6 +30,8 @@ class InputProcessor:
         """Tokenize and validate; returns the prompt ids and a copy of `params` whose
         max_tokens is set (None: as many as fit). Raises InvalidRequestError."""
         max_len, vocab = self.limits.max_model_len, self.limits.vocab_size
+        if params.grammar is not None:
+            check_spec(params.grammar)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", param="prompt")

@@ -61,7 +61,7 @@ class OutputProcessor:
         if finished:
             del self.states[out.request_id]
         update = RequestOutput(out.request_id, state.prompt_token_ids, text, token_ids, finished, finish_reason,
-                               stop_reason, logprobs, out.prompt_logprobs, out.num_cached_tokens)
+                               stop_reason, logprobs, out.prompt_logprobs, out.num_cached_tokens, out.error)
         return update, stopped_here
 
     def _add_text(self, state: _TextState, tokens: list[int]) -> str | None:

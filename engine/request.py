@@ -9,6 +9,7 @@ import numbers
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.structured import GrammarSpec
 
 MAX_LOGPROBS = 20
 # Bounds on what one request may ask for: each is checked by the HTTP protocol (a 400 naming
@@ -47,6 +48,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None  # constrain the output (response_format, tool calls)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -164,6 +166,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # in the first update; the first token has none
     num_cached_tokens: int = 0  # in the first update: prompt tokens served from the prefix cache
+    error: str | None = None  # with finish_reason "error": what went wrong, when known
 
     def merge(self, later: "RequestOutput") -> None:
         """Append a later update of the same request to this one."""
@@ -175,6 +178,7 @@ class RequestOutput:
             self.prompt_logprobs = later.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
         self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason
+        self.error = later.error
 
 
 class SequenceStatus(enum.Enum):

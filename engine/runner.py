@@ -18,6 +18,7 @@ from engine.models.llama import LlamaModel
 from engine.request import Sequence, TokenLogprob
 from engine.sampler import SamplingTensors, advance, build_sampling_tensors, sample
 from engine.scheduler import DecodeRound, PrefillBatch
+from engine.structured import StructuredOutputs
 
 
 @dataclass
@@ -78,6 +79,11 @@ class ModelRunner:
         self.device = device
         self.eos_ids = eos_ids
         self.vocab_size = model.args.vocab_size
+        self.structured: StructuredOutputs | None = None  # the core's grammar matchers, when it has any
+
+    def token_bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The grammar masks of `seqs` (host, [B, ceil(V/32)] int32), or None if none is constrained."""
+        return self.structured.bitmask(seqs) if self.structured is not None else None
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -127,7 +133,8 @@ class ModelRunner:
             return {}
         seqs = [s for s, _ in done]
         logits = self.model.compute_logits(hidden[self._tensor([i for _, i in done], torch.int64)])
-        st = build_sampling_tensors(seqs, self.vocab_size, self.eos_ids, self.device)
+        st = build_sampling_tensors(seqs, self.vocab_size, self.eos_ids, self.device,
+                                    token_bitmask=self.token_bitmask(seqs))
         out = sample(logits, st)
         tokens = out.tokens.tolist()
         logprobs = out.logprobs.tolist()
@@ -172,7 +179,10 @@ class ModelRunner:
         seqs, k = rnd.seqs, rnd.num_steps
         tables = self._block_tables(seqs)
         positions, slots, context_lens = plan_steps(seqs, k, tables, self.block_size)
-        st = build_sampling_tensors(seqs, self.vocab_size, self.eos_ids, self.device)
+        bitmask = self.token_bitmask(seqs)
+        if bitmask is not None and k != 1:
+            raise ValueError("a round with grammar-constrained rows runs one step (its mask needs the last token)")
+        st = build_sampling_tensors(seqs, self.vocab_size, self.eos_ids, self.device, token_bitmask=bitmask)
         b, dev = len(seqs), self.device
         state = DecodeState(
             input_ids=self._tensor([s.last_token_id for s in seqs], torch.int64),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Sequence
+from engine.structured import unpack_bitmask
 
 _MASK32 = 0xFFFFFFFF
 
@@ -33,18 +34,22 @@ class SamplingTensors:
     prompt_mask: torch.Tensor | None = None  # [B, V] bool: token occurs in the prompt
     min_tokens: torch.Tensor | None = None  # [B] int64
     min_tokens_ban: torch.Tensor | None = None  # [B, V] bool: EOS / stop ids banned before min_tokens
+    token_bitmask: torch.Tensor | None = None  # [B, ceil(V/32)] int32: what a grammar allows (structured.py)
     all_greedy: bool = False
     use_top_filters: bool = False
     num_logprobs: int = 0  # top-N alternatives to return (max over rows)
 
     @property
     def has_processors(self) -> bool:
-        return self.logit_bias is not None or self.output_counts is not None or self.min_tokens_ban is not None
+        return (self.logit_bias is not None or self.output_counts is not None or self.min_tokens_ban is not None
+                or self.token_bitmask is not None)
 
 
 def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_ids: tuple[int, ...],
-                           device: torch.device, pending: list[int] | None = None) -> SamplingTensors:
-    """Per-row tensors for `seqs`, built on the host once per round. `pending`: per sequence,
+                           device: torch.device, pending: list[int] | None = None,
+                           token_bitmask: torch.Tensor | None = None) -> SamplingTensors:
+    """Per-row tensors for `seqs`, built on the host once per round. `token_bitmask`: the
+    grammar masks of the rows (StructuredOutputs.bitmask), or None. `pending`: per sequence,
     tokens it generated on the device that are not appended yet; they shift the output
     position (and with it the sampling noise and min_tokens). The penalties count the
     appended tokens only, so they cannot be combined with pending ones."""
@@ -69,6 +74,8 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_ids: tuple
                             for p in params),
         num_logprobs=max([p.logprobs or 0 for p in params], default=0),
     )
+    if token_bitmask is not None:
+        st.token_bitmask = token_bitmask.to(device, non_blocking=device.type == "cuda")
     if any(p.logit_bias for p in params):
         bias = torch.zeros(b, vocab_size)
         for i, p in enumerate(params):
@@ -124,6 +131,8 @@ def apply_processors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     if st.min_tokens_ban is not None:
         banned = st.min_tokens_ban & (st.output_pos < st.min_tokens)[:, None]
         logits = logits.masked_fill(banned, float("-inf"))
+    if st.token_bitmask is not None:  # last: a grammar's mask is absolute
+        logits = logits.masked_fill(~unpack_bitmask(st.token_bitmask, logits.shape[-1]), float("-inf"))
     return logits
 
 

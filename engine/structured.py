@@ -1,0 +1,254 @@
+"""Grammar-constrained decoding with xgrammar: what a request asks for (GrammarSpec), its
+compilation (bounded in time and size, cached by spec), one matcher per request, and
+the token bitmasks the sampler applies on the device.
+
+The front end compiles a new spec once to reject it (400) before anything is queued;
+the engine core compiles it again, off its loop, in a worker thread (xgrammar releases
+the GIL), from its own cache. A request joins the scheduler only when its grammar is
+ready, so compilation never stalls other requests."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import torch
+
+from engine.errors import InvalidRequestError
+
+# what a spec may hold before anything is compiled: xgrammar's work grows with it
+MAX_SPEC_CHARS = 64 * 1024
+MAX_CHOICES = 1024
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+GRAMMAR_CACHE_BYTES = 512 * 1024**2
+
+
+class GrammarSpec(msgspec.Struct, frozen=True, array_like=True):
+    """A constraint on the output. kind: "json_schema" (value: the schema as JSON text),
+    "json_object" (any JSON object), "regex", "choice" (value: a JSON list of strings),
+    "grammar" (EBNF, xgrammar's dialect of GBNF), or "structural_tag" (xgrammar's
+    structural tag as JSON: tool calls). `param`: the request field it came from, for
+    error messages."""
+
+    kind: str
+    value: str = ""
+    param: str = "response_format"
+
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+def _clean(exc: Exception) -> str:
+    return _XGRAMMAR_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar matching exactly one of `choices` (JSON string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def check_spec(spec: GrammarSpec) -> None:
+    """Bounds and well-formedness, without a tokenizer (cheap): raises InvalidRequestError
+    naming spec.param. Compilation can still fail or time out (GrammarCompiler)."""
+    if spec.kind not in KINDS:
+        raise InvalidRequestError(f"unsupported constraint type {spec.kind!r}", param=spec.param)
+    if len(spec.value) > MAX_SPEC_CHARS:
+        raise InvalidRequestError(f"the {spec.kind} is too large: at most {MAX_SPEC_CHARS} characters",
+                                  param=spec.param)
+    if spec.kind == "choice":
+        choices = json.loads(spec.value)
+        if (not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES
+                or not all(isinstance(c, str) and c for c in choices)):
+            raise InvalidRequestError(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings",
+                                      param=spec.param)
+    _grammar(spec)
+
+
+def _grammar(spec: GrammarSpec):
+    import xgrammar as xgr
+
+    try:
+        if spec.kind == "json_schema":
+            return xgr.Grammar.from_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+        if spec.kind == "json_object":
+            return xgr.Grammar.builtin_json_grammar()
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.value)
+        if spec.kind == "choice":
+            return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(spec.value)))
+        if spec.kind == "grammar":
+            return xgr.Grammar.from_ebnf(spec.value)
+        return xgr.Grammar.from_structural_tag(spec.value)
+    except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own errors
+        raise InvalidRequestError(f"invalid {spec.kind}: {_clean(exc)}", param=spec.param) from None
+
+
+def tokenizer_info(model_path: str | Path, vocab_size: int, stop_token_ids: list[int]):
+    """xgrammar's view of the tokenizer: every id's bytes, with the model's logits width
+    (padding ids beyond the tokenizer are never allowed) and its end-of-sequence ids."""
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(model_path) / "tokenizer.json"))
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+
+
+class GrammarCompiler:
+    """Compiles specs with xgrammar in worker threads; compiled grammars are cached by spec
+    (xgrammar's own cache, bounded in bytes). Used by the front ends (to reject a spec that
+    fails or takes longer than `timeout_s`) and by the engine core."""
+
+    def __init__(self, model_path: str | Path, vocab_size: int, stop_token_ids: list[int],
+                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, max_workers: int = 2):
+        self.model_path, self.vocab_size, self.stop_token_ids = model_path, vocab_size, stop_token_ids
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    def _xgr_compiler(self):
+        with self._lock:  # built on first use: the tokenizer's vocabulary takes a moment to read
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = tokenizer_info(self.model_path, self.vocab_size, self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+            return self._compiler
+
+    def compile(self, spec: GrammarSpec):
+        """The compiled grammar (blocking; a worker thread calls it)."""
+        grammar = _grammar(spec)  # raises InvalidRequestError
+        compiler = self._xgr_compiler()
+        try:
+            if spec.kind == "json_object":
+                return compiler.compile_builtin_json_grammar()
+            if spec.kind == "json_schema":
+                return compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+            return compiler.compile_grammar(grammar)
+        except Exception as exc:
+            raise InvalidRequestError(f"invalid {spec.kind}: {_clean(exc)}", param=spec.param) from None
+
+    def submit(self, spec: GrammarSpec) -> Future:
+        return self._pool.submit(self.compile, spec)
+
+    async def check(self, spec: GrammarSpec) -> None:
+        """Front end: raise InvalidRequestError if `spec` is malformed, does not compile, or
+        does not compile within the time bound (its thread finishes in the background)."""
+        import asyncio
+
+        check_spec(spec)
+        future = asyncio.wrap_future(self.submit(spec))
+        try:
+            await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+        except TimeoutError:
+            future.add_done_callback(lambda f: f.exception())  # retrieve it: nothing waits any more
+            raise InvalidRequestError(f"the {spec.kind} took longer than {self.timeout_s:g}s to compile",
+                                      param=spec.param) from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class _Compiling:
+    seq: object  # engine.request.Sequence
+    future: Future
+    deadline: float
+
+
+class StructuredOutputs:
+    """Engine core: grammars being compiled, one matcher per running constrained request,
+    and the bitmasks of a batch. `bitmask(seqs)` is what the sampler gets; `accept` moves
+    a matcher on by the tokens the host appended."""
+
+    def __init__(self, compiler: GrammarCompiler, max_rows: int):
+        self.compiler = compiler
+        self.compiling: dict[str, _Compiling] = {}
+        self.matchers: dict[str, object] = {}
+        self._words = -(-compiler.vocab_size // 32)
+        self._bitmask = torch.full((max_rows, self._words), -1, dtype=torch.int32)
+        self._batch_matcher = None
+
+    def submit(self, seq) -> None:
+        """Start compiling `seq`'s grammar; poll() hands the sequence back once it is ready."""
+        spec = seq.params.grammar
+        self.compiling[seq.request_id] = _Compiling(seq, self.compiler.submit(spec),
+                                                    time.monotonic() + self.compiler.timeout_s)
+
+    def poll(self) -> tuple[list, list[tuple[object, str]]]:
+        """(sequences whose grammar is ready, with a matcher each; (sequence, error) pairs
+        whose compilation failed or ran out of time)."""
+        import xgrammar as xgr
+
+        ready, failed = [], []
+        now = time.monotonic()
+        for request_id, entry in list(self.compiling.items()):
+            if entry.future.done():
+                del self.compiling[request_id]
+                try:
+                    compiled = entry.future.result()
+                except Exception as exc:  # noqa: BLE001
+                    failed.append((entry.seq, _clean(exc)))
+                    continue
+                self.matchers[request_id] = xgr.GrammarMatcher(compiled)
+                ready.append(entry.seq)
+            elif now > entry.deadline:
+                del self.compiling[request_id]
+                entry.future.add_done_callback(lambda f: f.exception())
+                failed.append((entry.seq, f"the grammar took longer than {self.compiler.timeout_s:g}s to compile"))
+        return ready, failed
+
+    def release(self, request_id: str) -> None:
+        """Forget a request's matcher (or its compilation): it finished or was aborted."""
+        self.matchers.pop(request_id, None)
+        self.compiling.pop(request_id, None)
+
+    def bitmask(self, seqs: list) -> torch.Tensor | None:
+        """[len(seqs), ceil(V/32)] int32 on the host: the tokens each row may sample next
+        (all bits set for unconstrained rows); None when no row is constrained."""
+        rows = [i for i, s in enumerate(seqs) if s.request_id in self.matchers]
+        if not rows:
+            return None
+        if len(seqs) > self._bitmask.shape[0]:
+            self._bitmask = torch.full((len(seqs), self._words), -1, dtype=torch.int32)
+        mask = self._bitmask[:len(seqs)]
+        mask.fill_(-1)
+        matchers = [self.matchers[seqs[i].request_id] for i in rows]
+        if len(rows) == 1:
+            matchers[0].fill_next_token_bitmask(mask, rows[0])
+        else:
+            import xgrammar as xgr
+
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=2)
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, mask, rows)
+        return mask
+
+    def accept(self, request_id: str, token: int) -> tuple[bool, bool]:
+        """Move the request's matcher on by `token`: (accepted, the grammar is finished)."""
+        matcher = self.matchers.get(request_id)
+        if matcher is None:
+            return True, False
+        ok = matcher.accept_token(token)
+        return ok, matcher.is_terminated()
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, ceil(V/32)] int32 (bit j of word w: token 32w + j is allowed) -> [B, V] bool.
+    Pure tensor ops: it runs inside captured CUDA graphs."""
+    vocab = torch.arange(vocab_size, device=bitmask.device)
+    words = bitmask.index_select(1, vocab // 32)
+    return ((words >> (vocab % 32).to(torch.int32)) & 1).bool()
+
+
+def allowed_tokens(bitmask_row: torch.Tensor, vocab_size: int) -> np.ndarray:
+    """Token ids a host bitmask row allows (tests, debugging)."""
+    return unpack_bitmask(bitmask_row[None], vocab_size)[0].nonzero().flatten().numpy()
