@@ -80,7 +80,8 @@ class Tokenizer:
         """Tokenize with special-token text kept as ordinary text (no BOS/EOS added)."""
         return self._text_tok.encode(text, add_special_tokens=False).ids
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Render the chat template and tokenize it so that only the template's own markup
         becomes control tokens: special-token text inside a message's content or name
         stays text. Messages without such text give exactly encode(render) (the ids of
@@ -93,10 +94,10 @@ class Tokenizer:
         again with the markers' texts put back, as text. Runs without content special
         text keep exactly the ids they had."""
         pattern = self.special_token_pattern
-        fields = ("content", "name")
-        if pattern is None or not any(isinstance(m.get(f), str) and pattern.search(m[f])
-                                      for m in messages for f in fields):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        fields = ("content", "name", "tool_calls")  # tool calls: every string inside them
+        render = functools.partial(self.apply_chat_template, add_generation_prompt=add_generation_prompt, tools=tools)
+        if pattern is None or not any(_any_string(m.get(f), pattern.search) for m in messages for f in fields):
+            return self.encode(render(messages), add_special_tokens=False)
         # Each special-token text in a content becomes a marker no client can guess, so
         # that the only control tokens in the rendered text are the template's.
         nonce = secrets.token_hex(8)
@@ -106,12 +107,12 @@ class Tokenizer:
             found.append(m.group())
             return f"\ue000{nonce}.{len(found) - 1}\ue001"
 
-        marked = [{k: pattern.sub(mark, v) if k in fields and isinstance(v, str) else v for k, v in m.items()}
+        marked = [{k: _map_strings(v, lambda t: pattern.sub(mark, t)) if k in fields else v for k, v in m.items()}
                   for m in messages]
-        text = self.apply_chat_template(marked, add_generation_prompt)
+        text = render(marked)
         marker = re.compile(f"\ue000{nonce}\\.(\\d+)\ue001")
         restored = marker.sub(lambda m: found[int(m.group(1))], text)
-        if restored != self.apply_chat_template(messages, add_generation_prompt):
+        if restored != render(messages):
             # the template rewrote the characters of a content (upper, a slice...) or
             # branched on its special-token text: the two cannot be told apart safely
             raise InvalidRequestError("the chat template transforms message content that holds special-token "
@@ -140,23 +141,52 @@ class Tokenizer:
         """The text of one token on its own (for logprobs): decoded, specials kept."""
         return self._tok.decode([token_id], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if self.chat_template is None:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
         if self._template is None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = _raise_template_error
+            env.filters["tojson"] = _tojson  # as transformers renders templates: no HTML escaping
             self._template = env.from_string(self.chat_template)
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                         **({"tools": tools} if tools else {}))
         except Exception as e:  # the template compiled, so a render failure follows from these messages
             raise InvalidRequestError(f"chat template failed: {e}", param="messages") from e
 
 
 def _raise_template_error(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _map_strings(value: Any, fn) -> Any:
+    """`value` with fn applied to every string in it (dicts and lists walked)."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(v, fn) for v in value]
+    return value
+
+
+def _any_string(value: Any, predicate) -> bool:
+    if isinstance(value, str):
+        return bool(predicate(value))
+    if isinstance(value, dict):
+        return any(_any_string(v, predicate) for v in value.values())
+    if isinstance(value, list):
+        return any(_any_string(v, predicate) for v in value)
+    return False
 
 
 class IncrementalDetokenizer:

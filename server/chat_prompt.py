@@ -15,16 +15,18 @@ from typing import Any
 from server.protocol import ChatMessage
 
 
-def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
-                       parse_special_in_content: bool = False) -> list[int]:
+def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage] | list[dict[str, Any]], add_generation_prompt: bool,
+                       parse_special_in_content: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Apply the model's chat template and tokenize; the template already holds any BOS.
-    A template that rejects the messages raises the engine's InvalidRequestError (a 400)."""
+    `messages`: request messages, or a conversation already in the template's form (with
+    tool calls: server/tools.py). A template that rejects the messages raises the engine's
+    InvalidRequestError (a 400)."""
     conversation = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        | ({"name": m.name} if m.name else {})
+        m if isinstance(m, dict) else
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
         for m in messages
     ]
     if not parse_special_in_content and hasattr(tokenizer, "encode_chat"):
-        return tokenizer.encode_chat(conversation, add_generation_prompt=add_generation_prompt)
-    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        return tokenizer.encode_chat(conversation, add_generation_prompt=add_generation_prompt, tools=tools)
+    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tools=tools)
     return tokenizer.encode(text, add_special_tokens=False)

@@ -31,6 +31,9 @@ from engine.request import (
 MAX_N = 128
 MAX_PROMPTS = 2048  # entries of a prompt array (strings or token-id lists), as the OpenAI API
 MAX_CHAT_MESSAGES = 4096
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 128  # per assistant message
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_.-]{1,64}$"  # as OpenAI (dots allowed, as vLLM)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 Prompt = str | list[int] | list[str] | list[list[int]]
@@ -44,6 +47,35 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    name: Annotated[str, Field(pattern=TOOL_NAME_PATTERN)] = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: free text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's extension (`structured_outputs`): exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
 
 class _SamplingFields(_Request):
@@ -72,6 +104,14 @@ class _SamplingFields(_Request):
     # vLLM's extension: each choice carries `token_ids` (the generated ids), and the prompt's ids
     # come back as `prompt_token_ids` (per choice in completions, per response in chat)
     return_token_ids: bool = False
+    # constrained output (server/structured_request.py): OpenAI's response_format, vLLM's
+    # structured_outputs, and vLLM's older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -142,10 +182,25 @@ class TextContentPart(_Request):
     text: str
 
 
+class ToolCallFunction(_Request):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Request):
+    """A call the assistant made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the call this message answers
 
     def text(self) -> str:
         if self.content is None:
@@ -155,8 +210,32 @@ class ChatMessage(_Request):
         return "\n".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)]
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)] | None = None
     logprobs: bool | None = False
@@ -247,9 +326,22 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    # left out of the JSON when the request had no tools
+    tool_calls: Annotated[list[ResponseToolCall] | None, Field(default=None, exclude_if=lambda v: v is None)] = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -274,7 +366,8 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": "..."}
+    # {"role": "assistant", "content": ""} first, then {"content": "..."} and/or {"tool_calls": [...]}
+    delta: dict[str, Any]
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None

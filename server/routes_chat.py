@@ -13,6 +13,17 @@ from fastapi.responses import Response
 from server import openapi
 from server.auth import require_api_key
 from server.chat_prompt import render_chat_prompt
+from server.structured_request import grammar_from_request
+from server.tools import (
+    CallFormat,
+    ToolCallParser,
+    call_format,
+    check_tool_request,
+    conversation,
+    finish_reason_with_calls,
+    parse_tool_calls,
+    tool_grammar,
+)
 from server.errors import bad_request
 from server.generation import (
     ChoiceJob,
@@ -59,21 +70,33 @@ async def create_chat_completion(request: Request) -> Response:
     # the cheap checks first (n against the queue: 400 / 429; the parameters), then the
     # template and the tokenizer, O(body size), off the event loop
     state.admission.admit(body.n)
+    fmt = call_format(tokenizer.chat_template)
+    use_tools = check_tool_request(body)
+    grammar = grammar_from_request(body)
+    if use_tools:
+        if grammar is not None:
+            raise bad_request("response_format (or a structured_outputs field) cannot be combined with tools",
+                              param=grammar.param)
+        grammar = tool_grammar(fmt, body)
     params = build_sampling_params(
         body,
         max_tokens=body.effective_max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         prompt_logprobs=None,
         vocab_size=tokenizer.vocab_size,
+        grammar=grammar,
     )
-    prompt_ids = await asyncio.to_thread(render_chat_prompt, tokenizer, body.messages, body.add_generation_prompt,
-                                         state.chat_content_special_tokens)
+    messages, template_tools = conversation(body, fmt, use_tools)
+    prompt_ids = await asyncio.to_thread(render_chat_prompt, tokenizer, messages, body.add_generation_prompt,
+                                         state.chat_content_special_tokens, template_tools)
     if not prompt_ids:
         raise bad_request("messages render to an empty prompt", param="messages")
+    if grammar is not None:  # a 400 for a grammar that fails or takes too long to compile
+        await engine.check_grammar(grammar)
     jobs = [ChoiceJob(index=c, prompt=prompt_ids, params=for_choice(params, c)) for c in range(body.n)]
     request_id = new_request_id("chatcmpl")
     group = await start_generation(state, request_id, jobs, stream=body.stream)
-    view = _ChatView(state, body, request_id)
+    view = _ChatView(state, body, request_id, fmt if use_tools else None)
     if body.stream:
         return EventStreamResponse(view.events(group), on_close=group.close)
     progress = await run_to_completion(request, group)
@@ -83,8 +106,9 @@ async def create_chat_completion(request: Request) -> Response:
 class _ChatView:
     """Builds the response body or the stream events of one chat request."""
 
-    def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str):
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str, tools: CallFormat | None):
         self.body = body
+        self.tools = tools  # the call format to parse, when the request may call tools
         self.request_id = request_id
         self.model = state.model_name
         self.created = int(time.time())
@@ -101,12 +125,17 @@ class _ChatView:
         for index in sorted(progress):
             output = progress[index].output
             assert output is not None
+            message, finish_reason = ChatResponseMessage(content=output.text), output.finish_reason
+            if self.tools is not None:
+                content, calls = parse_tool_calls(self.tools, output.text)
+                message = ChatResponseMessage(content=content, tool_calls=calls)
+                finish_reason = finish_reason_with_calls(finish_reason, bool(calls))
             choices.append(
                 ChatCompletionChoice(
                     index=index,
-                    message=ChatResponseMessage(content=output.text),
+                    message=message,
                     logprobs=self._logprobs(output.logprobs),
-                    finish_reason=output.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=output.stop_reason,
                     token_ids=output.token_ids if self.body.return_token_ids else None,
                 )
@@ -139,21 +168,33 @@ class _ChatView:
     async def _choice_events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
         started: set[int] = set()
         with_ids = self.body.return_token_ids
+        parsers: dict[int, ToolCallParser] = {}
         async for index, output in group.outputs():
             if index not in started:
                 started.add(index)
                 # return_token_ids: the prompt's ids in each choice's first chunk, as vLLM
                 yield self._chunk(ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""}),
                                   prompt_token_ids=output.prompt_token_ids if with_ids else None)
+            delta: dict[str, Any] = {"content": output.text} if output.text else {}
+            finish_reason = output.finish_reason if output.finished else None
+            if self.tools is not None:
+                parser = parsers.setdefault(index, ToolCallParser(self.tools))
+                content, calls = parser.feed(output.text)
+                if output.finished:
+                    content += parser.finish()[0]
+                    finish_reason = finish_reason_with_calls(finish_reason, bool(parser.calls))
+                if parser.calls and not content.strip():
+                    content = ""  # whitespace between calls is not content
+                delta = ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
             has_logprobs = bool(self.body.logprobs and output.logprobs)
-            if not output.text and not output.finished and not has_logprobs and not (with_ids and output.token_ids):
+            if not delta and not output.finished and not has_logprobs and not (with_ids and output.token_ids):
                 continue
             yield self._chunk(
                 ChatChunkChoice(
                     index=index,
-                    delta={"content": output.text} if output.text else {},
+                    delta=delta,
                     logprobs=self._logprobs(output.logprobs),
-                    finish_reason=output.finish_reason if output.finished else None,
+                    finish_reason=finish_reason,
                     stop_reason=output.stop_reason if output.finished else None,
                     token_ids=list(output.token_ids) if with_ids else None,
                 )

@@ -34,6 +34,7 @@ from server.protocol import (
 )
 from server.request_body import parse_body
 from server.sampling import build_sampling_params, for_choice
+from server.structured_request import grammar_from_request
 from server.sse import EventStreamResponse, json_response, sse_event
 from server.state import ServerState, get_state, new_request_id
 
@@ -105,7 +106,10 @@ async def create_completion(request: Request) -> Response:
         logprobs=body.logprobs,
         prompt_logprobs=_prompt_logprobs(body),
         vocab_size=tokenizer.vocab_size,
+        grammar=grammar_from_request(body),
     )
+    if params.grammar is not None:  # a 400 for a grammar that fails or takes too long to compile
+        await engine.check_grammar(params.grammar)
     # tokenizing is O(body size): off the event loop, so other clients keep being served
     fitted = await asyncio.to_thread(fit_max_tokens, body, prompts, tokenizer, engine.max_model_len)
     jobs = [

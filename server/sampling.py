@@ -6,6 +6,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from engine.request import SEED_MAX, SEED_MIN, SamplingParams
+from engine.structured import GrammarSpec
 from server.errors import bad_request
 from server.protocol import _SamplingFields
 
@@ -54,6 +55,7 @@ def build_sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None,
     vocab_size: int,
+    grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
     """One SamplingParams for the first choice; `for_choice` derives the others. A value
     SamplingParams rejects raises the engine's InvalidRequestError (a 400, errors.py)."""
@@ -66,6 +68,7 @@ def build_sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         logit_bias=parse_logit_bias(body.logit_bias, vocab_size),
+        grammar=grammar,
     )
 
 
