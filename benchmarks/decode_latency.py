@@ -4,7 +4,9 @@ and transformers `generate` (eager), in one run, for real model shapes with rand
     python benchmarks/decode_latency.py --models qwen2.5-0.5b llama-3.1-8b --out benchmarks/results/decode.json
 
 Decode time is measured as T(prompt + 1 + N tokens) - T(prompt + 1 token), so prefill is
-excluded. Roofline: bytes a step must read (weights + KV cache) over the copy bandwidth
+excluded. Every timed run draws fresh prompts, so with prefix caching on nothing hits;
+`--prefix-caching both` times every engine row with it on and off (issue 10: the lookup must
+cost nothing measurable when nothing hits). Roofline: bytes a step must read (weights + KV cache) over the copy bandwidth
 measured in the same run.
 """
 
@@ -23,7 +25,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from measure import copy_bandwidth, run_info, write_json  # noqa: E402
-from random_models import random_model  # noqa: E402
+from workload import provenance, resolve_model  # noqa: E402
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def weight_bytes(model) -> int:
@@ -38,13 +45,15 @@ def kv_bytes(args, batch: int, avg_context: int) -> int:
 
 
 def time_engine(llm, prompts, new_tokens: int, repeats: int = 2) -> float:
+    """prompts: a function giving fresh prompts for each run (no prefix-cache hits)."""
     from engine import SamplingParams
 
     def run(n):
-        torch.cuda.synchronize()
+        batch = prompts()
+        _sync()
         t = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-        torch.cuda.synchronize()
+        llm.generate(batch, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        _sync()
         return time.perf_counter() - t
 
     run(17)  # warm-up: compiles, allocator
@@ -83,6 +92,9 @@ def main() -> None:
                         help="also time the graph rows with overlap_rounds off (the host reads each round before the next)")
     parser.add_argument("--gemv-ab", action="store_true",
                         help="also time batch 1 with cuBLAS projections instead of the fused GEMV kernels")
+    parser.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on",
+                        help="the engine rows with prefix caching on, off, or both (the engine built twice)")
+    parser.add_argument("--device", default="cuda", help="cpu: a check of the script (float32, no graphs, no roofline)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/decode_latency.json"))
     args = parser.parse_args()
 
@@ -91,62 +103,76 @@ def main() -> None:
     from engine import LLM
     from engine.models import layers
 
-    bandwidth = copy_bandwidth()["gb_per_s"] * 1e9
+    cuda = args.device != "cpu"
+    bandwidth = copy_bandwidth()["gb_per_s"] * 1e9 if cuda else None
     rows, captures = [], []
     avg_context = args.prompt_len + args.new_tokens // 2
 
-    def record(model_name, engine_kind, batch, k, step_s, shape):
-        """shape: (weight bytes, ModelArgs) of the model timed."""
+    def record(model_name, engine_kind, batch, k, step_s, shape, caching=None):
+        """shape: (weight bytes, ModelArgs) of the model timed; caching: prefix caching (engine rows)."""
         tok_s = batch / step_s
-        roof = (shape[0] + kv_bytes(shape[1], batch, avg_context)) / bandwidth
+        roof = (shape[0] + kv_bytes(shape[1], batch, avg_context)) / bandwidth if bandwidth else float("nan")
         rows.append(dict(model=model_name, engine=engine_kind, batch=batch, decode_chunk=k, ms_per_step=step_s * 1e3,
-                         tokens_per_s=tok_s, roofline_fraction=roof / step_s))
-        print(f"{model_name:14s} {engine_kind:13s} B={batch:<3d} K={k if k else '-':<3} "
+                         tokens_per_s=tok_s, roofline_fraction=roof / step_s if bandwidth else None,
+                         prefix_caching=caching))
+        label = engine_kind + ("" if caching is None else " pc-" + ("on" if caching else "off"))
+        print(f"{model_name:14s} {label:20s} B={batch:<3d} K={k if k else '-':<3} "
               f"{step_s * 1e3:8.3f} ms/step {tok_s:10.1f} tok/s  {roof / step_s:6.1%} of roofline", flush=True)
 
-    for name in args.models:
-        path = random_model(name)
+    settings = {"on": [True], "off": [False], "both": [True, False]}[args.prefix_caching]
+    runs = [(name, caching, i == len(settings) - 1) for name in args.models for i, caching in enumerate(settings)]
+    for name, caching, last_of_model in runs:
+        path = resolve_model(name)  # a random_models config, "default" (None: the embedded model) or a folder
         gen = torch.Generator().manual_seed(0)
+
+        def fresh(batch):
+            return lambda: torch.randint(100, 30000, (batch, args.prompt_len), generator=gen).tolist()
+
         max_batch = max(args.batches)
         started = time.perf_counter()
-        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=max(max_batch, args.max_num_seqs),
+        llm = LLM(path and str(path), device=args.device, dtype="bfloat16" if cuda else "float32", max_num_seqs=max(max_batch, args.max_num_seqs),
                   decode_chunk=max(args.k, *args.chunks),
                   max_model_len=args.prompt_len + args.new_tokens + 64, max_num_batched_tokens=8192,
-                  gpu_memory_utilization=0.5)
+                  gpu_memory_utilization=0.5, prefix_caching=caching)
         engine = llm.engine.core
-        captures.append(dict(model=name, engine_start_s=time.perf_counter() - started,
-                             buckets=len(engine.graphs.buckets), largest_bucket=engine.graphs.max_bucket,
-                             capture_s=engine.graphs.capture_seconds, capture_gib=engine.graphs.capture_gib))
-        print(f"{name}: engine start {captures[-1]['engine_start_s']:.1f}s, of which capturing "
-              f"{2 * len(engine.graphs.buckets)} CUDA graphs (buckets up to {engine.graphs.max_bucket}) "
-              f"{engine.graphs.capture_seconds:.1f}s, {engine.graphs.capture_gib:.2f} GiB", flush=True)
+        if engine.graphs is None:  # CPU
+            captures.append(dict(model=name, prefix_caching=caching, engine_start_s=time.perf_counter() - started))
+        else:
+            captures.append(dict(model=name, prefix_caching=caching, engine_start_s=time.perf_counter() - started,
+                                 buckets=len(engine.graphs.buckets), largest_bucket=engine.graphs.max_bucket,
+                                 capture_s=engine.graphs.capture_seconds, capture_gib=engine.graphs.capture_gib))
+            print(f"{name}: engine start {captures[-1]['engine_start_s']:.1f}s, of which capturing "
+                  f"{2 * len(engine.graphs.buckets)} CUDA graphs (buckets up to {engine.graphs.max_bucket}) "
+                  f"{engine.graphs.capture_seconds:.1f}s, {engine.graphs.capture_gib:.2f} GiB", flush=True)
         shape = (weight_bytes(engine.model), engine.model.args)
         for batch in args.batches:
-            prompts = torch.randint(100, 30000, (batch, args.prompt_len), generator=gen).tolist()
+            prompts = fresh(batch)
             engine.config.decode_chunk = args.k
-            record(name, "graphs", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape)
+            record(name, "graphs", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape, caching)
             if args.overlap_ab:
                 engine.config.overlap_rounds = False
-                record(name, "graphs-no-overlap", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape)
+                record(name, "graphs-no-overlap", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape,
+                       caching)
                 engine.config.overlap_rounds = True
             graphs, engine.graphs = engine.graphs, None
-            record(name, "eager", batch, args.k, time_engine(llm, prompts, args.new_tokens, repeats=1), shape)
+            record(name, "eager", batch, args.k, time_engine(llm, prompts, args.new_tokens, repeats=1), shape, caching)
             engine.graphs = graphs
             if args.gemv_ab and batch <= layers.GEMV_MAX_ROWS:
                 gemv_rows, layers.GEMV_MAX_ROWS = layers.GEMV_MAX_ROWS, 0
                 graphs.capture(progress=False)  # the projection kernels are chosen when a graph is captured
-                record(name, "graphs-cublas", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape)
+                record(name, "graphs-cublas", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape,
+                       caching)
                 layers.GEMV_MAX_ROWS = gemv_rows
                 graphs.capture(progress=False)
-        prompts = torch.randint(100, 30000, (1, args.prompt_len), generator=gen).tolist()
+        prompts = fresh(1)
         for k in args.chunks:
             engine.config.decode_chunk = k
-            record(name, "graphs", 1, k, time_engine(llm, prompts, args.new_tokens), shape)
+            record(name, "graphs", 1, k, time_engine(llm, prompts, args.new_tokens), shape, caching)
         stats = engine.stats()
         del llm, engine, graphs
         gc.collect()
         torch.cuda.empty_cache()
-        if not args.skip_transformers:
+        if not args.skip_transformers and last_of_model:
             hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
             for batch in args.batches:
                 prompts = torch.randint(100, 30000, (batch, args.prompt_len), generator=gen).tolist()
@@ -156,8 +182,9 @@ def main() -> None:
             torch.cuda.empty_cache()
         print(f"{name}: graph replays per bucket {stats.graph_replays}, eager rounds {stats.eager_rounds}")
 
-    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    write_json(args.out, dict(**run_info("decode_latency"), copy_bandwidth_gb_s=bandwidth / 1e9,
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s" if bandwidth else "copy bandwidth: not measured (CPU)")
+    info = run_info("decode_latency") if cuda else provenance("decode_latency")
+    write_json(args.out, dict(**info, copy_bandwidth_gb_s=bandwidth / 1e9 if bandwidth else None,
                               prompt_len=args.prompt_len, new_tokens=args.new_tokens, rows=rows,
                               graph_capture=captures))
 

@@ -9,68 +9,29 @@ Reports TTFT p50/p99, output tok/s, cached tokens per request and the server's h
 from __future__ import annotations
 
 import argparse
-import array
-import asyncio
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import _one_request, scrape  # noqa: E402
+from multiturn_bench import fmt_ms, run_chains, run_server  # noqa: E402
 from workload import provenance, resolve_model, vocabulary, write_json  # noqa: E402
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else (
-        values[0] if values else None)
-
-
-async def drive(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[list[dict], float]:
-    records = [dict() for _ in prompts]
-    pending = list(range(len(prompts)))
-    itl = array.array("d")
-
-    async def stream(http: httpx.AsyncClient) -> None:
-        while pending:
-            i = pending.pop(0)
-            body = {"prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            await _one_request(http, body, records[i], itl)
-
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=300.0, limits=limits) as http:
-        started = time.perf_counter()
-        await asyncio.gather(*(stream(http) for _ in range(concurrency)))
-        return records, time.perf_counter() - started
-
-
 def run(args, model: str | None, caching: bool, prompts: list[list[int]], extra: list[str]) -> dict:
-    from server.testing import ServerProcess
+    """One server (with or without --no-prefix-caching): the prompts in a closed loop at
+    --concurrency, over --client-procs client processes (multiturn_bench.run_chains: chains
+    of one turn)."""
+    chains = [dict(id=i, prompt=p, new=[]) for i, p in enumerate(prompts)]
 
-    serve = ["--config", args.config, *(["--model", model] if model else []), *extra,
-             *([] if caching else ["--no-prefix-caching"])]
-    with ServerProcess(serve) as server:
-        server.wait_ready(300)
-        warm = [[7, 8, 9, 10]] * 2
-        asyncio.run(drive(server.url, warm, 4, 2))
-        before = scrape(server.url, {})
-        records, wall = asyncio.run(drive(server.url, prompts, args.max_tokens, args.concurrency))
-        after = scrape(server.url, {})
-        server.terminate()
-        server.wait(60)
-    ok = [r for r in records if r["error"] is None]
-    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
-    queries = after.get("graphserve_prefix_cache_queries", 0) - before.get("graphserve_prefix_cache_queries", 0)
-    hits = after.get("graphserve_prefix_cache_hits", 0) - before.get("graphserve_prefix_cache_hits", 0)
-    return dict(prefix_caching=caching, server_args=serve, requests=len(prompts), completed=len(ok),
-                errors=sorted({r["error"] for r in records if r["error"]})[:3], wall_s=wall,
-                output_tok_s=sum(r["tokens"] for r in ok) / wall, ttft_p50_s=percentile(ttft, 50),
-                ttft_p99_s=percentile(ttft, 99), hit_rate=hits / queries if queries else None,
-                prefix_cache_queries=queries, prefix_cache_hits=hits)
+    def work(url: str):
+        return run_chains(url, chains, args.concurrency, args.max_tokens, args.client_procs)
+
+    row, _ = run_server(args, model, caching, extra, work)
+    counters = row["server_counters"]
+    row.update(hit_rate=row["server_hit_rate"], prefix_cache_queries=counters["graphserve_prefix_cache_queries"],
+               prefix_cache_hits=counters["graphserve_prefix_cache_hits"])
+    return row
 
 
 def main() -> int:
@@ -82,6 +43,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--client-procs", type=int, default=4, help="client processes the streams are spread over")
+    parser.add_argument("--caching", choices=["both", "on", "off"], default="both")
+    parser.add_argument("--server-timeout", type=float, default=300.0)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--name", default=None)
     args, extra = parser.parse_known_args()
@@ -92,16 +56,19 @@ def main() -> int:
     prefix = [rng.choice(allowed) for _ in range(args.prefix)]
     prompts = [prefix + [rng.choice(allowed) for _ in range(args.suffix)] for _ in range(args.requests)]
     report = dict(**provenance("prefix_bench"), model=args.model, prefix_tokens=args.prefix,
-                  suffix_tokens=args.suffix, max_tokens=args.max_tokens, concurrency=args.concurrency, runs=[])
-    for caching in (False, True):
+                  suffix_tokens=args.suffix, max_tokens=args.max_tokens, concurrency=args.concurrency,
+                  client_procs=args.client_procs, runs=[])
+    for caching in {"both": (False, True), "on": (True,), "off": (False,)}[args.caching]:
         row = run(args, model, caching, prompts, extra)
         report["runs"].append(row)
         print(f"prefix caching {'on ' if caching else 'off'}: {row['completed']}/{row['requests']} ok, "
-              f"{row['output_tok_s']:,.0f} out tok/s, TTFT p50/p99 {row['ttft_p50_s'] * 1e3:.0f} / "
-              f"{row['ttft_p99_s'] * 1e3:.0f} ms, hit rate {row['hit_rate']}", flush=True)
-    off, on = report["runs"]
-    report["ttft_p50_speedup"] = off["ttft_p50_s"] / on["ttft_p50_s"] if on["ttft_p50_s"] else None
-    print(f"TTFT p50 with caching: {report['ttft_p50_speedup']:.1f}x lower", flush=True)
+              f"{row['output_tok_s']:,.0f} out tok/s, TTFT p50/p99 {fmt_ms(row['ttft_p50_s'])} / "
+              f"{fmt_ms(row['ttft_p99_s'])} ms (mean {fmt_ms(row['ttft_mean_s'])}, server-side mean "
+              f"{fmt_ms(row['server_ttft_mean_s'])}), hit rate {row['hit_rate']}", flush=True)
+    if len(report["runs"]) == 2:
+        off, on = report["runs"]
+        report["ttft_p50_speedup"] = off["ttft_p50_s"] / on["ttft_p50_s"] if on["ttft_p50_s"] else None
+        print(f"TTFT p50 with caching: {report['ttft_p50_speedup']:.1f}x lower", flush=True)
     name = args.name or f"prefix_bench-{Path(str(model)).name if model else 'default'}"
     write_json(Path(args.out) / f"{name}.json", report)
     return 0

@@ -51,6 +51,8 @@ def engine_config(args: argparse.Namespace, model: str | None):
     flags = {k: getattr(args, k) for k in ENGINE_FLAGS}
     if args.enforce_eager:
         flags["enforce_eager"] = True
+    if args.no_prefix_caching:
+        flags["prefix_caching"] = False
     for item in args.set:
         key, _, value = item.partition("=")
         key = key.strip().replace("-", "_")
@@ -160,6 +162,8 @@ def main() -> int:
         kind = str if flag in ("device", "dtype") else float if flag == "gpu_memory_utilization" else int
         parser.add_argument("--" + flag.replace("_", "-"), type=kind, default=None)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="prefix caching off (the request set's random prompts never hit; issue 10 compares both)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any EngineConfig field")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for the JSON")
     parser.add_argument("--name", default=None, help="JSON file name (default throughput-MODEL.json)")
