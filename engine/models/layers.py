@@ -39,6 +39,13 @@ def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
 
 
+# On CPU, up to this many rows go to MKL's matrix-vector path (F.linear on the plain weight)
+# instead of the packed oneDNN weight: for the embedded model's 30 layers and LM head on the
+# 2-core development machine, 1 row took 18.0 ms with MKL vs 21.6 ms with oneDNN, 2 rows 19.5 vs
+# 22.1; from 4 rows oneDNN wins (24.2 vs 33.9 ms at 4, 33.5 vs 45.9 at 16).
+CPU_MKL_MAX_ROWS = 2
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias); out_dtype: the result (rounded to x's dtype first) in this dtype."""
@@ -46,7 +53,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from kernels.gemv import gemv
 
         return gemv(x, weight, bias, out_dtype=out_dtype)[0]
-    if packed is not None:
+    if packed is not None and x.shape[0] > CPU_MKL_MAX_ROWS:
         y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     else:
         y = F.linear(x, weight, bias)
@@ -105,6 +112,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from kernels.rmsnorm import rms_norm as rms_norm_kernel
 
         return rms_norm_kernel(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # one op, bit for bit the lines below (and transformers' LlamaRMSNorm) in float32
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -122,20 +132,34 @@ def add_rms_norm(
     return rms_norm(residual, weight, eps), residual
 
 
+def rotary_tables(positions: torch.Tensor, cos_sin: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin) [T, 1, D] for `positions`: cos repeated over both halves, sin negated
+    on the first half, so that rotary is x * cos + roll(x, D/2) * sin (see apply_rotary).
+    Depends on the positions only: the CPU attention backend makes them once per step."""
+    half = cos_sin.shape[-1] // 2
+    cs = cos_sin[positions].to(dtype)
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX-style (rotate_half) rotary embedding; q [T, Hq, D], k [T, Hkv, D]. CPU path:
     on CUDA the Triton attention backend fuses rotary with the KV store. When q and k are
-    neighbouring head slices of one fused qkv tensor (as in our decoder) both rotate in one pass."""
+    neighbouring head slices of one fused qkv tensor (as in our decoder) both rotate in one pass.
+    `tables`: rotary_tables(positions, ...) made beforehand.
+
+    x * cos + rotate_half(x) * sin, where rotate_half(x) = [-x2, x1], is computed as
+    x * cos + [x2, x1] * [-sin, sin]: the same products and sums (a + (-b) is a - b exactly),
+    bit for bit, in three elementwise ops."""
     half = q.shape[-1] // 2
-    cs = cos_sin[positions]
-    cos = cs[:, None, :half].to(q.dtype)
-    sin = cs[:, None, half:].to(q.dtype)
+    cos, sin = tables if tables is not None else rotary_tables(positions, cos_sin, q.dtype)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return x * cos + x.roll(half, dims=-1) * sin
 
     num_q = q.shape[1]
     if k.data_ptr() == q.data_ptr() + num_q * q.stride(1) * q.element_size() and q.stride() == k.stride():

@@ -1,0 +1,178 @@
+"""Paged decode attention for the CPU backend, reading each sequence's KV blocks where they
+lie (no gathered copy, no padding to the longest row, no mask): a small C function, built
+with the system's C compiler on first use into ~/.cache/graphserve (a second or so) and
+called through ctypes; OpenMP threads are torch's own (the same libgomp runtime, already
+loaded by torch), one (sequence, KV head) pair at a time.
+
+`paged_decode_attention()` returns None where it does not apply (no compiler, not float32,
+GRAPHSERVE_CPU_ATTENTION=torch), and the caller falls back to gather + SDPA. Results agree
+with scaled_dot_product_attention to float32 rounding (a different summation order)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("graphserve.engine")
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* out[b, h*G + g, :] = softmax_t(scale * q[b, h*G + g, :] . K[b, t, h, :]) @ V[b, t, h, :]
+   over t < context_lens[b], token t of row b at block block_tables[b, t / bs], offset t % bs.
+   q and out: [B, Hq, D] with strides (q_s0, q_s1, 1) and (Hq * D, D, 1);
+   caches: [num_blocks, bs, Hkv, D] contiguous. */
+void paged_decode(const float* q, int64_t q_s0, int64_t q_s1, const float* k_cache, const float* v_cache,
+                  const int32_t* block_tables, int64_t bt_s0, const int32_t* context_lens,
+                  float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale) {
+    const int64_t G = Hq / Hkv, tok_s = Hkv * D, blk_s = bs * Hkv * D;
+    #pragma omp parallel
+    {
+        float* scores = NULL;
+        int64_t cap = 0;
+        float* acc = (float*)malloc(sizeof(float) * G * D);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < B * Hkv; ++i) {
+            const int64_t b = i / Hkv, h = i % Hkv, L = context_lens[b];
+            if (G * L > cap) {
+                free(scores);
+                cap = G * L;
+                scores = (float*)malloc(sizeof(float) * cap);
+            }
+            const float* qb = q + b * q_s0 + h * G * q_s1;
+            const int32_t* table = block_tables + b * bt_s0;
+            for (int64_t t = 0; t < L; ++t) {
+                const float* k = k_cache + (int64_t)table[t / bs] * blk_s + (t % bs) * tok_s + h * D;
+                for (int64_t g = 0; g < G; ++g) {
+                    const float* qg = qb + g * q_s1;
+                    float s = 0.f;
+                    #pragma omp simd reduction(+:s)
+                    for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
+                    scores[g * L + t] = s * scale;
+                }
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                float* sg = scores + g * L;
+                float m = -INFINITY, sum = 0.f;
+                for (int64_t t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
+                for (int64_t t = 0; t < L; ++t) { sg[t] = expf(sg[t] - m); sum += sg[t]; }
+                const float inv = 1.f / sum;
+                for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+            }
+            memset(acc, 0, sizeof(float) * G * D);
+            for (int64_t t = 0; t < L; ++t) {
+                const float* v = v_cache + (int64_t)table[t / bs] * blk_s + (t % bs) * tok_s + h * D;
+                for (int64_t g = 0; g < G; ++g) {
+                    const float p = scores[g * L + t];
+                    float* a = acc + g * D;
+                    #pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+                }
+            }
+            for (int64_t g = 0; g < G; ++g)
+                memcpy(out + (b * Hq + h * G + g) * D, acc + g * D, sizeof(float) * D);
+        }
+        free(scores);
+        free(acc);
+    }
+}
+"""
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed = False
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "graphserve" / "cpu_kernels"
+
+
+def _build() -> ctypes.CDLL | None:
+    if os.environ.get("GRAPHSERVE_CPU_ATTENTION", "").lower() == "torch":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.info("no C compiler: CPU decode attention runs as gather + SDPA")
+        return None
+    # the machine's own build (-march=native): keyed by the source, flags and host
+    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, compiler, os.uname().machine, os.uname().nodename])
+                         .encode()).hexdigest()[:16]
+    path = _cache_dir() / f"paged_decode-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            src, lib = Path(tmp) / "paged_decode.c", Path(tmp) / "paged_decode.so"
+            src.write_text(_SOURCE)
+            result = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(lib), "-lm"], capture_output=True,
+                                    text=True)
+            if result.returncode != 0:
+                logger.warning("building the CPU decode attention failed (gather + SDPA instead): %s",
+                               result.stderr[-2000:])
+                return None
+            os.replace(lib, path)  # atomic: concurrent builders each install a whole file
+    import torch.nn.functional  # noqa: F401  (torch's libgomp is loaded before ours resolves it)
+
+    lib = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.paged_decode.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
+                                 ctypes.c_float]
+    lib.paged_decode.restype = None
+    return lib
+
+
+def _library() -> ctypes.CDLL | None:
+    global _lib, _failed
+    if _lib is None and not _failed:
+        with _lock:
+            if _lib is None and not _failed:
+                try:
+                    _lib = _build()
+                except Exception:  # noqa: BLE001 - any failure means the torch path
+                    logger.warning("CPU decode attention unavailable (gather + SDPA instead)", exc_info=True)
+                _failed = _lib is None
+    return _lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor | None:
+    """q [B, Hq, D] (last dim contiguous); caches [N, block_size, Hkv, D]; block_tables [B, W]
+    int32; context_lens [B] int32 (each >= 1). Returns [B, Hq, D], or None (caller falls back)."""
+    if (q.dtype != torch.float32 or k_cache.dtype != torch.float32 or q.device.type != "cpu"
+            or q.stride(2) != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+            or block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32
+            or block_tables.stride(1) != 1 or not context_lens.is_contiguous()):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    batch, num_heads, head_dim = q.shape
+    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype)
+    lib.paged_decode(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                     block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(),
+                     batch, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale)
+    return out
+
+
+if __name__ == "__main__":  # build it now (e.g. in a Docker image) and say whether it works
+    logging.basicConfig(level=logging.INFO)
+    print("CPU decode attention:", "built" if available() else "unavailable", file=sys.stderr)
