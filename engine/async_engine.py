@@ -88,6 +88,7 @@ class AsyncEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(info.model_path, info.vocab_size, info.eos_token_ids,
                                         self.config.grammar_compile_timeout)
+        self.grammars.warm()
         self._stats = info.stats
         self.info = info
 

@@ -461,6 +461,7 @@ class EngineCore:
                                    num_waiting=len(self.scheduler.waiting),
                                    kv_blocks_free=self.block_manager.num_free_blocks,
                                    num_preemptions=self.scheduler.num_preemptions,
+                                   grammar_requests=self.structured.num_requests,
                                    kv_blocks_cached_free=self.block_manager.num_cached_free_blocks,
                                    prefix_cache_queries=self.scheduler.num_queried_tokens,
                                    prefix_cache_hits=self.scheduler.num_cached_tokens,

@@ -58,6 +58,7 @@ class CoreLoop:
         """Until a Shutdown message; an exception from the engine is sent to every front end
         (CoreDied) and re-raised."""
         core = self.core
+        core.structured.compiler.warm()
         try:
             while not self._stopping:
                 self._receive(wait=not core.has_unfinished())

@@ -114,8 +114,10 @@ def _hash_uniform(seeds: torch.Tensor, output_pos: torch.Tensor, vocab_size: int
         x = x ^ (x >> 16)
         x = (x * mult) & _MASK32
     x = x ^ (x >> 16)
-    # top 24 bits: exact in float32, so u stays strictly inside (0, 1)
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    # top 23 bits plus one half: exact in float32 (24 significant bits), so u stays strictly inside
+    # (0, 1). (With 24 bits, 2**24 - 0.5 rounded up to 2**24: u = 1, Gumbel noise +inf, and that
+    # token was drawn whatever its probability, about once in 2**24 draws per vocabulary entry.)
+    return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 def apply_processors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -15,6 +15,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of them, found there
     num_preemptions: int = 0
+    grammar_requests: int = 0  # requests holding a grammar matcher or waiting for their grammar to compile
     decode_rounds: int = 0
     decode_rounds_ahead: int = 0  # rounds launched before the previous round's tokens were read
     prefill_steps: int = 0

@@ -136,6 +136,11 @@ class EngineStatsCollector(Collector):
             f"{PREFIX}_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held.", stats.prefix_cache_hits
         )
         yield GaugeMetricFamily(
+            f"{PREFIX}_grammar_requests",
+            "Requests holding a grammar matcher (response_format, tools) or waiting for their grammar to compile.",
+            stats.grammar_requests,
+        )
+        yield GaugeMetricFamily(
             f"{PREFIX}_kv_blocks_used",
             "KV-cache blocks owned by requests.",
             stats.kv_blocks_total - stats.kv_blocks_free,

@@ -128,7 +128,7 @@ class _ChatView:
             message, finish_reason = ChatResponseMessage(content=output.text), output.finish_reason
             if self.tools is not None:
                 content, calls = parse_tool_calls(self.tools, output.text)
-                message = ChatResponseMessage(content=content, tool_calls=calls)
+                message = ChatResponseMessage(content=content, tool_calls=calls or None)
                 finish_reason = finish_reason_with_calls(finish_reason, bool(calls))
             choices.append(
                 ChatCompletionChoice(

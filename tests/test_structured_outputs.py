@@ -1,0 +1,317 @@
+"""Grammar-constrained decoding (engine/structured.py, server/structured_request.py): every
+constrained output parses and validates, greedy and sampled; unconstrained requests beside
+constrained ones keep their solo tokens; streamed equals not streamed; bad specs are 400s
+naming the field; compilation is bounded and never holds up the engine; nothing leaks."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+from pydantic import BaseModel
+
+from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.structured import GrammarCompiler, GrammarSpec, unpack_bitmask
+from server.app import create_app
+from server.testing import BackgroundServer
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "hobbies": {"type": "array", "items": {"type": "string", "enum": ["chess", "golf", "music"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "hobbies"],
+    "additionalProperties": False,
+}
+PROMPT = "Describe a person as JSON:"
+FREE_PROMPTS = ["Once upon a time", "The capital of France is"]
+REGEX = r"[0-9]{3}-[a-z]{2,4}"
+CHOICES = ["yes", "no", "maybe"]
+EBNF = 'root ::= "(" digit+ ("+" digit+)* ")"\ndigit ::= [0-9]'
+
+
+def spec(kind: str, value=None) -> GrammarSpec:
+    return GrammarSpec(kind, value if isinstance(value, str) or value is None else json.dumps(value)) if value \
+        else GrammarSpec(kind)
+
+
+def check_output(kind: str, text: str) -> None:
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(text), PERSON)
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICES
+    elif kind == "grammar":
+        assert re.fullmatch(r"\(\d+(\+\d+)*\)", text), text
+
+
+SPECS = {"json_schema": spec("json_schema", PERSON), "json_object": spec("json_object"), "regex": spec("regex", REGEX),
+         "choice": spec("choice", CHOICES), "grammar": spec("grammar", EBNF)}
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(device="cpu", max_model_len=512, num_kv_blocks=128, decode_chunk=4)
+
+
+def assert_idle(llm: LLM) -> None:
+    stats = llm.engine.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats.grammar_requests == 0  # no matcher and no compilation left behind
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+
+def test_unpacked_bitmask_is_xgrammars_mask():
+    import xgrammar as xgr
+
+    vocab = 1000
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, -(-vocab // 32)), dtype=torch.int32)
+    logits = torch.randn(3, vocab)
+    want = logits.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask, backend="torch_native")
+    got = logits.masked_fill(~unpack_bitmask(bitmask, vocab), float("-inf"))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_greedy_constrained_output_validates(llm, kind):
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=80, temperature=0, grammar=SPECS[kind]))[0]
+    assert out.finish_reason == "stop", out.text  # the grammar ended it, not max_tokens
+    check_output(kind, out.text)
+    assert_idle(llm)
+
+
+def test_sampled_n4_seeded_outputs_validate_and_repeat(llm):
+    params = [SamplingParams(max_tokens=96, temperature=1.0, seed=s, grammar=SPECS["json_schema"]) for s in range(4)]
+    first = llm.generate([PROMPT] * 4, params)
+    for out in first:
+        check_output("json_schema", out.text)
+    assert len({o.text for o in first}) > 1  # different seeds, different (valid) samples
+    again = llm.generate([PROMPT] * 4, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    assert_idle(llm)
+
+
+def test_unconstrained_requests_beside_constrained_keep_their_tokens(llm):
+    free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, seed=11, ignore_eos=True)
+    solo = [llm.generate([p], prm)[0].token_ids for p, prm in zip(FREE_PROMPTS, (free, seeded))]
+    mixed = llm.generate([FREE_PROMPTS[0], PROMPT, FREE_PROMPTS[1], PROMPT],
+                         [free, SamplingParams(max_tokens=80, temperature=0, grammar=SPECS["json_schema"]), seeded,
+                          SamplingParams(max_tokens=20, temperature=0, grammar=SPECS["regex"])])
+    assert [mixed[0].token_ids, mixed[2].token_ids] == solo
+    check_output("json_schema", mixed[1].text)
+    check_output("regex", mixed[3].text)
+    assert_idle(llm)
+
+
+def test_max_tokens_inside_the_grammar_ends_with_length(llm):
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=5, temperature=0, grammar=SPECS["json_schema"]))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    assert_idle(llm)
+
+
+def test_bad_specs_are_rejected_before_they_run(llm):
+    for bad, param in ((GrammarSpec("json_schema", '{"type": "frog"}'), "response_format"),
+                       (GrammarSpec("regex", "a(b", param="guided_regex"), "guided_regex"),
+                       (GrammarSpec("grammar", "root ::= undefined_rule"), "response_format"),
+                       (GrammarSpec("xml", "<a/>"), "response_format"),
+                       (GrammarSpec("regex", "a" * 70_000), "response_format")):
+        with pytest.raises(InvalidRequestError) as info:
+            llm.generate([PROMPT], SamplingParams(max_tokens=4, grammar=bad))
+        assert info.value.param == param
+    assert_idle(llm)
+
+
+def test_a_slow_compilation_does_not_hold_up_other_requests(llm, monkeypatch):
+    """The core compiles in a worker thread; meanwhile it keeps decoding the others."""
+    real = GrammarCompiler.compile
+    released = threading.Event()
+
+    def slow_compile(self, spec):
+        released.wait(30)
+        return real(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", slow_compile)
+    core = llm.engine.core
+    monkeypatch.setattr(core.structured.compiler, "timeout_s", 300.0)
+    slow = core.add_request("slow", llm.engine.inputs.check(PROMPT, SamplingParams(max_tokens=8))[0],
+                            SamplingParams(max_tokens=40, temperature=0, grammar=spec("regex", r"[a-z]{1,9}")))
+    free = core.add_request("free", llm.engine.inputs.check(FREE_PROMPTS[0], SamplingParams())[0],
+                            SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    while not free.is_finished:  # the free request runs to its end while the grammar still compiles
+        core.step()
+        assert not slow.is_finished
+    assert slow.num_output_tokens == 0 and core.structured.compiling
+    released.set()
+    deadline = time.monotonic() + 60
+    while not slow.is_finished and time.monotonic() < deadline:
+        core.step()
+    assert re.fullmatch(r"[a-z]{1,9}", llm.tokenizer.decode(slow.output_token_ids))
+    assert_idle(llm)
+
+
+def test_graph_decoder_applies_masks_on_its_static_buffers(llm):
+    """The masked variants of the decode graphs (here the same static-buffer path, eager on CPU)."""
+    from engine.cuda_graphs import GraphDecoder
+
+    core = llm.engine.core
+    core.graphs = GraphDecoder(core.runner, max_batch=4, max_steps=core.config.decode_chunk,
+                               table_width=-(-core.max_model_len // core.config.block_size), use_cuda_graphs=False)
+    core.graphs.capture(progress=False)
+    try:
+        free = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        outs = llm.generate([PROMPT, FREE_PROMPTS[0], PROMPT],
+                            [SamplingParams(max_tokens=80, temperature=0, grammar=SPECS["json_schema"]), free,
+                             SamplingParams(max_tokens=80, temperature=0.8, seed=3, grammar=SPECS["json_schema"])])
+        check_output("json_schema", outs[0].text)
+        check_output("json_schema", outs[2].text)
+        core.graphs = None
+        assert outs[1].token_ids == llm.generate([FREE_PROMPTS[0]], free)[0].token_ids
+    finally:
+        core.graphs = None
+    assert_idle(llm)
+
+
+# ---- the HTTP server -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[BackgroundServer, AsyncEngine]]:
+    engine = AsyncEngine(EngineConfig(model=None, device="cpu", max_num_seqs=16, decode_chunk=4, max_model_len=512,
+                                      kv_cache_bytes=64 * 1024**2))
+    with BackgroundServer(create_app(engine)) as background:
+        background.wait_ready()
+        yield background, engine
+
+
+@pytest.fixture(scope="module")
+def oai(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=120.0)
+
+
+@pytest.fixture(scope="module")
+def model(served) -> str:
+    return httpx.get(served[0].url + "/v1/models").json()["data"][0]["id"]
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+def test_parse_with_a_pydantic_model(oai, model):
+    completion = oai.chat.completions.parse(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                            response_format=Person, max_tokens=80, temperature=0)
+    person = completion.choices[0].message.parsed
+    assert isinstance(person, Person) and completion.choices[0].finish_reason == "stop"
+
+
+def test_chat_response_format_streamed_equals_not_streamed(oai, model):
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    kw = dict(model=model, messages=[{"role": "user", "content": PROMPT}], response_format=response_format,
+              max_tokens=80, temperature=0)
+    text = oai.chat.completions.create(**kw).choices[0].message.content
+    check_output("json_schema", text)
+    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+    assert streamed == text
+
+
+def test_completions_extensions_and_n_sampled(oai, model):
+    for extra, kind in (({"structured_outputs": {"regex": REGEX}}, "regex"),
+                        ({"structured_outputs": {"choice": CHOICES}}, "choice"),
+                        ({"structured_outputs": {"grammar": EBNF}}, "grammar"),
+                        ({"guided_json": PERSON}, "json_schema"),
+                        ({"guided_choice": CHOICES}, "choice")):
+        out = oai.completions.create(model=model, prompt=PROMPT, max_tokens=80, temperature=0, extra_body=extra)
+        check_output(kind, out.choices[0].text)
+    sampled = oai.completions.create(model=model, prompt=PROMPT, max_tokens=96, temperature=1.0, n=4, seed=7,
+                                     extra_body={"response_format": {"type": "json_schema",
+                                                                     "json_schema": {"schema": PERSON}}})
+    for choice in sampled.choices:
+        check_output("json_schema", choice.text)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frog"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "root ::= nothing_here"}}, "structured_outputs"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}, "guided_json"),
+    ({"structured_outputs": {"regex": "a" * 70_000}}, "structured_outputs"),
+], ids=["bad-schema", "no-schema", "unknown-type", "bad-regex", "two-kinds", "bad-ebnf", "two-fields", "bad-ref",
+        "too-large"])
+def test_bad_constraints_are_400s_naming_the_field(served, model, body, param):
+    for path, base in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "hi"})):
+        r = httpx.post(served[0].url + path, json={"model": model, "max_tokens": 4, **base, **body}, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_a_grammar_that_compiles_too_long_is_a_400(served, model, monkeypatch):
+    server, engine = served
+    real = GrammarCompiler.compile
+
+    def slow_compile(self, spec):
+        time.sleep(1.0)
+        return real(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", slow_compile)
+    monkeypatch.setattr(engine.grammars, "timeout_s", 0.2)
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
+                   json={"model": model, "prompt": "hi", "max_tokens": 4, "guided_regex": "[a-z]{1,77}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
+    assert "compile" in r.json()["error"]["message"]
+
+
+def test_nothing_leaks_after_all_requests(served):
+    client = httpx.Client(base_url=served[0].url)
+    deadline = time.monotonic() + 30
+    while True:
+        text = client.get("/metrics").text
+        values = {name: float(re.search(rf"^graphserve_{name} (\S+)$", text, re.M).group(1))
+                  for name in ("grammar_requests", "kv_blocks_free", "kv_blocks_total", "num_requests_running")}
+        if (values["grammar_requests"] == 0 and values["kv_blocks_free"] == values["kv_blocks_total"]
+                and values["num_requests_running"] == 0):
+            return
+        assert time.monotonic() < deadline, values
+        time.sleep(0.1)
+
+
+def test_sampling_never_draws_a_masked_token():
+    """Gumbel noise stays finite (a +inf once made a token win whatever its logit, mask or not)."""
+    from engine.sampler import SamplingTensors, _hash_uniform, sample
+
+    vocab, rows = 49152, 256
+    u = _hash_uniform(torch.arange(rows), torch.arange(rows) * 7, vocab)
+    assert 0 < u.min().item() and u.max().item() < 1
+    bitmask = torch.zeros(rows, -(-vocab // 32), dtype=torch.int32)
+    allowed = torch.randint(0, vocab, (rows,))
+    bitmask[torch.arange(rows), allowed // 32] = (1 << (allowed % 32)).to(torch.int32)
+    st = SamplingTensors(temperature=torch.ones(rows), top_k=torch.full((rows,), vocab), top_p=torch.ones(rows),
+                         min_p=torch.zeros(rows), seeds=torch.arange(rows), output_pos=torch.zeros(rows, dtype=torch.long),
+                         token_bitmask=bitmask)
+    assert torch.equal(sample(torch.randn(rows, vocab), st).tokens, allowed)

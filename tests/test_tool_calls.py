@@ -1,0 +1,221 @@
+"""Tool calling on /v1/chat/completions (server/tools.py) through the official `openai` client:
+required, named and auto calls are well-formed calls of a given tool with arguments valid
+against its schema; streamed deltas reassemble into the same call; a call, its tool
+result and the answer round-trip; the call parser handles both output formats; bad
+tool requests are 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from engine import AsyncEngine, EngineConfig
+from engine.tokenizer import Tokenizer
+from server.app import create_app
+from server.protocol import ChatCompletionRequest
+from server.testing import BackgroundServer
+from server.tools import FALLBACK, HERMES, LLAMA3_JSON, ToolCallParser, call_format, conversation, parse_tool_calls
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                             "unit": {"type": "string", "enum": ["C", "F"]}},
+           "required": ["city"], "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "Local time in a city",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                     "required": ["city"]}}},
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+QUESTION = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+def past_call(city: str, i: int) -> list[dict]:
+    return [{"role": "user", "content": f"What's the weather in {city}?"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": f"call_{i}", "type": "function",
+                             "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}]
+
+
+# three earlier turns that called the tool: the small embedded model then calls it by itself
+FEW_SHOT = past_call("Paris", 1) + past_call("Rome", 2) + past_call("Berlin", 3) + [
+    {"role": "user", "content": "What's the weather in London?"}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[BackgroundServer]:
+    config = EngineConfig(model=None, device="cpu", max_num_seqs=8, decode_chunk=4, max_model_len=1024,
+                          kv_cache_bytes=64 * 1024**2)
+    with BackgroundServer(create_app(AsyncEngine(config))) as background:
+        background.wait_ready()
+        yield background
+
+
+@pytest.fixture(scope="module")
+def oai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120.0)
+
+
+@pytest.fixture(scope="module")
+def model(server) -> str:
+    return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+
+
+def assert_valid_calls(calls, names=None) -> None:
+    assert calls
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        assert call.function.name in (names or SCHEMAS)
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+def test_required_and_named_calls_are_valid(oai, model, tool_choice):
+    r = oai.chat.completions.create(model=model, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
+                                    max_tokens=80, temperature=0)
+    choice = r.choices[0]
+    names = None if tool_choice == "required" else ["get_time"]
+    assert_valid_calls(choice.message.tool_calls, names)
+    assert choice.finish_reason == "tool_calls"
+
+
+def test_required_sampled_n2(oai, model):
+    r = oai.chat.completions.create(model=model, messages=QUESTION, tools=TOOLS, tool_choice="required", n=2,
+                                    seed=5, max_tokens=80, temperature=1.0)
+    for choice in r.choices:
+        if choice.finish_reason != "length":
+            assert_valid_calls(choice.message.tool_calls)
+
+
+def test_auto_parses_the_models_own_call(oai, model):
+    r = oai.chat.completions.create(model=model, messages=FEW_SHOT, tools=TOOLS, max_tokens=60, temperature=0)
+    choice = r.choices[0]
+    assert_valid_calls(choice.message.tool_calls)
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(choice.message.tool_calls[0].function.arguments)["city"] == "London"
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+
+
+def test_tool_choice_none_and_no_tools_give_plain_text(oai, model):
+    for kw in ({"tools": TOOLS, "tool_choice": "none"}, {}):
+        r = oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=0, **kw)
+        assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+
+
+@pytest.mark.parametrize("messages, tool_choice", [(QUESTION, "required"), (FEW_SHOT, "auto")], ids=["required", "auto"])
+def test_streamed_deltas_reassemble_into_the_same_call(oai, model, messages, tool_choice):
+    kw = dict(model=model, messages=messages, tools=TOOLS, tool_choice=tool_choice, max_tokens=80, temperature=0)
+    whole = oai.chat.completions.create(**kw).choices[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                if delta.index not in calls:  # a call's first delta: index, id, type and name
+                    assert delta.id.startswith("call_") and delta.type == "function" and delta.function.name
+                    calls[delta.index] = {"id": delta.id, "name": delta.function.name, "arguments": ""}
+                else:
+                    assert delta.id is None and delta.function.name is None
+                calls[delta.index]["arguments"] += delta.function.arguments or ""
+    assert finish == whole.finish_reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+def test_round_trip_call_result_answer(oai, model):
+    first = oai.chat.completions.create(model=model, messages=QUESTION, tools=TOOLS, max_tokens=80, temperature=0,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = first.choices[0].message.tool_calls[0]
+    messages = QUESTION + [first.choices[0].message.model_dump(exclude_none=True),
+                           {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+    answer = oai.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=30, temperature=0)
+    message = answer.choices[0].message
+    assert message.tool_calls is None and message.content
+    assert "21" in message.content  # the tool's result reached the model
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frog"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+], ids=["unknown-named", "choice-without-tools", "duplicate", "bad-name", "bad-schema", "with-response-format",
+        "unknown-choice"])
+def test_bad_tool_requests_are_400s(server, model, body, param):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"model": model, "messages": QUESTION, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] is not None
+    assert error["param"].startswith(param), error
+
+
+# ---- the parser and the prompt ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt, text", [
+    (HERMES, 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": [1, {"a": "}"}]}}'
+             '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'),
+    (LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}'),
+], ids=["hermes", "llama3_json"])
+def test_parser_fed_piecewise_equals_whole(fmt, text):
+    content, calls = parse_tool_calls(fmt, text)
+    for size in (1, 2, 5, 13):
+        parser = ToolCallParser(fmt)
+        for i in range(0, len(text), size):
+            parser.feed(text[i:i + size])
+        parser.finish()
+        assert [(c.name, c.arguments) for c in parser.calls] == [(c.function.name, c.function.arguments) for c in calls]
+    for call in calls:
+        json.loads(call.function.arguments)
+    assert calls[0].function.name == "get_weather" and json.loads(calls[0].function.arguments)["city"] == "Paris"
+    assert content == ("Let me check." if fmt is HERMES else None)
+
+
+def test_text_that_only_looks_like_a_call_stays_content():
+    assert parse_tool_calls(HERMES, "a <tool and <tool_call> nothing") == ("a <tool and <tool_call> nothing", [])
+
+
+def test_native_templates_render_tools_and_past_calls(tmp_path):
+    """A template that knows tools (Qwen2.5-like) gets them as `tools` and calls as `tool_calls`;
+    one that does not (the embedded SmolLM2) gets the fallback system prompt and hermes text."""
+    template = ("{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><tool_call>\n{% endif %}"
+                "{% for m in messages %}[{{ m.role }}]{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+                "{% endfor %}")
+    assert call_format(template) is HERMES
+    assert call_format("{{ '<|python_tag|>' }}") is LLAMA3_JSON
+    assert call_format(None) is FALLBACK
+    body = ChatCompletionRequest(messages=FEW_SHOT[:2] + [{"role": "tool", "tool_call_id": "call_1", "content": "21 C"}],
+                                 tools=TOOLS)
+    messages, tools = conversation(body, HERMES, with_tools=True)
+    assert tools[0]["function"]["name"] == "get_weather"
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert messages[2] == {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}
+    (tmp_path / "tokenizer.json").write_text(_word_tokenizer_json())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    rendered = Tokenizer(tmp_path).apply_chat_template(messages, tools=tools)
+    assert '"name": "get_weather"' in rendered and '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}' \
+        in rendered and "[tool]21 C" in rendered
+    fallback, none = conversation(body, FALLBACK, with_tools=True)
+    assert none is None and fallback[0]["role"] == "system" and "get_weather" in fallback[0]["content"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in fallback[2]["content"]
+    assert fallback[3] == {"role": "user", "content": "<tool_response>\n21 C\n</tool_response>"}
+
+
+def _word_tokenizer_json() -> str:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+
+    return HFTokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]")).to_str()
