@@ -37,9 +37,11 @@ class AttentionMetadata:
 
 
 class TorchAttention:
-    """CPU backend: writes K/V with index_copy, gathers each sequence's blocks, runs SDPA.
+    """CPU backend: writes K/V with index_copy; decode attention in a small C kernel that reads
+    the blocks in place (engine/cpu_attention.py), or gather + SDPA where it is unavailable;
+    prefill gathers each sequence's blocks and runs SDPA.
 
-    What depends only on the step (rotary tables of the positions, the flat block list, the
+    What depends only on the step (rotary tables of the positions, the flat block list and
     additive mask of the decode batch) is made by the first layer and kept in meta.derived."""
 
     def __init__(self, block_size: int, use_kernel: bool = True):
@@ -93,75 +95,32 @@ class TorchAttention:
             start += q_len
         return out
 
-    # Decode rows are split into groups of similar length, each padded to its own longest row,
-    # when that saves more gathered-and-attended blocks than a group's fixed cost (in blocks of
-    # one row): a group adds about five small ops per layer, ~40 us, where one row's block costs
-    # ~2.5 us to gather and attend (the embedded model, 2 cores).
-    GROUP_COST_BLOCKS = 16
-
-    def _row_groups(self, lens: list[int]) -> list[list[int]]:
-        """Rows (batch indices) grouped by length: the split of the rows sorted by length that
-        minimises sum(rows x blocks of the longest) + GROUP_COST_BLOCKS per group."""
-        order = sorted(range(len(lens)), key=lens.__getitem__)
-        blocks = [-(-lens[i] // self.block_size) for i in order]
-        n = len(order)
-        best = [0] + [None] * n  # best[j]: cost of the first j sorted rows; cut[j]: where its last group starts
-        cut = [0] * (n + 1)
-        for j in range(1, n + 1):
-            for i in range(j):
-                cost = best[i] + (j - i) * blocks[j - 1] + self.GROUP_COST_BLOCKS
-                if best[j] is None or cost < best[j]:
-                    best[j], cut[j] = cost, i
-        groups, j = [], n
-        while j > 0:
-            groups.append(sorted(order[cut[j]:j]))
-            j = cut[j]
-        return groups[::-1]
-
-    def _decode_inputs(self, meta: AttentionMetadata, dtype: torch.dtype) -> list[tuple]:
-        """Per group of rows: (rows as an index or None for all, their blocks flat, additive mask
-        [n, 1, 1, width]: 0 within the row's context, -inf past it). Made once per step."""
+    def _decode_inputs(self, meta: AttentionMetadata, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(every row's blocks, flat; additive mask [B, 1, 1, W * block_size]: 0 within the
+        row's context, -inf past it), made once per step."""
         made = meta.derived.get("decode")
-        if made is not None:
-            return made
-        tables, lens = meta.block_tables, meta.context_lens
-        host_lens = lens.tolist()
-        groups = self._row_groups(host_lens) if len(host_lens) > 1 else [list(range(len(host_lens)))]
-        made = []
-        for rows in groups:
-            width = -(-max(host_lens[i] for i in rows) // self.block_size)
-            if len(groups) == 1:
-                index, t, ln = None, tables[:, :width], lens
-            else:
-                index = torch.tensor(rows, dtype=torch.int64, device=lens.device)
-                t, ln = tables.index_select(0, index)[:, :width], lens.index_select(0, index)
-            past = torch.arange(width * self.block_size, device=lens.device)[None, :] >= ln[:, None]
+        if made is None:
+            tables, lens = meta.block_tables, meta.context_lens
+            past = torch.arange(tables.shape[1] * self.block_size, device=lens.device)[None, :] >= lens[:, None]
             mask = torch.zeros(past.shape, dtype=dtype, device=lens.device).masked_fill_(past, float("-inf"))
-            made.append((index, t.flatten(), mask[:, None, None, :]))
-        meta.derived["decode"] = made
+            made = meta.derived["decode"] = (tables.flatten(), mask[:, None, None, :])
         return made
 
-    def _attend(self, q, k_cache, v_cache, blocks, mask, scale):
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """The C kernel where it applies (engine/cpu_attention.py), else every row's blocks
+        gathered into [B, Hkv, W * block_size, D] and SDPA with the padding masked."""
+        if self.use_kernel:
+            out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+            if out is not None:
+                return out
         batch, num_heads, head_dim = q.shape
+        blocks, mask = self._decode_inputs(meta, q.dtype)
         gathered = (batch, -1, *k_cache.shape[2:])
         keys = k_cache.index_select(0, blocks).view(gathered).transpose(1, 2)  # [B, Hkv, L, D]
         values = v_cache.index_select(0, blocks).view(gathered).transpose(1, 2)
         out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, scale=scale,
                                              enable_gqa=True)
         return out.view(batch, num_heads, head_dim)
-
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self.use_kernel:
-            out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
-            if out is not None:
-                return out
-        groups = self._decode_inputs(meta, q.dtype)
-        if len(groups) == 1:
-            return self._attend(q, k_cache, v_cache, groups[0][1], groups[0][2], scale)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        for index, blocks, mask in groups:
-            out.index_copy_(0, index, self._attend(q.index_select(0, index), k_cache, v_cache, blocks, mask, scale))
-        return out
 
 
 class TritonAttention:

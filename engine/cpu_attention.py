@@ -2,7 +2,7 @@
 lie (no gathered copy, no padding to the longest row, no mask): a small C function, built
 with the system's C compiler on first use into ~/.cache/graphserve (a second or so) and
 called through ctypes; OpenMP threads are torch's own (the same libgomp runtime, already
-loaded by torch), one (sequence, KV head) pair at a time.
+loaded by torch), one sequence at a time, its blocks read whole and in order.
 
 `paged_decode_attention()` returns None where it does not apply (no compiler, not float32,
 GRAPHSERVE_CPU_ATTENTION=torch), and the caller falls back to gather + SDPA. Results agree
@@ -38,52 +38,65 @@ _SOURCE = r"""
 void paged_decode(const float* q, int64_t q_s0, int64_t q_s1, const float* k_cache, const float* v_cache,
                   const int32_t* block_tables, int64_t bt_s0, const int32_t* context_lens,
                   float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale) {
+    /* one sequence per task: its blocks are read whole (all KV heads), in order */
     const int64_t G = Hq / Hkv, tok_s = Hkv * D, blk_s = bs * Hkv * D;
     #pragma omp parallel
     {
         float* scores = NULL;
         int64_t cap = 0;
-        float* acc = (float*)malloc(sizeof(float) * G * D);
+        float* acc = (float*)malloc(sizeof(float) * Hq * D);
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < B * Hkv; ++i) {
-            const int64_t b = i / Hkv, h = i % Hkv, L = context_lens[b];
-            if (G * L > cap) {
+        for (int64_t b = 0; b < B; ++b) {
+            const int64_t L = context_lens[b];
+            if (Hq * L > cap) {
                 free(scores);
-                cap = G * L;
+                cap = Hq * L;
                 scores = (float*)malloc(sizeof(float) * cap);
             }
-            const float* qb = q + b * q_s0 + h * G * q_s1;
+            const float* qb = q + b * q_s0;
             const int32_t* table = block_tables + b * bt_s0;
-            for (int64_t t = 0; t < L; ++t) {
-                const float* k = k_cache + (int64_t)table[t / bs] * blk_s + (t % bs) * tok_s + h * D;
-                for (int64_t g = 0; g < G; ++g) {
-                    const float* qg = qb + g * q_s1;
-                    float s = 0.f;
-                    #pragma omp simd reduction(+:s)
-                    for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
-                    scores[g * L + t] = s * scale;
+            for (int64_t t0 = 0; t0 < L; t0 += bs) {
+                const float* kb = k_cache + (int64_t)table[t0 / bs] * blk_s;
+                const int64_t n = L - t0 < bs ? L - t0 : bs;
+                for (int64_t o = 0; o < n; ++o) {
+                    for (int64_t h = 0; h < Hkv; ++h) {
+                        const float* k = kb + o * tok_s + h * D;
+                        for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
+                            const float* qh = qb + hq * q_s1;
+                            float s = 0.f;
+                            #pragma omp simd reduction(+:s)
+                            for (int64_t d = 0; d < D; ++d) s += qh[d] * k[d];
+                            scores[hq * L + t0 + o] = s * scale;
+                        }
+                    }
                 }
             }
-            for (int64_t g = 0; g < G; ++g) {
-                float* sg = scores + g * L;
+            for (int64_t hq = 0; hq < Hq; ++hq) {
+                float* sh = scores + hq * L;
                 float m = -INFINITY, sum = 0.f;
-                for (int64_t t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
-                for (int64_t t = 0; t < L; ++t) { sg[t] = expf(sg[t] - m); sum += sg[t]; }
+                for (int64_t t = 0; t < L; ++t) m = sh[t] > m ? sh[t] : m;
+                #pragma omp simd reduction(+:sum)
+                for (int64_t t = 0; t < L; ++t) { sh[t] = expf(sh[t] - m); sum += sh[t]; }
                 const float inv = 1.f / sum;
-                for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+                for (int64_t t = 0; t < L; ++t) sh[t] *= inv;
             }
-            memset(acc, 0, sizeof(float) * G * D);
-            for (int64_t t = 0; t < L; ++t) {
-                const float* v = v_cache + (int64_t)table[t / bs] * blk_s + (t % bs) * tok_s + h * D;
-                for (int64_t g = 0; g < G; ++g) {
-                    const float p = scores[g * L + t];
-                    float* a = acc + g * D;
-                    #pragma omp simd
-                    for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+            memset(acc, 0, sizeof(float) * Hq * D);
+            for (int64_t t0 = 0; t0 < L; t0 += bs) {
+                const float* vb = v_cache + (int64_t)table[t0 / bs] * blk_s;
+                const int64_t n = L - t0 < bs ? L - t0 : bs;
+                for (int64_t o = 0; o < n; ++o) {
+                    for (int64_t h = 0; h < Hkv; ++h) {
+                        const float* v = vb + o * tok_s + h * D;
+                        for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
+                            const float p = scores[hq * L + t0 + o];
+                            float* a = acc + hq * D;
+                            #pragma omp simd
+                            for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+                        }
+                    }
                 }
             }
-            for (int64_t g = 0; g < G; ++g)
-                memcpy(out + (b * Hq + h * G + g) * D, acc + g * D, sizeof(float) * D);
+            memcpy(out + b * Hq * D, acc, sizeof(float) * Hq * D);
         }
         free(scores);
         free(acc);
@@ -91,7 +104,8 @@ void paged_decode(const float* q, int64_t q_s0, int64_t q_s1, const float* k_cac
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+# fast-math for vectorised expf (glibc's libmvec) and reassociated sums; infinities kept
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed = False
