@@ -27,7 +27,6 @@ sys.path.insert(0, str(ROOT))
 
 def run(llm, batch: int, rounds: int, profile: bool, top: int, seed: int = 0) -> dict:
     from engine import SamplingParams
-    from engine.scheduler import DecodeRound
 
     core = llm.engine.core
     rng = random.Random(seed)

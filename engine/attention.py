@@ -89,9 +89,10 @@ class TorchAttention:
                 qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
                 mask = torch.arange(ctx_len, device=q.device)[None, :] <= qpos[:, None]
                 causal = False
-            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale,
-                                                enable_gqa=True)
-            out[start:start + q_len] = ob.transpose(0, 1)
+            # 4-D (a batch of one): torch's CPU flash kernel takes it; 3-D runs the slower math path
+            ob = F.scaled_dot_product_attention(qb[None], kb[None], vb[None], attn_mask=mask, is_causal=causal,
+                                                scale=scale, enable_gqa=True)
+            out[start:start + q_len] = ob[0].transpose(0, 1)
             start += q_len
         return out
 

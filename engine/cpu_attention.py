@@ -2,7 +2,8 @@
 lie (no gathered copy, no padding to the longest row, no mask): a small C function, built
 with the system's C compiler on first use into ~/.cache/graphserve (a second or so) and
 called through ctypes; OpenMP threads are torch's own (the same libgomp runtime, already
-loaded by torch), one sequence at a time, its blocks read whole and in order.
+loaded by torch), one sequence at a time, its blocks read whole and in order (one
+(sequence, KV head) pair at a time when there are few sequences).
 
 `paged_decode_attention()` returns None where it does not apply (no compiler, not float32,
 GRAPHSERVE_CPU_ATTENTION=torch), and the caller falls back to gather + SDPA. Results agree
@@ -37,16 +38,20 @@ _SOURCE = r"""
    caches: [num_blocks, bs, Hkv, D] contiguous. */
 void paged_decode(const float* q, int64_t q_s0, int64_t q_s1, const float* k_cache, const float* v_cache,
                   const int32_t* block_tables, int64_t bt_s0, const int32_t* context_lens,
-                  float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale) {
-    /* one sequence per task: its blocks are read whole (all KV heads), in order */
+                  float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
+                  int64_t split_heads) {
+    /* one task per sequence (its blocks read whole, in order), or with split_heads (few rows)
+       per (sequence, KV head) */
     const int64_t G = Hq / Hkv, tok_s = Hkv * D, blk_s = bs * Hkv * D;
+    const int64_t per_row = split_heads ? Hkv : 1, heads = split_heads ? 1 : Hkv;
     #pragma omp parallel
     {
         float* scores = NULL;
         int64_t cap = 0;
         float* acc = (float*)malloc(sizeof(float) * Hq * D);
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < B; ++b) {
+        for (int64_t task = 0; task < B * per_row; ++task) {
+            const int64_t b = task / per_row, h0 = (task % per_row) * heads, h1 = h0 + heads;
             const int64_t L = context_lens[b];
             if (Hq * L > cap) {
                 free(scores);
@@ -59,7 +64,7 @@ void paged_decode(const float* q, int64_t q_s0, int64_t q_s1, const float* k_cac
                 const float* kb = k_cache + (int64_t)table[t0 / bs] * blk_s;
                 const int64_t n = L - t0 < bs ? L - t0 : bs;
                 for (int64_t o = 0; o < n; ++o) {
-                    for (int64_t h = 0; h < Hkv; ++h) {
+                    for (int64_t h = h0; h < h1; ++h) {
                         const float* k = kb + o * tok_s + h * D;
                         for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
                             const float* qh = qb + hq * q_s1;
@@ -71,7 +76,7 @@ void paged_decode(const float* q, int64_t q_s0, int64_t q_s1, const float* k_cac
                     }
                 }
             }
-            for (int64_t hq = 0; hq < Hq; ++hq) {
+            for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
                 float* sh = scores + hq * L;
                 float m = -INFINITY, sum = 0.f;
                 for (int64_t t = 0; t < L; ++t) m = sh[t] > m ? sh[t] : m;
@@ -80,12 +85,12 @@ void paged_decode(const float* q, int64_t q_s0, int64_t q_s1, const float* k_cac
                 const float inv = 1.f / sum;
                 for (int64_t t = 0; t < L; ++t) sh[t] *= inv;
             }
-            memset(acc, 0, sizeof(float) * Hq * D);
+            memset(acc + h0 * G * D, 0, sizeof(float) * (h1 - h0) * G * D);
             for (int64_t t0 = 0; t0 < L; t0 += bs) {
                 const float* vb = v_cache + (int64_t)table[t0 / bs] * blk_s;
                 const int64_t n = L - t0 < bs ? L - t0 : bs;
                 for (int64_t o = 0; o < n; ++o) {
-                    for (int64_t h = 0; h < Hkv; ++h) {
+                    for (int64_t h = h0; h < h1; ++h) {
                         const float* v = vb + o * tok_s + h * D;
                         for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
                             const float p = scores[hq * L + t0 + o];
@@ -96,7 +101,7 @@ void paged_decode(const float* q, int64_t q_s0, int64_t q_s1, const float* k_cac
                     }
                 }
             }
-            memcpy(out + b * Hq * D, acc, sizeof(float) * Hq * D);
+            memcpy(out + (b * Hq + h0 * G) * D, acc + h0 * G * D, sizeof(float) * (h1 - h0) * G * D);
         }
         free(scores);
         free(acc);
@@ -139,12 +144,10 @@ def _build() -> ctypes.CDLL | None:
                                result.stderr[-2000:])
                 return None
             os.replace(lib, path)  # atomic: concurrent builders each install a whole file
-    import torch.nn.functional  # noqa: F401  (torch's libgomp is loaded before ours resolves it)
-
-    lib = ctypes.CDLL(str(path))
+    lib = ctypes.CDLL(str(path))  # its libgomp resolves to torch's, loaded with torch above
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.paged_decode.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
-                                 ctypes.c_float]
+                                 ctypes.c_float, i64]
     lib.paged_decode.restype = None
     return lib
 
@@ -183,7 +186,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype)
     lib.paged_decode(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                      block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(),
-                     batch, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale)
+                     batch, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
+                     int(batch < 2 * torch.get_num_threads()))
     return out
 
 
