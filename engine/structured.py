@@ -44,6 +44,7 @@ class GrammarSpec(msgspec.Struct, frozen=True, array_like=True):
     param: str = "response_format"
 
 
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
@@ -80,8 +81,8 @@ def _grammar(spec: GrammarSpec):
     try:
         if spec.kind == "json_schema":
             return xgr.Grammar.from_json_schema(spec.value, any_whitespace=False, strict_mode=True)
-        if spec.kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+        if spec.kind == "json_object":  # any object, as OpenAI's JSON mode (the builtin grammar takes any value)
+            return xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.value)
         if spec.kind == "choice":
@@ -140,7 +141,7 @@ class GrammarCompiler:
         compiler = self._xgr_compiler()
         try:
             if spec.kind == "json_object":
-                compiled = compiler.compile_builtin_json_grammar()
+                compiled = compiler.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
             elif spec.kind == "json_schema":
                 compiled = compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
             else:

@@ -90,8 +90,11 @@ def test_teacher_forced_logits_match_transformers(model_path):
 def llm(model_path):
     from engine import LLM
 
+    # no prefix caching: the eager run repeats the graph run's prompts, and a cache hit prefills
+    # only their tails, whose bf16 rounding differs from a whole prefill (on the random 8B shape
+    # enough to flip a near-tie greedy token); the cache's own GPU check is benchmarks/prefix_bench.py
     llm = LLM(str(model_path), device="cuda", dtype="bfloat16", max_num_seqs=64, max_model_len=512,
-              decode_chunk=8, num_kv_blocks=3000)
+              decode_chunk=8, num_kv_blocks=3000, prefix_caching=False)
     yield llm
     del llm
     _free()
@@ -144,7 +147,7 @@ def test_constrained_rows_replay_masked_graphs(llm):
     assert sum(engine.stats().graph_replays.values()) > before
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2,6}", outs[1].text)
     assert outs[3].text in ("alpha", "beta")
-    if outs[4].finish_reason == "stop":
+    if outs[4].finish_reason == "stop":  # strict=False: xgrammar lets control characters into strings
         assert isinstance(json.loads(outs[4].text, strict=False), dict)
     graphs, engine.graphs = engine.graphs, None
     try:
