@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-import numpy as np
 import torch
 
 from engine.errors import InvalidRequestError
@@ -67,7 +66,10 @@ def check_spec(spec: GrammarSpec) -> None:
         raise InvalidRequestError(f"the {spec.kind} is too large: at most {MAX_SPEC_CHARS} characters",
                                   param=spec.param)
     if spec.kind == "choice":
-        choices = json.loads(spec.value)
+        try:
+            choices = json.loads(spec.value)
+        except ValueError:
+            choices = None
         if (not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES
                 or not all(isinstance(c, str) and c for c in choices)):
             raise InvalidRequestError(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings",
@@ -138,14 +140,8 @@ class GrammarCompiler:
                 self._compiled.move_to_end(spec)
                 return self._compiled[spec]
         grammar = _grammar(spec)  # raises InvalidRequestError
-        compiler = self._xgr_compiler()
         try:
-            if spec.kind == "json_object":
-                compiled = compiler.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
-            elif spec.kind == "json_schema":
-                compiled = compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
-            else:
-                compiled = compiler.compile_grammar(grammar)
+            compiled = self._xgr_compiler().compile_grammar(grammar)
         except Exception as exc:
             raise InvalidRequestError(f"invalid {spec.kind}: {_clean(exc)}", param=spec.param) from None
         with self._lock:
@@ -265,7 +261,3 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     words = bitmask.index_select(1, vocab // 32)
     return ((words >> (vocab % 32).to(torch.int32)) & 1).bool()
 
-
-def allowed_tokens(bitmask_row: torch.Tensor, vocab_size: int) -> np.ndarray:
-    """Token ids a host bitmask row allows (tests, debugging)."""
-    return unpack_bitmask(bitmask_row[None], vocab_size)[0].nonzero().flatten().numpy()
