@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
 import zmq
 
 from engine.core import EngineCore
@@ -78,7 +79,21 @@ class CoreLoop:
                 identity, frame = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(identity, decode_to_core(frame))
+            try:
+                message = decode_to_core(frame)
+            except msgspec.ValidationError:  # a request the core cannot take must not stop the core
+                self._refuse(identity, frame)
+                continue
+            self._handle(identity, message)
+
+    def _refuse(self, identity: bytes, frame: bytes) -> None:
+        """A frame that fails the core's checks: an AddRequest ends with an error, anything else
+        is dropped; both are logged (the front end checks requests first: this is a bug there)."""
+        logger.exception("the engine core could not take a message from a front end")
+        raw = msgspec.msgpack.decode(frame)
+        if isinstance(raw, list) and len(raw) > 1 and raw[0] == "AddRequest" and isinstance(raw[1], str):
+            self._send(identity, RoundOutputs([CoreOutput(raw[1], [], finish_reason="error",
+                                                          error="the engine core refused the request")]))
 
     def _handle(self, identity: bytes, message) -> None:
         core = self.core

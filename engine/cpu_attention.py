@@ -109,8 +109,11 @@ void paged_decode(const float* q, int64_t q_s0, int64_t q_s1, const float* k_cac
 }
 """
 
-# fast-math for vectorised expf (glibc's libmvec) and reassociated sums; infinities kept
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC"]
+# fast-math for vectorised expf (glibc's libmvec) and reassociated sums; infinities kept. Compile
+# only: linked with -ffast-math, a shared object gets crtfastmath.o, which turns on flush-to-zero
+# for the whole process when loaded (denormal request floats then decoded as 0.0 in the core).
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC"]
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed = False
@@ -129,16 +132,19 @@ def _build() -> ctypes.CDLL | None:
         logger.info("no C compiler: CPU decode attention runs as gather + SDPA")
         return None
     # the machine's own build (-march=native): keyed by the source, flags and host
-    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, compiler, os.uname().machine, os.uname().nodename])
+    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, *_LINK_FLAGS, compiler, os.uname().machine,
+                                    os.uname().nodename])
                          .encode()).hexdigest()[:16]
     path = _cache_dir() / f"paged_decode-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            src, lib = Path(tmp) / "paged_decode.c", Path(tmp) / "paged_decode.so"
+            src, obj, lib = Path(tmp) / "paged_decode.c", Path(tmp) / "paged_decode.o", Path(tmp) / "paged_decode.so"
             src.write_text(_SOURCE)
-            result = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(lib), "-lm"], capture_output=True,
-                                    text=True)
+            result = subprocess.run([compiler, *_FLAGS, "-c", str(src), "-o", str(obj)], capture_output=True, text=True)
+            if result.returncode == 0:
+                result = subprocess.run([compiler, *_LINK_FLAGS, str(obj), "-o", str(lib), "-lm"],
+                                        capture_output=True, text=True)
             if result.returncode != 0:
                 logger.warning("building the CPU decode attention failed (gather + SDPA instead): %s",
                                result.stderr[-2000:])

@@ -469,3 +469,30 @@ def test_connection_settings() -> None:
         with pytest.raises(SettingsError):
             merge_settings(bad, {})
     assert raise_fd_limit(64) >= 64
+
+
+def test_a_frame_the_core_cannot_take_fails_its_request_not_the_core():
+    """A request whose params fail the core's own checks (the front end checks them first; a
+    process-wide flush-to-zero once turned a top_p of 5e-324 into 0.0 between the two) ends
+    with an error output, and the core loop goes on."""
+    import msgspec
+
+    from engine.core_loop import CoreLoop
+    from engine.core_messages import AddRequest, decode_from_core, encode
+    from engine.request import SamplingParams
+
+    class Socket:
+        def __init__(self):
+            self.sent = []
+
+        def send_multipart(self, parts, copy=False):
+            self.sent.append(parts)
+
+    loop = CoreLoop.__new__(CoreLoop)  # only its socket is needed to refuse a frame
+    loop.socket = Socket()
+    raw = msgspec.msgpack.decode(encode(AddRequest("r1", [1, 2], SamplingParams())))
+    raw[3]["top_p"] = 0.0
+    loop._refuse(b"frontend", msgspec.msgpack.encode(raw))
+    (identity, frame), = loop.socket.sent
+    out, = decode_from_core(frame).outputs
+    assert identity == b"frontend" and out.request_id == "r1" and out.finish_reason == "error"

@@ -43,3 +43,15 @@ def test_decode_matches_per_row_attention(use_kernel, batch):
                              block_tables=tables, context_lens=lens)
     out = TorchAttention(BLOCK, use_kernel=use_kernel).attend_decode(q, k_cache, v_cache, meta, 0.125)
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, lens, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_loading_the_kernel_keeps_denormals():
+    """The kernel is compiled with -ffast-math but not linked with it: linking it pulls in
+    crtfastmath.o, which sets flush-to-zero for the whole process, and the engine core then
+    read a request's top_p of 5e-324 as 0.0 (and died on it)."""
+    from engine import cpu_attention
+
+    cpu_attention.available()  # loads the library when the machine can build it
+    tiny = float("5e-324")
+    assert tiny * 1.0 > 0
+    assert torch.tensor([1e-40]).mul(1.0).item() > 0
