@@ -44,8 +44,9 @@ ENGINE_FLAG_HELP = {
                       "(--no-overlap-rounds: one round at a time)",
     "cuda_graph_max_batch": "largest batch bucket captured as a CUDA graph",
     "num_threads": "torch CPU threads of a CPU engine (default: torch's, all cores; the front ends run in "
-                   "their own processes and use little: on 2 cores, 2 threads served 21/91/135 tok/s at "
-                   "1/8/16 streams where 1 thread served 17/63/84)",
+                   "their own processes and use little: on the 2-core development machine 2 threads served "
+                   "21/91/135 tok/s at 1/8/16 streams where 1 thread served 17/63/84, measured before the "
+                   "CPU attention kernel; README has today's figures)",
     "grammar_compile_timeout": "seconds a response_format / structured_outputs / tools grammar may take to "
                                "compile; longer is a 400",
     "seed": "seed the seeds of unseeded requests (default: drawn from the OS, so they differ across "
