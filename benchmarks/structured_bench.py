@@ -66,64 +66,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from workload import make_requests, provenance, resolve_model, vocabulary, write_json  # noqa: E402
 
-# ---- engine settings and counters (as benchmarks/throughput.py; kept here so that a change
-# there cannot break this one-shot GPU run) ----------------------------------------------
-
-ENGINE_FLAGS = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_chunk",
-                "gpu_memory_utilization", "num_kv_blocks", "num_threads", "cuda_graph_max_batch")
-
-
-def parse_value(text: str):
-    import tomllib
-
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def engine_config(args: argparse.Namespace, model: str | None):
-    """EngineConfig from the config file < flags < --set, as `graphserve serve` merges them."""
-    from server.settings import ENGINE_KEYS, merge_settings, read_config_file, resolve_config_path
-
-    config_name = args.config
-    if config_name is None:
-        import torch
-
-        config_name = "gpu-h200" if torch.cuda.is_available() and args.device != "cpu" else "default"
-    path = resolve_config_path(config_name)
-    flags = {k: getattr(args, k) for k in ENGINE_FLAGS}
-    if args.enforce_eager:
-        flags["enforce_eager"] = True
-    if args.no_prefix_caching:
-        flags["prefix_caching"] = False
-    for item in args.set:
-        key, _, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if key not in ENGINE_KEYS:
-            raise SystemExit(f"--set {key}: not an engine setting ({', '.join(sorted(ENGINE_KEYS))})")
-        flags[key] = parse_value(value.strip())
-    flags["model"] = model
-    _, engine = merge_settings(read_config_file(path), flags)
-    engine.model = model  # None (the embedded model) too, which merge_settings treats as "not given"
-    return path, engine
-
-
-def stats_delta(before: dict, after: dict) -> dict:
-    """after - before for counters (numbers, and dicts of numbers per key); gauges as after."""
-    gauges = {"num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached_free"}
-    out = {}
-    for key, value in after.items():
-        old = before.get(key)
-        if key in gauges or old is None:
-            out[key] = value
-        elif isinstance(value, dict):
-            out[key] = {str(k): v - old.get(k, 0) for k, v in value.items() if v - old.get(k, 0)}
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = value - old
-        else:
-            out[key] = value
-    return out
+from throughput import ENGINE_FLAGS, engine_config, stats_delta  # noqa: E402  # the same engine settings
 
 
 def engine_stats(llm) -> dict:

@@ -67,7 +67,8 @@ def engine_config(args: argparse.Namespace, model: str | None):
 
 def stats_delta(before: dict, after: dict) -> dict:
     """after - before for counters (numbers, and dicts of numbers per key); gauges as after."""
-    gauges = {"num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free"}
+    gauges = {"num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached_free",
+              "grammar_requests"}
     out = {}
     for key, value in after.items():
         old = before.get(key)
