@@ -66,7 +66,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from workload import make_requests, provenance, resolve_model, vocabulary, write_json  # noqa: E402
 
-from throughput import ENGINE_FLAGS, engine_config, stats_delta  # noqa: E402  # the same engine settings
+from throughput import add_engine_flags, engine_config, stats_delta  # noqa: E402  # the same engine settings
 
 
 def engine_stats(llm) -> dict:
@@ -691,10 +691,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="per throughput scenario")
     parser.add_argument("--time-budget", type=float, default=0.0,
                         help="skip parts that would start after this many seconds (0: no limit)")
-    for flag in ENGINE_FLAGS:
-        kind = str if flag in ("device", "dtype") else float if flag == "gpu_memory_utilization" else int
-        parser.add_argument("--" + flag.replace("_", "-"), type=kind, default=None)
-    parser.add_argument("--enforce-eager", action="store_true")
+    add_engine_flags(parser)
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="the scenarios reuse one prompt set: by default later ones hit the prefix cache")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any EngineConfig field")

@@ -38,6 +38,15 @@ def parse_value(text: str):
         return text
 
 
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """--device ... --cuda-graph-max-batch and --enforce-eager (what engine_config reads, with --set and
+    --no-prefix-caching, which each benchmark adds with its own help)."""
+    for flag in ENGINE_FLAGS:
+        kind = str if flag in ("device", "dtype") else float if flag == "gpu_memory_utilization" else int
+        parser.add_argument("--" + flag.replace("_", "-"), type=kind, default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
+
+
 def engine_config(args: argparse.Namespace, model: str | None):
     """EngineConfig from the config file < flags < --set, as `graphserve serve` merges them."""
     from server.settings import ENGINE_KEYS, merge_settings, read_config_file, resolve_config_path
@@ -159,10 +168,7 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--warmup-requests", type=int, default=4, help="short requests run first, not timed")
     parser.add_argument("--timeout", type=float, default=480.0, help="abort what is left after this many seconds")
-    for flag in ENGINE_FLAGS:
-        kind = str if flag in ("device", "dtype") else float if flag == "gpu_memory_utilization" else int
-        parser.add_argument("--" + flag.replace("_", "-"), type=kind, default=None)
-    parser.add_argument("--enforce-eager", action="store_true")
+    add_engine_flags(parser)
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="prefix caching off (the request set's random prompts never hit; issue 10 compares both)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any EngineConfig field")
