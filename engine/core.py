@@ -279,6 +279,7 @@ class EngineCore:
         """Run each request of a failed batch on its own: the one(s) that still fail are
         failed, the others get their tokens as if nothing happened (the retry recomputes the
         same positions; sampling noise depends on (seed, position) only)."""
+        self.structured.forget_taken(batch.seqs)  # the grammar rows' matchers go back to the batch's start
         outputs = []
         for i, seq in enumerate(batch.seqs):
             if seq.is_finished:

@@ -5,6 +5,10 @@ A round with B sequences is padded to the smallest bucket >= B; padded rows read
 (the dummy block) and write their K/V only there. Each replay is one whole decode step,
 sampling included, and feeds the sampled token into the next step on the device.
 
+A round with grammar-constrained rows replays, per step, a forward graph (the logits into
+a static buffer) and a masked sampling graph, with the next masks fed in between while
+the round runs (engine/mask_feed.py), so those rows keep K-step rounds.
+
 A round is launched (staged, replayed, its tokens queued for the host) and collected
 (wait, read) separately, so the engine can launch the next round before it waits for
 this one. Everything runs on one CUDA stream: a round's input copies run after the
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import DUMMY_BLOCK
+from engine.mask_feed import MaskFeed
 from engine.request import Sequence
 from engine.runner import DecodeState, ModelRunner, StepTokens, plan_steps
 from engine.sampler import SamplingTensors, build_sampling_tensors
@@ -31,8 +36,9 @@ from engine.scheduler import DecodeRound
 
 logger = logging.getLogger("graphserve.engine")
 
-# all-greedy batches skip the sort and the noise; "masked" ones apply grammar bitmasks
-VARIANTS = ("greedy", "sample", "greedy_masked", "sample_masked")
+# all-greedy batches skip the sort and the noise; "masked" ones apply grammar bitmasks and
+# sample only: they follow the "forward" graph, which leaves the logits in a static buffer
+VARIANTS = ("greedy", "sample", "forward", "greedy_masked", "sample_masked")
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -66,7 +72,7 @@ class _Graph:
 
 # static buffers staged from the host each round
 _STAGED = ("input_ids", "input_rows", "step_positions", "step_slots", "step_context_lens", "block_tables",
-           "temperature", "top_k", "top_p", "min_p", "seeds", "output_pos", "token_bitmask")
+           "temperature", "top_k", "top_p", "min_p", "seeds", "output_pos", "token_bitmask", "mask_rows")
 _PER_STEP = ("step_positions", "step_slots", "step_context_lens")  # [K, n]; the others are [n] or [n, W]
 
 
@@ -127,7 +133,12 @@ class GraphDecoder:
         self.min_p = torch.zeros(n, dtype=torch.float32, device=dev)
         self.seeds = torch.zeros(n, dtype=torch.int64, device=dev)
         self.output_pos = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.token_bitmask = torch.full((n, -(-runner.vocab_size // 32)), -1, dtype=torch.int32, device=dev)
+        words = -(-runner.vocab_size // 32)
+        self.token_bitmask = torch.full((n, words), -1, dtype=torch.int32, device=dev)
+        self.mask_rows = torch.zeros(n, dtype=torch.int64, device=dev)  # a round's constrained rows
+        self.mask_staging = torch.full((n, words), -1, dtype=torch.int32, device=dev)  # their first masks
+        self.logits: torch.Tensor | None = None  # [n, V] (CUDA): the forward graph's output
+        self._feed: MaskFeed | None = None  # CUDA: the masks of a round's later steps
         self.step = torch.zeros((), dtype=torch.int64, device=dev)
         self.out_tokens = torch.zeros(max_steps, n, dtype=torch.int64, device=dev)
         self.out_logprobs = torch.zeros(max_steps, n, dtype=torch.float32, device=dev)
@@ -166,26 +177,39 @@ class GraphDecoder:
         # which other work freeing memory at the same time would distort
         mem_before = torch.cuda.memory_reserved(self.device)
         self.pool = torch.cuda.graph_pool_handle()
+        self.logits = torch.empty(self.max_bucket, self.runner.vocab_size, device=self.device,
+                                  dtype=self.runner.model.lm_head_weight.dtype)
+        self._feed = MaskFeed(self.max_bucket, self.token_bitmask.shape[1], self.max_steps, self.device)
         todo = [(b, v) for b in reversed(self.buckets) for v in VARIANTS]
         for bucket, variant in tqdm(todo, desc="capturing CUDA graphs", disable=not progress):
             state = self._state(bucket, variant)
+            run = self._graph_body(bucket, variant, state)
             self._reset_padding(0, self.max_bucket)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up outside the graph (Triton compiles, allocator settles)
                 self.step.zero_()
-                self.runner.decode_step(state)
+                run()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             self.step.zero_()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.runner.decode_step(state)
+                run()
             self.graphs[(bucket, variant)] = _Graph(graph, state)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
         self.capture_gib = (torch.cuda.memory_reserved(self.device) - mem_before) / 1024**3
         logger.info("captured %d CUDA graphs (%d buckets up to %d) in %.1fs using %.2f GiB",
                     len(todo), len(self.buckets), self.max_bucket, self.capture_seconds, self.capture_gib)
+
+    def _graph_body(self, bucket: int, variant: str, state: DecodeState):
+        """What the graph of (bucket, variant) runs: a whole step, the forward pass alone, or
+        (masked) the sampling alone."""
+        if variant == "forward":
+            return lambda: self.logits[:bucket].copy_(self.runner.decode_forward(state))
+        if variant.endswith("_masked"):
+            return lambda: self.runner.decode_sample(state, self.logits[:bucket])
+        return lambda: self.runner.decode_step(state)
 
     def bucket_for(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
@@ -232,14 +256,15 @@ class GraphDecoder:
         buf = getattr(self, name)
         return buf[:k, :b] if name in _PER_STEP else buf[:b]
 
-    def _stage_inputs(self, slot: _HostSlot, rnd: DecodeRound) -> str:
+    def _stage_inputs(self, slot: _HostSlot, rnd: DecodeRound) -> tuple[str, list[int]]:
         """Fill the slot's host buffers for `rnd` and queue their copies into the static
-        buffers; returns the sampler variant."""
+        buffers; returns the sampler variant and the rows constrained by a grammar."""
         seqs, k, b, pending = rnd.seqs, rnd.num_steps, len(rnd.seqs), rnd.pending
         carried = self._carried_rows(rnd)
-        bitmask = self.runner.token_bitmask(seqs)
-        if bitmask is not None and k != 1:
-            raise ValueError("a round with grammar-constrained rows runs one step (its mask needs the last token)")
+        structured = self.runner.structured
+        rows = structured.constrained_rows(seqs) if structured is not None else []
+        if rows and pending and any(pending):
+            raise ValueError("a round with grammar-constrained rows cannot be launched ahead (masks need tokens)")
         st = build_sampling_tensors(seqs, self.runner.vocab_size, self.runner.eos_ids, torch.device("cpu"), pending)
         table = slot.view("block_tables", (b, self.table_width))
         table.fill_(DUMMY_BLOCK)
@@ -249,15 +274,20 @@ class GraphDecoder:
         values = {"step_positions": positions, "step_slots": slots, "step_context_lens": context_lens,
                   **{name: getattr(st, name) for name in ("temperature", "top_k", "top_p", "min_p", "seeds",
                                                           "output_pos")}}
-        if bitmask is not None:
-            values["token_bitmask"] = bitmask
         host = {name: slot.stage(name, src) for name, src in values.items()}
         host["block_tables"] = table
         non_blocking = self.device.type == "cuda"
         for name, src in host.items():
             self._device_rows(name, k, b).copy_(src, non_blocking=non_blocking)
         self._stage_input_ids(slot, seqs, carried, non_blocking)
-        return ("greedy" if st.all_greedy else "sample") + ("_masked" if bitmask is not None else "")
+        if rows:  # the first step's masks; only the constrained rows' cross PCIe
+            masks = slot.view("token_bitmask", (len(rows), self.token_bitmask.shape[1]))
+            structured.fill_rows(seqs, rows, masks)
+            self.token_bitmask[:b].fill_(-1)
+            self.mask_rows[:len(rows)].copy_(slot.stage("mask_rows", torch.tensor(rows)), non_blocking=non_blocking)
+            self.mask_staging[:len(rows)].copy_(masks, non_blocking=non_blocking)
+            self.token_bitmask.index_copy_(0, self.mask_rows[:len(rows)], self.mask_staging[:len(rows)])
+        return ("greedy" if st.all_greedy else "sample") + ("_masked" if rows else ""), rows
 
     def _stage_input_ids(self, slot: _HostSlot, seqs: list[Sequence], carried: list[int] | None,
                          non_blocking: bool) -> None:
@@ -295,12 +325,14 @@ class GraphDecoder:
         non_blocking = self.device.type == "cuda"
         try:
             try:
-                variant = self._stage_inputs(slot, rnd)
+                variant, rows = self._stage_inputs(slot, rnd)
                 self._reset_padding(b, bucket)
                 self.step.zero_()
                 entry = self.graphs[(bucket, variant)]
-                for _ in range(k):
-                    if entry.graph is not None:
+                for i in range(k):
+                    if rows:
+                        self._masked_step(i, k, bucket, entry, seqs, rows)
+                    elif entry.graph is not None:
                         entry.graph.replay()
                     else:
                         self.runner.decode_step(entry.state)
@@ -315,8 +347,33 @@ class GraphDecoder:
             if non_blocking:
                 slot.event = torch.cuda.Event()
                 slot.event.record(torch.cuda.current_stream(self.device))
+        if rows and self._feed is not None and k > 1:
+            try:
+                structured = self.runner.structured
+                self._feed.serve(k, len(rows), lambda tokens, out: structured.advance(seqs, rows, tokens, out))
+            except BaseException:
+                self._last_seqs = None
+                raise
         self._last_seqs = list(seqs)
         return RoundHandle(rnd, bucket, slot, slot.launches, slot.event)
+
+    def _masked_step(self, i: int, k: int, bucket: int, entry: _Graph, seqs: list[Sequence], rows: list[int]) -> None:
+        """Step i of a round with grammar rows. CUDA: the forward graph, the wait for and copy
+        of this step's masks (from the second step on), the masked sampling graph, and the
+        copy of the constrained rows' tokens for the host (served after all is queued). CPU:
+        the host computes each step's masks itself, between the steps."""
+        if self._feed is None:
+            if i:
+                self.runner.next_masks(seqs, rows, self.out_tokens[i - 1, :len(seqs)], self.token_bitmask)
+            self.runner.decode_step(entry.state)
+            return
+        device_rows = self.mask_rows[:len(rows)]
+        self.graphs[(bucket, "forward")].graph.replay()
+        if i:
+            self._feed.queue_masks(self.token_bitmask, device_rows)
+        entry.graph.replay()
+        if i < k - 1:
+            self._feed.queue_tokens(i, self.out_tokens, device_rows)
 
     def collect(self, handle: RoundHandle) -> tuple[dict[str, StepTokens], int]:
         """Wait for a launched round's tokens; returns them per sequence, and the bucket used.
@@ -326,6 +383,8 @@ class GraphDecoder:
             raise RuntimeError("a round was collected after its host buffers went to a later round")
         if handle.event is not None:
             handle.event.synchronize()
+        if self._feed is not None and (timeouts := self._feed.take_timeouts()):
+            logger.error("%d grammar mask waits gave up: the host did not answer the device in time", timeouts)
         k, b = handle.rnd.num_steps, len(handle.rnd.seqs)
         results = self.runner.tokens_by_seq(handle.rnd.seqs, slot.tokens[:k, :b], slot.logprobs[:k, :b])
         return results, handle.bucket

@@ -179,10 +179,8 @@ class ModelRunner:
         seqs, k = rnd.seqs, rnd.num_steps
         tables = self._block_tables(seqs)
         positions, slots, context_lens = plan_steps(seqs, k, tables, self.block_size)
-        bitmask = self.token_bitmask(seqs)
-        if bitmask is not None and k != 1:
-            raise ValueError("a round with grammar-constrained rows runs one step (its mask needs the last token)")
-        st = build_sampling_tensors(seqs, self.vocab_size, self.eos_ids, self.device, token_bitmask=bitmask)
+        st = build_sampling_tensors(seqs, self.vocab_size, self.eos_ids, self.device,
+                                    token_bitmask=self.token_bitmask(seqs))
         b, dev = len(seqs), self.device
         state = DecodeState(
             input_ids=self._tensor([s.last_token_id for s in seqs], torch.int64),
@@ -200,13 +198,22 @@ class ModelRunner:
 
     def decode_step(self, state: DecodeState) -> None:
         """One decode step, entirely on the device: no host sync, no shape change."""
+        self.decode_sample(state, self.decode_forward(state))
+
+    def decode_forward(self, state: DecodeState) -> torch.Tensor:
+        """The model part of a decode step: the logits [B, V] in the model's dtype."""
         step = state.step[None]
         pos = state.step_positions.index_select(0, step)[0]
         meta = AttentionMetadata(is_prefill=False, slot_mapping=state.step_slots.index_select(0, step)[0],
                                  block_tables=state.block_tables,
                                  context_lens=state.step_context_lens.index_select(0, step)[0])
         hidden = self.model(state.input_ids, pos, meta, self.kv_caches)
-        out = sample(self.model.compute_logits(hidden, dtype=None), state.sampling)  # sample() upcasts if it must
+        return self.model.compute_logits(hidden, dtype=None)  # sample() upcasts if it must
+
+    def decode_sample(self, state: DecodeState, logits: torch.Tensor) -> None:
+        """The sampling part of a decode step: the tokens, fed into the next step."""
+        step = state.step[None]
+        out = sample(logits, state.sampling)
         state.out_tokens.index_copy_(0, step, out.tokens[None])
         state.out_logprobs.index_copy_(0, step, out.logprobs[None])
         if state.out_top_ids is not None:
@@ -219,9 +226,21 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, rnd: DecodeRound) -> dict[str, StepTokens]:
         state = self.prepare_decode(rnd)
-        for _ in range(rnd.num_steps):
+        rows = self.structured.constrained_rows(rnd.seqs) if self.structured is not None else []
+        for i in range(rnd.num_steps):
+            if i and rows:
+                self.next_masks(rnd.seqs, rows, state.out_tokens[i - 1], state.sampling.token_bitmask)
             self.decode_step(state)
         return self.collect(rnd, state)
+
+    def next_masks(self, seqs: list[Sequence], rows: list[int], tokens: torch.Tensor,
+                   token_bitmask: torch.Tensor) -> None:
+        """Between two steps of a round, synchronously: the constrained rows' matchers take the
+        tokens just sampled (`tokens`, [B]) and their next masks go into `token_bitmask`."""
+        index = torch.tensor(rows, device=tokens.device)
+        masks = torch.empty(len(rows), self.structured.words, dtype=torch.int32)
+        self.structured.advance(seqs, rows, tokens.index_select(0, index).tolist(), masks)
+        token_bitmask.index_copy_(0, index.to(token_bitmask.device), masks.to(token_bitmask.device))
 
     def collect(self, rnd: DecodeRound, state: DecodeState) -> dict[str, StepTokens]:
         """The round's single device-to-host transfer, then per-sequence token lists."""

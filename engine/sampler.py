@@ -41,8 +41,8 @@ class SamplingTensors:
 
     @property
     def has_processors(self) -> bool:
-        return (self.logit_bias is not None or self.output_counts is not None or self.min_tokens_ban is not None
-                or self.token_bitmask is not None)
+        """Logit processors other than a grammar's bitmask (which the greedy kernel applies itself)."""
+        return self.logit_bias is not None or self.output_counts is not None or self.min_tokens_ban is not None
 
 
 def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_ids: tuple[int, ...],
@@ -165,7 +165,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     if logits.is_cuda and st.all_greedy and st.num_logprobs == 0 and not st.has_processors:
         from kernels.sampling import greedy_sample
 
-        return SamplerOutput(*greedy_sample(logits))  # two kernels instead of about ten
+        return SamplerOutput(*greedy_sample(logits, st.token_bitmask))  # two kernels instead of about ten
     logits = logits.float()
     processed = apply_processors(logits, st)
     greedy_tokens = processed.argmax(dim=-1)

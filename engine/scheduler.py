@@ -99,8 +99,6 @@ class Scheduler:
         """K for a round of `seqs`: the configured chunk, cut short when requests wait for a
         prefill (so their time to first token stays low) or when every sequence ends sooner."""
         k = self.config.decode_chunk
-        if any(s.params.grammar is not None for s in seqs):
-            return 1  # a grammar's next mask needs the token just sampled (structured.py)
         if self.waiting and len(self.running) < self.config.max_num_seqs:
             k = min(k, 2)
         pending = pending or [0] * len(seqs)

@@ -13,7 +13,7 @@ import json
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,15 +180,20 @@ class _Compiling:
 
 class StructuredOutputs:
     """Engine core: grammars being compiled, one matcher per running constrained request,
-    and the bitmasks of a batch. `bitmask(seqs)` is what the sampler gets; `accept` moves
-    a matcher on by the tokens the host appended."""
+    and the bitmasks of a batch. `bitmask(seqs)` / `fill_rows` give what the sampler gets
+    before a round's first step; `advance` moves the matchers on between two steps of a
+    round (the tokens it takes are remembered); `accept` moves a matcher on by the tokens
+    the host appends, or confirms what `advance` took already."""
 
     def __init__(self, compiler: GrammarCompiler, max_rows: int):
         self.compiler = compiler
         self.compiling: dict[str, _Compiling] = {}
         self.matchers: dict[str, object] = {}
-        self._words = -(-compiler.vocab_size // 32)
-        self._bitmask = torch.full((max_rows, self._words), -1, dtype=torch.int32)
+        self.words = -(-compiler.vocab_size // 32)
+        self._bitmask = torch.full((max_rows, self.words), -1, dtype=torch.int32)
+        # per request, (token, accepted, grammar finished) of what advance() took inside a round
+        # and the host has not appended yet
+        self._taken: dict[str, deque[tuple[int, bool, bool]]] = {}
 
     @property
     def num_requests(self) -> int:
@@ -228,30 +233,74 @@ class StructuredOutputs:
         """Forget a request's matcher (or its compilation): it finished or was aborted."""
         self.matchers.pop(request_id, None)
         self.compiling.pop(request_id, None)
+        self._taken.pop(request_id, None)
+
+    def constrained_rows(self, seqs: list) -> list[int]:
+        """Indices of the rows of `seqs` that have a matcher."""
+        return [i for i, s in enumerate(seqs) if s.request_id in self.matchers]
+
+    def fill_rows(self, seqs: list, rows: list[int], out: torch.Tensor, compact: bool = True) -> None:
+        """The tokens row i in `rows` may sample next, into out[j] for rows[j] (compact) or
+        out[i] (host int32 tensors of `words` columns)."""
+        # one row after another: a few microseconds each, less than waking worker threads
+        # (xgrammar's BatchGrammarMatcher with 2 threads measured slower at 1-64 rows)
+        for j, i in enumerate(rows):
+            index = j if compact else i
+            matcher = self.matchers[seqs[i].request_id]
+            if matcher.is_terminated():
+                out[index].numpy().fill(-1)  # its tokens from here on are dropped by the host
+            else:
+                matcher.fill_next_token_bitmask(out, index)
 
     def bitmask(self, seqs: list) -> torch.Tensor | None:
         """[len(seqs), ceil(V/32)] int32 on the host: the tokens each row may sample next
         (all bits set for unconstrained rows); None when no row is constrained."""
-        rows = [i for i, s in enumerate(seqs) if s.request_id in self.matchers]
+        rows = self.constrained_rows(seqs)
         if not rows:
             return None
         if len(seqs) > self._bitmask.shape[0]:
-            self._bitmask = torch.full((len(seqs), self._words), -1, dtype=torch.int32)
+            self._bitmask = torch.full((len(seqs), self.words), -1, dtype=torch.int32)
         mask = self._bitmask[:len(seqs)]
         mask.numpy().fill(-1)  # numpy: torch's fill_ may wake its thread pool for this
-        # one row after another: a few microseconds each, less than waking worker threads
-        # (xgrammar's BatchGrammarMatcher with 2 threads measured slower at 1-64 rows)
-        for i in rows:
-            self.matchers[seqs[i].request_id].fill_next_token_bitmask(mask, i)
+        self.fill_rows(seqs, rows, mask, compact=False)
         return mask
+
+    def advance(self, seqs: list, rows: list[int], tokens: list[int], out: torch.Tensor) -> None:
+        """Between two steps of a round: row rows[j] of `seqs` just sampled tokens[j]. Move its
+        matcher on (remembered for accept()) and put its next mask in out[j]."""
+        for j, (i, token) in enumerate(zip(rows, tokens)):
+            request_id = seqs[i].request_id
+            matcher = self.matchers.get(request_id)
+            if matcher is None or matcher.is_terminated():  # ended (aborted, or its grammar is done)
+                out[j].numpy().fill(-1)
+                continue
+            accepted = matcher.accept_token(token)
+            done = matcher.is_terminated()
+            self._taken.setdefault(request_id, deque()).append((token, accepted, done))
+            if accepted and not done:
+                matcher.fill_next_token_bitmask(out, j)
+            else:
+                out[j].numpy().fill(-1)
 
     def accept(self, request_id: str, token: int) -> tuple[bool, bool]:
         """Move the request's matcher on by `token`: (accepted, the grammar is finished)."""
+        taken = self._taken.get(request_id)
+        if taken:  # advance() took it inside the round already
+            taken_token, accepted, done = taken.popleft()
+            return accepted and taken_token == token, done
         matcher = self.matchers.get(request_id)
         if matcher is None:
             return True, False
         ok = matcher.accept_token(token)
         return ok, matcher.is_terminated()
+
+    def forget_taken(self, seqs: list) -> None:
+        """A round failed: roll the matchers of `seqs` back over what advance() took in it."""
+        for seq in seqs:
+            taken = self._taken.pop(seq.request_id, None)
+            matcher = self.matchers.get(seq.request_id)
+            if taken and matcher is not None:
+                matcher.rollback(sum(1 for _, accepted, _ in taken if accepted))
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ from kernels.decode_attention import (
     pick_num_splits,
 )
 from kernels.gemv import GemvTile, default_gemv_tile, gemv, gemv_ref, gemv_rope_store, gemv_rope_store_ref
+from kernels.host_wait import wait_for_host, wait_for_host_ref
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.prefill_attention import (
     paged_prefill_attention,
@@ -58,5 +59,7 @@ __all__ = [
     "silu_and_mul",
     "silu_and_mul_ref",
     "store_kv",
+    "wait_for_host",
+    "wait_for_host_ref",
     "store_kv_ref",
 ]

@@ -5,6 +5,10 @@ per decode step over a [B, V] float32 copy of the logits. Here the first kernel 
 once, in their own dtype, each program keeping an online (max, first index of the max, sum of
 exp(x - max)) over a chunk of the vocabulary; the second merges the chunks of a row. The logprob
 of the argmax is then -log(sum(exp(x - max))). Ties go to the lowest index, as torch.argmax.
+
+With a grammar's token bitmask ([B, ceil(V/32)] int32, bit j of word w allows token 32w + j), the
+argmax is taken over the allowed tokens only, while the log-probability stays the model's own
+(the log-sum-exp runs over every token), as the torch path of engine/sampler.py does.
 """
 
 from __future__ import annotations
@@ -19,58 +23,76 @@ _BLOCK = 1024
 
 @triton.jit
 def _argmax_partial_kernel(
-    logits_ptr, part_max_ptr, part_idx_ptr, part_sum_ptr,
-    stride_l, vocab, num_chunks,
+    logits_ptr, bitmask_ptr, part_max_ptr, part_idx_ptr, part_sum_ptr, part_lse_max_ptr,
+    stride_l, stride_m, vocab, num_chunks,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
-    m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)  # running max of all logits (log-sum-exp)
     s = tl.zeros([BLOCK], dtype=tl.float32)
-    idx = tl.zeros([BLOCK], dtype=tl.int32)
+    am = tl.full([BLOCK], float("-inf"), dtype=tl.float32)  # running max of the allowed logits (argmax)
+    idx = tl.full([BLOCK], 2147483647, dtype=tl.int32)
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         cols = start + offs
         x = tl.load(logits_ptr + row * stride_l + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
         new_m = tl.maximum(m, x)
         # lanes still at -inf contribute nothing (and must not make exp(-inf - -inf) = NaN)
         s = tl.where(new_m == float("-inf"), 0.0, s * tl.exp(m - new_m) + tl.exp(x - new_m))
-        idx = tl.where(x > m, cols, idx)  # strictly greater: a lane keeps its first maximum
         m = new_m
-    best = tl.max(m, 0)
-    total = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - best)), 0)
-    first = tl.min(tl.where(m == best, idx, 2147483647), 0)
+        allowed = cols < vocab
+        if MASKED:
+            words = tl.load(bitmask_ptr + row * stride_m + cols // 32, mask=cols < vocab, other=0)
+            allowed = allowed & (((words >> (cols % 32)) & 1) != 0)
+        # strictly greater: a lane keeps its first maximum; an allowed -inf still names a token
+        take = allowed & ((x > am) | (idx == 2147483647))
+        idx = tl.where(take, cols, idx)
+        am = tl.where(take, x, am)
+    best = tl.max(am, 0)
+    first = tl.min(tl.where((am == best) & (idx != 2147483647), idx, 2147483647), 0)
+    lse_max = tl.max(m, 0)
+    total = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - lse_max)), 0)
     out = row * num_chunks + chunk
     tl.store(part_max_ptr + out, best)
-    tl.store(part_sum_ptr + out, total)
     tl.store(part_idx_ptr + out, first)
+    tl.store(part_lse_max_ptr + out, lse_max)
+    tl.store(part_sum_ptr + out, total)
 
 
 @triton.jit
 def _argmax_merge_kernel(
-    part_max_ptr, part_idx_ptr, part_sum_ptr, tokens_ptr, logprobs_ptr,
-    num_chunks,
+    logits_ptr, part_max_ptr, part_idx_ptr, part_sum_ptr, part_lse_max_ptr, tokens_ptr, logprobs_ptr,
+    stride_l, num_chunks,
     CHUNKS_PAD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNKS_PAD)
     mask = offs < num_chunks
-    m = tl.load(part_max_ptr + row * num_chunks + offs, mask=mask, other=float("-inf"))
-    s = tl.load(part_sum_ptr + row * num_chunks + offs, mask=mask, other=0.0)
+    am = tl.load(part_max_ptr + row * num_chunks + offs, mask=mask, other=float("-inf"))
     idx = tl.load(part_idx_ptr + row * num_chunks + offs, mask=mask, other=2147483647)
-    best = tl.max(m, 0)
-    total = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - best)), 0)
-    first = tl.min(tl.where(m == best, idx, 2147483647), 0)
+    m = tl.load(part_lse_max_ptr + row * num_chunks + offs, mask=mask, other=float("-inf"))
+    s = tl.load(part_sum_ptr + row * num_chunks + offs, mask=mask, other=0.0)
+    best = tl.max(am, 0)
+    first = tl.min(tl.where((am == best) & (idx != 2147483647), idx, 2147483647), 0)
+    first = tl.where(first == 2147483647, 0, first)  # nothing allowed (a mask bug): token 0, not garbage
+    lse_max = tl.max(m, 0)
+    total = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - lse_max)), 0)
+    chosen = tl.load(logits_ptr + row * stride_l + first).to(tl.float32)
     tl.store(tokens_ptr + row, first.to(tl.int64))
-    tl.store(logprobs_ptr + row, -tl.log(total))
+    tl.store(logprobs_ptr + row, chosen - lse_max - tl.log(total))
 
 
-def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_sample(logits: torch.Tensor, bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (any float dtype, last dim contiguous) -> (argmax [B] int64, its log-softmax
-    value [B] float32)."""
+    value [B] float32). `bitmask` [B, ceil(V/32)] int32: the argmax over the allowed tokens only."""
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"expected logits [B, V] with a contiguous last dim, got {tuple(logits.shape)}")
+    if bitmask is not None and (bitmask.shape != (logits.shape[0], triton.cdiv(logits.shape[1], 32))
+                                or bitmask.dtype != torch.int32 or bitmask.stride(-1) != 1):
+        raise ValueError(f"expected an int32 bitmask [B, ceil(V/32)], got {tuple(bitmask.shape)} {bitmask.dtype}")
     rows, vocab = logits.shape
     num_chunks = triton.cdiv(vocab, _CHUNK)
     dev = logits.device
@@ -81,18 +103,25 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     part_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)
     part_sum = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)
     part_idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=dev)
+    part_lse_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)
     _argmax_partial_kernel[(rows, num_chunks)](
-        logits, part_max, part_idx, part_sum, logits.stride(0), vocab, num_chunks,
-        CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=4,
+        logits, bitmask if bitmask is not None else part_idx, part_max, part_idx, part_sum, part_lse_max,
+        logits.stride(0), bitmask.stride(0) if bitmask is not None else 0, vocab, num_chunks,
+        CHUNK=_CHUNK, BLOCK=_BLOCK, MASKED=bitmask is not None, num_warps=4,
     )
     _argmax_merge_kernel[(rows,)](
-        part_max, part_idx, part_sum, tokens, logprobs, num_chunks,
+        logits, part_max, part_idx, part_sum, part_lse_max, tokens, logprobs, logits.stride(0), num_chunks,
         CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), num_warps=1,
     )
     return tokens, logprobs
 
 
-def greedy_sample_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_sample_ref(logits: torch.Tensor, bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     logits = logits.float()
-    tokens = logits.argmax(dim=-1)
+    allowed = logits
+    if bitmask is not None:
+        from engine.structured import unpack_bitmask
+
+        allowed = logits.masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
+    tokens = allowed.argmax(dim=-1)
     return tokens, logits.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)

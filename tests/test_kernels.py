@@ -25,6 +25,8 @@ from kernels import (
     gemv_rope_store_ref,
     greedy_sample,
     greedy_sample_ref,
+    wait_for_host,
+    wait_for_host_ref,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
@@ -467,6 +469,45 @@ def test_greedy_sample():
     tokens16, logprobs16 = greedy_sample(logits.to(torch.bfloat16))
     ref16 = greedy_sample_ref(logits.to(torch.bfloat16))
     assert tokens16.tolist() == ref16[0].tolist() and torch.allclose(logprobs16, ref16[1], atol=1e-4)
+
+
+def test_greedy_sample_with_a_bitmask_picks_the_best_allowed_token():
+    """A grammar's bitmask: the argmax over allowed tokens only (even when they are -inf or the
+    row's overall maximum is banned); the logprob is still the model's over the whole vocabulary."""
+    gen = torch.Generator().manual_seed(33)
+    vocab = 10_003  # a partial last word and a partial last chunk
+    logits = torch.randn(4, vocab, generator=gen) * 3
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, -(-vocab // 32)), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[0] = -1  # everything allowed: the plain argmax
+    bitmask[1] = 0
+    bitmask[1, 9_999 // 32] = 1 << (9_999 % 32)  # one token allowed, in the last chunk
+    logits[2, 123] = 90.0  # the row's maximum, banned
+    bitmask[2, 123 // 32] &= ~(1 << (123 % 32))
+    bitmask[3] = 0
+    bitmask[3, 0] = 0b1100  # tokens 2 and 3 allowed, both -inf: the first allowed one
+    logits[3, 2:4] = float("-inf")
+    tokens, logprobs = greedy_sample(logits, bitmask)
+    ref_tokens, ref_logprobs = greedy_sample_ref(logits, bitmask)
+    assert tokens[:3].tolist() == ref_tokens[:3].tolist()
+    assert tokens[0] == logits[0].argmax() and tokens[1] == 9_999 and tokens[2] != 123 and tokens[3] == 2
+    assert torch.allclose(logprobs[:3], ref_logprobs[:3], atol=1e-5)
+    assert logprobs[3] == float("-inf")
+
+
+def test_wait_for_host_returns_once_the_counter_is_reached_and_counts_a_timeout():
+    counter = torch.tensor([5], dtype=torch.int64)
+    timeouts = torch.zeros(1, dtype=torch.int32)
+    for expected in (3, 5):  # reached: no timeout
+        wait_for_host(counter, timeouts, expected, max_spins=10)
+    assert timeouts.item() == 0
+    wait_for_host(counter, timeouts, 6, max_spins=10)  # never reached: gives up, counted
+    assert timeouts.item() == 1
+    ref_timeouts = torch.zeros(1, dtype=torch.int32)
+    for expected in (3, 5, 6):
+        wait_for_host_ref(counter, ref_timeouts, expected)
+    assert torch.equal(timeouts, ref_timeouts)
+    with pytest.raises(ValueError):
+        wait_for_host(counter.int(), timeouts, 1)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

@@ -18,6 +18,7 @@ from kernels import (
     gemv_rope_store_ref,
     greedy_sample,
     greedy_sample_ref,
+    wait_for_host,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
@@ -280,6 +281,50 @@ def test_greedy_sample_real_vocab(vocab, dtype, poisoned_outputs):
     tokens, logprobs = greedy_sample(logits)
     ref_tokens, ref_logprobs = greedy_sample_ref(logits)
     assert torch.equal(tokens, ref_tokens) and tokens[5] == vocab - 1
+    assert torch.allclose(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_wait_for_host_holds_the_stream_until_the_host_raises_the_counter():
+    """The device waits on page-locked host memory: work queued after the wait runs only once
+    another host thread has raised the counter; a wait that is never answered gives up."""
+    import threading
+    import time
+
+    counter = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    timeouts = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    out = torch.zeros(1, device=DEV)
+    done = torch.cuda.Event()
+    wait_for_host(counter, timeouts, 1)
+    out.fill_(1.0)
+    done.record()
+    time.sleep(0.05)
+    assert not done.query()  # (reading `out` now would wait for the stream: the host is the one to answer)
+    threading.Timer(0.02, lambda: counter.numpy().__setitem__(0, 1)).start()
+    started = time.perf_counter()
+    done.synchronize()
+    assert time.perf_counter() - started >= 0.01 and out.item() == 1.0 and timeouts.item() == 0
+    wait_for_host(counter, timeouts, 2, max_spins=1000)  # never answered
+    torch.cuda.synchronize()
+    assert timeouts.item() == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [151936, 128256])
+def test_greedy_sample_masked_real_vocab(vocab, poisoned_outputs):
+    gen = torch.Generator(device=DEV).manual_seed(vocab + 1)
+    logits = (torch.randn(64, vocab, device=DEV, generator=gen) * 4).to(BF16)
+    words = -(-vocab // 32)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (64, words), device=DEV, generator=gen, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    bitmask[:8] = 0  # grammar-like rows: a handful of allowed tokens
+    for r in range(8):
+        allowed = torch.randint(0, vocab, (5,), device=DEV, generator=gen)
+        bitmask[r].index_put_((allowed // 32,), (1 << (allowed % 32)).to(torch.int32), accumulate=True)
+    bitmask[8:16] = -1
+    tokens, logprobs = greedy_sample(logits, bitmask)
+    ref_tokens, ref_logprobs = greedy_sample_ref(logits, bitmask)
+    assert torch.equal(tokens, ref_tokens)
     assert torch.allclose(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)
 
 

@@ -167,6 +167,51 @@ def test_a_slow_compilation_does_not_hold_up_other_requests(llm, monkeypatch):
     assert_idle(llm)
 
 
+def test_constrained_rows_keep_k_step_rounds_with_the_tokens_of_one_step_rounds(llm):
+    """A grammar needs the host between two tokens, but constrained rows still run K-step
+    rounds (their masks are fed between the steps): the tokens, greedy and seeded-sampled,
+    are those of one-step rounds, in about a K-th of the rounds."""
+    one_step = LLM(device="cpu", max_model_len=512, num_kv_blocks=128, decode_chunk=1)
+    params = [SamplingParams(max_tokens=60, temperature=0, grammar=SPECS["json_schema"]),
+              SamplingParams(max_tokens=60, temperature=1.0, seed=11, grammar=SPECS["json_object"]),
+              SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)]
+    prompts = [PROMPT, PROMPT, FREE_PROMPTS[1]]
+    before = llm.engine.stats().decode_rounds
+    outs = llm.generate(prompts, params)
+    rounds = llm.engine.stats().decode_rounds - before
+    want = one_step.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    check_output("json_schema", outs[0].text)
+    longest = max(len(o.token_ids) for o in outs)
+    assert rounds <= -(-longest // 4) + 2, (rounds, longest)  # K = 4, not one round per token
+    assert_idle(llm)
+
+
+def test_a_failed_round_rolls_the_matchers_back(llm):
+    """Tokens a matcher took inside a round that then failed are rolled back, so the retry
+    (or the next round) starts from the matcher state the host's tokens say."""
+    from engine.request import Sequence
+
+    structured = llm.engine.core.structured
+    compiled = structured.compiler.compile(SPECS["regex"])
+    import xgrammar as xgr
+
+    seq = Sequence("rollback-test", [1, 2], SamplingParams(max_tokens=8, grammar=SPECS["regex"]), seed=0)
+    structured.matchers[seq.request_id] = xgr.GrammarMatcher(compiled)
+    try:
+        digits = [llm.tokenizer.encode(d)[0] for d in "123"]
+        masks = torch.empty(1, structured.words, dtype=torch.int32)
+        for token in digits:
+            structured.advance([seq], [0], [token], masks)
+        assert masks[0].ne(-1).any()  # after three digits only "-" may follow
+        structured.forget_taken([seq])
+        assert [structured.accept(seq.request_id, t) for t in digits] == [(True, False)] * 3
+        structured.advance([seq], [0], [digits[0]], masks)  # a fourth digit: outside the grammar
+        assert structured.accept(seq.request_id, digits[0]) == (False, False)
+    finally:
+        structured.release(seq.request_id)
+
+
 def test_graph_decoder_applies_masks_on_its_static_buffers(llm):
     """The masked variants of the decode graphs (here the same static-buffer path, eager on CPU)."""
     from engine.cuda_graphs import GraphDecoder
