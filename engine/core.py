@@ -438,18 +438,22 @@ class EngineCore:
             handle = self.graphs.launch(rnd)
         finally:
             self.timeline.end(mark)
+        self._count_replays(handle.bucket, rnd.num_steps)
+        return handle
+
+    def _count_replays(self, bucket: int, num_steps: int) -> None:
         stats = self.stats_counters
         # copy-on-write: stats() may read these dicts from another thread at any time
-        stats.graph_replays = {**stats.graph_replays, handle.bucket: stats.graph_replays.get(handle.bucket, 0)
-                               + rnd.num_steps}
-        return handle
+        stats.graph_replays = {**stats.graph_replays, bucket: stats.graph_replays.get(bucket, 0) + num_steps}
 
     def decode(self, rnd: DecodeRound) -> dict[str, StepTokens]:
         """A decode round run to the end: through the graphs when they can take it, else
         eagerly (counted by reason)."""
         reason = self._eager_reason(rnd)
         if reason is None:
-            return self.graphs.collect(self.graphs.launch(rnd))[0]
+            tokens, bucket = self.graphs.collect(self.graphs.launch(rnd))
+            self._count_replays(bucket, rnd.num_steps)
+            return tokens
         stats = self.stats_counters
         stats.eager_rounds = {**stats.eager_rounds, reason: stats.eager_rounds.get(reason, 0) + 1}
         return self.runner.decode(rnd)
