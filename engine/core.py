@@ -249,9 +249,10 @@ class EngineCore:
                 and self._eager_reason(batch) is None and not self._constrained(batch))
 
     def _constrained(self, rnd: DecodeRound) -> bool:
-        """A grammar row needs its last token on the host before its next mask: no round
-        can be launched ahead of it."""
-        return any(s.params.grammar is not None for s in rnd.seqs)
+        """A grammar row needs its last token on the host before its next mask: without the
+        graph decoder's mask feed, no round can be launched ahead of it."""
+        return (self.graphs is None or not self.graphs.feeds_masks) and any(s.params.grammar is not None
+                                                                           for s in rnd.seqs)
 
     def _run_now(self, batch: PrefillBatch | DecodeRound) -> list[CoreOutput]:
         """A batch run and processed synchronously: prefills, eager rounds, no overlap."""
@@ -279,7 +280,7 @@ class EngineCore:
         """Run each request of a failed batch on its own: the one(s) that still fail are
         failed, the others get their tokens as if nothing happened (the retry recomputes the
         same positions; sampling noise depends on (seed, position) only)."""
-        self.structured.forget_taken(batch.seqs)  # the grammar rows' matchers go back to the batch's start
+        self._forget_taken()
         outputs = []
         for i, seq in enumerate(batch.seqs):
             if seq.is_finished:
@@ -296,6 +297,12 @@ class EngineCore:
                 continue
             outputs += self._process(alone, new_tokens)
         return outputs
+
+    def _forget_taken(self) -> None:
+        """After a failed round: the grammar rows' matchers go back to what the host appended."""
+        if self.graphs is not None:
+            self.graphs.drain_feed()
+        self.structured.forget_taken()
 
     def _collect_in_flight(self) -> list[CoreOutput]:
         """While the round in flight runs: prefill what waits (queued behind it on the

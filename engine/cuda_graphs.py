@@ -6,8 +6,8 @@ A round with B sequences is padded to the smallest bucket >= B; padded rows read
 sampling included, and feeds the sampled token into the next step on the device.
 
 A round with grammar-constrained rows replays, per step, a forward graph (the logits into
-a static buffer) and a masked sampling graph, with the next masks fed in between while
-the round runs (engine/mask_feed.py), so those rows keep K-step rounds.
+a static buffer) and a masked sampling graph, with the step's masks fed in between while
+the round runs (engine/mask_feed.py), so those rows keep K-step rounds, launched ahead too.
 
 A round is launched (staged, replayed, its tokens queued for the host) and collected
 (wait, read) separately, so the engine can launch the next round before it waits for
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import DUMMY_BLOCK
-from engine.mask_feed import MaskFeed
+from engine.mask_feed import FeedJob, MaskFeed
 from engine.request import Sequence
 from engine.runner import DecodeState, ModelRunner, StepTokens, plan_steps
 from engine.sampler import SamplingTensors, build_sampling_tensors
@@ -72,7 +72,7 @@ class _Graph:
 
 # static buffers staged from the host each round
 _STAGED = ("input_ids", "input_rows", "step_positions", "step_slots", "step_context_lens", "block_tables",
-           "temperature", "top_k", "top_p", "min_p", "seeds", "output_pos", "token_bitmask", "mask_rows")
+           "temperature", "top_k", "top_p", "min_p", "seeds", "output_pos", "mask_rows")
 _PER_STEP = ("step_positions", "step_slots", "step_context_lens")  # [K, n]; the others are [n] or [n, W]
 
 
@@ -108,6 +108,7 @@ class RoundHandle:
     slot: _HostSlot
     launch_index: int  # slot.launches when this round took the slot
     event: torch.cuda.Event | None  # None on CPU, where the round ran inside launch()
+    job: FeedJob | None = None  # its grammar rows' masks, being served
 
 
 class GraphDecoder:
@@ -136,9 +137,9 @@ class GraphDecoder:
         words = -(-runner.vocab_size // 32)
         self.token_bitmask = torch.full((n, words), -1, dtype=torch.int32, device=dev)
         self.mask_rows = torch.zeros(n, dtype=torch.int64, device=dev)  # a round's constrained rows
-        self.mask_staging = torch.full((n, words), -1, dtype=torch.int32, device=dev)  # their first masks
         self.logits: torch.Tensor | None = None  # [n, V] (CUDA): the forward graph's output
-        self._feed: MaskFeed | None = None  # CUDA: the masks of a round's later steps
+        self._feed: MaskFeed | None = None  # the masks of rounds with grammar rows, made by capture()
+        self._last_feed_rows: dict[int, int] = {}  # the last launch's constrained rows: batch row -> compact
         self.step = torch.zeros((), dtype=torch.int64, device=dev)
         self.out_tokens = torch.zeros(max_steps, n, dtype=torch.int64, device=dev)
         self.out_logprobs = torch.zeros(max_steps, n, dtype=torch.float32, device=dev)
@@ -166,6 +167,7 @@ class GraphDecoder:
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
         """Capture every (bucket, variant), largest bucket first, into one memory pool."""
+        self._feed = MaskFeed(self.max_bucket, self.token_bitmask.shape[1], self.max_steps, self.device)
         if not self.use_cuda_graphs:
             self.graphs = {(b, v): _Graph(None, self._state(b, v)) for b in self.buckets for v in VARIANTS}
             return
@@ -179,7 +181,6 @@ class GraphDecoder:
         self.pool = torch.cuda.graph_pool_handle()
         self.logits = torch.empty(self.max_bucket, self.runner.vocab_size, device=self.device,
                                   dtype=self.runner.model.lm_head_weight.dtype)
-        self._feed = MaskFeed(self.max_bucket, self.token_bitmask.shape[1], self.max_steps, self.device)
         todo = [(b, v) for b in reversed(self.buckets) for v in VARIANTS]
         for bucket, variant in tqdm(todo, desc="capturing CUDA graphs", disable=not progress):
             state = self._state(bucket, variant)
@@ -256,15 +257,16 @@ class GraphDecoder:
         buf = getattr(self, name)
         return buf[:k, :b] if name in _PER_STEP else buf[:b]
 
-    def _stage_inputs(self, slot: _HostSlot, rnd: DecodeRound) -> tuple[str, list[int]]:
+    def _stage_inputs(self, slot: _HostSlot, rnd: DecodeRound) -> tuple[str, list[int], list[int]]:
         """Fill the slot's host buffers for `rnd` and queue their copies into the static
-        buffers; returns the sampler variant and the rows constrained by a grammar."""
+        buffers; returns the sampler variant, the rows constrained by a grammar and, for each,
+        its compact row in the last launch when it continues from there (else -1)."""
         seqs, k, b, pending = rnd.seqs, rnd.num_steps, len(rnd.seqs), rnd.pending
         carried = self._carried_rows(rnd)
         structured = self.runner.structured
         rows = structured.constrained_rows(seqs) if structured is not None else []
-        if rows and pending and any(pending):
-            raise ValueError("a round with grammar-constrained rows cannot be launched ahead (masks need tokens)")
+        lead_from = [self._last_feed_rows.get(carried[i], -1) if carried is not None and carried[i] >= 0 else -1
+                     for i in rows]
         st = build_sampling_tensors(seqs, self.runner.vocab_size, self.runner.eos_ids, torch.device("cpu"), pending)
         table = slot.view("block_tables", (b, self.table_width))
         table.fill_(DUMMY_BLOCK)
@@ -280,14 +282,10 @@ class GraphDecoder:
         for name, src in host.items():
             self._device_rows(name, k, b).copy_(src, non_blocking=non_blocking)
         self._stage_input_ids(slot, seqs, carried, non_blocking)
-        if rows:  # the first step's masks; only the constrained rows' cross PCIe
-            masks = slot.view("token_bitmask", (len(rows), self.token_bitmask.shape[1]))
-            structured.fill_rows(seqs, rows, masks)
+        if rows:  # their masks come from the feed, step by step; the other rows allow everything
             self.token_bitmask[:b].fill_(-1)
             self.mask_rows[:len(rows)].copy_(slot.stage("mask_rows", torch.tensor(rows)), non_blocking=non_blocking)
-            self.mask_staging[:len(rows)].copy_(masks, non_blocking=non_blocking)
-            self.token_bitmask.index_copy_(0, self.mask_rows[:len(rows)], self.mask_staging[:len(rows)])
-        return ("greedy" if st.all_greedy else "sample") + ("_masked" if rows else ""), rows
+        return ("greedy" if st.all_greedy else "sample") + ("_masked" if rows else ""), rows, lead_from
 
     def _stage_input_ids(self, slot: _HostSlot, seqs: list[Sequence], carried: list[int] | None,
                          non_blocking: bool) -> None:
@@ -324,20 +322,30 @@ class GraphDecoder:
         slot = self._take_slot()
         non_blocking = self.device.type == "cuda"
         try:
+            job = None
             try:
-                variant, rows = self._stage_inputs(slot, rnd)
+                variant, rows, lead_from = self._stage_inputs(slot, rnd)
                 self._reset_padding(b, bucket)
                 self.step.zero_()
                 entry = self.graphs[(bucket, variant)]
+                if rows and not self.use_cuda_graphs:  # CPU: served while the steps run here
+                    job = self._submit(seqs, rows, lead_from, k)
                 for i in range(k):
                     if rows:
-                        self._masked_step(i, k, bucket, entry, seqs, rows)
+                        self._masked_step(i, bucket, entry, len(rows))
                     elif entry.graph is not None:
                         entry.graph.replay()
                     else:
                         self.runner.decode_step(entry.state)
+                if rows and self.use_cuda_graphs:  # CUDA: once its waits, copies and events are queued
+                    job = self._submit(seqs, rows, lead_from, k)
             except BaseException:
                 self._last_seqs = None  # input_ids may be half restaged or half stepped
+                self._last_feed_rows = {}
+                if self._feed is not None:
+                    if job is not None:
+                        self._feed.cancel(job)
+                    self._feed.release_waits()
                 raise
             # the next round's replays overwrite out_tokens: copy them out first, in stream order.
             # Whole leading rows are contiguous on both sides: one DMA straight into pinned memory.
@@ -347,33 +355,36 @@ class GraphDecoder:
             if non_blocking:
                 slot.event = torch.cuda.Event()
                 slot.event.record(torch.cuda.current_stream(self.device))
-        if rows and self._feed is not None and k > 1:
-            try:
-                structured = self.runner.structured
-                self._feed.serve(k, len(rows), lambda tokens, out: structured.advance(seqs, rows, tokens, out))
-            except BaseException:
-                self._last_seqs = None
-                raise
         self._last_seqs = list(seqs)
-        return RoundHandle(rnd, bucket, slot, slot.launches, slot.event)
+        self._last_feed_rows = {row: j for j, row in enumerate(rows)}
+        return RoundHandle(rnd, bucket, slot, slot.launches, slot.event, job)
 
-    def _masked_step(self, i: int, k: int, bucket: int, entry: _Graph, seqs: list[Sequence], rows: list[int]) -> None:
-        """Step i of a round with grammar rows. CUDA: the forward graph, the wait for and copy
-        of this step's masks (from the second step on), the masked sampling graph, and the
-        copy of the constrained rows' tokens for the host (served after all is queued). CPU:
-        the host computes each step's masks itself, between the steps."""
-        if self._feed is None:
-            if i:
-                self.runner.next_masks(seqs, rows, self.out_tokens[i - 1, :len(seqs)], self.token_bitmask)
-            self.runner.decode_step(entry.state)
-            return
-        device_rows = self.mask_rows[:len(rows)]
-        self.graphs[(bucket, "forward")].graph.replay()
-        if i:
+    @property
+    def feeds_masks(self) -> bool:
+        """Rounds with grammar rows run K steps and may be launched ahead (their masks are fed)."""
+        return self._feed is not None
+
+    def _submit(self, seqs: list[Sequence], rows: list[int], lead_from: list[int], k: int) -> FeedJob:
+        return self._feed.submit(list(seqs), rows, lead_from, k, self.runner.structured.advance)
+
+    def _masked_step(self, i: int, bucket: int, entry: _Graph, num_rows: int) -> None:
+        """Step i of a round with grammar rows: the forward graph, the wait for and copy of the
+        step's masks, the masked sampling graph, and the copy of the constrained rows' tokens
+        for the feed (on CPU the wait comes first and the step runs whole)."""
+        device_rows = self.mask_rows[:num_rows]
+        if entry.graph is not None:
+            self.graphs[(bucket, "forward")].graph.replay()
             self._feed.queue_masks(self.token_bitmask, device_rows)
-        entry.graph.replay()
-        if i < k - 1:
-            self._feed.queue_tokens(i, self.out_tokens, device_rows)
+            entry.graph.replay()
+        else:
+            self._feed.queue_masks(self.token_bitmask, device_rows)
+            self.runner.decode_step(entry.state)
+        self._feed.queue_tokens(self.out_tokens[i], device_rows)
+
+    def drain_feed(self) -> None:
+        """Until every launched round's masks are served (before matchers are rolled back)."""
+        if self._feed is not None:
+            self._feed.drain()
 
     def collect(self, handle: RoundHandle) -> tuple[dict[str, StepTokens], int]:
         """Wait for a launched round's tokens; returns them per sequence, and the bucket used.
@@ -383,8 +394,10 @@ class GraphDecoder:
             raise RuntimeError("a round was collected after its host buffers went to a later round")
         if handle.event is not None:
             handle.event.synchronize()
-        if self._feed is not None and (timeouts := self._feed.take_timeouts()):
-            logger.error("%d grammar mask waits gave up: the host did not answer the device in time", timeouts)
+        if handle.job is not None:
+            self._feed.wait_taken(handle.job)
+            if timeouts := self._feed.take_timeouts():
+                logger.error("%d grammar mask waits gave up: the host did not answer the device in time", timeouts)
         k, b = handle.rnd.num_steps, len(handle.rnd.seqs)
         results = self.runner.tokens_by_seq(handle.rnd.seqs, slot.tokens[:k, :b], slot.logprobs[:k, :b])
         return results, handle.bucket

@@ -194,6 +194,9 @@ class StructuredOutputs:
         # per request, (token, accepted, grammar finished) of what advance() took inside a round
         # and the host has not appended yet
         self._taken: dict[str, deque[tuple[int, bool, bool]]] = {}
+        # advance() runs on the mask feed's worker thread (engine/mask_feed.py); the engine's
+        # thread accepts, releases and adds matchers
+        self._lock = threading.Lock()
 
     @property
     def num_requests(self) -> int:
@@ -221,7 +224,8 @@ class StructuredOutputs:
                 except Exception as exc:  # noqa: BLE001
                     failed.append((entry.seq, _clean(exc)))
                     continue
-                self.matchers[request_id] = xgr.GrammarMatcher(compiled)
+                with self._lock:
+                    self.matchers[request_id] = xgr.GrammarMatcher(compiled)
                 ready.append(entry.seq)
             elif now > entry.deadline:
                 del self.compiling[request_id]
@@ -231,9 +235,10 @@ class StructuredOutputs:
 
     def release(self, request_id: str) -> None:
         """Forget a request's matcher (or its compilation): it finished or was aborted."""
-        self.matchers.pop(request_id, None)
+        with self._lock:
+            self.matchers.pop(request_id, None)
+            self._taken.pop(request_id, None)
         self.compiling.pop(request_id, None)
-        self._taken.pop(request_id, None)
 
     def constrained_rows(self, seqs: list) -> list[int]:
         """Indices of the rows of `seqs` that have a matcher."""
@@ -262,45 +267,51 @@ class StructuredOutputs:
             self._bitmask = torch.full((len(seqs), self.words), -1, dtype=torch.int32)
         mask = self._bitmask[:len(seqs)]
         mask.numpy().fill(-1)  # numpy: torch's fill_ may wake its thread pool for this
-        self.fill_rows(seqs, rows, mask, compact=False)
+        with self._lock:
+            self.fill_rows(seqs, rows, mask, compact=False)
         return mask
 
-    def advance(self, seqs: list, rows: list[int], tokens: list[int], out: torch.Tensor) -> None:
-        """Between two steps of a round: row rows[j] of `seqs` just sampled tokens[j]. Move its
-        matcher on (remembered for accept()) and put its next mask in out[j]."""
-        for j, (i, token) in enumerate(zip(rows, tokens)):
-            request_id = seqs[i].request_id
-            matcher = self.matchers.get(request_id)
-            if matcher is None or matcher.is_terminated():  # ended (aborted, or its grammar is done)
-                out[j].numpy().fill(-1)
-                continue
-            accepted = matcher.accept_token(token)
-            done = matcher.is_terminated()
-            self._taken.setdefault(request_id, deque()).append((token, accepted, done))
-            if accepted and not done:
+    def advance(self, seqs: list, rows: list[int], tokens: list[int | None], out: torch.Tensor) -> None:
+        """Inside a round: row rows[j] of `seqs` just sampled tokens[j] (None: nothing new since
+        the host appended its tokens). Move its matcher on (remembered for accept()) and put
+        its next mask in out[j]."""
+        with self._lock:
+            for j, (i, token) in enumerate(zip(rows, tokens)):
+                request_id = seqs[i].request_id
+                matcher = self.matchers.get(request_id)
+                if matcher is None or matcher.is_terminated():  # ended (aborted, or its grammar is done)
+                    out[j].numpy().fill(-1)
+                    continue
+                if token is not None:
+                    accepted = matcher.accept_token(token)
+                    self._taken.setdefault(request_id, deque()).append((token, accepted, matcher.is_terminated()))
+                    if not accepted or matcher.is_terminated():
+                        out[j].numpy().fill(-1)
+                        continue
                 matcher.fill_next_token_bitmask(out, j)
-            else:
-                out[j].numpy().fill(-1)
 
     def accept(self, request_id: str, token: int) -> tuple[bool, bool]:
         """Move the request's matcher on by `token`: (accepted, the grammar is finished)."""
-        taken = self._taken.get(request_id)
-        if taken:  # advance() took it inside the round already
-            taken_token, accepted, done = taken.popleft()
-            return accepted and taken_token == token, done
-        matcher = self.matchers.get(request_id)
-        if matcher is None:
-            return True, False
-        ok = matcher.accept_token(token)
-        return ok, matcher.is_terminated()
+        with self._lock:
+            taken = self._taken.get(request_id)
+            if taken:  # advance() took it inside the round already
+                taken_token, accepted, done = taken.popleft()
+                return accepted and taken_token == token, done
+            matcher = self.matchers.get(request_id)
+            if matcher is None:
+                return True, False
+            ok = matcher.accept_token(token)
+            return ok, matcher.is_terminated()
 
-    def forget_taken(self, seqs: list) -> None:
-        """A round failed: roll the matchers of `seqs` back over what advance() took in it."""
-        for seq in seqs:
-            taken = self._taken.pop(seq.request_id, None)
-            matcher = self.matchers.get(seq.request_id)
-            if taken and matcher is not None:
-                matcher.rollback(sum(1 for _, accepted, _ in taken if accepted))
+    def forget_taken(self) -> None:
+        """A round failed: roll every matcher back over what advance() took and the host did
+        not append (call with no round being served)."""
+        with self._lock:
+            for request_id, taken in self._taken.items():
+                matcher = self.matchers.get(request_id)
+                if matcher is not None:
+                    matcher.rollback(sum(1 for _, accepted, _ in taken if accepted))
+            self._taken.clear()
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

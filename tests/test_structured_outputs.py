@@ -204,7 +204,7 @@ def test_a_failed_round_rolls_the_matchers_back(llm):
         for token in digits:
             structured.advance([seq], [0], [token], masks)
         assert masks[0].ne(-1).any()  # after three digits only "-" may follow
-        structured.forget_taken([seq])
+        structured.forget_taken()
         assert [structured.accept(seq.request_id, t) for t in digits] == [(True, False)] * 3
         structured.advance([seq], [0], [digits[0]], masks)  # a fourth digit: outside the grammar
         assert structured.accept(seq.request_id, digits[0]) == (False, False)
@@ -212,25 +212,33 @@ def test_a_failed_round_rolls_the_matchers_back(llm):
         structured.release(seq.request_id)
 
 
-def test_graph_decoder_applies_masks_on_its_static_buffers(llm):
-    """The masked variants of the decode graphs (here the same static-buffer path, eager on CPU)."""
+def test_graph_decoder_feeds_masks_into_rounds_launched_ahead(llm):
+    """The graph decoder's path (static buffers; eager on CPU): grammar rows' masks are fed
+    by the mask feed's worker thread while the round runs, and rounds with grammar rows are
+    launched ahead of the one in flight. Every token equals the plain eager path's (which
+    computes each mask between the steps itself), greedy and seeded-sampled, constrained and free."""
     from engine.cuda_graphs import GraphDecoder
 
     core = llm.engine.core
+    free = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    prompts = [PROMPT, FREE_PROMPTS[0], PROMPT, "Name a number:"]
+    params = [SamplingParams(max_tokens=80, temperature=0, grammar=SPECS["json_schema"]), free,
+              SamplingParams(max_tokens=80, temperature=0.8, seed=3, grammar=SPECS["json_schema"]),
+              SamplingParams(max_tokens=30, temperature=0, grammar=SPECS["choice"])]
+    eager = llm.generate(prompts, params)
     core.graphs = GraphDecoder(core.runner, max_batch=4, max_steps=core.config.decode_chunk,
                                table_width=-(-core.max_model_len // core.config.block_size), use_cuda_graphs=False)
     core.graphs.capture(progress=False)
     try:
-        free = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-        outs = llm.generate([PROMPT, FREE_PROMPTS[0], PROMPT],
-                            [SamplingParams(max_tokens=80, temperature=0, grammar=SPECS["json_schema"]), free,
-                             SamplingParams(max_tokens=80, temperature=0.8, seed=3, grammar=SPECS["json_schema"])])
-        check_output("json_schema", outs[0].text)
-        check_output("json_schema", outs[2].text)
-        core.graphs = None
-        assert outs[1].token_ids == llm.generate([FREE_PROMPTS[0]], free)[0].token_ids
+        ahead_before = core.stats().decode_rounds_ahead
+        outs = llm.generate(prompts, params)
+        assert core.stats().decode_rounds_ahead > ahead_before
     finally:
         core.graphs = None
+    check_output("json_schema", outs[0].text)
+    check_output("json_schema", outs[2].text)
+    check_output("choice", outs[3].text)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
     assert_idle(llm)
 
 
