@@ -290,15 +290,23 @@ def summary(values: list[float], scale: float = 1.0) -> dict:
 
 
 class EngineProbe:
-    """Wraps the core's StructuredOutputs.bitmask and .accept (instance attributes, so the
-    runner, which holds the same object, calls the wrappers) to time them in situ."""
+    """Wraps the core's StructuredOutputs.bitmask, .advance and .accept (instance attributes,
+    so the runner and the graph decoder, which hold the same object, call the wrappers) to
+    time them in situ. bitmask: a prefill's (or an eager round's) masks; advance: one step of
+    a round, on the mask feed's worker thread (accept the tokens just sampled, fill the next masks)."""
 
     def __init__(self, structured):
         self.structured = structured
         self.mask_calls: list[tuple[float, int, int]] = []  # (seconds, constrained rows, batch rows)
         self.accept_s = 0.0
         self.accept_calls = 0
-        bitmask, accept = structured.bitmask, structured.accept
+        self.advance_calls: list[tuple[float, int]] = []  # (seconds, rows)
+        bitmask, accept, advance = structured.bitmask, structured.accept, structured.advance
+
+        def timed_advance(seqs, rows, tokens, out):
+            t = time.perf_counter()
+            advance(seqs, rows, tokens, out)
+            self.advance_calls.append((time.perf_counter() - t, len(rows)))
 
         def timed_bitmask(seqs):
             t = time.perf_counter()
@@ -316,10 +324,10 @@ class EngineProbe:
                 self.accept_calls += 1
             return out
 
-        structured.bitmask, structured.accept = timed_bitmask, timed_accept
+        structured.bitmask, structured.accept, structured.advance = timed_bitmask, timed_accept, timed_advance
 
     def reset(self) -> None:
-        self.mask_calls, self.accept_s, self.accept_calls = [], 0.0, 0
+        self.mask_calls, self.accept_s, self.accept_calls, self.advance_calls = [], 0.0, 0, []
 
     def report(self) -> dict:
         times = [t for t, _, _ in self.mask_calls]
@@ -327,6 +335,10 @@ class EngineProbe:
         return dict(bitmask_calls=len(times), bitmask_ms=summary(times, 1e3),
                     bitmask_us_per_row=1e6 * sum(times) / rows if rows else None,
                     constrained_rows_mean=rows / len(times) if times else None,
+                    advance_calls=len(self.advance_calls),
+                    advance_ms=summary([t for t, _ in self.advance_calls], 1e3),
+                    advance_us_per_row=(1e6 * sum(t for t, _ in self.advance_calls)
+                                        / max(1, sum(r for _, r in self.advance_calls))) if self.advance_calls else None,
                     accept_calls=self.accept_calls,
                     accept_us_per_token=1e6 * self.accept_s / self.accept_calls if self.accept_calls else None)
 
