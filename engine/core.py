@@ -104,7 +104,8 @@ class EngineCore:
         self.kv_caches = allocate_kv_cache(args, num_blocks, config.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching,
                                           cache_salt=f"{self.model_path}:{self.dtype}")
-        self.scheduler = Scheduler(config, self.block_manager)
+        # on CPU a prefill step is compute-bound: the running decodes ride along for next to nothing
+        self.scheduler = Scheduler(config, self.block_manager, mix_decodes=self.device.type == "cpu")
         self.runner = ModelRunner(self.model, self.kv_caches, self.block_manager, self.device, self.eos_ids)
         self.structured = StructuredOutputs(
             GrammarCompiler(self.model_path, args.vocab_size, list(self.eos_ids), config.grammar_compile_timeout),
@@ -286,7 +287,8 @@ class EngineCore:
             if seq.is_finished:
                 continue
             if isinstance(batch, PrefillBatch):
-                alone: PrefillBatch | DecodeRound = PrefillBatch([seq], [batch.chunk_lens[i]])
+                alone: PrefillBatch | DecodeRound = PrefillBatch(
+                    [seq], [batch.chunk_lens[i]], num_decodes=int(i >= len(batch.seqs) - batch.num_decodes))
             else:
                 alone = DecodeRound([seq], batch.num_steps)
             try:
@@ -346,7 +348,7 @@ class EngineCore:
         stats = self.stats_counters
         if isinstance(batch, PrefillBatch):
             stats.prefill_steps += 1
-            stats.prompt_tokens += sum(batch.chunk_lens)
+            stats.prompt_tokens += sum(batch.chunk_lens[:len(batch.chunk_lens) - batch.num_decodes])
             for seq in batch.seqs:  # requests admitted from now on can share these blocks already
                 self.block_manager.register(seq)
             touched = [s for s in batch.seqs if not s.in_prefill]

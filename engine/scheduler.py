@@ -15,6 +15,10 @@ from engine.request import Sequence, SequenceStatus
 class PrefillBatch:
     seqs: list[Sequence]
     chunk_lens: list[int]  # new tokens computed for each sequence in this step
+    # the last this many sequences are running decodes riding along, one token each
+    # (Scheduler.mix_decodes: on CPU, where a prefill step is compute-bound and a decode
+    # row in it costs next to nothing)
+    num_decodes: int = 0
 
 
 @dataclass
@@ -27,9 +31,11 @@ class DecodeRound:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, mix_decodes: bool = False):
         self.config = config
         self.blocks = block_manager
+        # prefill steps also advance the running decodes by one token (eager engines: CPU)
+        self.mix_decodes = mix_decodes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -55,8 +61,25 @@ class Scheduler:
     def schedule(self) -> PrefillBatch | DecodeRound | None:
         batch = self.schedule_prefill()
         if batch is not None:
+            if self.mix_decodes:
+                self._add_decodes(batch)
             return batch
         return self._schedule_decode()
+
+    def _add_decodes(self, batch: PrefillBatch) -> None:
+        """The running sequences that are decoding join the prefill step with their last
+        token (its KV written, the next token sampled), while free KV lasts (never preempts)."""
+        in_batch = set(map(id, batch.seqs))
+        for seq in self.running:
+            if id(seq) in in_batch or seq.in_prefill or self.remaining_steps(seq) < 1:
+                continue
+            needed = self._kv_tokens_needed(seq, 1)
+            if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, needed)):
+                break
+            self.blocks.allocate(seq, needed)
+            batch.seqs.append(seq)
+            batch.chunk_lens.append(1)
+            batch.num_decodes += 1
 
     def schedule_prefill(self) -> PrefillBatch | None:
         """Unfinished chunked prefills, then waiting requests, within the token budget and

@@ -77,6 +77,33 @@ def test_chunked_prefill_gives_same_tokens(model_dir, hf_greedy):
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hf_greedy
 
 
+def test_decodes_riding_along_prefill_steps_keep_their_tokens(model_dir, hf_greedy):
+    """On CPU the running decodes join each prefill step with one token: greedy tokens stay
+    transformers', seeded samples stay those of separate steps, and the prompt-token count
+    leaves the riders out."""
+    llm = make_llm(model_dir, max_num_batched_tokens=7, max_num_seqs=3)
+    core = llm.engine.core
+    assert core.scheduler.mix_decodes
+    seen = []
+    run = core.runner.prefill
+
+    def spy(batch):
+        seen.append(batch.num_decodes)
+        return run(batch)
+
+    core.runner.prefill = spy
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hf_greedy
+        assert core.stats().prompt_tokens == sum(map(len, PROMPTS))  # the riders' tokens are not prompt tokens
+        sampled = SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True)
+        with_riders = [o.token_ids for o in llm.generate(PROMPTS, sampled)]
+    finally:
+        core.runner.prefill = run
+    assert max(seen) > 0  # decodes did ride along
+    core.scheduler.mix_decodes = False
+    assert [o.token_ids for o in llm.generate(PROMPTS, sampled)] == with_riders
+
+
 def test_max_num_seqs_limits_the_batch(model_dir, hf_greedy):
     llm = make_llm(model_dir, max_num_seqs=2)
     seen = []
