@@ -26,7 +26,7 @@ from throughput import add_engine_flags, engine_config  # noqa: E402
 from workload import provenance, resolve_model, vocabulary, write_json  # noqa: E402
 
 
-def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[dict]:
+def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, profile_wave: int = -1) -> list[dict]:
     from engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -52,6 +52,13 @@ def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int) 
             engine.add_request(rid, prompt, params)
         first: dict[str, float] = {}
         steps_to_first, steps = 0, 0
+        prof = None
+        if w // concurrency == profile_wave:
+            import torch
+
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
         while engine.has_unfinished():
             outs = engine.step()
             steps += 1
@@ -61,6 +68,11 @@ def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int) 
                     first[out.request_id] = now
                     if len(first) == len(batch):
                         steps_to_first = steps
+            if prof is not None and len(first) == len(batch):
+                prof.__exit__(None, None, None)
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+                print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12), flush=True)
+                prof = None
         scheduler.blocks.cached_prefix = cached_prefix
         ttft = sorted(first.values())
         waves.append(dict(ttft_p50_ms=1e3 * statistics.median(ttft), ttft_max_ms=1e3 * ttft[-1],
@@ -81,6 +93,7 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default=None)
     parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--profile-wave", type=int, default=-1, help="torch.profiler over this wave's first tokens")
     parser.add_argument("--no-prefix-caching", action="store_true")
     add_engine_flags(parser)
     args = parser.parse_args()
@@ -100,7 +113,7 @@ def main() -> int:
         run_waves(llm, [[rng.choice(allowed) for _ in range(64)] for _ in range(4)], 4, 4)  # warm-up
         prefix = [rng.choice(allowed) for _ in range(args.prefix)]
         prompts = [prefix + [rng.choice(allowed) for _ in range(args.suffix)] for _ in range(args.requests)]
-        waves = run_waves(llm, prompts, args.concurrency, args.max_tokens)
+        waves = run_waves(llm, prompts, args.concurrency, args.max_tokens, args.profile_wave if caching else -1)
         report["runs"]["on" if caching else "off"] = waves
         for i, wave in enumerate(waves):
             print(f"caching {'on ' if caching else 'off'} wave {i}: " + ", ".join(

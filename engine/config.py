@@ -27,6 +27,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None: all cores
     seed: int | None = None  # seeds of unseeded requests: None draws them from the OS
     grammar_compile_timeout: float = 10.0  # seconds a response_format / tool grammar may take to compile
+    tensor_parallel_size: int = 1  # ranks (devices of one host) the model is sharded over (engine/distributed.py)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":

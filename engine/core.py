@@ -24,7 +24,8 @@ from engine.config import EngineConfig
 from engine.core_messages import CoreOutput
 from engine.cuda_graphs import GraphDecoder, RoundHandle, eager_reason
 from engine.device_time import DeviceTimeline
-from engine.errors import InvalidRequestError
+from engine.distributed import check_tensor_parallel, init_tensor_parallel
+from engine.errors import InvalidConfigError, InvalidRequestError
 from engine.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block
 from engine.models.config import ModelArgs
 from engine.request import SamplingParams, Sequence, TokenLogprob
@@ -73,13 +74,18 @@ def resolve_model_path(model: str | None) -> str:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_init_method: str | None = None):
+        """tp_rank, tp_init_method: under tensor parallelism (config.tensor_parallel_size > 1),
+        this rank and the ranks' rendezvous (tcp://host:port). Every rank runs an EngineCore
+        on the same requests in the same order: the scheduler's decisions are deterministic,
+        and every rank samples the same tokens from the gathered logits."""
         from engine.attention import make_attention_backend
         from engine.models.loader import load_model
 
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.device = resolve_device(config.device)
+        tp_size = config.tensor_parallel_size
         if self.device.type == "cpu":
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
@@ -87,6 +93,13 @@ class EngineCore:
             torch.set_num_threads(1)
         args = ModelArgs.from_dir(self.model_path)
         self.args = args
+        check_tensor_parallel(args, tp_size, self.device)
+        if tp_size > 1 and tp_init_method is None:
+            raise InvalidConfigError("tensor_parallel_size > 1 needs every rank started with its rank and the "
+                                     "ranks' rendezvous (tp_rank, tp_init_method)")
+        if self.device.type == "cuda" and tp_size > 1:
+            self.device = torch.device("cuda", tp_rank)
+        self.tp = init_tensor_parallel(tp_rank, tp_size, self.device, tp_init_method or "")
         self.dtype = resolve_dtype(config.dtype, args, self.device)
         if self.device.type == "cpu" and self.dtype != torch.float32 and not cpu_has_native_bf16():
             logger.warning("%s on a CPU without native bf16/fp16 matrix instructions is emulated and several "
@@ -98,10 +111,10 @@ class EngineCore:
         started = time.perf_counter()
         max_len_wanted = config.max_model_len or args.max_position_embeddings
         backend = make_attention_backend(self.device, config.block_size)
-        self.model = load_model(self.model_path, self.dtype, self.device, backend, max_len_wanted)
-        num_blocks = self._num_kv_blocks()
+        self.model = load_model(self.model_path, self.dtype, self.device, backend, max_len_wanted, self.tp)
+        num_blocks = self.tp.min_int(self._num_kv_blocks())  # every rank's scheduler sees the same pool
         self.max_model_len = min(max_len_wanted, (num_blocks - 1) * config.block_size)
-        self.kv_caches = allocate_kv_cache(args, num_blocks, config.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(self.model.kv_args, num_blocks, config.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching,
                                           cache_salt=f"{self.model_path}:{self.dtype}")
         # on CPU a prefill step is compute-bound: the running decodes ride along for next to nothing
@@ -132,7 +145,7 @@ class EngineCore:
         cfg = self.config
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
-        per_block = kv_bytes_per_block(self.args, cfg.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model.kv_args, cfg.block_size, self.dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # leave room for activations, logits and CUDA graphs
@@ -153,7 +166,7 @@ class EngineCore:
         n = len(prompt_token_ids)
         if params.max_tokens is None or n + params.max_tokens > self.max_model_len or n == 0:
             raise InvalidRequestError(f"request {request_id} was not checked against max_model_len")
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
+        seed = params.seed if params.seed is not None else self.tp.broadcast_int(self._seeds.getrandbits(32))
         return Sequence(request_id, prompt_token_ids, params, seed)
 
     def add_sequence(self, seq: Sequence) -> None:
@@ -217,7 +230,7 @@ class EngineCore:
 
     def _admit_compiled(self) -> list[CoreOutput]:
         """Requests whose grammar compiled join the scheduler; those whose grammar failed end."""
-        ready, failed = self.structured.poll()
+        ready, failed = self.structured.poll(wait=self.tp.size > 1)
         for seq in ready:
             if not seq.is_finished:
                 self.scheduler.add(seq)

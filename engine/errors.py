@@ -24,6 +24,10 @@ class UnsupportedModelError(GraphserveError, ValueError):
     """The model folder holds an architecture graphserve does not implement."""
 
 
+class InvalidConfigError(GraphserveError, ValueError):
+    """An engine setting this model or machine cannot take (e.g. a tensor-parallel size)."""
+
+
 class ModelFilesError(GraphserveError, FileNotFoundError):
     """The model folder is missing, or lacks config.json / weights / tokenizer files."""
 

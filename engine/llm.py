@@ -11,8 +11,11 @@ from engine.request import RequestOutput, SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | None = None, device: str = "auto", **config: Any):
-        self.engine = LLMEngine(EngineConfig(model=model, device=device, **config))
+    def __init__(self, model: str | None = None, device: str = "auto", *, tp_rank: int = 0,
+                 tp_init_method: str | None = None, **config: Any):
+        """config: EngineConfig's fields. With tensor_parallel_size N > 1, run one LLM per rank
+        (tp_rank 0..N-1, the same tp_init_method tcp://host:port) on the same prompts."""
+        self.engine = LLMEngine(EngineConfig(model=model, device=device, **config), tp_rank, tp_init_method)
         self._ids = itertools.count()
 
     @property

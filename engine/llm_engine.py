@@ -14,9 +14,9 @@ from engine.tokenizer import Tokenizer
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_init_method: str | None = None):
         self.config = config
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, tp_rank, tp_init_method)
         self.tokenizer = Tokenizer(self.core.model_path)
         self.inputs = InputProcessor(self.tokenizer, ModelLimits(self.core.max_model_len, self.core.args.vocab_size))
         self.outputs = OutputProcessor(self.tokenizer)

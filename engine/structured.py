@@ -15,6 +15,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,11 +210,16 @@ class StructuredOutputs:
         self.compiling[seq.request_id] = _Compiling(seq, self.compiler.submit(spec),
                                                     time.monotonic() + self.compiler.timeout_s)
 
-    def poll(self) -> tuple[list, list[tuple[object, str]]]:
+    def poll(self, wait: bool = False) -> tuple[list, list[tuple[object, str]]]:
         """(sequences whose grammar is ready, with a matcher each; (sequence, error) pairs
-        whose compilation failed or ran out of time)."""
+        whose compilation failed or ran out of time). wait: first let every compilation finish
+        or run out of time (tensor-parallel ranks must all admit the same requests)."""
         import xgrammar as xgr
 
+        if wait and self.compiling:
+            deadline = max(entry.deadline for entry in self.compiling.values())
+            futures_wait([entry.future for entry in self.compiling.values()],
+                         timeout=max(0.0, deadline - time.monotonic()))
         ready, failed = [], []
         now = time.monotonic()
         for request_id, entry in list(self.compiling.items()):

@@ -39,11 +39,13 @@ def _byte_tokenizer() -> Tokenizer:
     return tok
 
 
-def make_tiny_model(path: Path, variant: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+def make_tiny_model(path: Path, variant: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32,
+                    **overrides) -> Path:
+    """overrides: config fields over the variant's (e.g. num_key_value_heads=1)."""
     import transformers
 
     config_cls, model_cls, extra = VARIANTS[variant]
-    config = getattr(transformers, config_cls)(**_BASE, **extra)
+    config = getattr(transformers, config_cls)(**{**_BASE, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(dtype)
     with torch.no_grad():  # wider than default init: greedy continuations vary (logits stay fairly flat)

@@ -1,7 +1,9 @@
 """Decoder for the Llama family: Llama 2/3/3.1, Mistral, SmolLM2, Qwen2 (QKV bias), Qwen3 (q/k norm).
 
 Weights use fused projections (qkv, gate_up); the loader fills them from HF tensors.
-The model reads attention metadata and the KV cache from its arguments only.
+The model reads attention metadata and the KV cache from its arguments only. Under tensor
+parallelism (engine/distributed.py) each rank builds the layers of its shard and sums the
+row-parallel outputs (O, down) and the vocabulary-split embedding with an all-reduce.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata
+from engine.distributed import SINGLE, TensorParallel, shard_for
 from engine.models.config import ModelArgs
 from engine.models.layers import (
     Linear,
@@ -33,8 +36,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, backend):
+    def __init__(self, args: ModelArgs, backend, tp: TensorParallel = SINGLE):
         super().__init__()
+        self.tp = tp  # args: this rank's heads
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -65,7 +69,7 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             out = self.backend.forward(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size)), residual
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size))), residual
 
 
 class MLP(nn.Module):
@@ -78,9 +82,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, backend):
+    def __init__(self, args: ModelArgs, backend, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.self_attn = Attention(args, backend)
+        self.tp = tp
+        self.self_attn = Attention(args, backend, tp)
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -90,25 +95,28 @@ class DecoderLayer(nn.Module):
         h, residual = self.self_attn(x, residual, self.input_layernorm, positions, cos_sin, meta, k_cache, v_cache)
         norm = self.post_attention_layernorm
         act, residual = norm_linear(h, residual, norm.weight, norm.eps, self.mlp.gate_up_proj, silu_mul=True)
-        return self.mlp.down_proj(act), residual
+        return self.tp.all_reduce(self.mlp.down_proj(act)), residual
 
 
 class LlamaModel(nn.Module):
     """Causal LM: forward() gives final hidden states, compute_logits() the logits."""
 
-    def __init__(self, args: ModelArgs, backend, cos_sin: torch.Tensor):
+    def __init__(self, args: ModelArgs, backend, cos_sin: torch.Tensor, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(args, backend) for _ in range(args.num_layers)])
+        self.args = args  # the whole model's shape
+        self.tp = tp
+        self.shard = shard_for(args, tp)
+        local, rows = self.shard.local, self.shard.vocab_rows
+        self.embed_tokens = nn.Embedding(rows, args.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(local, backend, tp) for _ in range(args.num_layers)])
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, rows, bias=False)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
         self.lm_head_packed: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.cos_sin, meta, k_cache, v_cache)
@@ -116,12 +124,30 @@ class LlamaModel(nn.Module):
         return x
 
     @property
+    def kv_args(self) -> ModelArgs:
+        """The shape of this rank's KV cache (its KV heads)."""
+        return self.shard.local
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        start, end = self.shard.vocab
+        local = input_ids - start
+        mine = (local >= 0) & (local < end - start)  # the other ranks hold the other rows
+        x = self.embed_tokens(torch.where(mine, local, 0)) * mine[:, None].to(self.embed_tokens.weight.dtype)
+        return self.tp.all_reduce(x)
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-        """Logits in `dtype` (None: the model's dtype), rounded to the model's dtype first."""
-        return linear(hidden, self.lm_head_weight, packed=self.lm_head_packed, out_dtype=dtype)
+        """Logits in `dtype` (None: the model's dtype), rounded to the model's dtype first; under
+        tensor parallelism gathered whole on every rank."""
+        logits = linear(hidden, self.lm_head_weight, packed=self.lm_head_packed, out_dtype=dtype)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather_last_dim(logits)[..., :self.args.vocab_size]
 
     def pack_for_cpu(self) -> None:
         """Pack every projection (and the LM head) for oneDNN; a no-op off CPU or float32."""

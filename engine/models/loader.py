@@ -1,4 +1,8 @@
-"""Load a Hugging Face folder (config.json + single or sharded safetensors) into LlamaModel."""
+"""Load a Hugging Face folder (config.json + single or sharded safetensors) into LlamaModel.
+
+Under tensor parallelism each rank reads only its own slice of every split weight
+(safetensors slices read just those bytes): rows for the column-parallel projections and the
+vocabulary, columns for the row-parallel ones (engine/distributed.py says which)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.distributed import SINGLE, Shard, TensorParallel
 from engine.errors import ModelFilesError
 from engine.models.config import ModelArgs
 from engine.models.llama import LlamaModel
@@ -47,22 +52,26 @@ def _shard_slices(args: ModelArgs, fused_name: str) -> list[slice]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backend,
-               max_positions: int) -> LlamaModel:
+               max_positions: int, tp: TensorParallel = SINGLE) -> LlamaModel:
     path = Path(path)
     args = ModelArgs.from_dir(path)
     files = weight_files(path)
     cos_sin = build_cos_sin_cache(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
     with torch.device("meta"):
-        model = LlamaModel(args, backend, cos_sin)
+        model = LlamaModel(args, backend, cos_sin, tp)
     model = model.to_empty(device=device).to(dtype)
     model.cos_sin = cos_sin.to(device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     with torch.no_grad():
+        if model.shard.vocab_rows > model.shard.vocab[1] - model.shard.vocab[0]:  # the last rank's padding
+            model.embed_tokens.weight.zero_()
+            if model.lm_head is not None:
+                model.lm_head.weight.zero_()
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    _load_tensor(args, params, loaded, name, f.get_tensor(name))
+                    _load_tensor(model.shard, params, loaded, name, f)
     if args.tie_word_embeddings:
         loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)
@@ -73,29 +82,62 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
     return model.eval()
 
 
-def _load_tensor(args: ModelArgs, params: dict, loaded: set, name: str, tensor: torch.Tensor) -> None:
+def read_tensor(f, name: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None) -> torch.Tensor:
+    """Rows [a, b) or columns [a, b) of a checkpoint tensor (None: all), reading only those."""
+    sliced = f.get_slice(name)
+    if rows is not None:
+        return sliced[rows[0]:rows[1]]
+    if cols is not None:
+        return sliced[:, cols[0]:cols[1]]
+    return sliced[:]
+
+
+def _split(shard: Shard, module: str, kind: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """(rows, cols) of the HF tensor `module`.`kind` that this rank holds."""
+    d = shard.local.head_dim
+    heads = {"self_attn.q_proj": shard.q_heads, "self_attn.k_proj": shard.kv_heads, "self_attn.v_proj": shard.kv_heads}
+    if module in heads:
+        a, b = heads[module]
+        return (a * d, b * d), None
+    if module in ("mlp.gate_proj", "mlp.up_proj"):
+        return shard.inter, None
+    if kind == "bias":
+        return None, None
+    if module == "self_attn.o_proj":
+        return None, (shard.q_heads[0] * d, shard.q_heads[1] * d)
+    if module == "mlp.down_proj":
+        return None, shard.inter
+    return None, None
+
+
+def _load_tensor(shard: Shard, params: dict, loaded: set, name: str, f) -> None:
+    args = shard.local
     if "rotary_emb.inv_freq" in name:
         return
     if name == "lm_head.weight" and args.tie_word_embeddings:
         return
-    target, shard = name.removeprefix("model."), None
+    target, fused_shard, rows, cols = name.removeprefix("model."), None, None, None
     match = _LAYER_NAME.match(name)
     if match:
         layer, module, kind = match.groups()
+        rows, cols = _split(shard, module, kind)
         if module in _FUSED:
-            fused, shard = _FUSED[module]
+            fused, fused_shard = _FUSED[module]
             target = f"layers.{layer}.{fused}.{kind}"
         else:
             target = f"layers.{layer}.{module}.{kind}"
+    elif target in ("embed_tokens.weight", "lm_head.weight"):
+        rows = shard.vocab
     if target not in params:
         raise ModelFilesError(f"unexpected tensor {name!r} in checkpoint for {args.architecture}")
     param = params[target]
-    if shard is not None:
-        param[_shard_slices(args, target.rsplit(".", 1)[0])[shard]].copy_(tensor)
-        loaded.add(f"{target}#{shard}")
+    tensor = read_tensor(f, name, rows, cols)
+    if fused_shard is not None:
+        param[_shard_slices(args, target.rsplit(".", 1)[0])[fused_shard]].copy_(tensor)
+        loaded.add(f"{target}#{fused_shard}")
         shards = 3 if "qkv" in target else 2
         if all(f"{target}#{i}" in loaded for i in range(shards)):
             loaded.add(target)
     else:
-        param.copy_(tensor)
+        param[:tensor.shape[0]].copy_(tensor)  # the vocabulary's last rank holds padding rows past it
         loaded.add(target)

@@ -1,0 +1,124 @@
+"""Tensor parallelism over the devices of one host (torch.distributed: NCCL on CUDA, gloo on
+CPU): who this rank is, its collectives, and which slice of each weight it holds.
+
+Megatron-style sharding: the QKV and gate/up projections are split by output rows
+(column-parallel), the O and down projections by input columns (row-parallel, their
+outputs summed by an all-reduce); the embedding and the LM head are split over the
+vocabulary (a token's embedding row lives on one rank: the others add zeros; the logits
+are gathered whole on every rank, so every rank samples the same tokens). KV heads are
+split across ranks, and replicated when there are fewer KV heads than ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.errors import InvalidConfigError
+from engine.models.config import ModelArgs
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    group: object | None = None  # the torch.distributed process group (None: one rank)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on each rank -> [..., size * n], rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def min_int(self, value: int) -> int:
+        """The smallest of the ranks' values, on every rank."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t[0])
+
+    def broadcast_int(self, value: int) -> int:
+        """Rank 0's value on every rank."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(t, src=0, group=self.group)
+        return int(t[0])
+
+
+SINGLE = TensorParallel()
+
+
+def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method: str) -> TensorParallel:
+    """Join the process group of `size` ranks (this one `rank`) at `init_method` (tcp://host:port)."""
+    if size == 1:
+        return SINGLE
+    if device.type == "cuda":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (deployment docs)
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                device_id=device if device.type == "cuda" else None)
+    return TensorParallel(rank, size, dist.group.WORLD)
+
+
+def check_tensor_parallel(args: ModelArgs, size: int, device: torch.device) -> None:
+    """A clear error for a tensor-parallel size this model or machine cannot take."""
+    if size < 1:
+        raise InvalidConfigError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size == 1:
+        return
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        raise InvalidConfigError(f"tensor_parallel_size {size} exceeds the {torch.cuda.device_count()} visible GPUs")
+    if args.num_heads % size:
+        raise InvalidConfigError(f"tensor_parallel_size {size} does not divide the model's {args.num_heads} "
+                                 "attention heads")
+    if args.num_kv_heads % size and size % args.num_kv_heads:
+        raise InvalidConfigError(f"tensor_parallel_size {size} neither divides nor is a multiple of the model's "
+                                 f"{args.num_kv_heads} KV heads")
+    if args.intermediate_size % size:
+        raise InvalidConfigError(f"tensor_parallel_size {size} does not divide the model's intermediate size "
+                                 f"{args.intermediate_size}")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's part of the model: its heads, KV heads, MLP columns and vocabulary rows."""
+
+    local: ModelArgs  # the shapes this rank's layers have (heads, KV heads, intermediate size)
+    q_heads: tuple[int, int]  # [start, end) of the query heads
+    kv_heads: tuple[int, int]  # [start, end) of the KV heads (one replicated head when they are fewer than ranks)
+    inter: tuple[int, int]  # [start, end) of the MLP's intermediate columns
+    vocab: tuple[int, int]  # [start, end) of the vocabulary rows (end - start <= vocab_rows)
+    vocab_rows: int  # rows of the local embedding / LM head (the last rank's padded with zeros)
+
+
+def shard_for(args: ModelArgs, tp: TensorParallel) -> Shard:
+    n, r = tp.size, tp.rank
+    hq = args.num_heads // n
+    if args.num_kv_heads >= n:
+        hkv = args.num_kv_heads // n
+        kv = (r * hkv, (r + 1) * hkv)
+    else:
+        hkv = 1
+        head = r * args.num_kv_heads // n
+        kv = (head, head + 1)
+    inter = args.intermediate_size // n
+    rows = -(-args.vocab_size // n)
+    vocab = (min(r * rows, args.vocab_size), min((r + 1) * rows, args.vocab_size))
+    local = dataclasses.replace(args, num_heads=hq, num_kv_heads=hkv, intermediate_size=inter)
+    return Shard(local, (r * hq, (r + 1) * hq), kv, (r * inter, (r + 1) * inter), vocab, rows)

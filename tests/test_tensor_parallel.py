@@ -1,0 +1,146 @@
+"""Tensor parallelism on CPU (engine/distributed.py): two real processes joined over gloo,
+each running the engine on its shard of a tiny random model. Greedy tokens equal one rank's,
+logprobs agree within float32 rounding, each rank reads only its slices of the checkpoint,
+and sizes the model cannot take are clear errors."""
+
+from __future__ import annotations
+
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from engine import LLM, SamplingParams
+from engine.distributed import TensorParallel, check_tensor_parallel, shard_for
+from engine.errors import InvalidConfigError
+from engine.models.config import ModelArgs
+from tiny_models import make_tiny_model
+
+PROMPTS = [[5 + (11 * i + j) % 250 for j in range(n)] for i, n in enumerate((9, 23, 4, 40))]
+# greedy, and sampled with a seed (every rank must draw the same token), with logprobs
+PARAMS = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3),
+          SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True, logprobs=3)]
+MODELS = {
+    "llama": ("llama", {}),  # 4 heads, 2 KV heads: one each
+    "llama-1kv-odd-vocab": ("llama", {"num_key_value_heads": 1, "vocab_size": 509}),  # KV head replicated, vocab padded
+    "qwen2": ("qwen2", {}),  # QKV bias, tied embeddings
+    "qwen3": ("qwen3", {}),  # q/k norm, head_dim 32
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def tiny(request, tmp_path_factory):
+    variant, overrides = MODELS[request.param]
+    return str(make_tiny_model(tmp_path_factory.mktemp(request.param), variant, seed=3, **overrides))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _outputs(llm: LLM) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
+    """Per request: its tokens and, per token, [(the chosen token, its logprob), *top-3]."""
+    outs = llm.generate(PROMPTS * 2, [p for p in PARAMS for _ in PROMPTS])
+    return [(o.token_ids, [[(lp.token_id, lp.logprob), *lp.top] for lp in o.logprobs]) for o in outs]
+
+
+def _rank(rank: int, size: int, model: str, init_method: str, results) -> None:
+    try:
+        torch.set_num_threads(1)
+        llm = LLM(model, device="cpu", num_kv_blocks=64, max_model_len=256, tensor_parallel_size=size,
+                  tp_rank=rank, tp_init_method=init_method)
+        shard = llm.engine.core.model.shard
+        results.put((rank, (_outputs(llm), shard.q_heads, shard.vocab), None))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        results.put((rank, None, traceback.format_exc()))
+
+
+def run_ranks(model: str, size: int) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [ctx.Process(target=_rank, args=(r, size, model, init_method, results), daemon=True) for r in range(size)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in procs:
+            rank, outs, error = results.get(timeout=180)
+            assert error is None, f"rank {rank} failed:\n{error}"
+            got[rank] = outs
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return [got[r] for r in range(size)]
+
+
+def test_two_ranks_give_one_ranks_tokens_and_logprobs(tiny):
+    one = _outputs(LLM(tiny, device="cpu", num_kv_blocks=64, max_model_len=256))
+    (rank0, heads0, vocab0), (rank1, heads1, vocab1) = run_ranks(tiny, 2)
+    assert (heads0, heads1) == ((0, 2), (2, 4)) and vocab0[1] == vocab1[0]  # each rank ran its half
+    assert [tokens for tokens, _ in rank0] == [tokens for tokens, _ in one]  # greedy and seeded samples
+    assert [tokens for tokens, _ in rank1] == [tokens for tokens, _ in one]  # every rank draws the same tokens
+    for (_, tops), (_, want) in zip(rank0, one):
+        assert len(tops) == len(want) > 0
+        for top, ref in zip(tops, want):
+            assert [t for t, _ in top][:1] == [t for t, _ in ref][:1]
+            assert torch.allclose(torch.tensor([lp for _, lp in top]), torch.tensor([lp for _, lp in ref]),
+                                  atol=2e-5, rtol=1e-5)
+
+
+def test_each_rank_reads_only_its_slices(tmp_path, monkeypatch):
+    """Loading rank 1 of 2 reads half the rows of the column-parallel projections and the
+    vocabulary, half the columns of the row-parallel ones, and whole norms; never a whole split tensor."""
+    import engine.models.loader as loader
+    from engine.attention import make_attention_backend
+    from safetensors import safe_open
+
+    path = make_tiny_model(tmp_path / "m", "qwen2", seed=1)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        full = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    reads = []
+    read = loader.read_tensor
+
+    def spy(f, name, rows, cols):
+        tensor = read(f, name, rows, cols)
+        reads.append((name, tuple(tensor.shape)))
+        return tensor
+
+    monkeypatch.setattr(loader, "read_tensor", spy)
+    tp = TensorParallel(rank=1, size=2)  # loading needs no collective
+    model = loader.load_model(path, torch.float32, torch.device("cpu"), make_attention_backend(torch.device("cpu"), 16),
+                              256, tp)
+    assert len(reads) == len(full)
+    for name, shape in reads:
+        whole = full[name]
+        if any(k in name for k in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens")):
+            assert shape == (whole[0] // 2, *whole[1:]), name
+        elif any(k in name for k in ("o_proj", "down_proj")):
+            assert shape == (whole[0], whole[1] // 2), name
+        else:
+            assert shape == whole, name
+    # and rank 1 holds the second half: its embedding rows are the checkpoint's rows 256..511
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(model.embed_tokens.weight, f.get_tensor("model.embed_tokens.weight")[256:])
+
+
+def test_sizes_the_model_or_machine_cannot_take_are_clear_errors(tmp_path):
+    args = ModelArgs.from_dir(make_tiny_model(tmp_path / "m", "llama"))  # 4 heads, 2 KV heads, intermediate 128
+    cpu = torch.device("cpu")
+    for size in (2, 4):
+        check_tensor_parallel(args, size, cpu)
+    with pytest.raises(InvalidConfigError, match="does not divide the model's 4 attention heads"):
+        check_tensor_parallel(args, 3, cpu)
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(InvalidConfigError, match="visible GPUs"):
+            check_tensor_parallel(args, 2, torch.device("cuda"))
+    with pytest.raises(InvalidConfigError, match="rendezvous"):
+        LLM(str(tmp_path / "m"), device="cpu", tensor_parallel_size=2)
+    shard = shard_for(args, TensorParallel(rank=3, size=4))  # 2 KV heads over 4 ranks: replicated
+    assert shard.kv_heads == (1, 2) and shard.q_heads == (3, 4) and shard.local.num_kv_heads == 1
