@@ -135,8 +135,11 @@ class EngineCore:
         self._injected_fault: str | None = None
         self._poisoned: set[str] = set()  # tests: requests whose every batch fails
         self._in_flight: RoundHandle | None = None  # a launched decode round, not collected yet
-        # unseeded requests get a seed from here: the OS's entropy unless --seed fixes it
+        # unseeded requests get a seed from here: the OS's entropy unless --seed fixes it (ranks of
+        # one tensor-parallel engine draw the same sequence: rank 0's)
         self._seeds = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
+        if self.tp.size > 1 and config.seed is None:
+            self._seeds = random.Random(self.tp.broadcast_int(random.SystemRandom().getrandbits(62)))
         logger.info("loaded %s (%s, %d layers) on %s in %s: %.1fs; KV pool %d blocks x %d tokens, max_model_len %d",
                     self.model_path, args.architecture, args.num_layers, self.device, str(self.dtype).split(".")[-1],
                     time.perf_counter() - started, num_blocks, config.block_size, self.max_model_len)
@@ -160,13 +163,15 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------
 
-    def make_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def make_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      seed: int | None = None) -> Sequence:
         """A sequence for a checked prompt (InputProcessor.check); the seed of an unseeded
-        request is drawn here, the one place that decides it."""
+        request is drawn here, the one place that decides it (`seed`: one rank 0 drew)."""
         n = len(prompt_token_ids)
         if params.max_tokens is None or n + params.max_tokens > self.max_model_len or n == 0:
             raise InvalidRequestError(f"request {request_id} was not checked against max_model_len")
-        seed = params.seed if params.seed is not None else self.tp.broadcast_int(self._seeds.getrandbits(32))
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         return Sequence(request_id, prompt_token_ids, params, seed)
 
     def add_sequence(self, seq: Sequence) -> None:
@@ -293,7 +298,10 @@ class EngineCore:
     def _retry_alone(self, batch: PrefillBatch | DecodeRound) -> list[CoreOutput]:
         """Run each request of a failed batch on its own: the one(s) that still fail are
         failed, the others get their tokens as if nothing happened (the retry recomputes the
-        same positions; sampling noise depends on (seed, position) only)."""
+        same positions; sampling noise depends on (seed, position) only). Not under tensor
+        parallelism: the ranks' collectives would no longer match, so the failure is fatal."""
+        if self.tp.size > 1:
+            raise RuntimeError("an engine step failed on a tensor-parallel rank")
         self._forget_taken()
         outputs = []
         for i, seq in enumerate(batch.seqs):
@@ -336,6 +344,8 @@ class EngineCore:
                 self._in_flight = self._launch(ahead)
                 self.stats_counters.decode_rounds_ahead += 1
             except Exception:  # prev is collected below; its requests are scheduled again after it
+                if self.tp.size > 1:
+                    raise
                 logger.exception("launching a decode round ahead failed; it will be scheduled again")
                 self._in_flight = None
         try:

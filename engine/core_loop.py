@@ -3,7 +3,9 @@
 A busy loop, no asyncio: take whatever arrived without blocking (new requests, aborts),
 run one engine step, send each front end one RoundOutputs with its requests' new tokens.
 With nothing to run it blocks on the socket, waking every STATS_INTERVAL_S to send
-fresh stats. It runs in its own process when serving (engine/core_process.py), or in a
+fresh stats. Under tensor parallelism this is rank 0: before each step it sends the other
+ranks (engine/tp_worker.py) what it took since the last one (StepInputs), and it dies as
+soon as one of them has. It runs in its own process when serving (engine/core_process.py), or in a
 thread of the front end's process (tests, `AsyncEngine` without a core address).
 """
 
@@ -22,6 +24,7 @@ from engine.core_messages import (
     CoreDied,
     CoreOutput,
     CoreReady,
+    StepInputs,
     Hello,
     InjectFault,
     RoundOutputs,
@@ -46,9 +49,11 @@ def bind_core_socket(context: zmq.Context, address: str) -> zmq.Socket:
 
 
 class CoreLoop:
-    def __init__(self, core: EngineCore, socket: zmq.Socket):
+    def __init__(self, core: EngineCore, socket: zmq.Socket, workers: list | None = None):
         self.core = core
         self.socket = socket
+        self.workers = workers or []  # the other tensor-parallel ranks' processes
+        self._inputs = StepInputs()  # for them: what this rank took since its last step
         self.frontends: set[bytes] = set()  # identities of the front ends that said Hello
         self.owner: dict[str, bytes] = {}  # request id -> the front end that sent it
         self._stopping = False
@@ -63,13 +68,28 @@ class CoreLoop:
         try:
             while not self._stopping:
                 self._receive(wait=not core.has_unfinished())
+                self._check_workers()
                 if core.has_unfinished() and not self._stopping:
+                    self._send_step_inputs()
                     self._send_outputs(core.step())
                 self._send_stats()
+            if self.workers:
+                self._inputs.stop = True
+                self._send_step_inputs()
         except BaseException as exc:
             logger.exception("engine core loop died")
             self._broadcast(CoreDied(f"{type(exc).__name__}: {exc}"))
             raise
+
+    def _check_workers(self) -> None:
+        dead = [w for w in self.workers if not w.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel rank process {dead[0].name} exited with code {dead[0].exitcode}")
+
+    def _send_step_inputs(self) -> None:
+        if self.workers:
+            self.core.tp.broadcast_bytes(encode(self._inputs))
+            self._inputs = StepInputs()
 
     def _receive(self, wait: bool) -> None:
         if wait and not self.socket.poll(int(STATS_INTERVAL_S * 1000)):
@@ -99,7 +119,10 @@ class CoreLoop:
         core = self.core
         if isinstance(message, AddRequest):
             try:
-                core.add_request(message.request_id, message.prompt_token_ids, message.params)
+                seq = core.add_request(message.request_id, message.prompt_token_ids, message.params)
+                if self.workers:
+                    self._inputs.adds.append(message)
+                    self._inputs.seeds.append(seq.seed)
             except InvalidRequestError:
                 logger.exception("front end sent a request the core cannot take")
                 self._send(identity, RoundOutputs([CoreOutput(message.request_id, [], finish_reason="error")]))
@@ -109,12 +132,16 @@ class CoreLoop:
             for request_id in message.request_ids:
                 core.abort(request_id)
                 self.owner.pop(request_id, None)
+            if self.workers:
+                self._inputs.aborts += message.request_ids
         elif isinstance(message, Hello):
             self.frontends.add(identity)
             self._send(identity, CoreReady(core.model_path, core.max_model_len, core.args.vocab_size,
                                            list(core.eos_ids), core.stats()))
         elif isinstance(message, InjectFault):
             core.inject_fault(message.kind)
+            if self.workers:
+                self._inputs.faults.append(message.kind)
         elif isinstance(message, Shutdown):
             self._stopping = True
 

@@ -84,6 +84,21 @@ class CoreDied(msgspec.Struct, tag=True, array_like=True):
     error: str
 
 
+# ---- engine core (tensor-parallel rank 0) -> the other ranks ------------------------------
+
+
+class StepInputs(msgspec.Struct, array_like=True):
+    """What rank 0 took from its front ends since its last step, in order, for every other
+    rank to apply before the same step (engine/tp_worker.py): so every rank's scheduler makes
+    the same decisions. seeds: each added request's sampling seed (rank 0 draws them)."""
+
+    adds: list[AddRequest] = []
+    seeds: list[int] = []
+    aborts: list[str] = []
+    faults: list[str] = []
+    stop: bool = False
+
+
 ToCore = Hello | AddRequest | Abort | InjectFault | Shutdown
 FromCore = CoreReady | RoundOutputs | CoreDied
 
@@ -102,3 +117,10 @@ def decode_to_core(frame: bytes) -> ToCore:
 
 def decode_from_core(frame: bytes) -> FromCore:
     return _from_core.decode(frame)
+
+
+_step_inputs = msgspec.msgpack.Decoder(StepInputs)
+
+
+def decode_step_inputs(frame: bytes) -> StepInputs:
+    return _step_inputs.decode(frame)

@@ -1,7 +1,10 @@
 """The engine-core process: `start_core_process(config)` spawns it; it binds the core's
 socket, loads the model and runs CoreLoop until it is stopped (SIGTERM from the server's
 supervisor) or its parent dies (it is killed with its parent, so no orphan holds the GPU).
-A failure to start or an engine error exits non-zero; the front ends see the exit."""
+A failure to start or an engine error exits non-zero; the front ends see the exit.
+
+With tensor_parallel_size N > 1 it is rank 0 and spawns ranks 1..N-1 (engine/tp_worker.py),
+each of which dies with it; it dies as soon as one of them has."""
 
 from __future__ import annotations
 
@@ -47,17 +50,39 @@ def run_core(config: EngineConfig, address: str, parent_pid: int, log_level: int
 
     context = zmq.Context()
     socket = bind_core_socket(context, address)
+    workers, init_method = start_tp_workers(config, log_level)
     try:
-        core = EngineCore(config)
+        core = EngineCore(config, 0, init_method)
     except BaseException:
         logger.exception("the engine core failed to start")
         os._exit(1)
     try:
-        CoreLoop(core, socket).run()
+        CoreLoop(core, socket, workers).run()
     except BaseException:
         os._exit(1)  # CoreLoop logged it and told the front ends
     socket.close()
     context.term()
+
+
+def start_tp_workers(config: EngineConfig, log_level: int) -> tuple[list[BaseProcess], str | None]:
+    """Ranks 1..N-1 of a tensor-parallel engine, and the ranks' rendezvous (None for one rank)."""
+    if config.tensor_parallel_size <= 1:
+        return [], None
+    import socket
+
+    from engine.tp_worker import run_worker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    context = multiprocessing.get_context("spawn")
+    workers = []
+    for rank in range(1, config.tensor_parallel_size):
+        process = context.Process(target=run_worker, args=(config, rank, init_method, os.getpid(), log_level),
+                                  name=f"graphserve-rank{rank}", daemon=True)
+        process.start()
+        workers.append(process)
+    return workers, init_method
 
 
 def start_core_process(config: EngineConfig) -> tuple[BaseProcess, str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: object | None = None  # the torch.distributed process group (None: one rank)
+    control: object | None = None  # a gloo group for rank 0's step inputs (it may wait idle for hours)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place."""
@@ -46,15 +48,25 @@ class TensorParallel:
         if self.size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return int(t[0])
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's bytes (`data` there, ignored elsewhere) on every rank, over the control group."""
+        length = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64)
+        dist.broadcast(length, src=0, group=self.control)
+        buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0
+                  else torch.empty(int(length[0]), dtype=torch.uint8))
+        if int(length[0]):
+            dist.broadcast(buffer, src=0, group=self.control)
+        return bytes(buffer.numpy())
 
     def broadcast_int(self, value: int) -> int:
         """Rank 0's value on every rank."""
         if self.size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64)
-        dist.broadcast(t, src=0, group=self.group)
+        dist.broadcast(t, src=0, group=self.control)
         return int(t[0])
 
 
@@ -73,7 +85,11 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 device_id=device if device.type == "cuda" else None)
-    return TensorParallel(rank, size, dist.group.WORLD)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return TensorParallel(rank, size, dist.group.WORLD, control)
+
+
+CONTROL_TIMEOUT = timedelta(days=365)  # the other ranks wait for rank 0's next step, however idle the server
 
 
 def check_tensor_parallel(args: ModelArgs, size: int, device: torch.device) -> None:

@@ -49,6 +49,8 @@ ENGINE_FLAG_HELP = {
                    "CPU attention kernel; README has today's figures)",
     "grammar_compile_timeout": "seconds a response_format / structured_outputs / tools grammar may take to "
                                "compile; longer is a 400",
+    "tensor_parallel_size": "shard the model over this many GPUs of the host (CPU: processes), one engine "
+                            "process per rank (engine/distributed.py)",
     "seed": "seed the seeds of unseeded requests (default: drawn from the OS, so they differ across "
             "restarts and replicas)",
 }
@@ -176,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--ignore-eos", action="store_true")
     generate.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     add_config_flag(generate)
-    add_engine_flags(generate, skip=("seed",))
+    add_engine_flags(generate, skip=("seed", "tensor_parallel_size"))
 
     commands.add_parser("prepare-model", help="convert the embedded default model into the cache; print its folder")
     return parser

@@ -76,6 +76,9 @@ def test_shipped_configs_are_valid() -> None:
     server, gpu, _ = settings_for(["serve", "--config", "gpu-h200"])
     assert (gpu.device, gpu.dtype, gpu.max_num_seqs) == ("cuda", "bfloat16", 256)
     assert gpu.gpu_memory_utilization == pytest.approx(0.9)
+    _, two, _ = settings_for(["serve", "--config", "gpu-2xh200"])
+    assert (two.device, two.tensor_parallel_size) == ("cuda", 2)
+    assert settings_for(["serve", "--tensor-parallel-size", "4"])[1].tensor_parallel_size == 4
 
 
 def test_api_key_comes_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,8 +5,13 @@ and sizes the model cannot take are clear errors."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import threading
+import time
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +21,7 @@ from engine import LLM, SamplingParams
 from engine.distributed import TensorParallel, check_tensor_parallel, shard_for
 from engine.errors import InvalidConfigError
 from engine.models.config import ModelArgs
+from server.testing import ServerProcess, child_pids, descendant_pids, still_running
 from tiny_models import make_tiny_model
 
 PROMPTS = [[5 + (11 * i + j) % 250 for j in range(n)] for i, n in enumerate((9, 23, 4, 40))]
@@ -144,3 +150,69 @@ def test_sizes_the_model_or_machine_cannot_take_are_clear_errors(tmp_path):
         LLM(str(tmp_path / "m"), device="cpu", tensor_parallel_size=2)
     shard = shard_for(args, TensorParallel(rank=3, size=4))  # 2 KV heads over 4 ranks: replicated
     assert shard.kv_heads == (1, 2) and shard.q_heads == (3, 4) and shard.local.num_kv_heads == 1
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+
+
+def _rank_processes(server_pid: int) -> tuple[int, list[int]]:
+    """(the engine-core process, the other ranks' processes it started)."""
+    for pid in child_pids(server_pid):
+        ranks = [k for k in child_pids(pid) if "resource_tracker" not in _cmdline(k)]
+        if ranks:
+            return pid, ranks
+    raise AssertionError("no engine-core process with rank processes")
+
+
+def test_server_with_two_ranks_serves_one_ranks_tokens_and_dies_with_a_rank(tmp_path):
+    """`serve --tensor-parallel-size 2` (CPU: two processes over gloo) answers with one rank's
+    greedy and seeded tokens; kill -9 of rank 1 mid-stream ends the stream with an error and
+    the server exits non-zero within seconds, leaving no process behind."""
+    import httpx
+    import openai
+
+    model = str(make_tiny_model(tmp_path / "m", "qwen2", seed=5))
+    engine = dict(num_kv_blocks=64, max_model_len=256)
+    want = LLM(model, device="cpu", **engine).generate(PROMPTS, [PARAMS[0], PARAMS[1], PARAMS[0], PARAMS[1]])
+    server = ServerProcess(["--model", model, "--device", "cpu", "--tensor-parallel-size", "2", "--num-threads", "1",
+                            "--num-kv-blocks", "64", "--max-model-len", "256", "--api-server-count", "1"])
+    seen: dict[int, int] = {}
+    try:
+        server.wait_ready()
+        seen.update(descendant_pids(server.process.pid))
+        core, ranks = _rank_processes(server.process.pid)
+        assert len(ranks) == 1
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        for prompt, params, expected in zip(PROMPTS, [PARAMS[0], PARAMS[1], PARAMS[0], PARAMS[1]], want):
+            got = client.completions.create(model="m", prompt=prompt, max_tokens=params.max_tokens,
+                                            temperature=params.temperature, seed=params.seed,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert got.choices[0].token_ids == expected.token_ids
+
+        events: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": PROMPTS[3], "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started.set()
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        assert started.wait(30)
+        os.kill(ranks[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        code = server.wait(20)
+        assert code != 0 and time.monotonic() - killed_at < 15, (code, server.log[-2000:])
+        reader.join(30)
+        assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+    finally:
+        server.stop()
+    deadline = time.monotonic() + 10
+    while still_running(seen) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not still_running(seen), {pid: _cmdline(pid)[:100] for pid in still_running(seen)}
