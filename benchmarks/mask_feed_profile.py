@@ -9,7 +9,6 @@ device busy time against wall time.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -22,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from structured_bench import SCHEMA  # noqa: E402
-from throughput import add_engine_flags, engine_config  # noqa: E402
+from throughput import engine_config, engine_parser  # noqa: E402
 from workload import provenance, resolve_model, write_json  # noqa: E402
 
 
@@ -64,17 +63,10 @@ def run(llm, prompts, params, profile: bool) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="qwen2.5-0.5b")
-    parser.add_argument("--config", default=None)
+    parser = engine_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--constrained", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--name", default=None)
-    parser.add_argument("--set", action="append", default=[])
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    add_engine_flags(parser)
     args = parser.parse_args()
 
     import torch
@@ -111,9 +103,7 @@ def main() -> int:
         for name, k in list(p["kernels_top"].items())[:12]:
             print(f"   {k['total_us'] / 1e3:8.2f} ms  {k['count']:6d} x {k['mean_us']:8.2f} us  {name[:90]}")
     path = Path(args.out) / (args.name or f"mask-feed-profile-{Path(model or 'default').name}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, report)
-    print("wrote", path)
     return 0
 
 

@@ -10,7 +10,6 @@ Tells how much of the served TTFT the engine itself accounts for.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import random
 import statistics
@@ -22,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from throughput import add_engine_flags, engine_config  # noqa: E402
+from throughput import engine_config, engine_parser  # noqa: E402
 from workload import provenance, resolve_model, vocabulary, write_json  # noqa: E402
 
 
@@ -82,20 +81,13 @@ def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="qwen2.5-0.5b")
-    parser.add_argument("--config", default=None)
+    parser = engine_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--prefix", type=int, default=2000)
     parser.add_argument("--suffix", type=int, default=32)
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--name", default=None)
-    parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--profile-wave", type=int, default=-1, help="torch.profiler over this wave's first tokens")
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    add_engine_flags(parser)
     args = parser.parse_args()
 
     from engine import LLM
@@ -120,9 +112,7 @@ def main() -> int:
                 f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in wave.items()), flush=True)
         del llm
     path = Path(args.out) / (args.name or f"prefix-engine-probe-{args.model}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, report)
-    print("wrote", path)
     return 0
 
 

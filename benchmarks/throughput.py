@@ -47,6 +47,20 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
 
 
+def engine_parser(description: str, model: str = "qwen2.5-0.5b") -> argparse.ArgumentParser:
+    """A parser with what engine_config reads (--model, --config, the engine flags, --set,
+    --no-prefix-caching) and --out / --name, for a benchmark to add its own flags to."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default=model, help="a random_models config, 'default' or a model folder")
+    parser.add_argument("--config", default=None, help="engine settings file (a path or a name in configs/)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for the JSON")
+    parser.add_argument("--name", default=None, help="JSON file name")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any EngineConfig field")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    add_engine_flags(parser)
+    return parser
+
+
 def engine_config(args: argparse.Namespace, model: str | None):
     """EngineConfig from the config file < flags < --set, as `graphserve serve` merges them."""
     from server.settings import ENGINE_KEYS, merge_settings, read_config_file, resolve_config_path
