@@ -38,7 +38,7 @@ class BlockManager:
         self.free_blocks: deque[int] = deque(range(1, num_blocks))
         self._root = hashlib.sha256(cache_salt.encode()).digest()  # anything else the KV depends on (the model)
         self._by_hash: dict[bytes, int] = {}  # registered full blocks
-        self._block_key: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (its hash, its token ids)
+        self._block_key: dict[int, tuple[bytes, bytes]] = {}  # block -> (its hash, its token ids as int64 bytes)
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # registered, no user; LRU first
 
     @property
@@ -96,8 +96,15 @@ class BlockManager:
 
     # ---- prefix caching ------------------------------------------------------------------
 
-    def _hash(self, parent: bytes, tokens: list[int]) -> bytes:
-        return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+    def _blocks_bytes(self, seq: Sequence, num_blocks: int) -> memoryview:
+        """seq's first `num_blocks` full blocks of token ids as int64 bytes, in one conversion."""
+        return memoryview(array("q", seq.token_ids[:num_blocks * self.block_size]).tobytes())
+
+    @staticmethod
+    def _hash(parent: bytes, block_bytes) -> bytes:
+        digest = hashlib.sha256(parent)
+        digest.update(block_bytes)
+        return digest.digest()
 
     def register(self, seq: Sequence) -> None:
         """Register seq's full blocks whose every token's KV is computed (they never change
@@ -107,14 +114,17 @@ class BlockManager:
         bs = self.block_size
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         hashes = seq.block_hashes
+        if len(hashes) >= full:
+            return
+        data, step = self._blocks_bytes(seq, full), bs * 8
         for i in range(len(hashes), full):
-            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            tokens = bytes(data[i * step:(i + 1) * step])
             key = self._hash(hashes[-1] if hashes else self._root, tokens)
             hashes.append(key)
             block = seq.block_table[i]
             if key not in self._by_hash and block not in self._block_key:
                 self._by_hash[key] = block
-                self._block_key[block] = (key, tuple(tokens))
+                self._block_key[block] = (key, tokens)
 
     def _unregister(self, block: int) -> None:
         key, _ = self._block_key.pop(block)
@@ -127,13 +137,14 @@ class BlockManager:
         last token, which is recomputed for the next logits."""
         if not self.prefix_caching:
             return []
-        bs = self.block_size
+        count = (seq.num_tokens - 1) // self.block_size
+        data, step = self._blocks_bytes(seq, count), self.block_size * 8
         blocks, parent = [], self._root
-        for i in range((seq.num_tokens - 1) // bs):
-            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+        for i in range(count):
+            tokens = data[i * step:(i + 1) * step]
             key = self._hash(parent, tokens)
             block = self._by_hash.get(key)
-            if block is None or self._block_key[block][1] != tuple(tokens):
+            if block is None or self._block_key[block][1] != tokens:  # the tokens, not only the hash
                 break
             blocks.append(block)
             parent = key
