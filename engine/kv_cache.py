@@ -40,6 +40,9 @@ class BlockManager:
         self._by_hash: dict[bytes, int] = {}  # registered full blocks
         self._block_key: dict[int, tuple[bytes, bytes]] = {}  # block -> (its hash, its token ids as int64 bytes)
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # registered, no user; LRU first
+        # keys of full blocks an admitted prefill is computing now -> its request id: a request
+        # that needs the same block waits for it instead of computing it again
+        self._computing: dict[bytes, str] = {}
 
     @property
     def num_usable_blocks(self) -> int:
@@ -90,6 +93,10 @@ class BlockManager:
                     self.free_blocks.append(block)
         seq.block_table = []
         seq.block_hashes = []
+        for key in seq.computing_keys:
+            if self._computing.get(key) == seq.request_id:
+                del self._computing[key]
+        seq.computing_keys = []
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
@@ -121,6 +128,8 @@ class BlockManager:
             tokens = bytes(data[i * step:(i + 1) * step])
             key = self._hash(hashes[-1] if hashes else self._root, tokens)
             hashes.append(key)
+            if self._computing.get(key) == seq.request_id:
+                del self._computing[key]
             block = seq.block_table[i]
             if key not in self._by_hash and block not in self._block_key:
                 self._by_hash[key] = block
@@ -131,24 +140,41 @@ class BlockManager:
         if self._by_hash.get(key) == block:
             del self._by_hash[key]
 
-    def cached_prefix(self, seq: Sequence) -> list[int]:
-        """The longest run of cached blocks holding seq's first tokens (its prompt, and after
-        a preemption what it generated too), checked token by token; it stops short of the
-        last token, which is recomputed for the next logits."""
+    def prefix_keys(self, seq: Sequence) -> list[bytes]:
+        """The hash-chain keys of seq's full blocks before its last token (which is always
+        recomputed for the next logits); none without prefix caching."""
         if not self.prefix_caching:
             return []
         count = (seq.num_tokens - 1) // self.block_size
         data, step = self._blocks_bytes(seq, count), self.block_size * 8
-        blocks, parent = [], self._root
+        keys, parent = [], self._root
         for i in range(count):
-            tokens = data[i * step:(i + 1) * step]
-            key = self._hash(parent, tokens)
+            parent = self._hash(parent, data[i * step:(i + 1) * step])
+            keys.append(parent)
+        return keys
+
+    def cached_prefix(self, seq: Sequence, keys: list[bytes] | None = None) -> list[int]:
+        """The longest run of cached blocks holding seq's first tokens (its prompt, and after
+        a preemption what it generated too), checked token by token. `keys`: prefix_keys(seq)."""
+        keys = self.prefix_keys(seq) if keys is None else keys
+        data, step = self._blocks_bytes(seq, len(keys)), self.block_size * 8
+        blocks = []
+        for i, key in enumerate(keys):
             block = self._by_hash.get(key)
-            if block is None or self._block_key[block][1] != tokens:  # the tokens, not only the hash
+            if block is None or self._block_key[block][1] != data[i * step:(i + 1) * step]:  # not the hash alone
                 break
             blocks.append(block)
-            parent = key
         return blocks
+
+    def being_computed(self, key: bytes) -> bool:
+        """An admitted prefill is computing the block with this key (it registers it when done)."""
+        return key in self._computing
+
+    def mark_computing(self, seq: Sequence, keys: list[bytes]) -> None:
+        """seq, just admitted, computes the blocks with these keys (until registered or freed)."""
+        for key in keys:
+            self._computing.setdefault(key, seq.request_id)
+        seq.computing_keys = list(keys)
 
     def share(self, seq: Sequence, blocks: list[int]) -> None:
         """Start seq's block table with cached blocks (seq holds none yet)."""

@@ -92,15 +92,21 @@ class Scheduler:
                 seqs.append(seq)
                 chunks.append(n)
                 budget -= n
+        deferred = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             # the prompt's longest cached prefix (echo's prompt logprobs need every prompt position)
-            cached = self.blocks.cached_prefix(seq) if seq.params.prompt_logprobs is None else []
+            keys = self.blocks.prefix_keys(seq) if seq.params.prompt_logprobs is None else []
+            cached = self.blocks.cached_prefix(seq, keys)
+            if len(cached) < len(keys) and self.blocks.being_computed(keys[len(cached)]):
+                deferred.append(self.waiting.popleft())  # a prefill admitted before computes its next block
+                continue
             # reserve KV for every token present now, so an admitted prefill never stalls
             need = -(-seq.num_tokens // self.blocks.block_size) - len(cached)
             if not self.blocks.can_allocate(need + self.blocks.num_reusable(cached)):
                 break
             self.waiting.popleft()
+            self.blocks.mark_computing(seq, keys[len(cached):])
             if cached:
                 self.blocks.share(seq, cached)
                 seq.num_computed_tokens = len(cached) * self.blocks.block_size
@@ -116,6 +122,7 @@ class Scheduler:
             seqs.append(seq)
             chunks.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(deferred))  # at the head again, in their order
         return PrefillBatch(seqs, chunks) if seqs else None
 
     def decode_steps(self, seqs: list[Sequence], pending: list[int] | None = None) -> int:

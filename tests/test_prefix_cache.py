@@ -57,6 +57,21 @@ def test_a_shared_prefix_gives_the_same_tokens(model_dir, plain, params):
     assert_idle(cached)
 
 
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_requests_arriving_together_compute_a_shared_prefix_once(model_dir, plain, params):
+    """A burst of requests sharing a prefix the cache does not hold yet: the first computes
+    it, the others wait for its prefill (one step) and then hit it, instead of each
+    computing it again. Tokens as without the cache."""
+    cached = make_llm(model_dir, caching=True)
+    want = tokens(plain, PROMPTS, params)
+    before = cached.engine.stats()
+    assert tokens(cached, PROMPTS, params) == want
+    after = cached.engine.stats()
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 4 * 3 * BS
+    assert after.prompt_tokens - before.prompt_tokens == sum(map(len, PROMPTS)) - 4 * 3 * BS
+    assert_idle(cached)
+
+
 def test_a_running_request_shares_its_prefilled_prefix(model_dir, plain):
     """Blocks are registered once prefilled, not only when their request ends: a request
     arriving while the first one still decodes hits them."""
