@@ -7,15 +7,21 @@ Decode time is measured as T(prompt + 1 + N tokens) - T(prompt + 1 token), so pr
 excluded. Every timed run draws fresh prompts, so with prefix caching on nothing hits;
 `--prefix-caching both` times every engine row with it on and off (issue 10: the lookup must
 cost nothing measurable when nothing hits). Roofline: bytes a step must read (weights + KV cache) over the copy bandwidth
-measured in the same run.
+measured in the same run. `--tp N` (issue 11) also times the graph rows with the model sharded over
+N GPUs (N processes, NCCL; on CPU gloo), after the one-GPU rows of the same run, and reports
+each as a multiple of the one-GPU tok/s (`tp_speedup`).
+
+    python benchmarks/decode_latency.py --models llama-3.1-8b --tp 2 --skip-transformers --chunks 8
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -62,6 +68,55 @@ def time_engine(llm, prompts, new_tokens: int, repeats: int = 2) -> float:
     return (t_full - t_prefill) / new_tokens
 
 
+def _tp_rank(rank: int, size: int, init_method: str, path: str | None, device: str, batches: list[int], k: int,
+             prompt_len: int, new_tokens: int, engine: dict, results) -> None:
+    """One rank of a tensor-parallel engine (its own process): the same prompts and runs as every
+    other rank; rank 0 reports its ms per step for each batch."""
+    try:
+        from engine import LLM
+
+        llm = LLM(path, device=device, tensor_parallel_size=size, tp_rank=rank, tp_init_method=init_method,
+                  **engine)
+        llm.engine.core.config.decode_chunk = k
+        gen = torch.Generator().manual_seed(1)
+        steps = {}
+        for batch in batches:
+            steps[batch] = time_engine(llm, lambda b=batch: torch.randint(100, 30000, (b, prompt_len),
+                                                                           generator=gen).tolist(), new_tokens)
+        results.put((rank, steps, None))
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        results.put((rank, None, traceback.format_exc()))
+
+
+def time_tensor_parallel(size: int, path: str | None, device: str, batches: list[int], k: int, prompt_len: int,
+                         new_tokens: int, engine: dict) -> dict[int, float]:
+    """Seconds per decode step for each batch, with the model sharded over `size` ranks."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_tp_rank, args=(r, size, init_method, path, device, batches, k, prompt_len,
+                                                new_tokens, engine, results), daemon=True) for r in range(size)]
+    for proc in procs:
+        proc.start()
+    got = {}
+    try:
+        for _ in procs:
+            rank, steps, error = results.get(timeout=1800)
+            if error is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{error}")
+            got[rank] = steps
+    finally:
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+    return got[0]
+
+
 def time_transformers(hf, prompts, new_tokens: int) -> float:
     ids = torch.tensor(prompts, device="cuda")
 
@@ -95,6 +150,8 @@ def main() -> None:
     parser.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on",
                         help="the engine rows with prefix caching on, off, or both (the engine built twice)")
     parser.add_argument("--device", default="cuda", help="cpu: a check of the script (float32, no graphs, no roofline)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="also time the graph rows over this many GPUs (tensor parallelism), against one GPU")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/decode_latency.json"))
     args = parser.parse_args()
 
@@ -108,13 +165,20 @@ def main() -> None:
     rows, captures = [], []
     avg_context = args.prompt_len + args.new_tokens // 2
 
-    def record(model_name, engine_kind, batch, k, step_s, shape, caching=None):
-        """shape: (weight bytes, ModelArgs) of the model timed; caching: prefix caching (engine rows)."""
+    def record(model_name, engine_kind, batch, k, step_s, shape, caching=None, ranks=1):
+        """shape: (weight bytes, ModelArgs) of the model timed; caching: prefix caching (engine rows);
+        ranks: devices the model is sharded over (each reads 1/ranks of the bytes)."""
         tok_s = batch / step_s
-        roof = (shape[0] + kv_bytes(shape[1], batch, avg_context)) / bandwidth if bandwidth else float("nan")
+        roof = ((shape[0] + kv_bytes(shape[1], batch, avg_context)) / ranks / bandwidth if bandwidth
+                else float("nan"))
         rows.append(dict(model=model_name, engine=engine_kind, batch=batch, decode_chunk=k, ms_per_step=step_s * 1e3,
                          tokens_per_s=tok_s, roofline_fraction=roof / step_s if bandwidth else None,
-                         prefix_caching=caching))
+                         prefix_caching=caching, tensor_parallel_size=ranks))
+        if ranks > 1:
+            single = next((r["tokens_per_s"] for r in rows if r["model"] == model_name and r["batch"] == batch
+                           and r["decode_chunk"] == k and r["tensor_parallel_size"] == 1
+                           and r["engine"] == ("graphs" if cuda else "eager")), None)
+            rows[-1]["tp_speedup"] = tok_s / single if single else None
         label = engine_kind + ("" if caching is None else " pc-" + ("on" if caching else "off"))
         print(f"{model_name:14s} {label:20s} B={batch:<3d} K={k if k else '-':<3} "
               f"{step_s * 1e3:8.3f} ms/step {tok_s:10.1f} tok/s  {roof / step_s:6.1%} of roofline", flush=True)
@@ -130,10 +194,11 @@ def main() -> None:
 
         max_batch = max(args.batches)
         started = time.perf_counter()
-        llm = LLM(path and str(path), device=args.device, dtype="bfloat16" if cuda else "float32", max_num_seqs=max(max_batch, args.max_num_seqs),
-                  decode_chunk=max(args.k, *args.chunks),
-                  max_model_len=args.prompt_len + args.new_tokens + 64, max_num_batched_tokens=8192,
-                  gpu_memory_utilization=0.5, prefix_caching=caching)
+        tp_engine = dict(dtype="bfloat16" if cuda else "float32", max_num_seqs=max(max_batch, args.max_num_seqs),
+                         decode_chunk=max(args.k, *args.chunks),
+                         max_model_len=args.prompt_len + args.new_tokens + 64, max_num_batched_tokens=8192,
+                         gpu_memory_utilization=0.5, prefix_caching=caching)
+        llm = LLM(path and str(path), device=args.device, **tp_engine)
         engine = llm.engine.core
         if engine.graphs is None:  # CPU
             captures.append(dict(model=name, prefix_caching=caching, engine_start_s=time.perf_counter() - started))
@@ -172,6 +237,14 @@ def main() -> None:
         del llm, engine, graphs
         gc.collect()
         torch.cuda.empty_cache()
+        if args.tp > 1 and last_of_model:
+            steps = time_tensor_parallel(args.tp, path and str(path), args.device, args.batches, args.k,
+                                         args.prompt_len, args.new_tokens, tp_engine)
+            for batch, step_s in steps.items():
+                record(name, f"graphs-tp{args.tp}" if cuda else f"eager-tp{args.tp}", batch, args.k, step_s, shape,
+                       ranks=args.tp)
+                print(f"{'':14s} tensor parallel x{args.tp}: {rows[-1]['tp_speedup'] or float('nan'):.2f}x the "
+                      f"one-device tok/s", flush=True)
         if not args.skip_transformers and last_of_model:
             hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
             for batch in args.batches:
@@ -185,7 +258,8 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s" if bandwidth else "copy bandwidth: not measured (CPU)")
     info = run_info("decode_latency") if cuda else provenance("decode_latency")
     write_json(args.out, dict(**info, copy_bandwidth_gb_s=bandwidth / 1e9 if bandwidth else None,
-                              prompt_len=args.prompt_len, new_tokens=args.new_tokens, rows=rows,
+                              prompt_len=args.prompt_len, new_tokens=args.new_tokens, tensor_parallel_size=args.tp,
+                              rows=rows,
                               graph_capture=captures))
 
 
