@@ -167,7 +167,8 @@ class GraphDecoder:
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
         """Capture every (bucket, variant), largest bucket first, into one memory pool."""
-        self._feed = MaskFeed(self.max_bucket, self.token_bitmask.shape[1], self.max_steps, self.device)
+        if self._feed is None:  # one feed (and worker thread) however often the graphs are captured
+            self._feed = MaskFeed(self.max_bucket, self.token_bitmask.shape[1], self.max_steps, self.device)
         if not self.use_cuda_graphs:
             self.graphs = {(b, v): _Graph(None, self._state(b, v)) for b in self.buckets for v in VARIANTS}
             return
