@@ -52,14 +52,23 @@ class TensorParallel:
         return int(t[0])
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
-        """Rank 0's bytes (`data` there, ignored elsewhere) on every rank, over the control group."""
-        length = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64)
-        dist.broadcast(length, src=0, group=self.control)
-        buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0
-                  else torch.empty(int(length[0]), dtype=torch.uint8))
-        if int(length[0]):
-            dist.broadcast(buffer, src=0, group=self.control)
-        return bytes(buffer.numpy())
+        """Rank 0's bytes (`data` there, ignored elsewhere) on every rank, over the control group:
+        one broadcast of a fixed-size frame (an 8-byte length, then the bytes), and a second
+        one only for what does not fit in it."""
+        frame = torch.zeros(BROADCAST_FRAME_BYTES, dtype=torch.uint8)
+        if self.rank == 0:
+            head = len(data).to_bytes(8, "little") + data[:BROADCAST_FRAME_BYTES - 8]
+            frame[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        dist.broadcast(frame, src=0, group=self.control)
+        length = int.from_bytes(bytes(frame[:8].numpy()), "little")
+        body = bytes(frame[8:8 + min(length, BROADCAST_FRAME_BYTES - 8)].numpy())
+        rest = length - len(body)
+        if rest > 0:
+            tail = (torch.frombuffer(bytearray(data[len(body):]), dtype=torch.uint8) if self.rank == 0
+                    else torch.empty(rest, dtype=torch.uint8))
+            dist.broadcast(tail, src=0, group=self.control)
+            body += bytes(tail.numpy())
+        return body
 
     def broadcast_int(self, value: int) -> int:
         """Rank 0's value on every rank."""
@@ -90,6 +99,7 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
 
 
 CONTROL_TIMEOUT = timedelta(days=365)  # the other ranks wait for rank 0's next step, however idle the server
+BROADCAST_FRAME_BYTES = 4096  # a step's inputs fit in one broadcast unless new prompts are long
 
 
 def check_tensor_parallel(args: ModelArgs, size: int, device: torch.device) -> None:

@@ -86,6 +86,37 @@ def run_ranks(model: str, size: int) -> list:
     return [got[r] for r in range(size)]
 
 
+PAYLOADS = [b"", b"x" * 10, bytes(range(256)) * 15 + b"abc", b"y" * 4088, b"z" * 4089, bytes(100_000)]
+
+
+def _broadcast_rank(rank: int, init_method: str, results) -> None:
+    try:
+        from engine.distributed import init_tensor_parallel
+
+        tp = init_tensor_parallel(rank, 2, torch.device("cpu"), init_method)
+        results.put((rank, [tp.broadcast_bytes(p if rank == 0 else None) for p in PAYLOADS], None))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        results.put((rank, None, traceback.format_exc()))
+
+
+def test_rank_0s_step_inputs_reach_every_rank_whatever_their_size():
+    """broadcast_bytes: one frame for what fits in it, a second broadcast for the rest."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [ctx.Process(target=_broadcast_rank, args=(r, init_method, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            rank, got, error = results.get(timeout=120)
+            assert error is None, error
+            assert got == PAYLOADS, rank
+    finally:
+        for p in procs:
+            p.join(30)
+
+
 def test_two_ranks_give_one_ranks_tokens_and_logprobs(tiny):
     one = _outputs(LLM(tiny, device="cpu", num_kv_blocks=64, max_model_len=256))
     (rank0, heads0, vocab0), (rank1, heads1, vocab1) = run_ranks(tiny, 2)
