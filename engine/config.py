@@ -28,6 +28,7 @@ class EngineConfig:
     seed: int | None = None  # seeds of unseeded requests: None draws them from the OS
     grammar_compile_timeout: float = 10.0  # seconds a response_format / tool grammar may take to compile
     tensor_parallel_size: int = 1  # ranks (devices of one host) the model is sharded over (engine/distributed.py)
+    quantization: str | None = None  # "fp8": projection weights in float8 e4m3 with per-channel scales
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
@@ -42,6 +43,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.decode_chunk < 1:
             raise ValueError(f"decode_chunk must be >= 1, got {self.decode_chunk}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 (or left out), got {self.quantization!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

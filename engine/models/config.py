@@ -37,6 +37,7 @@ class ModelArgs:
     dtype: str  # the checkpoint's dtype: float32 | bfloat16 | float16
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    quantization: str | None = None  # the checkpoint's weights: "fp8" (compressed-tensors), None: unquantized
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelArgs":
@@ -74,6 +75,7 @@ class ModelArgs:
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        quantization = checkpoint_quantization(cfg.get("quantization_config"))
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -93,4 +95,22 @@ class ModelArgs:
             dtype=str(dtype).replace("torch.", ""),
             eos_token_ids=eos_ids,
             bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
+            quantization=quantization,
         )
+
+
+def checkpoint_quantization(config: dict[str, Any] | None) -> str | None:
+    """"fp8" for compressed-tensors checkpoints with float 8-bit weights and per-channel or
+    per-tensor scales (what llm-compressor's FP8 schemes write), None for none; anything else
+    is an UnsupportedModelError."""
+    if not config:
+        return None
+    method = config.get("quant_method")
+    schemes = [group.get("weights") or {} for group in (config.get("config_groups") or {}).values()]
+    if method == "compressed-tensors" and schemes and all(
+            w.get("num_bits") == 8 and w.get("type") == "float" and w.get("strategy") in ("channel", "tensor")
+            for w in schemes):
+        return "fp8"
+    raise UnsupportedModelError(
+        f"unsupported quantization {method!r}: graphserve loads compressed-tensors checkpoints with FP8 weights "
+        "(float, 8 bits, channel or tensor scales), or quantizes to FP8 itself (--quantization fp8)")

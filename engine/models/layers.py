@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.fp8 import FP8, fp8_linear, quantize_per_channel
+
 # oneDNN's linear with a weight packed once at load time: 1.5-3x faster than the default
 # BLAS path for decode-sized batches on CPU (measured on the development machine).
 _ONEDNN_LINEAR = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
@@ -29,7 +31,8 @@ def _triton(x: torch.Tensor) -> bool:
 
 
 def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return _triton(x) and x.shape[0] <= GEMV_MAX_ROWS and weight.numel() <= GEMV_MAX_WEIGHT_ELEMENTS
+    return (_triton(x) and x.shape[0] <= GEMV_MAX_ROWS and weight.numel() <= GEMV_MAX_WEIGHT_ELEMENTS
+            and weight.dtype != FP8)
 
 
 def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
@@ -47,8 +50,13 @@ CPU_MKL_MAX_ROWS = 2
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias); out_dtype: the result (rounded to x's dtype first) in this dtype."""
+           packed: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias); out_dtype: the result (rounded to x's dtype first) in this dtype.
+    An FP8 weight comes with its per-output-channel `scale` (engine/models/fp8.py)."""
+    if weight.dtype == FP8:
+        y = fp8_linear(x, weight, scale, bias)
+        return y if out_dtype is None else y.to(out_dtype)
     if _use_gemv(x, weight):
         from kernels.gemv import gemv
 
@@ -61,15 +69,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """nn.Linear that uses a packed weight on CPU once `pack_for_cpu()` ran."""
+    """nn.Linear that uses a packed weight on CPU once `pack_for_cpu()` ran, or an FP8 weight
+    with per-output-channel scales once `to_fp8()` ran (or the loader filled one)."""
 
     packed: torch.Tensor | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_parameter("weight_scale", None)  # float32 [out] once the weight is FP8
 
     def pack_for_cpu(self) -> None:
         self.packed = pack_weight_for_cpu(self.weight)
 
+    def to_fp8(self, quantize: bool = True) -> None:
+        """The weight in float8 e4m3 with a float32 scale per output row: quantized from the
+        current weight, or (quantize=False) empty, for a pre-quantized checkpoint to fill."""
+        if quantize:
+            q, scale = quantize_per_channel(self.weight.data)
+        else:
+            q = torch.empty(self.weight.shape, dtype=FP8, device=self.weight.device)
+            scale = torch.empty(self.weight.shape[0], dtype=torch.float32, device=self.weight.device)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, scale=self.weight_scale)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from engine.distributed import SINGLE, Shard, TensorParallel
 from engine.errors import ModelFilesError
 from engine.models.config import ModelArgs
+from engine.models.layers import Linear
 from engine.models.llama import LlamaModel
 from kernels.rotary import build_cos_sin_cache
 
@@ -27,7 +28,7 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
-_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|weight_scale)$")
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -52,7 +53,9 @@ def _shard_slices(args: ModelArgs, fused_name: str) -> list[slice]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backend,
-               max_positions: int, tp: TensorParallel = SINGLE) -> LlamaModel:
+               max_positions: int, tp: TensorParallel = SINGLE, quantization: str | None = None) -> LlamaModel:
+    """quantization "fp8": the projections' weights in FP8 (engine/models/fp8.py), quantized here
+    unless the checkpoint holds them so already."""
     path = Path(path)
     args = ModelArgs.from_dir(path)
     files = weight_files(path)
@@ -61,6 +64,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
         model = LlamaModel(args, backend, cos_sin, tp)
     model = model.to_empty(device=device).to(dtype)
     model.cos_sin = cos_sin.to(device)
+    projections = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    if args.quantization == "fp8":  # empty FP8 weights and scales, for the checkpoint to fill
+        for module in projections:
+            module.to_fp8(quantize=False)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     with torch.no_grad():
@@ -78,6 +85,9 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
     if missing:
         raise ModelFilesError(f"{path}: weights missing from the checkpoint: {', '.join(missing[:5])}"
                               + (" ..." if len(missing) > 5 else ""))
+    if quantization == "fp8" and args.quantization != "fp8":
+        for module in projections:
+            module.to_fp8()
     model.pack_for_cpu()
     return model.eval()
 
@@ -112,7 +122,7 @@ def _split(shard: Shard, module: str, kind: str) -> tuple[tuple[int, int] | None
 
 def _load_tensor(shard: Shard, params: dict, loaded: set, name: str, f) -> None:
     args = shard.local
-    if "rotary_emb.inv_freq" in name:
+    if "rotary_emb.inv_freq" in name or name.endswith(".input_scale"):  # activations: scaled per token instead
         return
     if name == "lm_head.weight" and args.tie_word_embeddings:
         return
@@ -120,7 +130,8 @@ def _load_tensor(shard: Shard, params: dict, loaded: set, name: str, f) -> None:
     match = _LAYER_NAME.match(name)
     if match:
         layer, module, kind = match.groups()
-        rows, cols = _split(shard, module, kind)
+        # a weight_scale (one per output row) is split like its weight's rows
+        rows, cols = _split(shard, module, "weight" if kind == "weight_scale" else kind)
         if module in _FUSED:
             fused, fused_shard = _FUSED[module]
             target = f"layers.{layer}.{fused}.{kind}"
@@ -131,7 +142,16 @@ def _load_tensor(shard: Shard, params: dict, loaded: set, name: str, f) -> None:
     if target not in params:
         raise ModelFilesError(f"unexpected tensor {name!r} in checkpoint for {args.architecture}")
     param = params[target]
-    tensor = read_tensor(f, name, rows, cols)
+    if name.endswith(".weight_scale"):  # [out, 1], [out], or one for the whole tensor (tiny: read whole)
+        tensor = read_tensor(f, name, None, None).float().flatten()
+        if tensor.numel() == 1:
+            span = (_shard_slices(args, target.rsplit(".", 1)[0])[fused_shard] if fused_shard is not None
+                    else slice(0, param.shape[0]))
+            tensor = tensor.expand(span.stop - span.start)
+        elif rows is not None:  # the column-parallel projections' rows (row-parallel ones keep every row)
+            tensor = tensor[rows[0]:rows[1]]
+    else:
+        tensor = read_tensor(f, name, rows, cols)
     if fused_shard is not None:
         param[_shard_slices(args, target.rsplit(".", 1)[0])[fused_shard]].copy_(tensor)
         loaded.add(f"{target}#{fused_shard}")

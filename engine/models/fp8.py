@@ -1,0 +1,58 @@
+"""FP8 weights (float8 e4m3) with one float32 scale per output channel: quantization at load
+(`--quantization fp8`), the layout of pre-quantized checkpoints, and the projection.
+
+w ≈ q * scale[:, None], scale = max|w[row]| / 448 (e4m3's largest finite value). On CUDA
+the projection quantizes each activation row the same way on the fly (dynamic per-token
+scales) and multiplies in FP8 on the tensor cores (torch._scaled_mm, W8A8); on CPU it
+dequantizes the weight (a reference path: correct, not fast). The embedding and the LM
+head stay in the model's dtype."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+_TINY = 1e-12  # an all-zero row still gets a usable scale
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] -> (e4m3 [out, in], float32 scales [out])."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=_TINY) / FP8_MAX
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[:, None].float()).to(dtype)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] -> (e4m3 [M, K], float32 scales [M, 1]): one scale per row (token)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / FP8_MAX
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ (q * scale).T (+ bias), in x's dtype."""
+    if not x.is_cuda:
+        return F.linear(x, dequantize(q, scale, x.dtype), bias)
+    rows = x.reshape(-1, x.shape[-1])
+    xq, x_scale = quantize_rows(rows)
+    y = torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale[None, :].float(), out_dtype=x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], q.shape[0])
+
+
+def fp8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the CUDA path computes, in float32 on any device: activations quantized per row too."""
+    rows = x.reshape(-1, x.shape[-1])
+    xq, x_scale = quantize_rows(rows)
+    y = (xq.float() * x_scale) @ dequantize(q, scale, torch.float32).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], q.shape[0])

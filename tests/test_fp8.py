@@ -1,0 +1,168 @@
+"""FP8 weights (engine/models/fp8.py): per-channel quantization math, the projection on CPU,
+`--quantization fp8` against the unquantized model, and a compressed-tensors FP8 checkpoint
+loading to the same weights as quantizing at load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.errors import UnsupportedModelError
+from engine.models.config import checkpoint_quantization
+from engine.models.fp8 import FP8, FP8_MAX, dequantize, fp8_linear, fp8_linear_ref, quantize_per_channel
+from tiny_models import make_tiny_model
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROMPTS = [[5 + (13 * i + j) % 250 for j in range(n)] for i, n in enumerate((12, 30, 7))]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("fp8") / "llama", "llama", seed=4)
+
+
+def test_per_channel_quantization_round_trips_within_e4m3_precision():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 96, generator=gen) * torch.logspace(-3, 2, 64)[:, None]  # rows of very different sizes
+    w[5] = 0.0  # an all-zero row
+    q, scale = quantize_per_channel(w)
+    assert q.dtype == FP8 and scale.dtype == torch.float32 and scale.shape == (64,)
+    amax = w.abs().amax(dim=1)
+    assert torch.allclose(scale[amax > 0], amax[amax > 0] / FP8_MAX)
+    assert torch.equal(q.float().abs().amax(dim=1)[amax > 0], torch.full((63,), FP8_MAX))  # each row's max maps to 448
+    back = dequantize(q, scale, torch.float32)
+    # e4m3: 3 mantissa bits (relative step 2^-3, error <= half of it) down to 2^-6, subnormal steps of 2^-9 below
+    assert torch.all((back - w).abs() <= 2**-4 * w.abs() + 2**-10 * scale[:, None])
+    assert torch.equal(back[5], torch.zeros(96))
+
+
+def test_the_projection_on_cpu_is_the_dequantized_product_and_close_to_the_reference():
+    gen = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(5, 96, generator=gen), torch.randn(40, 96, generator=gen), torch.randn(40, generator=gen)
+    q, scale = quantize_per_channel(w)
+    y = fp8_linear(x, q, scale, b)
+    assert torch.equal(y, F.linear(x, dequantize(q, scale, torch.float32), b))
+    # the CUDA path's math (activations quantized per row too) stays within FP8 error of it
+    ref = fp8_linear_ref(x, q, scale, b)
+    assert (ref - y).abs().max() <= 0.1 * y.abs().max()
+
+
+def test_quantization_fp8_serves_close_to_the_unquantized_model(tiny):
+    """Teacher-forced over the prompts (prompt logprobs): FP8 weights pick the same next token
+    almost everywhere and the log-probabilities stay close; every projection holds FP8."""
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    plain = LLM(str(tiny), device="cpu", num_kv_blocks=32, max_model_len=128, prefix_caching=False)
+    fp8 = LLM(str(tiny), device="cpu", num_kv_blocks=32, max_model_len=128, prefix_caching=False, quantization="fp8")
+    layer = fp8.engine.core.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == FP8 and layer.mlp.down_proj.weight_scale.min() > 0
+    agree = total = 0
+    for want, got in zip(plain.generate(PROMPTS, params), fp8.generate(PROMPTS, params)):
+        for w, g in zip(want.prompt_logprobs[1:], got.prompt_logprobs[1:]):
+            total += 1
+            agree += w.top[0][0] == g.top[0][0]
+            assert abs(w.logprob - g.logprob) < 0.15 + 0.05 * abs(w.logprob)
+    assert agree / total >= 0.9, (agree, total)
+
+
+def _write_compressed_tensors(src, dst, strategy: str) -> dict[str, torch.Tensor]:
+    """The tiny model's folder re-written as llm-compressor writes an FP8 checkpoint: projection
+    weights in e4m3 with `weight_scale` ([out, 1] per channel, or one per tensor)."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    out, quantized = {}, {}
+    for name, t in tensors.items():
+        if any(f"{p}.weight" in name for p in PROJECTIONS):
+            if strategy == "channel":
+                q, scale = quantize_per_channel(t)
+                out[name], out[name + "_scale"] = q, scale[:, None]
+            else:
+                scale = t.abs().max().float() / FP8_MAX
+                out[name], out[name + "_scale"] = (t / scale).to(FP8), scale.reshape(1)
+            quantized[name] = out[name]
+        else:
+            out[name] = t
+    save_file(out, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
+        "ignore": ["lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return quantized
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_a_compressed_tensors_fp8_checkpoint_loads_as_written(tiny, tmp_path, strategy):
+    quantized = _write_compressed_tensors(tiny, tmp_path / strategy, strategy)
+    llm = LLM(str(tmp_path / strategy), device="cpu", num_kv_blocks=32, max_model_len=128)
+    model = llm.engine.core.model
+    qkv = model.layers[1].self_attn.qkv_proj
+    q_rows = quantized["model.layers.1.self_attn.q_proj.weight"].shape[0]
+    assert qkv.weight.dtype == FP8
+    assert torch.equal(qkv.weight[:q_rows].view(torch.uint8),
+                       quantized["model.layers.1.self_attn.q_proj.weight"].view(torch.uint8))
+    if strategy == "channel":  # the same weights as quantizing the original at load: the same tokens
+        at_load = LLM(str(tiny), device="cpu", num_kv_blocks=32, max_model_len=128, quantization="fp8")
+        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == \
+               [o.token_ids for o in at_load.generate(PROMPTS, params)]
+    else:
+        assert torch.unique(qkv.weight_scale[:q_rows]).numel() == 1
+
+
+def test_quantization_schemes_it_cannot_load_are_clear_errors():
+    assert checkpoint_quantization(None) is None
+    with pytest.raises(UnsupportedModelError, match="awq"):
+        checkpoint_quantization({"quant_method": "awq", "bits": 4})
+    with pytest.raises(UnsupportedModelError):
+        checkpoint_quantization({"quant_method": "compressed-tensors", "config_groups": {
+            "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}})
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(device="cpu", quantization="int4")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("n,k", [(1152, 896), (6144, 4096), (4096, 14336)], ids=["qwen-qkv", "llama-qkv", "llama-down"])
+def test_fp8_projection_on_the_gpu_matches_its_reference(rows, n, k):
+    """W8A8 through torch._scaled_mm (activations quantized per token) against the same math in float32."""
+    gen = torch.Generator(device="cuda").manual_seed(n + rows)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+    q, scale = quantize_per_channel(torch.randn(n, k, device="cuda", generator=gen) / k**0.5)
+    y = fp8_linear(x, q, scale)
+    ref = fp8_linear_ref(x.float(), q, scale)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+def test_an_fp8_engine_decodes_through_the_cuda_graphs():
+    """--quantization fp8 on the Qwen2.5-0.5B shape (random weights): decode replays the graphs,
+    and teacher-forced next tokens mostly agree with the bf16 model's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from random_models import random_model
+
+    path = str(random_model("qwen2.5-0.5b"))
+    prompts = [torch.randint(100, 30000, (48,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
+    logprobs = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    engine = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=256, num_kv_blocks=256,
+                  prefix_caching=False, cuda_graph_max_batch=8)
+    bf16 = [o.prompt_logprobs[1:] for o in LLM(path, **engine).generate(prompts, logprobs)]
+    llm = LLM(path, quantization="fp8", **engine)
+    assert llm.engine.core.model.layers[0].mlp.gate_up_proj.weight.dtype == FP8
+    out = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert all(len(o.token_ids) == 24 for o in out) and sum(llm.engine.stats().graph_replays.values()) > 0
+    fp8 = [o.prompt_logprobs[1:] for o in llm.generate(prompts, logprobs)]
+    pairs = [(w.top[0][0], g.top[0][0]) for ws, gs in zip(bf16, fp8) for w, g in zip(ws, gs)]
+    assert sum(a == b for a, b in pairs) / len(pairs) >= 0.8, pairs[:10]
