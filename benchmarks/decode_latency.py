@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import socket
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -69,52 +67,24 @@ def time_engine(llm, prompts, new_tokens: int, repeats: int = 2) -> float:
 
 
 def _tp_rank(rank: int, size: int, init_method: str, path: str | None, device: str, batches: list[int], k: int,
-             prompt_len: int, new_tokens: int, engine: dict, results) -> None:
+             prompt_len: int, new_tokens: int, engine: dict) -> dict[int, float]:
     """One rank of a tensor-parallel engine (its own process): the same prompts and runs as every
-    other rank; rank 0 reports its ms per step for each batch."""
-    try:
-        from engine import LLM
+    other rank; seconds per decode step for each batch."""
+    from engine import LLM
 
-        llm = LLM(path, device=device, tensor_parallel_size=size, tp_rank=rank, tp_init_method=init_method,
-                  **engine)
-        llm.engine.core.config.decode_chunk = k
-        gen = torch.Generator().manual_seed(1)
-        steps = {}
-        for batch in batches:
-            steps[batch] = time_engine(llm, lambda b=batch: torch.randint(100, 30000, (b, prompt_len),
-                                                                           generator=gen).tolist(), new_tokens)
-        results.put((rank, steps, None))
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        results.put((rank, None, traceback.format_exc()))
+    llm = LLM(path, device=device, tensor_parallel_size=size, tp_rank=rank, tp_init_method=init_method, **engine)
+    llm.engine.core.config.decode_chunk = k
+    gen = torch.Generator().manual_seed(1)
+    return {batch: time_engine(llm, lambda b=batch: torch.randint(100, 30000, (b, prompt_len), generator=gen).tolist(),
+                               new_tokens) for batch in batches}
 
 
 def time_tensor_parallel(size: int, path: str | None, device: str, batches: list[int], k: int, prompt_len: int,
                          new_tokens: int, engine: dict) -> dict[int, float]:
-    """Seconds per decode step for each batch, with the model sharded over `size` ranks."""
-    import torch.multiprocessing as mp
+    """Seconds per decode step for each batch, with the model sharded over `size` ranks (rank 0's)."""
+    from engine.distributed import run_on_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_tp_rank, args=(r, size, init_method, path, device, batches, k, prompt_len,
-                                                new_tokens, engine, results), daemon=True) for r in range(size)]
-    for proc in procs:
-        proc.start()
-    got = {}
-    try:
-        for _ in procs:
-            rank, steps, error = results.get(timeout=1800)
-            if error is not None:
-                raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{error}")
-            got[rank] = steps
-    finally:
-        for proc in procs:
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
-    return got[0]
+    return run_on_ranks(_tp_rank, size, (path, device, batches, k, prompt_len, new_tokens, engine), timeout=1800)[0]
 
 
 def time_transformers(hf, prompts, new_tokens: int) -> float:

@@ -68,13 +68,10 @@ def start_tp_workers(config: EngineConfig, log_level: int) -> tuple[list[BasePro
     """Ranks 1..N-1 of a tensor-parallel engine, and the ranks' rendezvous (None for one rank)."""
     if config.tensor_parallel_size <= 1:
         return [], None
-    import socket
-
+    from engine.distributed import local_init_method
     from engine.tp_worker import run_worker
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    init_method = local_init_method()
     context = multiprocessing.get_context("spawn")
     workers = []
     for rank in range(1, config.tensor_parallel_size):

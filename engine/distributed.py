@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -148,3 +151,45 @@ def shard_for(args: ModelArgs, tp: TensorParallel) -> Shard:
     vocab = (min(r * rows, args.vocab_size), min((r + 1) * rows, args.vocab_size))
     local = dataclasses.replace(args, num_heads=hq, num_kv_heads=hkv, intermediate_size=inter)
     return Shard(local, (r * hq, (r + 1) * hq), kv, (r * inter, (r + 1) * inter), vocab, rows)
+
+
+def local_init_method() -> str:
+    """A rendezvous for ranks on this host: tcp://127.0.0.1 and a free port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _rank_main(target: Callable, rank: int, size: int, init_method: str, args: tuple, results) -> None:
+    try:
+        results.put((rank, target(rank, size, init_method, *args), None))
+    except BaseException:  # noqa: BLE001 - handed to run_on_ranks
+        results.put((rank, None, traceback.format_exc()))
+
+
+def run_on_ranks(target: Callable, size: int, args: tuple = (), timeout: float = 600.0) -> list:
+    """target(rank, size, init_method, *args) in `size` spawned processes (a module-level
+    function: benchmarks and tests); returns their results by rank, or raises with the
+    traceback of a rank that failed."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_method = local_init_method()
+    procs = [ctx.Process(target=_rank_main, args=(target, r, size, init_method, args, results), daemon=True)
+             for r in range(size)]
+    for proc in procs:
+        proc.start()
+    got: dict[int, object] = {}
+    try:
+        for _ in procs:
+            rank, value, error = results.get(timeout=timeout)
+            if error is not None:
+                raise RuntimeError(f"rank {rank} failed:\n{error}")
+            got[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    return [got[r] for r in range(size)]

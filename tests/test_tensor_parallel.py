@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from engine import LLM, SamplingParams
-from engine.distributed import TensorParallel, check_tensor_parallel, shard_for
+from engine.distributed import TensorParallel, check_tensor_parallel, run_on_ranks, shard_for
 from engine.errors import InvalidConfigError
 from engine.models.config import ModelArgs
 from server.testing import ServerProcess, child_pids, descendant_pids, still_running
@@ -42,84 +39,38 @@ def tiny(request, tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp(request.param), variant, seed=3, **overrides))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _outputs(llm: LLM) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
     """Per request: its tokens and, per token, [(the chosen token, its logprob), *top-3]."""
     outs = llm.generate(PROMPTS * 2, [p for p in PARAMS for _ in PROMPTS])
     return [(o.token_ids, [[(lp.token_id, lp.logprob), *lp.top] for lp in o.logprobs]) for o in outs]
 
 
-def _rank(rank: int, size: int, model: str, init_method: str, results) -> None:
-    try:
-        torch.set_num_threads(1)
-        llm = LLM(model, device="cpu", num_kv_blocks=64, max_model_len=256, tensor_parallel_size=size,
-                  tp_rank=rank, tp_init_method=init_method)
-        shard = llm.engine.core.model.shard
-        results.put((rank, (_outputs(llm), shard.q_heads, shard.vocab), None))
-    except BaseException:  # noqa: BLE001 - reported to the test
-        results.put((rank, None, traceback.format_exc()))
-
-
-def run_ranks(model: str, size: int) -> list:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=_rank, args=(r, size, model, init_method, results), daemon=True) for r in range(size)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in procs:
-            rank, outs, error = results.get(timeout=180)
-            assert error is None, f"rank {rank} failed:\n{error}"
-            got[rank] = outs
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    return [got[r] for r in range(size)]
+def _rank(rank: int, size: int, init_method: str, model: str):
+    torch.set_num_threads(1)
+    llm = LLM(model, device="cpu", num_kv_blocks=64, max_model_len=256, tensor_parallel_size=size,
+              tp_rank=rank, tp_init_method=init_method)
+    shard = llm.engine.core.model.shard
+    return _outputs(llm), shard.q_heads, shard.vocab
 
 
 PAYLOADS = [b"", b"x" * 10, bytes(range(256)) * 15 + b"abc", b"y" * 4088, b"z" * 4089, bytes(100_000)]
 
 
-def _broadcast_rank(rank: int, init_method: str, results) -> None:
-    try:
-        from engine.distributed import init_tensor_parallel
+def _broadcast_rank(rank: int, size: int, init_method: str) -> list[bytes]:
+    from engine.distributed import init_tensor_parallel
 
-        tp = init_tensor_parallel(rank, 2, torch.device("cpu"), init_method)
-        results.put((rank, [tp.broadcast_bytes(p if rank == 0 else None) for p in PAYLOADS], None))
-    except BaseException:  # noqa: BLE001 - reported to the test
-        results.put((rank, None, traceback.format_exc()))
+    tp = init_tensor_parallel(rank, size, torch.device("cpu"), init_method)
+    return [tp.broadcast_bytes(p if rank == 0 else None) for p in PAYLOADS]
 
 
 def test_rank_0s_step_inputs_reach_every_rank_whatever_their_size():
     """broadcast_bytes: one frame for what fits in it, a second broadcast for the rest."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=_broadcast_rank, args=(r, init_method, results), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for _ in procs:
-            rank, got, error = results.get(timeout=120)
-            assert error is None, error
-            assert got == PAYLOADS, rank
-    finally:
-        for p in procs:
-            p.join(30)
+    assert run_on_ranks(_broadcast_rank, 2, timeout=120) == [PAYLOADS, PAYLOADS]
 
 
 def test_two_ranks_give_one_ranks_tokens_and_logprobs(tiny):
     one = _outputs(LLM(tiny, device="cpu", num_kv_blocks=64, max_model_len=256))
-    (rank0, heads0, vocab0), (rank1, heads1, vocab1) = run_ranks(tiny, 2)
+    (rank0, heads0, vocab0), (rank1, heads1, vocab1) = run_on_ranks(_rank, 2, (tiny,), timeout=180)
     assert (heads0, heads1) == ((0, 2), (2, 4)) and vocab0[1] == vocab1[0]  # each rank ran its half
     assert [tokens for tokens, _ in rank0] == [tokens for tokens, _ in one]  # greedy and seeded samples
     assert [tokens for tokens, _ in rank1] == [tokens for tokens, _ in one]  # every rank draws the same tokens
