@@ -130,11 +130,14 @@ def apply_processors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
         logits = logits - st.frequency_penalty[:, None] * st.output_counts
         logits = logits - st.presence_penalty[:, None] * (st.output_counts > 0).float()
+    if st.token_bitmask is not None:  # a grammar's mask is absolute
+        logits = logits.masked_fill(~unpack_bitmask(st.token_bitmask, logits.shape[-1]), float("-inf"))
     if st.min_tokens_ban is not None:
         banned = st.min_tokens_ban & (st.output_pos < st.min_tokens)[:, None]
-        logits = logits.masked_fill(banned, float("-inf"))
-    if st.token_bitmask is not None:  # last: a grammar's mask is absolute
-        logits = logits.masked_fill(~unpack_bitmask(st.token_bitmask, logits.shape[-1]), float("-inf"))
+        held = logits.masked_fill(banned, float("-inf"))
+        if st.token_bitmask is not None:  # min_tokens yields to a grammar that allows only its end
+            held = torch.where(torch.isinf(held).all(dim=-1, keepdim=True), logits, held)
+        logits = held
     return logits
 
 

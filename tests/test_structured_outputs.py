@@ -127,6 +127,16 @@ def test_max_tokens_inside_the_grammar_ends_with_length(llm):
     assert_idle(llm)
 
 
+def test_min_tokens_yields_to_a_grammar_that_allows_only_its_end(llm):
+    """min_tokens bans the end-of-sequence tokens; once the grammar allows nothing else, the
+    grammar wins: the request ends with its complete output (found by the fuzz test: a 500)."""
+    for temperature in (0, 1.0):
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=20, min_tokens=15, temperature=temperature, seed=1,
+                                                    grammar=SPECS["choice"]))[0]
+        assert out.finish_reason == "stop" and out.text in CHOICES, (out.finish_reason, out.text)
+    assert_idle(llm)
+
+
 def test_bad_specs_are_rejected_before_they_run(llm):
     for bad, param in ((GrammarSpec("json_schema", '{"type": "frog"}'), "response_format"),
                        (GrammarSpec("regex", "a(b", param="guided_regex"), "guided_regex"),
