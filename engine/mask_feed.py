@@ -175,12 +175,6 @@ class MaskFeed:
         new, self._timeouts_seen = total - self._timeouts_seen, total
         return new
 
-    def close(self) -> None:
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(timeout=5)
-            self._thread = None
-
     # ---- the worker --------------------------------------------------------------------------
 
     def _serve_forever(self) -> None:

@@ -181,7 +181,7 @@ class _Compiling:
 
 class StructuredOutputs:
     """Engine core: grammars being compiled, one matcher per running constrained request,
-    and the bitmasks of a batch. `bitmask(seqs)` / `fill_rows` give what the sampler gets
+    and the bitmasks of a batch. `bitmask(seqs)` gives what the sampler gets
     before a round's first step; `advance` moves the matchers on between two steps of a
     round (the tokens it takes are remembered); `accept` moves a matcher on by the tokens
     the host appends, or confirms what `advance` took already."""
@@ -250,19 +250,6 @@ class StructuredOutputs:
         """Indices of the rows of `seqs` that have a matcher."""
         return [i for i, s in enumerate(seqs) if s.request_id in self.matchers]
 
-    def fill_rows(self, seqs: list, rows: list[int], out: torch.Tensor, compact: bool = True) -> None:
-        """The tokens row i in `rows` may sample next, into out[j] for rows[j] (compact) or
-        out[i] (host int32 tensors of `words` columns)."""
-        # one row after another: a few microseconds each, less than waking worker threads
-        # (xgrammar's BatchGrammarMatcher with 2 threads measured slower at 1-64 rows)
-        for j, i in enumerate(rows):
-            index = j if compact else i
-            matcher = self.matchers[seqs[i].request_id]
-            if matcher.is_terminated():
-                out[index].numpy().fill(-1)  # its tokens from here on are dropped by the host
-            else:
-                matcher.fill_next_token_bitmask(out, index)
-
     def bitmask(self, seqs: list) -> torch.Tensor | None:
         """[len(seqs), ceil(V/32)] int32 on the host: the tokens each row may sample next
         (all bits set for unconstrained rows); None when no row is constrained."""
@@ -273,8 +260,15 @@ class StructuredOutputs:
             self._bitmask = torch.full((len(seqs), self.words), -1, dtype=torch.int32)
         mask = self._bitmask[:len(seqs)]
         mask.numpy().fill(-1)  # numpy: torch's fill_ may wake its thread pool for this
+        # one row after another: a few microseconds each, less than waking worker threads
+        # (xgrammar's BatchGrammarMatcher with 2 threads measured slower at 1-64 rows)
         with self._lock:
-            self.fill_rows(seqs, rows, mask, compact=False)
+            for i in rows:
+                matcher = self.matchers[seqs[i].request_id]
+                if matcher.is_terminated():
+                    mask[i].numpy().fill(-1)  # its tokens from here on are dropped by the host
+                else:
+                    matcher.fill_next_token_bitmask(mask, i)
         return mask
 
     def advance(self, seqs: list, rows: list[int], tokens: list[int | None], out: torch.Tensor) -> None:
