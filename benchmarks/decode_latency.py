@@ -12,6 +12,15 @@ N GPUs (N processes, NCCL; on CPU gloo), after the one-GPU rows of the same run,
 each as a multiple of the one-GPU tok/s (`tp_speedup`).
 
     python benchmarks/decode_latency.py --models llama-3.1-8b --tp 2 --skip-transformers --chunks 8
+
+`--quantization none fp8` times every model once per setting (fp8: the engine built with
+`quantization="fp8"`, projection weights in float8 e4m3 with float32 per-channel scales; the
+roofline counts those bytes); each row's `quantization` is "fp8" or the engine dtype ("bf16").
+The transformers rows are bf16 only (timed with the `none` setting). A decode-latency curve
+(graph rows only; plot with benchmarks/plot_decode.py):
+
+    python benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 2 4 8 16 32 64 128 256 --chunks 8 \
+        --no-eager --skip-transformers --quantization none fp8 --out benchmarks/results/decode_curve.json
 """
 
 from __future__ import annotations
@@ -41,6 +50,14 @@ def weight_bytes(model) -> int:
     """Weights a decode step reads (the input embedding only where it is also the LM head)."""
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                if not (n.startswith("embed_tokens") and model.lm_head is not None))
+
+
+DTYPE_LABELS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def quantization_label(quantization: str | None, dtype: torch.dtype) -> str:
+    """A row's `quantization`: "fp8", or the engine dtype ("bf16") when the weights are not quantized."""
+    return quantization or DTYPE_LABELS.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def kv_bytes(args, batch: int, avg_context: int) -> int:
@@ -120,42 +137,58 @@ def main() -> None:
     parser.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on",
                         help="the engine rows with prefix caching on, off, or both (the engine built twice)")
     parser.add_argument("--device", default="cuda", help="cpu: a check of the script (float32, no graphs, no roofline)")
+    parser.add_argument("--quantization", nargs="+", choices=["none", "fp8"], default=["none"],
+                        help="weights of the engine rows: none (the model dtype) and/or fp8; each model is "
+                             "timed once per setting (transformers: none only)")
+    parser.add_argument("--no-eager", action="store_true", help="skip the eager rows (graph rows only)")
     parser.add_argument("--tp", type=int, default=1,
                         help="also time the graph rows over this many GPUs (tensor parallelism), against one GPU")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/decode_latency.json"))
+    parser.add_argument("--pdl", choices=["on", "off"], default="on",
+                        help="programmatic dependent launch of the Triton kernels (kernels/_common.py)")
     args = parser.parse_args()
 
     import transformers
 
     from engine import LLM
     from engine.models import layers
+    from kernels import _common
+
+    _common.PDL = args.pdl == "on"
 
     cuda = args.device != "cpu"
     bandwidth = copy_bandwidth()["gb_per_s"] * 1e9 if cuda else None
     rows, captures = [], []
     avg_context = args.prompt_len + args.new_tokens // 2
 
-    def record(model_name, engine_kind, batch, k, step_s, shape, caching=None, ranks=1):
-        """shape: (weight bytes, ModelArgs) of the model timed; caching: prefix caching (engine rows);
-        ranks: devices the model is sharded over (each reads 1/ranks of the bytes)."""
+    def record(model_name, engine_kind, batch, k, step_s, shape, quant, caching=None, ranks=1):
+        """shape: (weight bytes, ModelArgs) of the model timed; quant: its weights ("bf16", "fp8");
+        caching: prefix caching (engine rows); ranks: devices the model is sharded over (each reads
+        1/ranks of the bytes)."""
         tok_s = batch / step_s
         roof = ((shape[0] + kv_bytes(shape[1], batch, avg_context)) / ranks / bandwidth if bandwidth
                 else float("nan"))
-        rows.append(dict(model=model_name, engine=engine_kind, batch=batch, decode_chunk=k, ms_per_step=step_s * 1e3,
-                         tokens_per_s=tok_s, roofline_fraction=roof / step_s if bandwidth else None,
+        rows.append(dict(model=model_name, engine=engine_kind, quantization=quant, batch=batch, decode_chunk=k,
+                         ms_per_step=step_s * 1e3, tokens_per_s=tok_s,
+                         roofline_fraction=roof / step_s if bandwidth else None,
                          prefix_caching=caching, tensor_parallel_size=ranks))
         if ranks > 1:
-            single = next((r["tokens_per_s"] for r in rows if r["model"] == model_name and r["batch"] == batch
+            # on CPU the "graphs" rows run eagerly too: the eager row, or that one with --no-eager
+            single = next((r["tokens_per_s"] for kind in (["graphs"] if cuda else ["eager", "graphs"])
+                           for r in rows if r["model"] == model_name and r["batch"] == batch
                            and r["decode_chunk"] == k and r["tensor_parallel_size"] == 1
-                           and r["engine"] == ("graphs" if cuda else "eager")), None)
+                           and r["quantization"] == quant and r["engine"] == kind), None)
             rows[-1]["tp_speedup"] = tok_s / single if single else None
-        label = engine_kind + ("" if caching is None else " pc-" + ("on" if caching else "off"))
-        print(f"{model_name:14s} {label:20s} B={batch:<3d} K={k if k else '-':<3} "
+        label = f"{quant} {engine_kind}" + ("" if caching is None else " pc-" + ("on" if caching else "off"))
+        print(f"{model_name:14s} {label:25s} B={batch:<3d} K={k if k else '-':<3} "
               f"{step_s * 1e3:8.3f} ms/step {tok_s:10.1f} tok/s  {roof / step_s:6.1%} of roofline", flush=True)
 
     settings = {"on": [True], "off": [False], "both": [True, False]}[args.prefix_caching]
-    runs = [(name, caching, i == len(settings) - 1) for name in args.models for i, caching in enumerate(settings)]
-    for name, caching, last_of_model in runs:
+    quantizations = [None if q == "none" else q for q in dict.fromkeys(args.quantization)]
+    # last_of_setting: the last engine of a (model, quantization): the TP and transformers rows follow it
+    runs = [(name, quant, caching, i == len(settings) - 1) for name in args.models for quant in quantizations
+            for i, caching in enumerate(settings)]
+    for name, quant_setting, caching, last_of_setting in runs:
         path = resolve_model(name)  # a random_models config, "default" (None: the embedded model) or a folder
         gen = torch.Generator().manual_seed(0)
 
@@ -167,68 +200,77 @@ def main() -> None:
         tp_engine = dict(dtype="bfloat16" if cuda else "float32", max_num_seqs=max(max_batch, args.max_num_seqs),
                          decode_chunk=max(args.k, *args.chunks),
                          max_model_len=args.prompt_len + args.new_tokens + 64, max_num_batched_tokens=8192,
-                         gpu_memory_utilization=0.5, prefix_caching=caching)
+                         gpu_memory_utilization=0.5, prefix_caching=caching, quantization=quant_setting)
         llm = LLM(path and str(path), device=args.device, **tp_engine)
         engine = llm.engine.core
+        graphs = engine.graphs
+        quant = quantization_label(quant_setting, engine.dtype)
         if engine.graphs is None:  # CPU
-            captures.append(dict(model=name, prefix_caching=caching, engine_start_s=time.perf_counter() - started))
+            captures.append(dict(model=name, quantization=quant, prefix_caching=caching,
+                                 engine_start_s=time.perf_counter() - started))
         else:
-            captures.append(dict(model=name, prefix_caching=caching, engine_start_s=time.perf_counter() - started,
+            captures.append(dict(model=name, quantization=quant, prefix_caching=caching,
+                                 engine_start_s=time.perf_counter() - started,
                                  buckets=len(engine.graphs.buckets), largest_bucket=engine.graphs.max_bucket,
                                  capture_s=engine.graphs.capture_seconds, capture_gib=engine.graphs.capture_gib))
-            print(f"{name}: engine start {captures[-1]['engine_start_s']:.1f}s, of which capturing "
+            print(f"{name} ({quant}): engine start {captures[-1]['engine_start_s']:.1f}s, of which capturing "
                   f"{2 * len(engine.graphs.buckets)} CUDA graphs (buckets up to {engine.graphs.max_bucket}) "
                   f"{engine.graphs.capture_seconds:.1f}s, {engine.graphs.capture_gib:.2f} GiB", flush=True)
         shape = (weight_bytes(engine.model), engine.model.args)
         for batch in args.batches:
             prompts = fresh(batch)
             engine.config.decode_chunk = args.k
-            record(name, "graphs", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape, caching)
+            record(name, "graphs", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape, quant, caching)
             if args.overlap_ab:
                 engine.config.overlap_rounds = False
                 record(name, "graphs-no-overlap", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape,
-                       caching)
+                       quant, caching)
                 engine.config.overlap_rounds = True
-            graphs, engine.graphs = engine.graphs, None
-            record(name, "eager", batch, args.k, time_engine(llm, prompts, args.new_tokens, repeats=1), shape, caching)
-            engine.graphs = graphs
+            if not args.no_eager:
+                engine.graphs = None
+                record(name, "eager", batch, args.k, time_engine(llm, prompts, args.new_tokens, repeats=1), shape,
+                       quant, caching)
+                engine.graphs = graphs
             if args.gemv_ab and batch <= layers.GEMV_MAX_ROWS:
                 gemv_rows, layers.GEMV_MAX_ROWS = layers.GEMV_MAX_ROWS, 0
                 graphs.capture(progress=False)  # the projection kernels are chosen when a graph is captured
                 record(name, "graphs-cublas", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape,
-                       caching)
+                       quant, caching)
                 layers.GEMV_MAX_ROWS = gemv_rows
                 graphs.capture(progress=False)
         prompts = fresh(1)
         for k in args.chunks:
             engine.config.decode_chunk = k
-            record(name, "graphs", 1, k, time_engine(llm, prompts, args.new_tokens), shape, caching)
+            record(name, "graphs", 1, k, time_engine(llm, prompts, args.new_tokens), shape, quant, caching)
         stats = engine.stats()
         del llm, engine, graphs
         gc.collect()
         torch.cuda.empty_cache()
-        if args.tp > 1 and last_of_model:
+        if args.tp > 1 and last_of_setting:
             steps = time_tensor_parallel(args.tp, path and str(path), args.device, args.batches, args.k,
                                          args.prompt_len, args.new_tokens, tp_engine)
             for batch, step_s in steps.items():
                 record(name, f"graphs-tp{args.tp}" if cuda else f"eager-tp{args.tp}", batch, args.k, step_s, shape,
-                       ranks=args.tp)
+                       quant, ranks=args.tp)
                 print(f"{'':14s} tensor parallel x{args.tp}: {rows[-1]['tp_speedup'] or float('nan'):.2f}x the "
                       f"one-device tok/s", flush=True)
-        if not args.skip_transformers and last_of_model:
+        if not args.skip_transformers and last_of_setting and quant_setting is None:  # bf16 only
             hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
             for batch in args.batches:
                 prompts = torch.randint(100, 30000, (batch, args.prompt_len), generator=gen).tolist()
-                record(name, "transformers", batch, None, time_transformers(hf, prompts, args.new_tokens), shape)
+                record(name, "transformers", batch, None, time_transformers(hf, prompts, args.new_tokens), shape,
+                       "bf16")
             del hf
             gc.collect()
             torch.cuda.empty_cache()
-        print(f"{name}: graph replays per bucket {stats.graph_replays}, eager rounds {stats.eager_rounds}")
+        print(f"{name} ({quant}): graph replays per bucket {stats.graph_replays}, eager rounds {stats.eager_rounds}")
 
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s" if bandwidth else "copy bandwidth: not measured (CPU)")
     info = run_info("decode_latency") if cuda else provenance("decode_latency")
     write_json(args.out, dict(**info, copy_bandwidth_gb_s=bandwidth / 1e9 if bandwidth else None,
                               prompt_len=args.prompt_len, new_tokens=args.new_tokens, tensor_parallel_size=args.tp,
+                              decode_chunk=args.k, pdl=args.pdl == "on",
+                              quantizations=list(dict.fromkeys(c["quantization"] for c in captures)),
                               rows=rows,
                               graph_capture=captures))
 

@@ -23,6 +23,25 @@ def sm_count(device: torch.device) -> int:
     return _cuda_sm_count(index)
 
 
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the
+# kernel before it finishes; it reads what does not depend on that kernel (its weights), then waits
+# (gdc_wait) before touching anything the kernel before wrote. Benchmarks set PDL = False to A/B.
+PDL = True
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with programmatic dependent launch (sm90+, not the interpreter)."""
+    if not PDL or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability(index) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot input precision: full fp32 for fp32 models (Triton defaults to tf32), else irrelevant."""
     return "ieee" if dtype == torch.float32 else "tf32"

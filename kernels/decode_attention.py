@@ -15,8 +15,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels._common import attention_output, check_kv_cache, dot_precision, sm_count
+from kernels._common import attention_output, check_kv_cache, dot_precision, sm_count, use_pdl
 
 _LOG2E = 1.4426950408889634
 # Split-count heuristic, tuned on an H200 (benchmarks/kernel_bench.py --sweep): aim for about
@@ -45,11 +46,17 @@ def _decode_attention_kernel(
     BLOCK_N: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // NUM_KV_HEADS
     kvh = pid % NUM_KV_HEADS
+    # the step's context lengths come from a kernel at least two launches back: complete (PDL)
+    ctx = tl.load(context_lens_ptr + b)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -60,7 +67,6 @@ def _decode_attention_kernel(
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None], other=0.0)
 
-    ctx = tl.load(context_lens_ptr + b)
     num_tiles = tl.cdiv(ctx, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     t_start = split * tiles_per_split
@@ -111,7 +117,11 @@ def _decode_reduce_kernel(
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     b = pid // NUM_HEADS
     h = pid % NUM_HEADS
@@ -209,6 +219,7 @@ def paged_decode_attention(
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
 
+    pdl = use_pdl(q.device)
     _decode_attention_kernel[(batch * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_m, part_l, part_acc,
@@ -226,8 +237,10 @@ def paged_decode_attention(
         BLOCK_N=tile.block_n,
         WRITE_PARTIAL=num_splits > 1,
         DOT_PREC=dot_precision(q.dtype),
+        PDL=pdl,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        launch_pdl=pdl,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch * num_heads,)](
@@ -237,7 +250,9 @@ def paged_decode_attention(
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             CHUNK=min(16, triton.next_power_of_2(num_splits)),
+            PDL=pdl,
             num_warps=4,
+            launch_pdl=pdl,
         )
     return out
 

@@ -26,28 +26,49 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels._common import check_kv_cache, sm_count
+from kernels._common import check_kv_cache, sm_count, use_pdl
+
+
+@triton.jit
+def _x_tile(x_row, r_row, res_out_row, norm_w_ptr, offs_k, k_mask, inv_rms, res_store_end,
+            HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """One K tile of the projection's input in float32: x, or the RMSNorm of x (+ residual, whose
+    new value the row's first program stores), rounded as the unfused decoder rounds."""
+    dt = x_row.dtype.element_ty
+    xk = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        if HAS_RESIDUAL:
+            h = (xk + tl.load(r_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dt)
+            tl.store(res_out_row + offs_k, h, mask=offs_k < res_store_end)
+            xk = h.to(tl.float32)
+        g = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        xk = ((xk * inv_rms).to(dt).to(tl.float32) * g).to(dt).to(tl.float32)
+    return xk
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr, out_ptr,
+    x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
     pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
     N, K, eps,
     stride_x, stride_r, stride_ro, stride_w, stride_o, stride_cs,
     HAS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_W_SCALE: tl.constexpr,
     SILU_MUL: tl.constexpr,
     ROPE_STORE: tl.constexpr,
     Q_SIZE: tl.constexpr,
     KV_SIZE: tl.constexpr,
     HALF: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """N: outputs (SiLU-and-mul: gate rows; rotary: row pairs). Paired modes read two row sets."""
+    """N: outputs (SiLU-and-mul: gate rows; rotary: row pairs). Paired modes read two row sets.
+    HAS_W_SCALE: FP8 weights, each row's dot product times its scale."""
     m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     dt = x_ptr.dtype.element_ty
@@ -55,6 +76,7 @@ def _gemv_kernel(
     n_mask = offs_n < N
     x_row = x_ptr + m * stride_x
     r_row = res_ptr + m * stride_r
+    res_out_row = res_out_ptr + m * stride_ro
     if ROPE_STORE:  # pair p: rows d and d + HALF of head p // HALF, d = p % HALF
         rows_a = (offs_n // HALF) * (2 * HALF) + offs_n % HALF
         rows_b = rows_a + HALF
@@ -67,6 +89,18 @@ def _gemv_kernel(
     if SILU_MUL or ROPE_STORE:
         b_rows = w_ptr + rows_b.to(tl.int64)[:, None] * stride_w
 
+    # The weights do not depend on the kernels before this one: the first K tile is read before
+    # waiting for them (PDL), and every later tile one iteration ahead of its use.
+    offs_k = tl.arange(0, BLOCK_K)
+    wk_mask = n_mask[:, None] & (offs_k < K)[None, :]
+    w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
+    if SILU_MUL or ROPE_STORE:
+        u = tl.load(b_rows + offs_k[None, :], mask=wk_mask, other=0.0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+    inv_rms = 1.0
     if HAS_NORM:
         sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -85,27 +119,27 @@ def _gemv_kernel(
         acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        xk = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            if HAS_RESIDUAL:
-                h = (xk + tl.load(r_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dt)
-                tl.store(res_out_ptr + m * stride_ro + offs_k, h, mask=offs_k < res_store_end)
-                xk = h.to(tl.float32)
-            g = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            xk = ((xk * inv_rms).to(dt).to(tl.float32) * g).to(dt).to(tl.float32)
-        wk_mask = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
+        xk = _x_tile(x_row, r_row, res_out_row, norm_w_ptr, offs_k, offs_k < K, inv_rms, res_store_end,
+                     HAS_NORM, HAS_RESIDUAL)
         acc += w.to(tl.float32) * xk[None, :]
         if SILU_MUL or ROPE_STORE:
-            u = tl.load(b_rows + offs_k[None, :], mask=wk_mask, other=0.0)
             acc_b += u.to(tl.float32) * xk[None, :]
+        next_k = offs_k + BLOCK_K
+        wk_mask = n_mask[:, None] & (next_k < K)[None, :]
+        w = tl.load(w_rows + next_k[None, :], mask=wk_mask, other=0.0)
+        if SILU_MUL or ROPE_STORE:
+            u = tl.load(b_rows + next_k[None, :], mask=wk_mask, other=0.0)
 
     y = tl.sum(acc, 1)
+    if HAS_W_SCALE:
+        y *= tl.load(w_scale_ptr + rows_a, mask=n_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows_a, mask=n_mask, other=0.0).to(tl.float32)
-    if ROPE_STORE:
+    if SILU_MUL or ROPE_STORE:
         y_b = tl.sum(acc_b, 1)
+        if HAS_W_SCALE:
+            y_b *= tl.load(w_scale_ptr + rows_b, mask=n_mask, other=0.0)
+    if ROPE_STORE:
         if HAS_BIAS:
             y_b += tl.load(bias_ptr + rows_b, mask=n_mask, other=0.0).to(tl.float32)
         _rope_store_epilogue(y.to(dt).to(tl.float32), y_b.to(dt).to(tl.float32), rows_a, rows_b, offs_n % HALF,
@@ -114,7 +148,7 @@ def _gemv_kernel(
     else:
         if SILU_MUL:
             gate = y.to(dt).to(tl.float32)
-            up = tl.sum(acc_b, 1).to(dt).to(tl.float32)
+            up = y_b.to(dt).to(tl.float32)
             y = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up
         tl.store(out_ptr + m * stride_o + offs_n, y.to(dt).to(out_ptr.dtype.element_ty), mask=n_mask)
 
@@ -163,8 +197,11 @@ _MAX_BLOCK_K = 1024
 _LONG_K = 4096
 
 
-def default_gemv_tile(rows: int, n: int, k: int, num_sms: int, silu_mul: bool = False) -> GemvTile:
-    block_k = min(_MAX_BLOCK_K if not silu_mul else 256, triton.next_power_of_2(k))
+def default_gemv_tile(rows: int, n: int, k: int, num_sms: int, silu_mul: bool = False,
+                      weight_bytes: int = 2) -> GemvTile:
+    """weight_bytes: bytes per weight element (1: FP8, whose K tiles are twice as long for the same bytes)."""
+    widen = max(1, 2 // weight_bytes)
+    block_k = min((_MAX_BLOCK_K if not silu_mul else 256) * widen, triton.next_power_of_2(k))
     if k > _LONG_K:
         return GemvTile(1, block_k, 8)
     target = (4 if silu_mul else 2) * num_sms
@@ -188,16 +225,19 @@ def _check_inputs(x, weight, norm_weight, residual) -> None:
         raise ValueError(f"norm_weight must be [{k}] and contiguous")
 
 
-def _launch(x, weight, bias, norm_weight, residual, eps, out, n, tile, silu_mul=False, rope=None) -> torch.Tensor | None:
+def _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, out, n, tile, silu_mul=False,
+            rope=None) -> torch.Tensor | None:
     """rope: (positions, cos_sin, slot_mapping, k_cache, v_cache, q_size, kv_size, head_dim) or None."""
     rows, k = x.shape
     new_residual = torch.empty_like(x) if residual is not None else None
     if rows == 0:
         return new_residual
     positions, cos_sin, slots, k_cache, v_cache, q_size, kv_size, head_dim = rope or (x, x, x, x, x, 0, 0, 2)
+    pdl = use_pdl(x.device)
     _gemv_kernel[(rows, triton.cdiv(n, tile.block_n))](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
-        new_residual if new_residual is not None else out, weight, bias if bias is not None else weight, out,
+        new_residual if new_residual is not None else out, weight,
+        weight_scale if weight_scale is not None else out, bias if bias is not None else weight, out,
         positions, cos_sin, slots, k_cache, v_cache,
         n, k, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0,
@@ -206,16 +246,25 @@ def _launch(x, weight, bias, norm_weight, residual, eps, out, n, tile, silu_mul=
         HAS_NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
+        HAS_W_SCALE=weight_scale is not None,
         SILU_MUL=silu_mul,
         ROPE_STORE=rope is not None,
         Q_SIZE=q_size,
         KV_SIZE=kv_size,
         HALF=head_dim // 2,
+        PDL=pdl,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         num_warps=tile.num_warps,
+        launch_pdl=pdl,
     )
     return new_residual
+
+
+def _check_scale(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:
+    if weight_scale is not None and (weight_scale.shape != (weight.shape[0],) or weight_scale.dtype != torch.float32
+                                     or not weight_scale.is_contiguous()):
+        raise ValueError(f"weight_scale must be float32 [{weight.shape[0]}] and contiguous (one scale per weight row)")
 
 
 def gemv(
@@ -228,6 +277,7 @@ def gemv(
     eps: float = 1e-6,
     silu_mul: bool = False,
     out_dtype: torch.dtype | None = None,
+    weight_scale: torch.Tensor | None = None,
     tile: GemvTile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """out = f(x) @ weight.T (+ bias), for x [M, K] (rows may be strided, last dim contiguous),
@@ -237,16 +287,19 @@ def gemv(
     residual [M, K] is given; the new residual (x + residual in x's dtype) is returned as a new tensor.
     silu_mul: weight is a fused [gate; up] of 2I rows and out = silu(x @ gate.T) * (x @ up.T), [M, I].
     out_dtype: the result, rounded to x's dtype, is stored in this dtype (default x's dtype).
+    weight_scale: float32 [N] for an FP8 weight (engine/models/fp8.py): row n is weight[n] * weight_scale[n],
+    dequantized in registers.
     Returns (out, new_residual or None).
     """
     _check_inputs(x, weight, norm_weight, residual)
+    _check_scale(weight, weight_scale)
     if silu_mul and (weight.shape[0] % 2 or bias is not None):
         raise ValueError("silu_mul needs an even number of weight rows and no bias")
     rows, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty((rows, n), dtype=out_dtype or x.dtype, device=x.device)
-    tile = tile or default_gemv_tile(rows, n, k, sm_count(x.device), silu_mul)
-    return out, _launch(x, weight, bias, norm_weight, residual, eps, out, n, tile, silu_mul=silu_mul)
+    tile = tile or default_gemv_tile(rows, n, k, sm_count(x.device), silu_mul, weight.element_size())
+    return out, _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, out, n, tile, silu_mul=silu_mul)
 
 
 def gemv_rope_store(
@@ -263,6 +316,7 @@ def gemv_rope_store(
     norm_weight: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     eps: float = 1e-6,
+    weight_scale: torch.Tensor | None = None,
     tile: GemvTile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The input side of decode attention in one kernel: qkv = f(x) @ weight.T (+ bias) for a fused
@@ -270,6 +324,7 @@ def gemv_rope_store(
     written into the paged caches at slot_mapping [M] (-1: skipped). Returns (rotated q [M, Hq, D],
     new_residual or None). Equals gemv + kernels.rope_kv_store.rope_and_store_kv."""
     _check_inputs(x, weight, norm_weight, residual)
+    _check_scale(weight, weight_scale)
     _, _, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     if weight.shape[0] != q_size + 2 * kv_size or cos_sin_cache.shape[1] != head_dim:
@@ -281,10 +336,11 @@ def gemv_rope_store(
     pairs = weight.shape[0] // 2
     q = torch.empty((rows, num_heads, head_dim), dtype=x.dtype, device=x.device)
     if tile is None:  # the plain GEMV's tile for these weight rows, in pairs
-        plain = default_gemv_tile(rows, weight.shape[0], k, sm_count(x.device))
+        plain = default_gemv_tile(rows, weight.shape[0], k, sm_count(x.device), weight_bytes=weight.element_size())
         tile = GemvTile(max(1, plain.block_n // 2), plain.block_k, plain.num_warps)
     rope = (positions, cos_sin_cache, slot_mapping, k_cache, v_cache, q_size, kv_size, head_dim)
-    return q, _launch(x, weight, bias, norm_weight, residual, eps, q.view(rows, q_size), pairs, tile, rope=rope)
+    return q, _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, q.view(rows, q_size), pairs, tile,
+                      rope=rope)
 
 
 def gemv_ref(
@@ -297,8 +353,10 @@ def gemv_ref(
     eps: float = 1e-6,
     silu_mul: bool = False,
     out_dtype: torch.dtype | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The unfused path in float32 arithmetic, rounded to x's dtype where the decoder rounds."""
+    """The unfused path in float32 arithmetic, rounded to x's dtype where the decoder rounds
+    (an FP8 weight dequantized in float32)."""
     from kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 
     new_residual = None
@@ -308,7 +366,8 @@ def gemv_ref(
             h, new_residual = fused_add_rms_norm_ref(x, residual, norm_weight, eps)
         else:
             h = rms_norm_ref(x, norm_weight, eps)
-    y = h.float() @ weight.float().T
+    w = weight.float() if weight_scale is None else weight.float() * weight_scale.float()[:, None]
+    y = h.float() @ w.T
     if bias is not None:
         y = y + bias.float()
     y = y.to(x.dtype)
@@ -321,11 +380,13 @@ def gemv_ref(
 
 
 def gemv_rope_store_ref(x, weight, bias, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, num_heads, *,
-                        norm_weight=None, residual=None, eps=1e-6) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        norm_weight=None, residual=None, eps=1e-6,
+                        weight_scale=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """gemv_ref, then rotary and the cache write as kernels.rope_kv_store's reference does."""
     from kernels.rope_kv_store import rope_and_store_kv_ref
 
-    qkv, new_residual = gemv_ref(x, weight, bias, norm_weight=norm_weight, residual=residual, eps=eps)
+    qkv, new_residual = gemv_ref(x, weight, bias, norm_weight=norm_weight, residual=residual, eps=eps,
+                                 weight_scale=weight_scale)
     head_dim, num_kv_heads = k_cache.shape[3], k_cache.shape[2]
     heads = qkv.view(x.shape[0], -1, head_dim)
     q, k, v = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)

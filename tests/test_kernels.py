@@ -434,6 +434,51 @@ def test_gemv_fused_norm_silu_mul_float32_logits_dtype():
     assert rel_err(logits, gemv_ref(x.to(torch.float16), w.to(torch.float16))[0].float()) < 1e-2
 
 
+def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 448.0
+    return (w / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_gemv_fp8_weights_dequantized_in_registers(silu_mul):
+    """FP8 rows times their scale: the dequantized weight's product, over several K tiles (the next
+    tile read ahead of its use), with the fused norm and SiLU-and-mul."""
+    gen, x, w = _gemv_case(2, 2 * 40 if silu_mul else 40, 300, seed=28)
+    w = w * torch.logspace(-2, 1, w.shape[0])[:, None]  # rows of different sizes: the scales matter
+    q, scale = _fp8(w)
+    res = torch.randn(2, 300, generator=gen)
+    g = torch.randn(300, generator=gen)
+    out, new_res = gemv(x, q, norm_weight=g, residual=res, silu_mul=silu_mul, weight_scale=scale,
+                        tile=GemvTile(8, 64, 4))
+    ref, ref_res = gemv_ref(x, q, norm_weight=g, residual=res, silu_mul=silu_mul, weight_scale=scale)
+    assert torch.equal(new_res, ref_res)
+    assert rel_err(out, ref) < TOL
+    unscaled, _ = gemv_ref(x, q.float(), norm_weight=g, residual=res, silu_mul=silu_mul)
+    assert rel_err(out, unscaled) > 0.5  # the scales were applied
+    with pytest.raises(ValueError):
+        gemv(x, q, weight_scale=scale[:-1])
+
+
+def test_gemv_rope_store_fp8_weights():
+    gen = torch.Generator().manual_seed(32)
+    hq, hkv, head_dim, hidden, rows = 4, 2, 16, 40, 2
+    n = (hq + 2 * hkv) * head_dim
+    x, res, g = torch.randn(rows, hidden, generator=gen), torch.randn(rows, hidden, generator=gen), torch.randn(hidden)
+    q8, scale = _fp8(torch.randn(n, hidden, generator=gen) * torch.logspace(-2, 1, n)[:, None])
+    b = torch.randn(n, generator=gen)
+    cos_sin = build_cos_sin_cache(head_dim, 64, 10000.0, None)
+    positions, slots = torch.tensor([5, 40]), torch.tensor([9, 30])
+    caches = [torch.zeros(4, 8, hkv, head_dim) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    q, new_res = gemv_rope_store(x, q8, b, positions, cos_sin, slots, *caches, hq, norm_weight=g, residual=res,
+                                 weight_scale=scale, tile=GemvTile(4, 16, 2))
+    ref_q, ref_res = gemv_rope_store_ref(x, q8, b, positions, cos_sin, slots, *ref_caches, hq, norm_weight=g,
+                                         residual=res, weight_scale=scale)
+    assert torch.equal(new_res, ref_res)
+    assert rel_err(q, ref_q) < TOL
+    assert rel_err(caches[0], ref_caches[0]) < TOL and rel_err(caches[1], ref_caches[1]) < TOL
+
+
 def test_gemv_bad_shapes():
     _, x, w = _gemv_case(2, 8, 16, seed=27)
     with pytest.raises(ValueError):

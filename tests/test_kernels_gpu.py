@@ -353,3 +353,78 @@ def test_gemv_rope_store_real_shapes(shape, hidden, bias, poisoned_outputs):
     for c, ref in zip(caches, ref_caches):
         assert rel_err(c[written], ref[written]) < TOL
         assert torch.equal(c[0], ref[0].to(BF16))  # other slots untouched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("name", [n for n in sorted(GEMV_SHAPES) if "lm_head" not in n])
+def test_gemv_fp8_weights_real_shapes(name, rows, poisoned_outputs):
+    """FP8 weights (e4m3, a float32 scale per row) dequantized in registers: the float32 product
+    with the dequantized weight."""
+    from engine.models.fp8 import quantize_per_channel
+
+    n, k, norm, bias, silu = GEMV_SHAPES[name]
+    gen = torch.Generator(device=DEV).manual_seed(rows + 100)
+    x = torch.randn(rows, k, device=DEV, dtype=BF16, generator=gen)
+    q, scale = quantize_per_channel(torch.randn(n, k, device=DEV, generator=gen) / k**0.5)
+    b = torch.randn(n, device=DEV, dtype=BF16, generator=gen) if bias else None
+    res = torch.randn(rows, k, device=DEV, dtype=BF16, generator=gen) if norm else None
+    g = torch.rand(k, device=DEV, dtype=BF16, generator=gen) + 0.5 if norm else None
+    out, new_res = gemv(x, q, b, norm_weight=g, residual=res, silu_mul=silu, weight_scale=scale)
+    f32 = lambda t: t.float() if t is not None else None
+    ref, _ = gemv_ref(x.float(), q, f32(b), norm_weight=f32(g), residual=f32(res), silu_mul=silu, weight_scale=scale)
+    assert out.dtype == BF16 and not out.isnan().any()
+    assert rel_err(out, ref) < TOL
+    if norm:
+        assert torch.equal(new_res, (x.float() + res.float()).to(BF16))
+
+
+@pytest.mark.gpu
+def test_programmatic_dependent_launch_keeps_a_chain_of_kernels_in_order():
+    """A decoder-like chain (GEMVs that read what the one before wrote, attention between them)
+    captured in a CUDA graph with programmatic dependent launch gives bit for bit what it gives
+    launched one by one without it: no kernel reads its input before the kernel before wrote it."""
+    from kernels import _common
+
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    hidden, hq, hkv, head_dim, inter = 896, 14, 2, 64, 4864
+    n_qkv = (hq + 2 * hkv) * head_dim
+    layers = [dict(qkv=torch.randn(n_qkv, hidden, device=DEV, dtype=BF16, generator=gen) / hidden**0.5,
+                   o=torch.randn(hidden, hq * head_dim, device=DEV, dtype=BF16, generator=gen) / hidden**0.5,
+                   gate_up=torch.randn(2 * inter, hidden, device=DEV, dtype=BF16, generator=gen) / hidden**0.5,
+                   down=torch.randn(hidden, inter, device=DEV, dtype=BF16, generator=gen) / inter**0.5,
+                   g1=torch.rand(hidden, device=DEV, dtype=BF16, generator=gen) + 0.5,
+                   g2=torch.rand(hidden, device=DEV, dtype=BF16, generator=gen) + 0.5) for _ in range(4)]
+    k_cache, v_cache, block_tables, _ = paged_setup(1, 300, hkv, head_dim, seed=3)
+    cos_sin = build_cos_sin_cache(head_dim, 4096, 1000000.0, None, device=DEV)
+    positions = torch.tensor([299], device=DEV)
+    slots = (block_tables[0, 299 // 16].long() * 16 + 299 % 16).view(1)
+    lens = torch.tensor([300], device=DEV, dtype=torch.int32)
+    x0 = torch.randn(1, hidden, device=DEV, dtype=BF16, generator=gen)
+
+    def chain():
+        x, res = x0, torch.zeros_like(x0)
+        for w in layers:
+            q, res = gemv_rope_store(x, w["qkv"], None, positions, cos_sin, slots, k_cache, v_cache, hq,
+                                     norm_weight=w["g1"], residual=res)
+            attn = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, num_splits=2)
+            x = gemv(attn.view(1, -1), w["o"])[0]
+            act, res = gemv(x, w["gate_up"], norm_weight=w["g2"], residual=res, silu_mul=True)
+            x = gemv(act, w["down"])[0]
+        return x + res
+
+    _common.PDL = False
+    try:
+        expected = chain()
+    finally:
+        _common.PDL = True
+    assert _common.use_pdl(torch.device(DEV)) == (torch.cuda.get_device_capability()[0] >= 9)
+    chain()  # compile the PDL variants outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)

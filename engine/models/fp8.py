@@ -3,7 +3,7 @@
 
 w ≈ q * scale[:, None], scale = max|w[row]| / 448 (e4m3's largest finite value). On CUDA
 the projection quantizes each activation row the same way on the fly (dynamic per-token
-scales) and multiplies in FP8 on the tensor cores (torch._scaled_mm, W8A8); on CPU it
+scales, kernels/fp8_quant.py) and multiplies in FP8 on the tensor cores (torch._scaled_mm, W8A8); on CPU it
 dequantizes the weight (a reference path: correct, not fast). The embedding and the LM
 head stay in the model's dtype."""
 
@@ -39,11 +39,11 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
     """x [..., in] @ (q * scale).T (+ bias), in x's dtype."""
     if not x.is_cuda:
         return F.linear(x, dequantize(q, scale, x.dtype), bias)
+    from kernels.fp8_quant import quantize_rows_fp8  # quantize_rows in one kernel, bit for bit
+
     rows = x.reshape(-1, x.shape[-1])
-    xq, x_scale = quantize_rows(rows)
-    y = torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale[None, :].float(), out_dtype=x.dtype)
-    if bias is not None:
-        y = y + bias
+    xq, x_scale = quantize_rows_fp8(rows)
+    y = torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale[None, :], bias=bias, out_dtype=x.dtype)
     return y.view(*x.shape[:-1], q.shape[0])
 
 

@@ -24,6 +24,9 @@ _ONEDNN_LINEAR = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backen
 # Benchmarks set GEMV_MAX_ROWS to 0 to measure without.
 GEMV_MAX_ROWS = 1
 GEMV_MAX_WEIGHT_ELEMENTS = 1 << 24
+# FP8 weights: the GEMV dequantizes in registers (weight-only) for any weight size; more rows go
+# W8A8 through torch._scaled_mm (engine/models/fp8.py).
+FP8_GEMV_MAX_ROWS = 1
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -31,8 +34,11 @@ def _triton(x: torch.Tensor) -> bool:
 
 
 def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_triton(x) and x.shape[0] <= GEMV_MAX_ROWS and weight.numel() <= GEMV_MAX_WEIGHT_ELEMENTS
-            and weight.dtype != FP8)
+    if not _triton(x):
+        return False
+    if weight.dtype == FP8:
+        return x.shape[0] <= FP8_GEMV_MAX_ROWS
+    return x.shape[0] <= GEMV_MAX_ROWS and weight.numel() <= GEMV_MAX_WEIGHT_ELEMENTS
 
 
 def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
@@ -54,13 +60,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            scale: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias); out_dtype: the result (rounded to x's dtype first) in this dtype.
     An FP8 weight comes with its per-output-channel `scale` (engine/models/fp8.py)."""
-    if weight.dtype == FP8:
-        y = fp8_linear(x, weight, scale, bias)
-        return y if out_dtype is None else y.to(out_dtype)
     if _use_gemv(x, weight):
         from kernels.gemv import gemv
 
-        return gemv(x, weight, bias, out_dtype=out_dtype)[0]
+        return gemv(x, weight, bias, out_dtype=out_dtype, weight_scale=scale)[0]
+    if weight.dtype == FP8:
+        y = fp8_linear(x, weight, scale, bias)
+        return y if out_dtype is None else y.to(out_dtype)
     if packed is not None and x.shape[0] > CPU_MKL_MAX_ROWS:
         y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     else:
@@ -105,7 +111,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         from kernels.gemv import gemv
 
         y, new_residual = gemv(x, proj.weight, proj.bias, norm_weight=norm_weight, residual=residual, eps=eps,
-                               silu_mul=silu_mul)
+                               silu_mul=silu_mul, weight_scale=proj.weight_scale)
         return y, x if residual is None else new_residual
     if residual is None:
         h, residual = rms_norm(x, norm_weight, eps), x
@@ -127,7 +133,8 @@ def fused_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_we
     from kernels.gemv import gemv_rope_store
 
     q, new_residual = gemv_rope_store(x, qkv_proj.weight, qkv_proj.bias, positions, cos_sin, slot_mapping, k_cache,
-                                      v_cache, num_heads, norm_weight=norm_weight, residual=residual, eps=eps)
+                                      v_cache, num_heads, norm_weight=norm_weight, residual=residual, eps=eps,
+                                      weight_scale=qkv_proj.weight_scale)
     return q, x if residual is None else new_residual
 
 

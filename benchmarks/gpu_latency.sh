@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
+# decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|profile
+set -u
+PART=${1:-tests}
+. benchmarks/gpu_env.sh
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt"
+quiet() { grep -v -E "Warning|it/s|warn\(" ; }
+case "$PART" in
+tests)
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
+    tests/test_kernels_gpu.py tests/test_fp8.py tests/test_fp8_quant.py tests/test_gpu_engine.py \
+    -k "gemv or programmatic or decode_attention or fp8 or quant or graph_path" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  timeout 240 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 fp8 \
+    --pdl both --out "$OUT/gemv_bench.json" 2>&1 | quiet
+  ;;
+kernels)
+  timeout 560 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights ${WEIGHTS:-bf16 fp8} \
+    --sweep --projections ${PROJ:-gate_up down} --out "$OUT/gemv_sweep.json" 2>&1 | quiet
+  ;;
+decode)
+  for m in qwen2.5-0.5b llama-3.1-8b; do
+    timeout 280 python3 benchmarks/decode_latency.py --models $m --batches ${BATCHES:-1 8 64} --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --quantization none fp8 --out "$OUT/decode_$m.json" 2>&1 | quiet
+  done
+  ;;
+pdl-ab)
+  for pdl in off on; do
+    timeout 200 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b llama-3.1-8b --batches 1 --chunks 8 \
+      --no-eager --skip-transformers --max-num-seqs 8 --pdl $pdl --out "$OUT/decode_pdl_$pdl.json" 2>&1 | quiet
+  done
+  ;;
+curve)
+  timeout 560 python3 benchmarks/decode_latency.py --models ${MODELS:-qwen2.5-0.5b llama-3.1-8b} \
+    --batches 1 2 4 8 16 32 64 128 256 --chunks 8 --no-eager --skip-transformers --max-num-seqs 256 \
+    --quantization ${QUANT:-none fp8} --out "$OUT/decode_curve.json" 2>&1 | quiet
+  ;;
+profile)
+  timeout 120 python3 benchmarks/profile_decode.py --model qwen2.5-0.5b --batch 1 --out "$OUT/profile_qwen_b1.json" 2>&1 | quiet
+  ;;
+esac

@@ -1,0 +1,158 @@
+"""Per-row (per-token) float8 e4m3 quantization of activations, for the W8A8 FP8 projection.
+
+engine/models/fp8.py's quantize_rows does it in torch: a float32 copy of the activations, abs,
+amax, clamp, two divisions, a clamp and the cast: about eight kernels and several [M, K] float32
+temporaries per projection. Here one program per row reads the row once, held in registers, or, for
+a long row or one that fills its power-of-two block badly, twice in chunks (amax, then quantize;
+the second read mostly from L2), and writes one byte per element and the row's scale.
+
+The result is bit-identical to the torch version on the same device: scale = max(amax|x_row|,
+1e-12) / 448 in float32, q = round_to_e4m3(clamp(x / scale, ±448)). torch computes `/ 448` (a
+division by a Python scalar) differently per device: on CUDA as a multiplication by the float32
+reciprocal (1/448 rounded to float32; BinaryDivTrueKernel.cu's CPU-scalar optimisation), on the
+CPU as a true division; the two differ in the last bit for about half the rows. The kernel does
+what torch does on x's device (SCALE_BY_RECIPROCAL: CUDA tensors). x / scale is a true division in
+both (a tensor divisor): tl.div_rn, IEEE round-to-nearest, since Triton's plain `/` on float32
+compiles to the approximate div.full.f32 on NVIDIA. The rounding to e4m3 (nearest, ties to even,
+subnormals included) is done in integer arithmetic on the float32 bits, as c10's
+fp8_from_fp32_value does, rather than with `.to(tl.float8e4nv)`: the hardware conversion would
+agree on sm_89+, but Triton's interpreter rounds float32 -> e4m3 wrongly (ties away from zero, no
+carry from the mantissa into the exponent, subnormals not rounded), so the CPU tests could not
+hold the kernel to torch's bits with it. The integer path gives the same bits on the GPU and in
+the interpreter. Non-finite inputs are not matched bit for bit.
+
+Launch parameters depend on shapes only (CUDA-graph capturable; no host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+_TINY = 1e-12  # an all-zero row still gets a usable scale
+
+_MAX_SINGLE_BLOCK = 8192  # rows up to this long may be loaded once and kept in registers
+_CHUNKS = (4096, 2048, 1024)  # the two-pass path's chunk sizes
+_INV_FP8_MAX = float(torch.tensor(1.0) / FP8_MAX)  # 1/448 rounded to float32, as torch's CUDA division has it
+
+
+@triton.jit
+def _e4m3_bits(v):
+    """float32 v with |v| <= 448 -> the e4m3fn byte (as int32) nearest to v, ties to even."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    # normal e4m3 (|v| >= 2^-6, float32 bits >= 121 << 23): round the 23-bit mantissa to 3 bits
+    # (adding 0x7FFFF plus the lowest kept bit rounds half to even; a carry moves into the
+    # exponent), then rebias the exponent from 127 to 7
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - ((127 - 7) << 3)
+    # subnormal e4m3 (multiples of 2^-9): adding 2^14, whose float32 ulp is 2^-9, rounds |v| to
+    # that grid (float addition rounds to nearest even); the low bits are then the multiple (0..8)
+    sub = (tl.abs(v) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+    return tl.where(a < 0x3C800000, sub, normal) | sign
+
+
+@triton.jit
+def _row_scale(amax, inv_max, SCALE_BY_RECIPROCAL: tl.constexpr):
+    """max(amax, 1e-12) / 448 in float32, rounded as torch rounds it on the tensor's device."""
+    amax = tl.maximum(amax, 1e-12)
+    if SCALE_BY_RECIPROCAL:
+        return amax * inv_max
+    else:
+        return tl.div_rn(amax, 448.0)
+
+
+@triton.jit
+def _quantize_rows_fp8_kernel(
+    x_ptr, q_ptr, scale_ptr,
+    K, stride_x, stride_q, inv_max,
+    BLOCK_K: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
+    SCALE_BY_RECIPROCAL: tl.constexpr,
+):
+    """One row per program. q_ptr: the e4m3 output viewed as uint8."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    q_row = q_ptr + row * stride_q
+    offs = tl.arange(0, BLOCK_K)
+    if SINGLE_BLOCK:
+        mask = offs < K
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = _row_scale(tl.max(tl.abs(x), 0), inv_max, SCALE_BY_RECIPROCAL)
+        v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+        tl.store(q_row + offs, _e4m3_bits(v).to(tl.uint8), mask=mask)
+    else:
+        running = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask = k0 + offs < K
+            x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+            running = tl.maximum(running, tl.abs(x))
+        scale = _row_scale(tl.max(running, 0), inv_max, SCALE_BY_RECIPROCAL)
+        for k0 in range(0, K, BLOCK_K):
+            mask = k0 + offs < K
+            x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+            v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+            tl.store(q_row + k0 + offs, _e4m3_bits(v).to(tl.uint8), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def default_block_k(k: int) -> int:
+    """The block for rows of k: the whole row (its next power of two, if <= 8192: one pass) or a
+    chunk of 4096, 2048 or 1024 (two passes): the first of these, largest first, whose masked tail
+    is at most k / 8, else the one with the smallest tail. On an H200 (bf16, CUDA graphs), a whole
+    row of 4864 in a block of 8192 took 64 us at M=4096, chunks of 1024 34 us; 14336 in chunks of
+    2048 80 us, of 4096 98 us; 28672 in chunks of 4096 152 us, of 2048 165 us."""
+    whole = triton.next_power_of_2(k)
+    candidates = ([whole] if whole <= _MAX_SINGLE_BLOCK else []) + [b for b in _CHUNKS if b < whole]
+
+    def tail(b: int) -> int:
+        return -(-k // b) * b - k
+
+    return next((b for b in candidates if tail(b) <= k // 8), min(candidates, key=tail))
+
+
+def quantize_rows_fp8(x: torch.Tensor, *, block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations x [M, K] (bf16, fp16 or fp32; rows may be strided, last dim contiguous) ->
+    (q [M, K] float8_e4m3fn, contiguous; scale [M, 1] float32), one scale per row:
+    x[m] ≈ q[m].float() * scale[m]. Bit-identical to quantize_rows_fp8_ref (and so to
+    engine.models.fp8.quantize_rows) on the same device.
+
+    block_k: a power of two; chunks of block_k, two passes (unless block_k covers K: one pass).
+    Default: default_block_k(K).
+    """
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"expected x [M, K] with a contiguous last dim, got shape {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    if block_k is not None and (block_k < 1 or block_k & (block_k - 1)):
+        raise ValueError(f"block_k must be a power of two, got {block_k}")
+    rows, k = x.shape
+    q = torch.empty((rows, k), dtype=FP8, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, scale
+    if k == 0:
+        raise ValueError("x has rows of length 0: no scale is defined")
+    block = default_block_k(k) if block_k is None else min(block_k, triton.next_power_of_2(k))
+    _quantize_rows_fp8_kernel[(rows,)](
+        x, q.view(torch.uint8), scale,
+        k, x.stride(0), q.stride(0), _INV_FP8_MAX,
+        BLOCK_K=block,
+        SINGLE_BLOCK=block >= k,
+        SCALE_BY_RECIPROCAL=x.is_cuda,
+        num_warps=min(16, max(1, block // 256)),
+    )
+    return q, scale
+
+
+def quantize_rows_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """engine.models.fp8.quantize_rows: scale = max(amax|x_row|, 1e-12) / 448 in float32,
+    q = (x / scale).clamp(±448) cast to e4m3. Its scale's last bit depends on the device (see the
+    module docstring)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / FP8_MAX
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale

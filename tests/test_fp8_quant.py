@@ -1,0 +1,160 @@
+"""kernels.fp8_quant: per-row e4m3 quantization, bit for bit against the torch reference
+(engine/models/fp8.py's quantize_rows). CPU tests run in Triton's interpreter at small shapes;
+the `gpu` ones at model shapes on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.fp8_quant import quantize_rows_fp8, quantize_rows_fp8_ref
+
+FP8 = torch.float8_e4m3fn
+# K=100 in one block (128 wide, masked tail); block_k=32: four chunks, the last one partial;
+# K=64 with block_k=16: chunks that tile the row exactly
+PATHS = [pytest.param(100, None, id="one-block"), pytest.param(100, 32, id="chunks-tail"),
+         pytest.param(64, 16, id="chunks-exact")]
+
+
+def assert_same(x: torch.Tensor, block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = quantize_rows_fp8(x, block_k=block_k)
+    q_ref, scale_ref = quantize_rows_fp8_ref(x)
+    assert q.dtype == FP8 and q.shape == x.shape and q.is_contiguous()
+    assert scale.dtype == torch.float32 and scale.shape == (x.shape[0], 1)
+    assert torch.equal(scale.view(torch.int32), scale_ref.view(torch.int32)), (scale, scale_ref)
+    bad = q.view(torch.uint8) != q_ref.view(torch.uint8)
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} bytes differ, e.g. x={x[bad][:5].tolist()} "
+                           f"q={q[bad][:5].float().tolist()} ref={q_ref[bad][:5].float().tolist()}")
+    return q, scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("k,block_k", PATHS)
+def test_matches_ref(dtype, k, block_k, poisoned_outputs):
+    gen = torch.Generator().manual_seed(k)
+    x = (torch.randn(5, k, generator=gen) * 3).to(dtype)
+    assert_same(x, block_k)
+
+
+@pytest.mark.parametrize("k,block_k", PATHS)
+def test_strided_rows(k, block_k, poisoned_outputs):
+    gen = torch.Generator().manual_seed(1)
+    big = torch.randn(6, k + 37, generator=gen, dtype=torch.bfloat16)
+    x = big[:, 5:5 + k]  # row stride k + 37, offset start
+    assert x.stride() == (k + 37, 1)
+    assert_same(x, block_k)
+
+
+@pytest.mark.parametrize("k,block_k", PATHS)
+def test_zero_row_and_magnitudes(k, block_k, poisoned_outputs):
+    gen = torch.Generator().manual_seed(2)
+    mags = torch.tensor([1e-3, 1e-2, 1.0, 1e2, 1e3, 1.0])[:, None]
+    x = (torch.randn(6, k, generator=gen) * mags).to(torch.bfloat16)
+    x[5] = 0
+    q, scale = assert_same(x, block_k)
+    assert scale[5].item() == (torch.tensor(1e-12, dtype=torch.float32) / 448).item()  # float32 division
+    assert torch.equal(q[5].view(torch.uint8), torch.zeros(k, dtype=torch.uint8))
+    # the scale follows each row's amax: dequantized rows are close to x at every magnitude
+    deq = q.float() * scale
+    for m in range(5):
+        err = (deq[m] - x[m].float()).abs().max() / x[m].float().abs().max()
+        assert err < 0.05, (m, err)  # half an e4m3 ulp at the top binade: 16 / 448
+
+
+@pytest.mark.parametrize("block_k", [None, 256])
+def test_rounding_to_e4m3(block_k):
+    """A row whose amax is 448 has scale 1, so q = round_e4m3(x): every finite e4m3 magnitude, every
+    midpoint between neighbours (ties: to even), the float32 values either side of each midpoint,
+    subnormals and values below the smallest one, both signs."""
+    vals = torch.arange(0, 0x7F, dtype=torch.uint8).view(FP8).float()  # 0 .. 448
+    mids = (vals[:-1] + vals[1:]) / 2
+    above = torch.nextafter(mids, torch.full_like(mids, 1e9))
+    below = torch.nextafter(mids, torch.full_like(mids, -1e9))
+    tiny = torch.tensor([2.0**-10, 2.0**-11, 3 * 2.0**-11, 1e-30, 1e-40, 0.0])
+    row = torch.cat([vals, mids, above, below, tiny])
+    x = torch.cat([row, -row])[None, :]
+    q, scale = assert_same(x, block_k)
+    assert scale.item() == 1.0
+    assert torch.equal(q[0, :127].view(torch.uint8), torch.arange(0, 0x7F, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("k,block_k", PATHS)
+def test_cuda_scale_rounding_in_interpreter(k, block_k):
+    """The CUDA scale (amax times 1/448 rounded to float32, as torch's CUDA division by a Python
+    scalar computes it), run in the interpreter by launching the kernel with that flag."""
+    from kernels.fp8_quant import _INV_FP8_MAX, _quantize_rows_fp8_kernel
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(64, k, generator=gen, dtype=torch.bfloat16) * 3
+    q = torch.full(x.shape, 0x7F, dtype=torch.uint8)  # NaN bytes
+    scale = torch.full((64, 1), float("nan"))
+    block = block_k or 128
+    _quantize_rows_fp8_kernel[(64,)](x, q, scale, k, x.stride(0), q.stride(0), _INV_FP8_MAX,
+                                     BLOCK_K=block, SINGLE_BLOCK=block >= k, SCALE_BY_RECIPROCAL=True)
+    xf = x.float()
+    scale_ref = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) * torch.tensor(1.0 / 448, dtype=torch.float32)
+    assert not torch.equal(scale_ref, quantize_rows_fp8_ref(x)[1])  # the two roundings do differ here
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q, (xf / scale_ref).clamp(-448, 448).to(FP8).view(torch.uint8))
+
+
+def test_default_block_k():
+    from kernels.fp8_quant import default_block_k
+
+    for k in [1, 3, 100, 896, 1100, 3584, 4096, 4864, 8192, 8193, 14336, 18944, 28672]:
+        b = default_block_k(k)
+        assert b & (b - 1) == 0 and 1 <= b <= 8192, (k, b)
+        assert b >= k or b >= 1024, (k, b)  # one pass over the row, or chunks of at least 1024
+    # rows that fill a power of two well take one pass; 4864 (Qwen2.5-0.5B's MLP) and rows past 8192 two
+    assert [default_block_k(k) for k in (896, 4096, 4864, 14336, 28672)] == [1024, 4096, 1024, 2048, 4096]
+
+
+def test_no_rows():
+    x = torch.randn(0, 48, dtype=torch.bfloat16)
+    q, scale = quantize_rows_fp8(x)
+    assert q.shape == (0, 48) and q.dtype == FP8 and scale.shape == (0, 1) and scale.dtype == torch.float32
+
+
+def test_rejects_bad_inputs():
+    with pytest.raises(ValueError):
+        quantize_rows_fp8(torch.randn(4, 8).t())  # last dim not contiguous
+    with pytest.raises(ValueError):
+        quantize_rows_fp8(torch.randn(4, 8, dtype=torch.float64))
+    with pytest.raises(ValueError):
+        quantize_rows_fp8(torch.randn(4, 8), block_k=24)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [896, 4096, 4864, 14336])
+@pytest.mark.parametrize("m", [1, 7, 64, 256])
+def test_gpu_model_shapes(m, k, dtype, poisoned_outputs):
+    gen = torch.Generator(device="cuda").manual_seed(m * k)
+    mags = 10.0 ** torch.empty(m, 1, device="cuda").uniform_(-3, 3, generator=gen)
+    x = (torch.randn(m, k, device="cuda", generator=gen) * mags).to(dtype)
+    x[0, : k // 2] = 0  # amax from the second half only
+    if m > 1:
+        x[-1] = 0  # an all-zero row
+    assert_same(x)
+    if k > 1024:  # the two-pass path at a shape that would otherwise fit one block
+        assert_same(x, block_k=1024)
+
+
+@pytest.mark.gpu
+def test_gpu_strided_and_graph_capture():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    big = torch.randn(64, 3 * 4864, device="cuda", generator=gen, dtype=torch.bfloat16)
+    x = big[:, 4864:2 * 4864]
+    assert_same(x)
+    static = torch.zeros(64, 14336, device="cuda", dtype=torch.bfloat16)
+    quantize_rows_fp8(static)  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, scale = quantize_rows_fp8(static)
+    static.copy_(torch.randn(64, 14336, device="cuda", generator=gen) * 5)
+    graph.replay()
+    torch.cuda.synchronize()
+    q_ref, scale_ref = quantize_rows_fp8_ref(static)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
