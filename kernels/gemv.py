@@ -31,6 +31,25 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kernels._common import check_kv_cache, sm_count, use_pdl
 
 
+# FP8 weights arrive as int8 bytes. The hardware path from e4m3 to float32 (two conversions per
+# weight, on the GPU's slow conversion pipe) capped the kernel at ~40% of bandwidth on an H200;
+# instead the byte's sign goes to bit 31 and its exponent and mantissa to bits 20-26 of a float32,
+# two integer operations: exactly q * 2^-120, subnormals included (e4m3 subnormals become float32
+# subnormals). The inputs are scaled by 2^64 and the sums by 2^56 to keep every product well
+# inside float32's normal range; powers of two, so the products equal q * x exactly as before.
+_X_PRESCALE = tl.constexpr(2.0**64)
+_Y_RESCALE = tl.constexpr(2.0**56)
+
+
+@triton.jit
+def _weight_f32(w, FP8_BYTES: tl.constexpr):
+    """A weight tile in float32: bf16/fp16/fp32 converted, FP8 (int8 bytes) as q * 2^-120."""
+    if FP8_BYTES:
+        bits = (w.to(tl.int32) << 20) & -2013265921  # 0x87FFFFFF: the sign and bits 20-26
+        return bits.to(tl.float32, bitcast=True)
+    return w.to(tl.float32)
+
+
 @triton.jit
 def _x_tile(x_row, r_row, res_out_row, norm_w_ptr, offs_k, k_mask, inv_rms, res_store_end,
             HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
@@ -121,9 +140,11 @@ def _gemv_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         xk = _x_tile(x_row, r_row, res_out_row, norm_w_ptr, offs_k, offs_k < K, inv_rms, res_store_end,
                      HAS_NORM, HAS_RESIDUAL)
-        acc += w.to(tl.float32) * xk[None, :]
+        if HAS_W_SCALE:
+            xk = xk * _X_PRESCALE
+        acc += _weight_f32(w, HAS_W_SCALE) * xk[None, :]
         if SILU_MUL or ROPE_STORE:
-            acc_b += u.to(tl.float32) * xk[None, :]
+            acc_b += _weight_f32(u, HAS_W_SCALE) * xk[None, :]
         next_k = offs_k + BLOCK_K
         wk_mask = n_mask[:, None] & (next_k < K)[None, :]
         w = tl.load(w_rows + next_k[None, :], mask=wk_mask, other=0.0)
@@ -132,13 +153,13 @@ def _gemv_kernel(
 
     y = tl.sum(acc, 1)
     if HAS_W_SCALE:
-        y *= tl.load(w_scale_ptr + rows_a, mask=n_mask, other=0.0)
+        y *= tl.load(w_scale_ptr + rows_a, mask=n_mask, other=0.0) * _Y_RESCALE
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows_a, mask=n_mask, other=0.0).to(tl.float32)
     if SILU_MUL or ROPE_STORE:
         y_b = tl.sum(acc_b, 1)
         if HAS_W_SCALE:
-            y_b *= tl.load(w_scale_ptr + rows_b, mask=n_mask, other=0.0)
+            y_b *= tl.load(w_scale_ptr + rows_b, mask=n_mask, other=0.0) * _Y_RESCALE
     if ROPE_STORE:
         if HAS_BIAS:
             y_b += tl.load(bias_ptr + rows_b, mask=n_mask, other=0.0).to(tl.float32)
@@ -236,7 +257,8 @@ def _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, out, n, t
     pdl = use_pdl(x.device)
     _gemv_kernel[(rows, triton.cdiv(n, tile.block_n))](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
-        new_residual if new_residual is not None else out, weight,
+        new_residual if new_residual is not None else out,
+        weight.view(torch.int8) if weight_scale is not None else weight,
         weight_scale if weight_scale is not None else out, bias if bias is not None else weight, out,
         positions, cos_sin, slots, k_cache, v_cache,
         n, k, eps,
