@@ -209,30 +209,29 @@ class GemvTile(NamedTuple):
     num_warps: int
 
 
-# Tile choice from benchmarks/gemv_bench.py --sweep on an H200 (one row; Qwen2.5-0.5B and
-# Llama-3.1-8B projections; results in benchmarks/results/gemv_bench-*.json): K tiles of up to 1024
-# (one or a few loop iterations, many loads in flight), enough programs to cover every SM 2x
-# (4x for SiLU-and-mul, whose K tiles are 256 wide: gate and up are both in flight), and one
-# output per program for a long K. 8 warps where the tile would need more than 64 registers a thread.
+# Tile choice from benchmarks/gemv_bench.py --sweep on an H200 with programmatic dependent launch
+# (one row; Qwen2.5-0.5B and Llama-3.1-8B projections, bf16 and FP8; results in
+# benchmarks/results/gemv_bench-*.json). 4 warps won nearly everywhere. SiLU-and-mul: 8 gate/up row
+# pairs, K tiles of 256 (512 for FP8: the same bytes). A long K (down_proj): one bf16 row with 1024-wide
+# tiles and 8 warps, or up to 4 FP8 rows with 2048-wide tiles. Otherwise K tiles of up to 1024 (one or a few
+# loop iterations) and at most 8 rows, few enough to give every SM 2 programs.
 _MAX_BLOCK_K = 1024
 _LONG_K = 4096
+_MAX_BLOCK_N = 8
 
 
 def default_gemv_tile(rows: int, n: int, k: int, num_sms: int, silu_mul: bool = False,
                       weight_bytes: int = 2) -> GemvTile:
-    """weight_bytes: bytes per weight element (1: FP8, whose K tiles are twice as long for the same bytes)."""
-    widen = max(1, 2 // weight_bytes)
-    block_k = min((_MAX_BLOCK_K if not silu_mul else 256) * widen, triton.next_power_of_2(k))
-    if k > _LONG_K:
-        return GemvTile(1, block_k, 8)
-    target = (4 if silu_mul else 2) * num_sms
-    block_n = 64
-    while block_n > 1 and rows * triton.cdiv(n, block_n) < target:
+    """weight_bytes: bytes per weight element (1: FP8)."""
+    fp8 = weight_bytes == 1
+    if silu_mul:
+        return GemvTile(8, min(512 if fp8 else 256, triton.next_power_of_2(k)), 4)
+    if k > _LONG_K and not fp8:
+        return GemvTile(1, _MAX_BLOCK_K, 8)
+    block_n, block_k = (4, 2048) if k > _LONG_K else (_MAX_BLOCK_N, min(_MAX_BLOCK_K, triton.next_power_of_2(k)))
+    while block_n > 1 and rows * triton.cdiv(n, block_n) < 2 * num_sms:
         block_n //= 2
-    while block_n * block_k * (2 if silu_mul else 1) > 8 * 32 * 64 and block_k > 64:
-        block_k //= 2
-    per_thread_4_warps = block_n * block_k * (2 if silu_mul else 1) / (4 * 32)
-    return GemvTile(block_n, block_k, 8 if silu_mul or per_thread_4_warps > 64 else 4)
+    return GemvTile(block_n, block_k, 4)
 
 
 def _check_inputs(x, weight, norm_weight, residual) -> None:

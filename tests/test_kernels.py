@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 import torch.nn.functional as F
 from tensor_checks import rel_err
 
@@ -491,11 +492,15 @@ def test_gemv_bad_shapes():
 
 def test_default_gemv_tile_fills_the_gpu_and_bounds_registers():
     for rows, n, k, silu in [(1, 1152, 896, False), (1, 4864, 896, True), (1, 896, 4864, False),
-                             (1, 151936, 896, False), (4, 28672 // 2, 4096, True), (8, 4096, 14336, False)]:
-        t = default_gemv_tile(rows, n, k, 132, silu)
-        programs = rows * -(-n // t.block_n)
-        assert programs >= 2 * 132 or t.block_n == 1
-        assert t.block_n * t.block_k * (2 if silu else 1) <= t.num_warps * 32 * 64
+                             (1, 151936, 896, False), (4, 28672 // 2, 4096, True), (8, 4096, 14336, False),
+                             (1, 6144, 4096, False), (1, 4096, 14336, False)]:
+        for weight_bytes in (2, 1):
+            t = default_gemv_tile(rows, n, k, 132, silu, weight_bytes)
+            programs = rows * -(-n // t.block_n)
+            assert programs >= 2 * 132 or t.block_n == 1
+            assert t.block_k <= triton.next_power_of_2(k)
+            # fp32 accumulators and the weight tile stay within 64 values a thread
+            assert t.block_n * t.block_k * (2 if silu else 1) <= t.num_warps * 32 * 64
 
 
 # ----------------------------------------------------------------------------- greedy sampling
