@@ -146,9 +146,6 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/decode_latency.json"))
     parser.add_argument("--pdl", choices=["on", "off"], default="on",
                         help="programmatic dependent launch of the Triton kernels (kernels/_common.py)")
-    parser.add_argument("--gemv-max-weight-elements", type=int,
-                        help="override engine/models/layers.py's GEMV_MAX_WEIGHT_ELEMENTS (bf16 weights above it "
-                             "go to cuBLAS at batch 1)")
     args = parser.parse_args()
 
     import transformers
@@ -158,8 +155,6 @@ def main() -> None:
     from kernels import _common
 
     _common.PDL = args.pdl == "on"
-    if args.gemv_max_weight_elements is not None:
-        layers.GEMV_MAX_WEIGHT_ELEMENTS = args.gemv_max_weight_elements
 
     cuda = args.device != "cpu"
     bandwidth = copy_bandwidth()["gb_per_s"] * 1e9 if cuda else None
@@ -275,7 +270,6 @@ def main() -> None:
     write_json(args.out, dict(**info, copy_bandwidth_gb_s=bandwidth / 1e9 if bandwidth else None,
                               prompt_len=args.prompt_len, new_tokens=args.new_tokens, tensor_parallel_size=args.tp,
                               decode_chunk=args.k, pdl=args.pdl == "on",
-                              gemv_max_weight_elements=layers.GEMV_MAX_WEIGHT_ELEMENTS,
                               quantizations=list(dict.fromkeys(c["quantization"] for c in captures)),
                               rows=rows,
                               graph_capture=captures))

@@ -15,15 +15,16 @@ from engine.models.fp8 import FP8, fp8_linear, quantize_per_channel
 _ONEDNN_LINEAR = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
 
 
-# A projection on CUDA runs as our Triton GEMV (kernels/gemv.py), with the RMSNorm before it and
-# the SiLU-and-mul after it fused in, for a single row and a weight of at most this many elements;
-# otherwise cuBLAS and separate kernels. From benchmarks/gemv_bench.py on an H200: one row, the
-# GEMV beats the unfused path for every Qwen2.5-0.5B projection (3.4 vs 5.6 us for qkv) and for
-# Llama-3.1-8B's o_proj (16.8M elements); cuBLAS wins above that and for LM heads (~90% of
-# bandwidth), and from 2 rows on for most shapes (our grid re-reads the weights per row).
-# Benchmarks set GEMV_MAX_ROWS to 0 to measure without.
+# A decoder projection on CUDA runs as our Triton GEMV (kernels/gemv.py), with the RMSNorm before
+# it and the SiLU-and-mul (or rotary and the KV-cache write) after it fused in, for a single row;
+# otherwise cuBLAS and separate kernels. From benchmarks/gemv_bench.py on an H200 with programmatic
+# dependent launch: one row, the GEMV beats the unfused path for every Qwen2.5-0.5B projection
+# (2.4 vs 5.6 us for qkv); for Llama-3.1-8B it wins on qkv and o and loses on gate_up (64.5 vs 60.6
+# us), yet the whole step is 4.7% faster with it everywhere (fewer kernels: 226 vs 216 tok/s).
+# cuBLAS wins for LM heads (90-100% of bandwidth vs 72-85%), which never take the GEMV, and from
+# 2 rows on for most shapes (our grid re-reads the weights per row). Benchmarks set GEMV_MAX_ROWS
+# to 0 to measure without.
 GEMV_MAX_ROWS = 1
-GEMV_MAX_WEIGHT_ELEMENTS = 1 << 24
 # FP8 weights: the GEMV dequantizes in registers (weight-only) for any weight size; more rows go
 # W8A8 through torch._scaled_mm (engine/models/fp8.py).
 FP8_GEMV_MAX_ROWS = 1
@@ -36,9 +37,7 @@ def _triton(x: torch.Tensor) -> bool:
 def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not _triton(x):
         return False
-    if weight.dtype == FP8:
-        return x.shape[0] <= FP8_GEMV_MAX_ROWS
-    return x.shape[0] <= GEMV_MAX_ROWS and weight.numel() <= GEMV_MAX_WEIGHT_ELEMENTS
+    return x.shape[0] <= (FP8_GEMV_MAX_ROWS if weight.dtype == FP8 else GEMV_MAX_ROWS)
 
 
 def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
@@ -57,10 +56,11 @@ CPU_MKL_MAX_ROWS = 2
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-           scale: torch.Tensor | None = None) -> torch.Tensor:
+           scale: torch.Tensor | None = None, lm_head: bool = False) -> torch.Tensor:
     """x @ weight.T (+ bias); out_dtype: the result (rounded to x's dtype first) in this dtype.
-    An FP8 weight comes with its per-output-channel `scale` (engine/models/fp8.py)."""
-    if _use_gemv(x, weight):
+    An FP8 weight comes with its per-output-channel `scale` (engine/models/fp8.py).
+    lm_head: the vocabulary projection (cuBLAS, never the GEMV)."""
+    if not lm_head and _use_gemv(x, weight):
         from kernels.gemv import gemv
 
         return gemv(x, weight, bias, out_dtype=out_dtype, weight_scale=scale)[0]

@@ -144,7 +144,7 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """Logits in `dtype` (None: the model's dtype), rounded to the model's dtype first; under
         tensor parallelism gathered whole on every rank."""
-        logits = linear(hidden, self.lm_head_weight, packed=self.lm_head_packed, out_dtype=dtype)
+        logits = linear(hidden, self.lm_head_weight, packed=self.lm_head_packed, out_dtype=dtype, lm_head=True)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather_last_dim(logits)[..., :self.args.vocab_size]
