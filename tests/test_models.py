@@ -81,7 +81,6 @@ def test_triton_path_matches_torch_path(monkeypatch, tmp_path, variant):
     results = []
     for model, use_triton in ((torch_model, False), (triton_model, True)):
         monkeypatch.setattr(layers, "_triton", lambda x, use=use_triton: use)
-        monkeypatch.setattr(layers, "_use_gemv", lambda x, w, use=use_triton: use and x.shape[0] <= 4)
         kv = allocate_kv_cache(model.args, 6, 16, torch.float32, torch.device("cpu"))
         meta = _prefill_meta([slot(p) for p in range(20)], table, 20, 20)
         prefill = model.compute_logits(model(ids[:20], torch.arange(20), meta, kv))

@@ -23,21 +23,38 @@ _ONEDNN_LINEAR = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backen
 # us), yet the whole step is 4.7% faster with it everywhere (fewer kernels: 226 vs 216 tok/s).
 # cuBLAS wins for LM heads (90-100% of bandwidth vs 72-85%), which never take the GEMV, and from
 # 2 rows on for most shapes (our grid re-reads the weights per row). Benchmarks set GEMV_MAX_ROWS
-# to 0 to measure without.
+# to 0 to measure without. From 2 to SMALL_GEMM_MAX_ROWS rows, kernels/small_gemm.py (the same
+# fusions minus rotary, each weight tile read once for all rows on the tensor cores).
 GEMV_MAX_ROWS = 1
-# FP8 weights: the GEMV dequantizes in registers (weight-only) for any weight size; more rows go
-# W8A8 through torch._scaled_mm (engine/models/fp8.py).
+SMALL_GEMM_MAX_ROWS = 16
+# FP8 weights: the same kernels dequantize in registers (weight-only); more rows go W8A8 through
+# torch._scaled_mm (engine/models/fp8.py).
 FP8_GEMV_MAX_ROWS = 1
+FP8_SMALL_GEMM_MAX_ROWS = 16
 
 
 def _triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return _triton(x) and x.shape[0] <= (FP8_GEMV_MAX_ROWS if weight.dtype == FP8 else GEMV_MAX_ROWS)
+
+
+def _fused_projection(x: torch.Tensor, weight: torch.Tensor):
+    """The Triton kernel that runs this projection with its neighbours fused in (kernels.gemv.gemv
+    or kernels.small_gemm.small_gemm, same signature), or None (cuBLAS / W8A8 and separate kernels)."""
     if not _triton(x):
-        return False
-    return x.shape[0] <= (FP8_GEMV_MAX_ROWS if weight.dtype == FP8 else GEMV_MAX_ROWS)
+        return None
+    if _gemv_applies(x, weight):
+        from kernels.gemv import gemv
+
+        return gemv
+    if x.shape[0] <= (FP8_SMALL_GEMM_MAX_ROWS if weight.dtype == FP8 else SMALL_GEMM_MAX_ROWS):
+        from kernels.small_gemm import small_gemm
+
+        return small_gemm
+    return None
 
 
 def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
@@ -60,10 +77,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x @ weight.T (+ bias); out_dtype: the result (rounded to x's dtype first) in this dtype.
     An FP8 weight comes with its per-output-channel `scale` (engine/models/fp8.py).
     lm_head: the vocabulary projection (cuBLAS, never the GEMV)."""
-    if not lm_head and _use_gemv(x, weight):
-        from kernels.gemv import gemv
-
-        return gemv(x, weight, bias, out_dtype=out_dtype, weight_scale=scale)[0]
+    kernel = None if lm_head else _fused_projection(x, weight)
+    if kernel is not None:
+        return kernel(x, weight, bias, out_dtype=out_dtype, weight_scale=scale)[0]
     if weight.dtype == FP8:
         y = fp8_linear(x, weight, scale, bias)
         return y if out_dtype is None else y.to(out_dtype)
@@ -107,11 +123,10 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     """A decoder sub-block's input side: h = rmsnorm(x + residual) * norm_weight (rmsnorm(x) when
     residual is None), y = proj(h), then silu(gate) * up when silu_mul. Returns (y, x + residual).
     Decode-sized batches on CUDA do all of it in one kernel."""
-    if _use_gemv(x, proj.weight):
-        from kernels.gemv import gemv
-
-        y, new_residual = gemv(x, proj.weight, proj.bias, norm_weight=norm_weight, residual=residual, eps=eps,
-                               silu_mul=silu_mul, weight_scale=proj.weight_scale)
+    kernel = _fused_projection(x, proj.weight)
+    if kernel is not None:
+        y, new_residual = kernel(x, proj.weight, proj.bias, norm_weight=norm_weight, residual=residual, eps=eps,
+                                 silu_mul=silu_mul, weight_scale=proj.weight_scale)
         return y, x if residual is None else new_residual
     if residual is None:
         h, residual = rms_norm(x, norm_weight, eps), x
@@ -128,7 +143,7 @@ def fused_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_we
     """Decode attention's input side in one kernel where the fused GEMV applies: norm, qkv
     projection, rotary of q and k, K/V written into the cache. Returns (rotated q [M, Hq, D],
     x + residual), or None elsewhere (the caller runs norm_linear and the backend's rotary + store)."""
-    if not _use_gemv(x, qkv_proj.weight):
+    if not _gemv_applies(x, qkv_proj.weight):
         return None
     from kernels.gemv import gemv_rope_store
 
