@@ -68,6 +68,7 @@ def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles:
     from kernels.activation import silu_and_mul
     from kernels.gemv import gemv
     from kernels.rmsnorm import fused_add_rms_norm
+    from kernels.small_gemm import small_gemm
 
     name, n, k, norm, bias, silu = proj
     weight_bytes = n * k * (1 if fp8 else 2) + (n * 4 if fp8 else 0)
@@ -88,8 +89,9 @@ def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles:
 
     def fused(i, tile):
         w, scale = weights[i]
-        return lambda: gemv(x, w, biases[i] if biases else None, norm_weight=g, residual=res,
-                            silu_mul=silu, out_dtype=out_dtype, weight_scale=scale, tile=tile)
+        kernel = gemv if rows == 1 else small_gemm  # as engine/models/layers.py dispatches
+        return lambda: kernel(x, w, biases[i] if biases else None, norm_weight=g, residual=res,
+                              silu_mul=silu, out_dtype=out_dtype, weight_scale=scale, tile=tile if rows == 1 else None)
 
     baseline = "unfused (W8A8 _scaled_mm)" if fp8 else "unfused (cuBLAS)"
     variants = [(baseline, None)] + [("gemv", t) for t in tiles]
@@ -103,9 +105,11 @@ def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles:
             except Exception as e:  # a tile that does not compile or fit
                 print(f"  {model} {name} rows={rows} {kind} {tile}: {type(e).__name__}: {str(e)[:100]}")
                 continue
+            if kind == "gemv" and rows > 1:
+                kind = "small_gemm"
             rows_out.append(dict(model=model, projection=name, rows=rows, n=n, k=k, fused_norm=norm, bias=bias,
                                  silu_mul=silu, weights="fp8" if fp8 else "bf16", pdl=pdl, kind=kind,
-                                 tile=list(tile) if tile else None, us=ms * 1e3, gb_per_s=weight_bytes / ms / 1e6,
+                                 tile=list(tile) if tile and rows == 1 else None, us=ms * 1e3, gb_per_s=weight_bytes / ms / 1e6,
                                  fraction_of_copy=weight_bytes / ms / 1e6 / copy_gbs))
     _common.PDL = True
     del weights, biases
@@ -123,7 +127,8 @@ def sweep_tiles(fp8: bool = False):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(SHAPES))
-    p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8],
+                   help="1: the GEMV (kernels/gemv.py); 2-16: kernels/small_gemm.py")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--weights", nargs="+", choices=["bf16", "fp8"], default=["bf16"])
     p.add_argument("--pdl", choices=["on", "off", "both"], default="on")
@@ -153,17 +158,17 @@ def main() -> int:
                               and t.block_n * t.block_k * (2 if silu else 1) <= t.num_warps * 32 * 64]
                 got = bench_projection(model, proj, rows, copy["gb_per_s"], tiles, fp8, pdl_settings)
                 for r in got:
-                    r["default"] = r["tile"] == list(default)
+                    r["default"] = r["kind"] == "small_gemm" or r["tile"] == list(default)
                 results += got
                 for pdl in pdl_settings:
                     mine_rows = [r for r in got if r["pdl"] == pdl]
                     base = next(r for r in mine_rows if r["kind"].startswith("unfused"))
                     mine = next(r for r in mine_rows if r["default"])
-                    best = min((r for r in mine_rows if r["kind"] == "gemv"), key=lambda r: r["us"])
+                    best = min((r for r in mine_rows if not r["kind"].startswith("unfused")), key=lambda r: r["us"])
                     print(f"{model:13s} {weights} {name:8s} M={rows} pdl={int(pdl)}  {base['kind'][9:-1]} "
                           f"{base['us']:7.2f} us ({base['fraction_of_copy']:5.1%})  gemv {mine['us']:7.2f} us "
-                          f"({mine['fraction_of_copy']:5.1%}) {tuple(mine['tile'])}  best {best['us']:7.2f} us "
-                          f"{tuple(best['tile'])}", flush=True)
+                          f"({mine['fraction_of_copy']:5.1%}) {mine['kind']} {mine['tile']}  best {best['us']:7.2f} us "
+                          f"{best['tile']}", flush=True)
     write_json(args.out, dict(**run_info("gemv_bench"), copy=copy, rows=results))
     return 0
 

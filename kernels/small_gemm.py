@@ -30,6 +30,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kernels._common import dot_precision, use_pdl
 
 MAX_ROWS = 16
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _X_PRESCALE = tl.constexpr(2.0**64)
 _Y_RESCALE = tl.constexpr(2.0**56)
 
@@ -39,7 +40,7 @@ def _weight_for_dot(w, FP8_BYTES: tl.constexpr, DOT_DT: tl.constexpr):
     """A weight tile in the dot's input dtype; FP8 bytes as q * 2^-120 (bf16 bits, or float32)."""
     if FP8_BYTES:
         if DOT_DT == tl.bfloat16:
-            bits = (w.to(tl.int16) << 4) & -30721  # 0x87FF: the sign and bits 4-10
+            bits = ((w.to(tl.int32) << 4) & 0x87FF).to(tl.int16)  # the sign (bit 15) and bits 4-10
             return bits.to(tl.bfloat16, bitcast=True)
         bits = (w.to(tl.int32) << 20) & -2013265921  # 0x87FFFFFF
         return bits.to(tl.float32, bitcast=True).to(DOT_DT)
@@ -57,6 +58,7 @@ def _small_gemm_kernel(
     HAS_W_SCALE: tl.constexpr,
     SILU_MUL: tl.constexpr,
     PDL: tl.constexpr,
+    DOT_DT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -64,7 +66,6 @@ def _small_gemm_kernel(
 ):
     pid_n = tl.program_id(0)
     dt = x_ptr.dtype.element_ty
-    dot_dt = tl.float32 if dt == tl.float32 else (tl.bfloat16 if HAS_W_SCALE else dt)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -109,12 +110,12 @@ def _small_gemm_kernel(
             xk = ((xk * inv_rms[:, None]).to(dt).to(tl.float32) * g[None, :]).to(dt).to(tl.float32)
         if HAS_W_SCALE:
             xk = xk * _X_PRESCALE
-        xd = xk.to(dot_dt)
+        xd = xk.to(DOT_DT)
         wk_mask = n_mask[:, None] & k_mask[None, :]
-        w = _weight_for_dot(tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0), HAS_W_SCALE, dot_dt)
+        w = _weight_for_dot(tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0), HAS_W_SCALE, DOT_DT)
         acc = tl.dot(xd, tl.trans(w), acc, input_precision=DOT_PREC)
         if SILU_MUL:
-            u = _weight_for_dot(tl.load(u_rows + offs_k[None, :], mask=wk_mask, other=0), HAS_W_SCALE, dot_dt)
+            u = _weight_for_dot(tl.load(u_rows + offs_k[None, :], mask=wk_mask, other=0), HAS_W_SCALE, DOT_DT)
             acc_u = tl.dot(xd, tl.trans(u), acc_u, input_precision=DOT_PREC)
 
     y = acc
@@ -175,6 +176,8 @@ def small_gemm(
     if rows == 0:
         return out, new_residual
     fp8 = weight_scale is not None
+    # the dot's inputs: the model's dtype (FP8 weights: bf16 bits, exact, for a bf16 model; else float32)
+    dot_dtype = x.dtype if not fp8 or x.dtype == torch.bfloat16 else torch.float32
     tile = tile or default_small_gemm_tile(n, k, weight.element_size())
     pdl = use_pdl(x.device)
     _small_gemm_kernel[(triton.cdiv(n, tile.block_n),)](
@@ -190,7 +193,8 @@ def small_gemm(
         HAS_W_SCALE=fp8,
         SILU_MUL=silu_mul,
         PDL=pdl,
-        DOT_PREC=dot_precision(x.dtype),
+        DOT_DT=_TL_DTYPES[dot_dtype],
+        DOT_PREC=dot_precision(dot_dtype),
         BLOCK_M=MAX_ROWS,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
