@@ -211,10 +211,14 @@ class GemvTile(NamedTuple):
 
 # Tile choice from benchmarks/gemv_bench.py --sweep on an H200 with programmatic dependent launch
 # (one row; Qwen2.5-0.5B and Llama-3.1-8B projections, bf16 and FP8; results in
-# benchmarks/results/gemv_bench-*.json). 4 warps won nearly everywhere. SiLU-and-mul: 8 gate/up row
-# pairs, K tiles of 256 (512 for FP8: the same bytes). A long K (down_proj): one bf16 row with 1024-wide
-# tiles and 8 warps, or up to 4 FP8 rows with 2048-wide tiles. Otherwise K tiles of up to 1024 (one or a few
-# loop iterations) and at most 8 rows, few enough to give every SM 2 programs.
+# benchmarks/results/gemv_bench-*.json). 4 warps won nearly everywhere.
+# - SiLU-and-mul: 8 gate/up row pairs with K tiles of 256 (512 for FP8: the same bytes); for bf16
+#   with K >= 4096, 2 pairs with 1024-wide tiles (Llama-3.1-8B: 57.7 us, cuBLAS 60.5, 65.4 with the
+#   short tiles).
+# - A long K (down_proj): one bf16 row with 1024-wide tiles and 8 warps, or up to 4 FP8 rows with
+#   2048-wide tiles.
+# - Otherwise K tiles of up to 1024 (one or a few loop iterations) and at most 8 rows, few enough
+#   to give every SM 2 programs.
 _MAX_BLOCK_K = 1024
 _LONG_K = 4096
 _MAX_BLOCK_N = 8
@@ -225,6 +229,8 @@ def default_gemv_tile(rows: int, n: int, k: int, num_sms: int, silu_mul: bool = 
     """weight_bytes: bytes per weight element (1: FP8)."""
     fp8 = weight_bytes == 1
     if silu_mul:
+        if k >= _LONG_K and not fp8:
+            return GemvTile(2, _MAX_BLOCK_K, 4)
         return GemvTile(8, min(512 if fp8 else 256, triton.next_power_of_2(k)), 4)
     if k > _LONG_K and not fp8:
         return GemvTile(1, _MAX_BLOCK_K, 8)

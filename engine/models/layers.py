@@ -24,13 +24,17 @@ _ONEDNN_LINEAR = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backen
 # cuBLAS wins for LM heads (90-100% of bandwidth vs 72-85%), which never take the GEMV, and from
 # 2 rows on for most shapes (our grid re-reads the weights per row). Benchmarks set GEMV_MAX_ROWS
 # to 0 to measure without. From 2 to SMALL_GEMM_MAX_ROWS rows, kernels/small_gemm.py (the same
-# fusions minus rotary, each weight tile read once for all rows on the tensor cores).
+# fusions minus rotary, each weight tile read once for all rows on the tensor cores). Not yet
+# dispatched (maximum 1): its first version made whole decode steps slower than cuBLAS / W8A8 on an
+# H200 (Llama-3.1-8B bf16 at batch 2: 8.97 vs 4.80 ms; Qwen2.5-0.5B: 1.22 vs 1.05 ms;
+# benchmarks/results/decode_latency-h200-qwen2.5-0.5b-small-gemm-2026-12-01.json). Tune it with
+# benchmarks/gemv_bench.py --rows 2 8 16 before raising these.
 GEMV_MAX_ROWS = 1
-SMALL_GEMM_MAX_ROWS = 16
+SMALL_GEMM_MAX_ROWS = 1
 # FP8 weights: the same kernels dequantize in registers (weight-only); more rows go W8A8 through
 # torch._scaled_mm (engine/models/fp8.py).
 FP8_GEMV_MAX_ROWS = 1
-FP8_SMALL_GEMM_MAX_ROWS = 16
+FP8_SMALL_GEMM_MAX_ROWS = 1
 
 
 def _triton(x: torch.Tensor) -> bool:
