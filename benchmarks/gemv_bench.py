@@ -5,7 +5,8 @@
 
 Each variant is timed per call inside a CUDA graph (as the engine runs decode), rotating over
 enough weight copies that L2 (60 MB) never serves repeats. Bandwidth = weight bytes / time, also
-as a fraction of the device-to-device copy bandwidth. --sweep times other tile shapes at 1 row.
+as a fraction of the device-to-device copy bandwidth. --sweep times other tile shapes (1 row: the
+GEMV's; 2-16 rows: kernels/small_gemm.py's).
 --weights fp8: FP8 weights with per-row scales (engine/models/fp8.py); the baseline is then the
 W8A8 path (activations quantized per row, torch._scaled_mm). --pdl both: every variant with and
 without programmatic dependent launch (consecutive calls in the graph overlap with it).
@@ -91,7 +92,7 @@ def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles:
         w, scale = weights[i]
         kernel = gemv if rows == 1 else small_gemm  # as engine/models/layers.py dispatches
         return lambda: kernel(x, w, biases[i] if biases else None, norm_weight=g, residual=res,
-                              silu_mul=silu, out_dtype=out_dtype, weight_scale=scale, tile=tile if rows == 1 else None)
+                              silu_mul=silu, out_dtype=out_dtype, weight_scale=scale, tile=tile)
 
     baseline = "unfused (W8A8 _scaled_mm)" if fp8 else "unfused (cuBLAS)"
     variants = [(baseline, None)] + [("gemv", t) for t in tiles]
@@ -109,12 +110,19 @@ def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles:
                 kind = "small_gemm"
             rows_out.append(dict(model=model, projection=name, rows=rows, n=n, k=k, fused_norm=norm, bias=bias,
                                  silu_mul=silu, weights="fp8" if fp8 else "bf16", pdl=pdl, kind=kind,
-                                 tile=list(tile) if tile and rows == 1 else None, us=ms * 1e3, gb_per_s=weight_bytes / ms / 1e6,
+                                 tile=list(tile) if tile else None, us=ms * 1e3, gb_per_s=weight_bytes / ms / 1e6,
                                  fraction_of_copy=weight_bytes / ms / 1e6 / copy_gbs))
     _common.PDL = True
     del weights, biases
     torch.cuda.empty_cache()
     return rows_out
+
+
+def small_sweep_tiles(fp8: bool = False):
+    from kernels.small_gemm import SmallGemmTile
+
+    return [SmallGemmTile(bn, bk * (2 if fp8 else 1), w, st) for bn in (16, 32, 64) for bk in (64, 128, 256)
+            for w in (4, 8) for st in (3, 4)]
 
 
 def sweep_tiles(fp8: bool = False):
@@ -138,6 +146,7 @@ def main() -> int:
 
     from kernels._common import sm_count
     from kernels.gemv import default_gemv_tile
+    from kernels.small_gemm import default_small_gemm_tile
 
     copy = copy_bandwidth(2048, 100)
     print(f"device-to-device copy: {copy['gb_per_s']:.0f} GB/s")
@@ -150,15 +159,20 @@ def main() -> int:
             if (args.projections and name not in args.projections) or (fp8 and name == "lm_head"):
                 continue  # the LM head stays in the model's dtype
             for rows in args.rows:
-                default = default_gemv_tile(rows, n // 2 if silu else n, k, sm_count(torch.device("cuda")), silu,
-                                            1 if fp8 else 2)
+                if rows == 1:
+                    default = default_gemv_tile(rows, n // 2 if silu else n, k, sm_count(torch.device("cuda")), silu,
+                                                1 if fp8 else 2)
+                else:  # kernels/small_gemm.py
+                    default = default_small_gemm_tile(n // 2 if silu else n, k, 1 if fp8 else 2)
                 tiles = [default]
                 if args.sweep and rows == 1:
                     tiles += [t for t in sweep_tiles(fp8) if t != default
                               and t.block_n * t.block_k * (2 if silu else 1) <= t.num_warps * 32 * 64]
+                elif args.sweep:
+                    tiles += [t for t in small_sweep_tiles(fp8) if t != default]
                 got = bench_projection(model, proj, rows, copy["gb_per_s"], tiles, fp8, pdl_settings)
                 for r in got:
-                    r["default"] = r["kind"] == "small_gemm" or r["tile"] == list(default)
+                    r["default"] = r["tile"] == list(default)
                 results += got
                 for pdl in pdl_settings:
                     mine_rows = [r for r in got if r["pdl"] == pdl]

@@ -10,6 +10,7 @@ from kernels.decode_attention import (
     paged_decode_attention_ref,
     pick_num_splits,
 )
+from kernels.fp8_quant import quantize_rows_fp8, quantize_rows_fp8_ref
 from kernels.gemv import GemvTile, default_gemv_tile, gemv, gemv_ref, gemv_rope_store, gemv_rope_store_ref
 from kernels.host_wait import wait_for_host, wait_for_host_ref
 from kernels.kv_store import store_kv, store_kv_ref
@@ -18,6 +19,7 @@ from kernels.prefill_attention import (
     paged_prefill_attention_ref,
 )
 from kernels.sampling import greedy_sample, greedy_sample_ref
+from kernels.small_gemm import SmallGemmTile, small_gemm, small_gemm_ref
 from kernels.rmsnorm import (
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
@@ -34,6 +36,7 @@ from kernels.rotary import (
 
 __all__ = [
     "GemvTile",
+    "SmallGemmTile",
     "apply_rotary",
     "apply_rotary_ref",
     "build_cos_sin_cache",
@@ -51,6 +54,8 @@ __all__ = [
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
     "pick_num_splits",
+    "quantize_rows_fp8",
+    "quantize_rows_fp8_ref",
     "rms_norm",
     "rms_norm_ref",
     "rope_and_store_kv",
@@ -58,6 +63,8 @@ __all__ = [
     "rope_inv_freq",
     "silu_and_mul",
     "silu_and_mul_ref",
+    "small_gemm",
+    "small_gemm_ref",
     "store_kv",
     "wait_for_host",
     "wait_for_host_ref",

@@ -203,3 +203,11 @@ def small_gemm(
         launch_pdl=pdl,
     )
     return out, new_residual
+
+
+def small_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **kwargs
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The unfused decoder's math in float32 (kernels.gemv.gemv_ref: the same for any row count)."""
+    from kernels.gemv import gemv_ref
+
+    return gemv_ref(x, weight, bias, **kwargs)

@@ -487,7 +487,7 @@ def test_gemv_rope_store_fp8_weights():
 def test_small_gemm_reads_each_weight_tile_once_for_all_rows(rows, silu_mul, fp8, poisoned_outputs):
     """2-16 rows through the tensor-core kernel: the unfused decoder's math (norm, bias, SiLU-and-mul,
     FP8 scales), the new residual from the first column of programs only."""
-    from kernels.small_gemm import SmallGemmTile, small_gemm
+    from kernels.small_gemm import SmallGemmTile, small_gemm, small_gemm_ref
 
     gen, x, w = _gemv_case(rows, 2 * 40 if silu_mul else 40, 300, seed=40 + rows, strided=True)
     w = w * torch.logspace(-2, 1, w.shape[0])[:, None]
@@ -498,7 +498,7 @@ def test_small_gemm_reads_each_weight_tile_once_for_all_rows(rows, silu_mul, fp8
     b = None if silu_mul else torch.randn(w.shape[0], generator=gen)
     tile = SmallGemmTile(16, 64, 4, 2)  # several K tiles and N blocks
     out, new_res = small_gemm(x, w, b, norm_weight=g, residual=res, silu_mul=silu_mul, weight_scale=scale, tile=tile)
-    ref, ref_res = gemv_ref(x, w, b, norm_weight=g, residual=res, silu_mul=silu_mul, weight_scale=scale)
+    ref, ref_res = small_gemm_ref(x, w, b, norm_weight=g, residual=res, silu_mul=silu_mul, weight_scale=scale)
     assert out.shape == ref.shape and torch.equal(new_res, ref_res)
     assert rel_err(out, ref) < TOL
     plain, none = small_gemm(x, w, b, weight_scale=scale, tile=tile, silu_mul=silu_mul)
