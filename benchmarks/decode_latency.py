@@ -104,6 +104,23 @@ def time_tensor_parallel(size: int, path: str | None, device: str, batches: list
     return run_on_ranks(_tp_rank, size, (path, device, batches, k, prompt_len, new_tokens, engine), timeout=1800)[0]
 
 
+def meta_shape(path: str | None, quantization: str | None) -> tuple[int, object]:
+    """(weight bytes a decode step reads, ModelArgs) of the whole bf16 (or FP8) model, from its
+    config alone (a model built on the meta device: nothing allocated)."""
+    from engine.models.config import ModelArgs
+    from engine.models.layers import Linear
+    from engine.models.llama import LlamaModel
+
+    args = ModelArgs.from_dir(Path(path))
+    with torch.device("meta"):
+        model = LlamaModel(args, None, torch.empty(1, args.head_dim)).to(torch.bfloat16)
+        if quantization == "fp8":
+            for module in model.layers.modules():
+                if isinstance(module, Linear):
+                    module.to_fp8()
+    return weight_bytes(model), args
+
+
 def time_transformers(hf, prompts, new_tokens: int) -> float:
     ids = torch.tensor(prompts, device="cuda")
 
@@ -146,6 +163,12 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/decode_latency.json"))
     parser.add_argument("--pdl", choices=["on", "off"], default="on",
                         help="programmatic dependent launch of the Triton kernels (kernels/_common.py)")
+    parser.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
+                        help="dummy: random weights made on the GPUs, no files (e.g. llama-3.1-70b over --tp 2)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                        help="the engine's share of GPU memory (0.9 for a model that fills most of it)")
+    parser.add_argument("--tp-only", action="store_true",
+                        help="only the --tp rows (a model one device cannot hold)")
     args = parser.parse_args()
 
     import transformers
@@ -189,7 +212,12 @@ def main() -> None:
     runs = [(name, quant, caching, i == len(settings) - 1) for name in args.models for quant in quantizations
             for i, caching in enumerate(settings)]
     for name, quant_setting, caching, last_of_setting in runs:
-        path = resolve_model(name)  # a random_models config, "default" (None: the embedded model) or a folder
+        from random_models import CONFIGS, random_model_config
+
+        if args.load_format == "dummy" and name in CONFIGS:  # config and tokenizer only: random weights
+            path = str(random_model_config(name))
+        else:  # a random_models config, "default" (None: the embedded model) or a folder
+            path = resolve_model(name)
         gen = torch.Generator().manual_seed(0)
 
         def fresh(batch):
@@ -200,53 +228,63 @@ def main() -> None:
         tp_engine = dict(dtype="bfloat16" if cuda else "float32", max_num_seqs=max(max_batch, args.max_num_seqs),
                          decode_chunk=max(args.k, *args.chunks),
                          max_model_len=args.prompt_len + args.new_tokens + 64, max_num_batched_tokens=8192,
-                         gpu_memory_utilization=0.5, prefix_caching=caching, quantization=quant_setting)
-        llm = LLM(path and str(path), device=args.device, **tp_engine)
-        engine = llm.engine.core
-        graphs = engine.graphs
-        quant = quantization_label(quant_setting, engine.dtype)
-        if engine.graphs is None:  # CPU
-            captures.append(dict(model=name, quantization=quant, prefix_caching=caching,
-                                 engine_start_s=time.perf_counter() - started))
-        else:
-            captures.append(dict(model=name, quantization=quant, prefix_caching=caching,
-                                 engine_start_s=time.perf_counter() - started,
-                                 buckets=len(engine.graphs.buckets), largest_bucket=engine.graphs.max_bucket,
-                                 capture_s=engine.graphs.capture_seconds, capture_gib=engine.graphs.capture_gib))
-            print(f"{name} ({quant}): engine start {captures[-1]['engine_start_s']:.1f}s, of which capturing "
-                  f"{2 * len(engine.graphs.buckets)} CUDA graphs (buckets up to {engine.graphs.max_bucket}) "
-                  f"{engine.graphs.capture_seconds:.1f}s, {engine.graphs.capture_gib:.2f} GiB", flush=True)
-        shape = (weight_bytes(engine.model), engine.model.args)
-        for batch in args.batches:
-            prompts = fresh(batch)
-            engine.config.decode_chunk = args.k
-            record(name, "graphs", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape, quant, caching)
-            if args.overlap_ab:
-                engine.config.overlap_rounds = False
-                record(name, "graphs-no-overlap", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape,
-                       quant, caching)
-                engine.config.overlap_rounds = True
-            if not args.no_eager:
-                engine.graphs = None
-                record(name, "eager", batch, args.k, time_engine(llm, prompts, args.new_tokens, repeats=1), shape,
-                       quant, caching)
-                engine.graphs = graphs
-            if args.gemv_ab and batch <= layers.GEMV_MAX_ROWS:
-                gemv_rows, layers.GEMV_MAX_ROWS = layers.GEMV_MAX_ROWS, 0
-                small_rows, layers.SMALL_GEMM_MAX_ROWS = layers.SMALL_GEMM_MAX_ROWS, 0
-                graphs.capture(progress=False)  # the projection kernels are chosen when a graph is captured
-                record(name, "graphs-cublas", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape,
-                       quant, caching)
-                layers.GEMV_MAX_ROWS, layers.SMALL_GEMM_MAX_ROWS = gemv_rows, small_rows
-                graphs.capture(progress=False)
-        prompts = fresh(1)
-        for k in args.chunks:
-            engine.config.decode_chunk = k
-            record(name, "graphs", 1, k, time_engine(llm, prompts, args.new_tokens), shape, quant, caching)
-        stats = engine.stats()
-        del llm, engine, graphs
-        gc.collect()
-        torch.cuda.empty_cache()
+                         gpu_memory_utilization=args.gpu_memory_utilization, prefix_caching=caching,
+                         quantization=quant_setting, load_format=args.load_format)
+
+        def single_device():
+            """The one-device engine's rows; returns the model's (weight bytes, ModelArgs)."""
+            llm = LLM(path and str(path), device=args.device, **tp_engine)
+            engine = llm.engine.core
+            graphs = engine.graphs
+            quant = quantization_label(quant_setting, engine.dtype)
+            if engine.graphs is None:  # CPU
+                captures.append(dict(model=name, quantization=quant, prefix_caching=caching,
+                                     engine_start_s=time.perf_counter() - started))
+            else:
+                captures.append(dict(model=name, quantization=quant, prefix_caching=caching,
+                                     engine_start_s=time.perf_counter() - started,
+                                     buckets=len(engine.graphs.buckets), largest_bucket=engine.graphs.max_bucket,
+                                     capture_s=engine.graphs.capture_seconds, capture_gib=engine.graphs.capture_gib))
+                print(f"{name} ({quant}): engine start {captures[-1]['engine_start_s']:.1f}s, of which capturing "
+                      f"{2 * len(engine.graphs.buckets)} CUDA graphs (buckets up to {engine.graphs.max_bucket}) "
+                      f"{engine.graphs.capture_seconds:.1f}s, {engine.graphs.capture_gib:.2f} GiB", flush=True)
+            shape = (weight_bytes(engine.model), engine.model.args)
+            for batch in args.batches:
+                prompts = fresh(batch)
+                engine.config.decode_chunk = args.k
+                record(name, "graphs", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape, quant, caching)
+                if args.overlap_ab:
+                    engine.config.overlap_rounds = False
+                    record(name, "graphs-no-overlap", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape,
+                           quant, caching)
+                    engine.config.overlap_rounds = True
+                if not args.no_eager:
+                    engine.graphs = None
+                    record(name, "eager", batch, args.k, time_engine(llm, prompts, args.new_tokens, repeats=1), shape,
+                           quant, caching)
+                    engine.graphs = graphs
+                if args.gemv_ab and batch <= layers.GEMV_MAX_ROWS:
+                    gemv_rows, layers.GEMV_MAX_ROWS = layers.GEMV_MAX_ROWS, 0
+                    small_rows, layers.SMALL_GEMM_MAX_ROWS = layers.SMALL_GEMM_MAX_ROWS, 0
+                    graphs.capture(progress=False)  # the projection kernels are chosen when a graph is captured
+                    record(name, "graphs-cublas", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape,
+                           quant, caching)
+                    layers.GEMV_MAX_ROWS, layers.SMALL_GEMM_MAX_ROWS = gemv_rows, small_rows
+                    graphs.capture(progress=False)
+            prompts = fresh(1)
+            for k in args.chunks:
+                engine.config.decode_chunk = k
+                record(name, "graphs", 1, k, time_engine(llm, prompts, args.new_tokens), shape, quant, caching)
+            stats = engine.stats()
+            del llm, engine, graphs
+            gc.collect()
+            torch.cuda.empty_cache()
+            print(f"{name} ({quant}): graph replays per bucket {stats.graph_replays}, eager rounds "
+                  f"{stats.eager_rounds}")
+            return shape
+
+        quant = quantization_label(quant_setting, torch.bfloat16 if cuda else torch.float32)
+        shape = meta_shape(path, quant_setting) if args.tp_only else single_device()
         if args.tp > 1 and last_of_setting:
             steps = time_tensor_parallel(args.tp, path and str(path), args.device, args.batches, args.k,
                                          args.prompt_len, args.new_tokens, tp_engine)
@@ -264,7 +302,6 @@ def main() -> None:
             del hf
             gc.collect()
             torch.cuda.empty_cache()
-        print(f"{name} ({quant}): graph replays per bucket {stats.graph_replays}, eager rounds {stats.eager_rounds}")
 
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s" if bandwidth else "copy bandwidth: not measured (CPU)")
     info = run_info("decode_latency") if cuda else provenance("decode_latency")

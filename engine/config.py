@@ -29,6 +29,7 @@ class EngineConfig:
     grammar_compile_timeout: float = 10.0  # seconds a response_format / tool grammar may take to compile
     tensor_parallel_size: int = 1  # ranks (devices of one host) the model is sharded over (engine/distributed.py)
     quantization: str | None = None  # "fp8": projection weights in float8 e4m3 with per-channel scales
+    load_format: str = "safetensors"  # "dummy": random weights, no weight file read (benchmarks of big shapes)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
@@ -45,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"decode_chunk must be >= 1, got {self.decode_chunk}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 (or left out), got {self.quantization!r}")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"load_format must be safetensors or dummy, got {self.load_format!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

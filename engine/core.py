@@ -112,7 +112,7 @@ class EngineCore:
         max_len_wanted = config.max_model_len or args.max_position_embeddings
         backend = make_attention_backend(self.device, config.block_size)
         self.model = load_model(self.model_path, self.dtype, self.device, backend, max_len_wanted, self.tp,
-                                config.quantization)
+                                config.quantization, config.load_format)
         num_blocks = self.tp.min_int(self._num_kv_blocks())  # every rank's scheduler sees the same pool
         self.max_model_len = min(max_len_wanted, (num_blocks - 1) * config.block_size)
         self.kv_caches = allocate_kv_cache(self.model.kv_args, num_blocks, config.block_size, self.dtype, self.device)

@@ -16,7 +16,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.distributed import TensorParallel, check_tensor_parallel, run_on_ranks, shard_for
-from engine.errors import InvalidConfigError
+from engine.errors import InvalidConfigError, ModelFilesError
 from engine.models.config import ModelArgs
 from server.testing import ServerProcess, child_pids, descendant_pids, still_running
 from tiny_models import make_tiny_model
@@ -116,6 +116,31 @@ def test_each_rank_reads_only_its_slices(tmp_path, monkeypatch):
     # and rank 1 holds the second half: its embedding rows are the checkpoint's rows 256..511
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         assert torch.equal(model.embed_tokens.weight, f.get_tensor("model.embed_tokens.weight")[256:])
+
+
+def _dummy_rank(rank: int, size: int, init_method: str, model: str):
+    from engine.models.fp8 import FP8
+
+    torch.set_num_threads(1)
+    llm = LLM(model, device="cpu", num_kv_blocks=64, max_model_len=256, tensor_parallel_size=size, tp_rank=rank,
+              tp_init_method=init_method, load_format="dummy", quantization="fp8")
+    out = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    gate_up = llm.engine.core.model.layers[0].mlp.gate_up_proj
+    return [o.token_ids for o in out], gate_up.weight.dtype == FP8, gate_up.weight_scale.min().item()
+
+
+def test_dummy_weights_shard_and_decode_without_weight_files(tmp_path):
+    """load_format="dummy" (the benchmark path for shapes whose weights cannot be written to disk,
+    e.g. Llama-3.1-70B over 2 GPUs): every rank makes its random shard in place, reads no weight
+    file, and the ranks decode the same tokens."""
+    path = make_tiny_model(tmp_path / "llama", "llama", seed=3)
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ModelFilesError):
+        LLM(str(path), device="cpu", num_kv_blocks=64, max_model_len=256)
+    (tokens0, fp8_0, scale0), (tokens1, fp8_1, scale1) = run_on_ranks(_dummy_rank, 2, (str(path),), timeout=180)
+    assert tokens0 == tokens1 and [len(t) for t in tokens0] == [6] * len(PROMPTS)
+    assert fp8_0 and fp8_1 and scale0 > 0 and scale1 > 0  # quantized from random weights, not left empty
 
 
 def test_sizes_the_model_or_machine_cannot_take_are_clear_errors(tmp_path):

@@ -53,18 +53,27 @@ def _shard_slices(args: ModelArgs, fused_name: str) -> list[slice]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backend,
-               max_positions: int, tp: TensorParallel = SINGLE, quantization: str | None = None) -> LlamaModel:
+               max_positions: int, tp: TensorParallel = SINGLE, quantization: str | None = None,
+               load_format: str = "safetensors") -> LlamaModel:
     """quantization "fp8": the projections' weights in FP8 (engine/models/fp8.py), quantized here
-    unless the checkpoint holds them so already."""
+    unless the checkpoint holds them so already. load_format "dummy": random weights made on the
+    device, no weight file read (config.json and the tokenizer are still the folder's)."""
     path = Path(path)
     args = ModelArgs.from_dir(path)
-    files = weight_files(path)
+    files = weight_files(path) if load_format != "dummy" else []
     cos_sin = build_cos_sin_cache(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
     with torch.device("meta"):
         model = LlamaModel(args, backend, cos_sin, tp)
     model = model.to_empty(device=device).to(dtype)
     model.cos_sin = cos_sin.to(device)
     projections = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    if load_format == "dummy":
+        _fill_random(model, seed=tp.rank)
+        if quantization == "fp8":
+            for module in projections:
+                module.to_fp8()
+        model.pack_for_cpu()
+        return model.eval()
     if args.quantization == "fp8":  # empty FP8 weights and scales, for the checkpoint to fill
         for module in projections:
             module.to_fp8(quantize=False)
@@ -90,6 +99,18 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
             module.to_fp8()
     model.pack_for_cpu()
     return model.eval()
+
+
+def _fill_random(model: LlamaModel, seed: int) -> None:
+    """Norms 1, biases and matrices N(0, 0.02), the embedding and LM head N(0, 0.5) (as
+    benchmarks/random_models.py writes them), drawn on the parameters' device."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02, generator=gen)
+            else:
+                p.normal_(0, 0.5 if "embed_tokens" in name or "lm_head" in name else 0.02, generator=gen)
 
 
 def read_tensor(f, name: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None) -> torch.Tensor:
