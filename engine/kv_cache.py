@@ -124,9 +124,10 @@ class BlockManager:
         if len(hashes) >= full:
             return
         data, step = self._blocks_bytes(seq, full), bs * 8
+        keys = self._chain(seq, full, data)
         for i in range(len(hashes), full):
             tokens = bytes(data[i * step:(i + 1) * step])
-            key = self._hash(hashes[-1] if hashes else self._root, tokens)
+            key = keys[i]
             hashes.append(key)
             if self._computing.get(key) == seq.request_id:
                 del self._computing[key]
@@ -146,24 +147,37 @@ class BlockManager:
         if not self.prefix_caching:
             return []
         count = (seq.num_tokens - 1) // self.block_size
-        data, step = self._blocks_bytes(seq, count), self.block_size * 8
-        keys, parent = [], self._root
-        for i in range(count):
-            parent = self._hash(parent, data[i * step:(i + 1) * step])
-            keys.append(parent)
+        return self._chain(seq, count)[:count]
+
+    def _chain(self, seq: Sequence, count: int, data: memoryview | None = None) -> list[bytes]:
+        """seq's hash-chain keys of at least its first `count` full blocks, made once per block:
+        a sequence only appends tokens, so a full block's key never changes (kept in seq.block_keys;
+        a prompt waiting behind a prefill that computes its prefix asks again every step)."""
+        keys = seq.block_keys
+        if len(keys) < count:
+            data = data if data is not None else self._blocks_bytes(seq, count)
+            step, parent = self.block_size * 8, keys[-1] if keys else self._root
+            for i in range(len(keys), count):
+                parent = self._hash(parent, data[i * step:(i + 1) * step])
+                keys.append(parent)
         return keys
 
     def cached_prefix(self, seq: Sequence, keys: list[bytes] | None = None) -> list[int]:
         """The longest run of cached blocks holding seq's first tokens (its prompt, and after
         a preemption what it generated too), checked token by token. `keys`: prefix_keys(seq)."""
         keys = self.prefix_keys(seq) if keys is None else keys
-        data, step = self._blocks_bytes(seq, len(keys)), self.block_size * 8
         blocks = []
-        for i, key in enumerate(keys):
+        for key in keys:
             block = self._by_hash.get(key)
-            if block is None or self._block_key[block][1] != data[i * step:(i + 1) * step]:  # not the hash alone
+            if block is None:
                 break
             blocks.append(block)
+        if not blocks:
+            return blocks
+        data, step = self._blocks_bytes(seq, len(blocks)), self.block_size * 8
+        for i, block in enumerate(blocks):  # the tokens, not the hash alone
+            if self._block_key[block][1] != data[i * step:(i + 1) * step]:
+                return blocks[:i]
         return blocks
 
     def being_computed(self, key: bytes) -> bool:

@@ -199,6 +199,7 @@ class Sequence:
         self.num_prefill_tokens = len(prompt_token_ids)  # reset to num_tokens on preemption
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # prefix-cache keys of its first full blocks (kv_cache.py)
+        self.block_keys: list[bytes] = []  # the hash chain of its full blocks so far (made once, kv_cache.py)
         self.computing_keys: list[bytes] = []  # keys of the blocks its admitted prefill computes
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache at admission
         self.status = SequenceStatus.WAITING

@@ -148,6 +148,28 @@ def test_a_hash_collision_never_hands_out_wrong_kv(model_dir, plain, monkeypatch
     assert_idle(cached)
 
 
+def test_each_block_is_hashed_once_however_often_its_prompt_is_looked_up(monkeypatch):
+    """A prompt waiting behind a prefill that computes its prefix is looked up every step, and its
+    prefill registers the same blocks: the hash chain is made once per block, not per lookup."""
+    calls = []
+    real = BlockManager._hash
+    monkeypatch.setattr(BlockManager, "_hash", staticmethod(lambda parent, toks: calls.append(1) or real(parent, toks)))
+    blocks = BlockManager(num_blocks=20, block_size=4, prefix_caching=True)
+    seq = Sequence("w", list(range(30)), GREEDY)  # 7 full blocks before its last token
+    keys = [blocks.prefix_keys(seq) for _ in range(5)]
+    assert all(k == keys[0] for k in keys) and len(keys[0]) == 7 and len(calls) == 7
+    blocks.allocate(seq, 30)
+    seq.num_computed_tokens = 30
+    blocks.register(seq)
+    assert seq.block_hashes == keys[0] and len(calls) == 7  # the 7 keys reused
+    seq.token_ids += [30, 31]  # generated tokens fill an 8th block
+    seq.num_computed_tokens = 32
+    blocks.register(seq)
+    assert len(seq.block_hashes) == 8 and len(calls) == 8
+    fresh = BlockManager(num_blocks=20, block_size=4, prefix_caching=True)
+    assert fresh.prefix_keys(Sequence("x", list(range(30)), GREEDY)) == keys[0]  # the same chain from scratch
+
+
 def test_eviction_is_lru_and_spares_blocks_in_use():
     blocks = BlockManager(num_blocks=9, block_size=4, prefix_caching=True)
 
