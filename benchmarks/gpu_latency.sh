@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|profile
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile
 set -u
 PART=${1:-tests}
 . benchmarks/gpu_env.sh
@@ -36,6 +36,9 @@ curve)
   timeout 560 python3 benchmarks/decode_latency.py --models ${MODELS:-qwen2.5-0.5b llama-3.1-8b} \
     --batches 1 2 4 8 16 32 64 128 256 --chunks 8 --no-eager --skip-transformers --max-num-seqs 256 \
     --quantization ${QUANT:-none fp8} --out "$OUT/decode_curve.json" 2>&1 | quiet
+  ;;
+accuracy)
+  timeout 400 python3 benchmarks/fp8_accuracy.py --models qwen2.5-0.5b llama-3.1-8b --out "$OUT/fp8_accuracy.json" 2>&1 | quiet
   ;;
 profile)
   timeout 120 python3 benchmarks/profile_decode.py --model qwen2.5-0.5b --batch 1 --out "$OUT/profile_qwen_b1.json" 2>&1 | quiet

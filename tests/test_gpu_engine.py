@@ -40,29 +40,18 @@ def _free():
 @torch.no_grad()
 def test_teacher_forced_logits_match_transformers(model_path):
     import transformers
+    from teacher_forced import teacher_forced_logits
 
-    from engine.attention import AttentionMetadata, TritonAttention
-    from engine.kv_cache import allocate_kv_cache
+    from engine.attention import TritonAttention
     from engine.models.loader import load_model
 
     dev = torch.device("cuda")
     prompt_len, steps, bs = 64, 64, 16
     ours = load_model(model_path, torch.bfloat16, dev, TritonAttention(bs), 1024)
-    kv = allocate_kv_cache(ours.args, 16, bs, torch.bfloat16, dev)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 30000, (prompt_len + steps,), generator=gen).to(dev)
-    table = torch.tensor([[3, 9, 1, 12, 5, 7, 2, 11, 4]], dtype=torch.int32, device=dev)
-    slot = lambda p: int(table[0, p // bs]) * bs + p % bs  # noqa: E731
-    meta = AttentionMetadata(True, torch.tensor([slot(p) for p in range(prompt_len)], device=dev), table,
-                             torch.tensor([prompt_len], dtype=torch.int32, device=dev),
-                             torch.tensor([0, prompt_len], dtype=torch.int32, device=dev), prompt_len)
-    logits = [ours.compute_logits(ours(ids[:prompt_len], torch.arange(prompt_len, device=dev), meta, kv))[-1:]]
-    for p in range(prompt_len, prompt_len + steps - 1):
-        meta = AttentionMetadata(False, torch.tensor([slot(p)], device=dev), table,
-                                 torch.tensor([p + 1], dtype=torch.int32, device=dev))
-        logits.append(ours.compute_logits(ours(ids[p:p + 1], torch.tensor([p], device=dev), meta, kv)))
-    ours_logits = torch.cat(logits)
-    del ours, kv
+    ours_logits = teacher_forced_logits(ours, ids, prompt_len, bs)
+    del ours
     _free()
     window = slice(prompt_len - 1, prompt_len + steps - 1)
     reference = {}
