@@ -67,16 +67,23 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
     model = model.to_empty(device=device).to(dtype)
     model.cos_sin = cos_sin.to(device)
     projections = [m for m in model.layers.modules() if isinstance(m, Linear)]
-    if load_format == "dummy":
-        _fill_random(model, seed=tp.rank)
-        if quantization == "fp8":
-            for module in projections:
-                module.to_fp8()
-        model.pack_for_cpu()
-        return model.eval()
-    if args.quantization == "fp8":  # empty FP8 weights and scales, for the checkpoint to fill
+    prequantized = args.quantization == "fp8" and load_format != "dummy"
+    if prequantized:  # empty FP8 weights and scales, for the checkpoint to fill
         for module in projections:
             module.to_fp8(quantize=False)
+    if load_format == "dummy":
+        _fill_random(model, seed=tp.rank)
+    else:
+        _read_checkpoint(model, path, files)
+    if quantization == "fp8" and not prequantized:
+        for module in projections:
+            module.to_fp8()
+    model.pack_for_cpu()
+    return model.eval()
+
+
+def _read_checkpoint(model: LlamaModel, path: Path, files: list[Path]) -> None:
+    """Every parameter from the safetensors files (this rank's slices), or ModelFilesError."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     with torch.no_grad():
@@ -88,17 +95,12 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
                     _load_tensor(model.shard, params, loaded, name, f)
-    if args.tie_word_embeddings:
+    if model.args.tie_word_embeddings:
         loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelFilesError(f"{path}: weights missing from the checkpoint: {', '.join(missing[:5])}"
                               + (" ..." if len(missing) > 5 else ""))
-    if quantization == "fp8" and args.quantization != "fp8":
-        for module in projections:
-            module.to_fp8()
-    model.pack_for_cpu()
-    return model.eval()
 
 
 def _fill_random(model: LlamaModel, seed: int) -> None:
