@@ -23,16 +23,6 @@ CONFIGS = {
         "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
         "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
     },
-    # 141 GB of bf16 weights: run with load_format="dummy" (random_model_config), over 2+ GPUs
-    "llama-3.1-70b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192,
-        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-        "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-        "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
-        "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-    },
     "qwen2.5-0.5b": {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
         "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
@@ -41,6 +31,10 @@ CONFIGS = {
         "sliding_window": None, "use_sliding_window": False,
     },
 }
+
+# 141 GB of bf16 weights: run with load_format="dummy" (random_model_config), over 2+ GPUs
+CONFIGS["llama-3.1-70b"] = {**CONFIGS["llama-3.1-8b"], "hidden_size": 8192, "intermediate_size": 28672,
+                            "num_hidden_layers": 80, "num_attention_heads": 64}
 
 
 def models_root() -> Path:
