@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64
 set -u
 PART=${1:-tests}
 . benchmarks/gpu_env.sh
@@ -42,5 +42,12 @@ accuracy)
   ;;
 profile)
   timeout 120 python3 benchmarks/profile_decode.py --model qwen2.5-0.5b --batch 1 --out "$OUT/profile_qwen_b1.json" 2>&1 | quiet
+  ;;
+profile-b64)  # where a batch-64 step goes: 0.5B bf16, 8B bf16 and fp8 (random weights made on the GPU)
+  timeout 100 python3 benchmarks/profile_decode.py --model qwen2.5-0.5b --batch 64 --out "$OUT/profile_qwen_b64.json" 2>&1 | quiet
+  for q in none fp8; do
+    timeout 150 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch 64 --load-format dummy \
+      --quantization $q --out "$OUT/profile_llama_b64_$q.json" 2>&1 | quiet
+  done
   ;;
 esac

@@ -51,7 +51,7 @@ def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, 
             engine.add_request(rid, prompt, params)
         first: dict[str, float] = {}
         steps_to_first, steps = 0, 0
-        prof = None
+        prof, profile_tables = None, None
         if w // concurrency == profile_wave:
             import torch
 
@@ -69,14 +69,16 @@ def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, 
                         steps_to_first = steps
             if prof is not None and len(first) == len(batch):
                 prof.__exit__(None, None, None)
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
-                print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12), flush=True)
+                host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+                device = prof.key_averages().table(sort_by="self_device_time_total", row_limit=15)
+                print(host, device, sep="\n", flush=True)
+                profile_tables = dict(host=host.splitlines(), device=device.splitlines())
                 prof = None
         scheduler.blocks.cached_prefix = cached_prefix
         ttft = sorted(first.values())
         waves.append(dict(ttft_p50_ms=1e3 * statistics.median(ttft), ttft_max_ms=1e3 * ttft[-1],
                           wave_ms=1e3 * (time.perf_counter() - start), steps_to_all_first=steps_to_first,
-                          admission_ms=1e3 * admit_s))
+                          admission_ms=1e3 * admit_s, **({"profile": profile_tables} if profile_tables else {})))
     return waves
 
 
@@ -109,7 +111,7 @@ def main() -> int:
         report["runs"]["on" if caching else "off"] = waves
         for i, wave in enumerate(waves):
             print(f"caching {'on ' if caching else 'off'} wave {i}: " + ", ".join(
-                f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in wave.items()), flush=True)
+                f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in wave.items() if k != "profile"), flush=True)
         del llm
     path = Path(args.out) / (args.name or f"prefix-engine-probe-{args.model}.json")
     write_json(path, report)

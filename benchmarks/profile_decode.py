@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from random_models import random_model  # noqa: E402
+from random_models import random_model, random_model_config  # noqa: E402
 
 K = 8  # decode steps per round: the profiled eager round and the timed graph rounds
 
@@ -27,13 +27,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="qwen2.5-0.5b")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--quantization", choices=["none", "fp8"], default="none")
+    parser.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
+                        help="dummy: random weights made on the GPU from the config alone (no files)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(random_model(args.model)), device="cuda", dtype="bfloat16", max_num_seqs=max(args.batch, 1),
-              max_model_len=512, decode_chunk=K)
+    path = random_model_config(args.model) if args.load_format == "dummy" else random_model(args.model)
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=max(args.batch, 1),
+              max_model_len=512, decode_chunk=K, load_format=args.load_format,
+              quantization=None if args.quantization == "none" else args.quantization)
     engine = llm.engine.core
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     for i in range(args.batch):
@@ -93,7 +98,7 @@ def main() -> None:
     total = sum(v["device_us"] for v in kernels.values())
     launches = sum(v["count"] for v in kernels.values()) / K
     top = sorted(kernels.items(), key=lambda kv: -kv[1]["device_us"])[:25]
-    result = dict(model=args.model, batch=args.batch, graph_ms_per_step=graph_step * 1e3,
+    result = dict(model=args.model, batch=args.batch, quantization=args.quantization, graph_ms_per_step=graph_step * 1e3,
                   eager_ms_per_step=eager_step * 1e3, kernel_time_us_per_step=total, kernels_per_step=launches,
                   top_kernels=[dict(name=k[:120], **v) for k, v in top],
                   graph_replay_us=replay_us, graph_kernel_us=graph_kernel_us,
@@ -102,7 +107,7 @@ def main() -> None:
                   gpu=torch.cuda.get_device_name(),
                   command=" ".join(sys.argv))
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"{args.model} B={args.batch}: graph {graph_step * 1e3:.3f} ms/step, eager {eager_step * 1e3:.3f} ms/step, "
+    print(f"{args.model} {args.quantization} B={args.batch}: graph {graph_step * 1e3:.3f} ms/step, eager {eager_step * 1e3:.3f} ms/step, "
           f"sum of kernel times {total / 1e3:.3f} ms/step over ~{launches:.0f} kernel launches")
     print(f"graph replay {replay_us:.1f} us/step: kernels {graph_kernel_us:.1f} us over {len(graph_kernels) / replays:.0f} "
           f"kernels, so {replay_us - graph_kernel_us:.1f} us between kernels")
