@@ -37,10 +37,10 @@ def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, 
         admit_s = 0.0
         cached_prefix = scheduler.blocks.cached_prefix
 
-        def timed(seq, _f=cached_prefix):
+        def timed(*args, _f=cached_prefix):
             nonlocal admit_s
             t = time.perf_counter()
-            out = _f(seq)
+            out = _f(*args)
             admit_s += time.perf_counter() - t
             return out
 

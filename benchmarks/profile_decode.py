@@ -43,7 +43,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(f"p{i}", list(range(100 + i, 228 + i)), params)
-    engine.step()  # prefill
+    while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
+        engine.step()  # prefill steps, within the token budget
     rnd = engine.scheduler.schedule()  # the first decode round, its KV blocks reserved
     assert rnd.num_steps == K and len(rnd.seqs) == args.batch
 

@@ -1,0 +1,116 @@
+"""W8A8 FP8 projections at decode batch sizes on a GPU: kernels/fp8_gemm.py against
+torch._scaled_mm (cuBLAS, what engine/models/fp8.py ran before) and the bf16 cuBLAS GEMM of the
+same shape, each timed inside a CUDA graph over enough weight copies that L2 holds none of them.
+Every FP8 variant includes the per-row activation quantization (kernels/fp8_quant.py), as in the
+decoder. --sweep also times a grid of fp8_gemm tiles at the --sweep-rows.
+
+    python benchmarks/fp8_gemm_bench.py --models llama-3.1-8b --rows 1 2 8 16 64 128 --sweep --out fp8_gemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gemv_bench import projections  # noqa: E402
+from measure import copy_bandwidth, graph_ms, run_info, write_json  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+def sweep_tiles(rows: int) -> list:
+    from kernels.fp8_gemm import Fp8GemmTile
+
+    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    return [Fp8GemmTile(bn, bk, block_m, split, 4, stages)
+            for bn, bk, split, stages in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (3, 5))]
+
+
+def bench(model: str, proj: tuple, rows: int, copy_gbs: float, tiles: list) -> list[dict]:
+    from engine.models.fp8 import quantize_per_channel
+    from kernels.fp8_gemm import default_fp8_gemm_tile, fp8_gemm
+    from kernels.fp8_quant import quantize_rows_fp8
+
+    name, n, k, _, bias, _ = proj
+    fp8_bytes = n * k + 4 * n
+    copies = max(2, min(64, -(-256 * 2**20 // fp8_bytes)))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, k, device="cuda", dtype=BF16, generator=gen)
+    bf16 = [torch.randn(n, k, device="cuda", dtype=BF16, generator=gen) / k**0.5 for _ in range(copies)]
+    fp8 = [quantize_per_channel(w) for w in bf16]
+    b = torch.randn(n, device="cuda", dtype=BF16, generator=gen) if bias else None
+
+    def scaled_mm(i):
+        def fn():
+            xq, xs = quantize_rows_fp8(x)
+            return torch._scaled_mm(xq, fp8[i][0].t(), scale_a=xs, scale_b=fp8[i][1][None, :], bias=b, out_dtype=BF16)
+        return fn
+
+    def triton_gemm(i, tile):
+        def fn():
+            xq, xs = quantize_rows_fp8(x)
+            return fp8_gemm(xq, xs, fp8[i][0], fp8[i][1], b, out_dtype=BF16, tile=tile)
+        return fn
+
+    variants = [("bf16 cuBLAS", None, lambda i: (lambda: F.linear(x, bf16[i], b)), 2 * n * k),
+                ("W8A8 _scaled_mm", None, scaled_mm, fp8_bytes),
+                ("W8A8 fp8_gemm", default_fp8_gemm_tile(rows, n, k, torch.cuda.get_device_properties(0).multi_processor_count),
+                 None, fp8_bytes)]
+    variants += [("W8A8 fp8_gemm sweep", t, None, fp8_bytes) for t in tiles]
+    out = []
+    for kind, tile, make, weight_bytes in variants:
+        fns = [make(i) if make else triton_gemm(i, tile) for i in range(copies)]
+        try:
+            ms = graph_ms(fns, min_calls=2 * copies)
+        except Exception as e:  # a tile that does not compile or fit
+            print(f"  {model} {name} rows={rows} {kind} {tile}: {type(e).__name__}: {str(e)[:100]}")
+            continue
+        row = dict(model=model, projection=name, rows=rows, n=n, k=k, kind=kind, tile=list(tile) if tile else None,
+                   us=ms * 1e3, gb_per_s=weight_bytes / ms / 1e6, fraction_of_copy=weight_bytes / ms / 1e6 / copy_gbs)
+        out.append(row)
+        if "sweep" not in kind:
+            print(f"{model:13s} {name:8s} rows={rows:4d} {kind:20s} {str(row['tile'] or ''):28s} "
+                  f"{row['us']:8.1f} us {row['gb_per_s']:7.0f} GB/s", flush=True)
+    sweep = [r for r in out if "sweep" in r["kind"]]
+    if sweep:
+        best = min(sweep, key=lambda r: r["us"])
+        print(f"{model:13s} {name:8s} rows={rows:4d} {'best of sweep':20s} {str(best['tile']):28s} "
+              f"{best['us']:8.1f} us {best['gb_per_s']:7.0f} GB/s", flush=True)
+    del bf16, fp8
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["llama-3.1-8b"])
+    parser.add_argument("--rows", nargs="+", type=int, default=[2, 8, 16, 64, 128])
+    parser.add_argument("--projections", nargs="+", default=["qkv", "o", "gate_up", "down"])
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of tiles at --sweep-rows")
+    parser.add_argument("--sweep-rows", nargs="+", type=int, default=[8, 64])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    copy = copy_bandwidth()
+    rows = []
+    for model in args.models:
+        for proj in projections(model):
+            if proj[0] not in args.projections:
+                continue
+            for m in args.rows:
+                tiles = sweep_tiles(m) if args.sweep and m in args.sweep_rows else []
+                rows += bench(model, proj, m, copy["gb_per_s"], tiles)
+    write_json(args.out, dict(**run_info("fp8_gemm_bench"), copy=copy, rows=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

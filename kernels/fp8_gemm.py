@@ -1,0 +1,201 @@
+"""W8A8 FP8 projections for decode batches: out = (xq * x_scale) @ (wq * w_scale).T (+ bias), with
+xq [M, K] and wq [N, K] float8 e4m3, one float32 scale per row of each, M from 2 to a few hundred.
+
+torch._scaled_mm (cuBLAS) picks 128 x 128 tiles for these shapes and reaches about 2 TB/s of an
+H200's 4.8 on Llama-3.1-8B's projections at 64 rows (benchmarks/results/profile_decode-*-fp8-*).
+At so few rows the weights are all the traffic, so the kernel is built around reading them:
+
+- swap AB: each program multiplies a BLOCK_N x BLOCK_K weight tile by the transposed activations
+  (tl.dot(w, x.T)), so the weights fill the tensor cores' 64-row side and the rows (8 to 64) the
+  narrow side;
+- split K: a projection with few output tiles (Llama-3.1-8B's down_proj: 32 tiles of 128 outputs)
+  cuts K into SPLIT parts, each written as float32 partials that a second kernel sums in a fixed
+  order (so results never depend on timing), then scales, adds the bias and rounds;
+- the K loop is software-pipelined through shared memory (num_stages).
+
+Launch parameters depend on shapes only (CUDA-graph capturable). fp8_gemm_ref is the float32
+reference (engine/models/fp8.py's fp8_linear_ref computes the same).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kernels._common import sm_count, use_pdl
+
+FP8 = torch.float8_e4m3fn
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
+    M, N, K, k_per_split,
+    stride_x, stride_w, stride_o,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_mask = (k0 + tl.arange(0, BLOCK_K)) < k_end
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT > 1:  # partials [SPLIT, M, N], float32, unscaled
+        p_ptrs = part_ptr + (pid_s * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None]
+        tl.store(p_ptrs, acc, mask=mask)
+    else:
+        y = acc * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        y = y * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
+        tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_gemm_reduce_kernel(
+    part_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
+    M, N, stride_o,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n_mask = offs_n < N
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):  # a fixed order: the same sum on every run
+        acc += tl.load(part_ptr + (s * M + m) * N + offs_n, mask=n_mask, other=0.0)
+    y = acc * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0) * tl.load(x_scale_ptr + m)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_o + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+class Fp8GemmTile(NamedTuple):
+    """Weight rows and K bytes per tile, rows of x per program, K splits, warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    block_m: int
+    split: int
+    num_warps: int
+    num_stages: int
+
+
+def default_fp8_gemm_tile(m: int, n: int, k: int, num_sms: int) -> Fp8GemmTile:
+    """128-output tiles of 128 K bytes, all rows (16 to 64) in one program; K split until the
+    grid gives every SM about two programs, each split at least 1024 deep."""
+    block_n, block_k = 128, 128
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    split = 1
+    while tiles * split * 2 <= 2 * num_sms and k // (split * 2) >= 1024:
+        split *= 2
+    return Fp8GemmTile(block_n, block_k, block_m, split, 4, 4)
+
+
+def fp8_gemm(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    tile: Fp8GemmTile | None = None,
+) -> torch.Tensor:
+    """(xq * x_scale) @ (wq * w_scale).T (+ bias) in float32, rounded to out_dtype: [M, N].
+
+    xq [M, K] and wq [N, K] float8 e4m3 with contiguous rows; x_scale float32 [M] (or [M, 1]),
+    w_scale float32 [N]. tile overrides the launch shape (benchmark sweeps)."""
+    if xq.dtype != FP8 or wq.dtype != FP8 or xq.dim() != 2 or wq.dim() != 2 or xq.shape[1] != wq.shape[1]:
+        raise ValueError(f"expected e4m3 x [M, K] and weight [N, K], got {xq.dtype} {tuple(xq.shape)} "
+                         f"and {wq.dtype} {tuple(wq.shape)}")
+    if xq.stride(1) != 1 or wq.stride(1) != 1:
+        raise ValueError("x and weight need contiguous rows")
+    m, k = xq.shape
+    n = wq.shape[0]
+    x_scale = x_scale.reshape(-1)
+    if x_scale.shape != (m,) or w_scale.shape != (n,) or x_scale.dtype != torch.float32 \
+            or w_scale.dtype != torch.float32 or not (x_scale.is_contiguous() and w_scale.is_contiguous()):
+        raise ValueError(f"scales must be float32 [{m}] and [{n}], contiguous")
+    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    tile = tile or default_fp8_gemm_tile(m, n, k, sm_count(xq.device))
+    split = max(1, tile.split)
+    # each split a whole number of K tiles
+    k_per_split = triton.cdiv(triton.cdiv(k, split), tile.block_k) * tile.block_k
+    split = triton.cdiv(k, k_per_split)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else out
+    pdl = use_pdl(xq.device)
+    bias_arg = bias if bias is not None else w_scale
+    _fp8_gemm_kernel[(triton.cdiv(n, tile.block_n), split, triton.cdiv(m, tile.block_m))](
+        xq, x_scale, wq, w_scale, bias_arg, out, part,
+        m, n, k, k_per_split,
+        xq.stride(0), wq.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None,
+        SPLIT=split,
+        PDL=pdl,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+        launch_pdl=pdl,
+    )
+    if split > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _fp8_gemm_reduce_kernel[(m, triton.cdiv(n, block))](
+            part, x_scale, w_scale, bias_arg, out,
+            m, n, out.stride(0),
+            HAS_BIAS=bias is not None,
+            SPLIT=split,
+            PDL=pdl,
+            BLOCK=block,
+            num_warps=4,
+            launch_pdl=pdl,
+        )
+    return out
+
+
+def fp8_gemm_ref(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                 bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """float32 reference: the dequantized operands' product (+ bias), rounded to out_dtype."""
+    y = (xq.float() * x_scale.reshape(-1, 1).float()) @ (wq.float() * w_scale.float()[:, None]).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
