@@ -42,6 +42,7 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    IMPRECISE_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -64,7 +65,8 @@ def _fp8_gemm_kernel(
         k_mask = (k0 + tl.arange(0, BLOCK_K)) < k_end
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
+        # Hopper's FP8 tensor cores add in reduced precision: promoted to float32 every IMPRECISE_K
+        acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=IMPRECISE_K)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
@@ -117,15 +119,18 @@ class Fp8GemmTile(NamedTuple):
 
 
 def default_fp8_gemm_tile(m: int, n: int, k: int, num_sms: int) -> Fp8GemmTile:
-    """128-output tiles of 128 K bytes, all rows (16 to 64) in one program; K split until the
-    grid gives every SM about two programs, each split at least 1024 deep."""
-    block_n, block_k = 128, 128
+    """From benchmarks/fp8_gemm_bench.py --sweep on an H200 (Llama-3.1-8B projections, 8 and 64
+    rows): 64 outputs a program, all rows (16 to 64) in one; 256-byte K tiles 5 stages deep, or
+    128 x 3 when the grid already gives every SM two programs (gate_up); K split in two while
+    that still fits the grid in one wave (o_proj and down_proj: 64 output tiles)."""
+    block_n = 64
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    block_k, stages = (128, 3) if tiles >= 2 * num_sms else (256, 5)
     split = 1
-    while tiles * split * 2 <= 2 * num_sms and k // (split * 2) >= 1024:
+    while tiles * split * 2 <= num_sms and k // (split * 2) >= 1024:
         split *= 2
-    return Fp8GemmTile(block_n, block_k, block_m, split, 4, 4)
+    return Fp8GemmTile(block_n, block_k, block_m, split, 4, stages)
 
 
 def fp8_gemm(
@@ -173,6 +178,7 @@ def fp8_gemm(
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
+        IMPRECISE_K=min(128, tile.block_k),  # as DeepSeek-V3 does (and cuBLAS without fast accumulation)
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         launch_pdl=pdl,
