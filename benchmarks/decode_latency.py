@@ -150,7 +150,7 @@ def main() -> None:
     parser.add_argument("--overlap-ab", action="store_true",
                         help="also time the graph rows with overlap_rounds off (the host reads each round before the next)")
     parser.add_argument("--gemv-ab", action="store_true",
-                        help="also time batch 1 with cuBLAS projections instead of the fused GEMV kernels (bf16)")
+                        help="also time each batch our projection kernels take (GEMV, skinny GEMM) with cuBLAS (bf16)")
     parser.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on",
                         help="the engine rows with prefix caching on, off, or both (the engine built twice)")
     parser.add_argument("--device", default="cuda", help="cpu: a check of the script (float32, no graphs, no roofline)")
@@ -263,13 +263,13 @@ def main() -> None:
                     record(name, "eager", batch, args.k, time_engine(llm, prompts, args.new_tokens, repeats=1), shape,
                            quant, caching)
                     engine.graphs = graphs
-                if args.gemv_ab and batch <= layers.GEMV_MAX_ROWS:
-                    gemv_rows, layers.GEMV_MAX_ROWS = layers.GEMV_MAX_ROWS, 0
-                    small_rows, layers.SMALL_GEMM_MAX_ROWS = layers.SMALL_GEMM_MAX_ROWS, 0
+                if args.gemv_ab and batch <= max(layers.GEMV_MAX_ROWS, layers.SKINNY_GEMM_MAX_ROWS):
+                    saved = layers.GEMV_MAX_ROWS, layers.SMALL_GEMM_MAX_ROWS, layers.SKINNY_GEMM_MAX_ROWS
+                    layers.GEMV_MAX_ROWS = layers.SMALL_GEMM_MAX_ROWS = layers.SKINNY_GEMM_MAX_ROWS = 0
                     graphs.capture(progress=False)  # the projection kernels are chosen when a graph is captured
                     record(name, "graphs-cublas", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape,
                            quant, caching)
-                    layers.GEMV_MAX_ROWS, layers.SMALL_GEMM_MAX_ROWS = gemv_rows, small_rows
+                    layers.GEMV_MAX_ROWS, layers.SMALL_GEMM_MAX_ROWS, layers.SKINNY_GEMM_MAX_ROWS = saved
                     graphs.capture(progress=False)
             prompts = fresh(1)
             for k in args.chunks:

@@ -3,7 +3,7 @@
 
 w ≈ q * scale[:, None], scale = max|w[row]| / 448 (e4m3's largest finite value). On CUDA
 the projection quantizes each activation row the same way on the fly (dynamic per-token
-scales, kernels/fp8_quant.py) and multiplies in FP8 on the tensor cores (kernels/fp8_gemm.py or torch._scaled_mm, W8A8); on CPU it
+scales, kernels/fp8_quant.py) and multiplies in FP8 on the tensor cores (kernels/skinny_gemm.py or torch._scaled_mm, W8A8); on CPU it
 dequantizes the weight (a reference path: correct, not fast). The embedding and the LM
 head stay in the model's dtype."""
 
@@ -15,9 +15,9 @@ import torch.nn.functional as F
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 _TINY = 1e-12  # an all-zero row still gets a usable scale
-# Up to this many rows the W8A8 product runs as kernels/fp8_gemm.py, beyond it torch._scaled_mm:
+# Up to this many rows the W8A8 product runs as kernels/skinny_gemm.py, beyond it torch._scaled_mm:
 # on an H200 the Triton kernel takes Llama-3.1-8B's four projections at 64 rows in 86 us against
-# 124 us, and loses from 128 rows on (benchmarks/results/fp8_gemm_bench-h200-*.json).
+# 124 us, and loses from 128 rows on (benchmarks/results/skinny_gemm_bench-h200-*.json).
 FP8_GEMM_MAX_ROWS = 64
 
 
@@ -43,13 +43,13 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
     """x [..., in] @ (q * scale).T (+ bias), in x's dtype."""
     if not x.is_cuda:
         return F.linear(x, dequantize(q, scale, x.dtype), bias)
-    from kernels.fp8_gemm import fp8_gemm
+    from kernels.skinny_gemm import skinny_gemm
     from kernels.fp8_quant import quantize_rows_fp8  # quantize_rows in one kernel, bit for bit
 
     rows = x.reshape(-1, x.shape[-1])
     xq, x_scale = quantize_rows_fp8(rows)
     if rows.shape[0] <= FP8_GEMM_MAX_ROWS:
-        y = fp8_gemm(xq, x_scale, q, scale, bias, out_dtype=x.dtype)
+        y = skinny_gemm(xq, q, bias, x_scale=x_scale, weight_scale=scale, out_dtype=x.dtype)
     else:
         y = torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale[None, :], bias=bias, out_dtype=x.dtype)
     return y.view(*x.shape[:-1], q.shape[0])

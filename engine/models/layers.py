@@ -35,6 +35,9 @@ SMALL_GEMM_MAX_ROWS = 1
 # torch._scaled_mm (engine/models/fp8.py).
 FP8_GEMV_MAX_ROWS = 1
 FP8_SMALL_GEMM_MAX_ROWS = 1
+# From 2 to this many rows, a bf16/fp16 projection that no kernel above takes runs as
+# kernels/skinny_gemm.py instead of cuBLAS (engine/models/fp8.py decides the same for FP8).
+SKINNY_GEMM_MAX_ROWS = 64
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -59,6 +62,11 @@ def _fused_projection(x: torch.Tensor, weight: torch.Tensor):
 
         return small_gemm
     return None
+
+
+def _skinny_applies(x: torch.Tensor, lm_head: bool) -> bool:
+    return (_triton(x) and not lm_head and 2 <= x.shape[0] <= SKINNY_GEMM_MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1)
 
 
 def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
@@ -89,6 +97,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return y if out_dtype is None else y.to(out_dtype)
     if packed is not None and x.shape[0] > CPU_MKL_MAX_ROWS:
         y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    elif _skinny_applies(x, lm_head):
+        from kernels.skinny_gemm import skinny_gemm
+
+        y = skinny_gemm(x, weight, bias)
     else:
         y = F.linear(x, weight, bias)
     return y if out_dtype is None else y.to(out_dtype)

@@ -1,10 +1,10 @@
-"""W8A8 FP8 projections at decode batch sizes on a GPU: kernels/fp8_gemm.py against
-torch._scaled_mm (cuBLAS, what engine/models/fp8.py ran before) and the bf16 cuBLAS GEMM of the
-same shape, each timed inside a CUDA graph over enough weight copies that L2 holds none of them.
-Every FP8 variant includes the per-row activation quantization (kernels/fp8_quant.py), as in the
-decoder. --sweep also times a grid of fp8_gemm tiles at the --sweep-rows.
+"""Projections at decode batch sizes on a GPU: kernels/skinny_gemm.py against cuBLAS, for bf16
+weights (F.linear) and W8A8 FP8 (torch._scaled_mm), each timed inside a CUDA graph over enough
+weight copies that L2 holds none of them. Every FP8 variant includes the per-row activation
+quantization (kernels/fp8_quant.py), as in the decoder. --sweep also times a grid of skinny_gemm
+tiles at the --sweep-rows.
 
-    python benchmarks/fp8_gemm_bench.py --models llama-3.1-8b --rows 1 2 8 16 64 128 --sweep --out fp8_gemm.json
+    python benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --rows 2 8 16 64 128 --weights fp8 bf16 --sweep --out skinny.json
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ from measure import copy_bandwidth, graph_ms, run_info, write_json  # noqa: E402
 BF16 = torch.bfloat16
 
 
-def sweep_tiles(rows: int) -> list:
-    from kernels.fp8_gemm import Fp8GemmTile
+def sweep_tiles(rows: int, weight_bytes: int) -> list:
+    from kernels.skinny_gemm import SkinnyGemmTile
 
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-    return [Fp8GemmTile(bn, bk, block_m, split, 4, stages)
-            for bn, bk, split, stages in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (3, 5))]
+    return [SkinnyGemmTile(bn, tile_bytes // weight_bytes, block_m, split, 4, stages)
+            for bn, tile_bytes, split, stages in itertools.product((64, 128), (128, 256), (1, 2, 4), (3, 5))]
 
 
-def bench(model: str, proj: tuple, rows: int, copy_gbs: float, tiles: list) -> list[dict]:
+def bench(model: str, proj: tuple, rows: int, copy_gbs: float, weights: str, tiles: list) -> list[dict]:
     from engine.models.fp8 import quantize_per_channel
-    from kernels.fp8_gemm import default_fp8_gemm_tile, fp8_gemm
     from kernels.fp8_quant import quantize_rows_fp8
+    from kernels.skinny_gemm import default_skinny_gemm_tile, skinny_gemm
 
     name, n, k, _, bias, _ = proj
     fp8_bytes = n * k + 4 * n
@@ -46,7 +46,7 @@ def bench(model: str, proj: tuple, rows: int, copy_gbs: float, tiles: list) -> l
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, k, device="cuda", dtype=BF16, generator=gen)
     bf16 = [torch.randn(n, k, device="cuda", dtype=BF16, generator=gen) / k**0.5 for _ in range(copies)]
-    fp8 = [quantize_per_channel(w) for w in bf16]
+    fp8 = [quantize_per_channel(w) for w in bf16] if weights == "fp8" else None
     b = torch.randn(n, device="cuda", dtype=BF16, generator=gen) if bias else None
 
     def scaled_mm(i):
@@ -57,15 +57,21 @@ def bench(model: str, proj: tuple, rows: int, copy_gbs: float, tiles: list) -> l
 
     def triton_gemm(i, tile):
         def fn():
+            if fp8 is None:
+                return skinny_gemm(x, bf16[i], b, tile=tile)
             xq, xs = quantize_rows_fp8(x)
-            return fp8_gemm(xq, xs, fp8[i][0], fp8[i][1], b, out_dtype=BF16, tile=tile)
+            return skinny_gemm(xq, fp8[i][0], b, x_scale=xs, weight_scale=fp8[i][1], out_dtype=BF16, tile=tile)
         return fn
 
-    variants = [("bf16 cuBLAS", None, lambda i: (lambda: F.linear(x, bf16[i], b)), 2 * n * k),
-                ("W8A8 _scaled_mm", None, scaled_mm, fp8_bytes),
-                ("W8A8 fp8_gemm", default_fp8_gemm_tile(rows, n, k, torch.cuda.get_device_properties(0).multi_processor_count),
-                 None, fp8_bytes)]
-    variants += [("W8A8 fp8_gemm sweep", t, None, fp8_bytes) for t in tiles]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if fp8 is None:
+        variants = [("bf16 cuBLAS", None, lambda i: (lambda: F.linear(x, bf16[i], b)), 2 * n * k),
+                    ("bf16 skinny_gemm", default_skinny_gemm_tile(rows, n, k, sms, 2), None, 2 * n * k)]
+        variants += [("bf16 skinny_gemm sweep", t, None, 2 * n * k) for t in tiles]
+    else:
+        variants = [("W8A8 _scaled_mm", None, scaled_mm, fp8_bytes),
+                    ("W8A8 skinny_gemm", default_skinny_gemm_tile(rows, n, k, sms), None, fp8_bytes)]
+        variants += [("W8A8 skinny_gemm sweep", t, None, fp8_bytes) for t in tiles]
     out = []
     for kind, tile, make, weight_bytes in variants:
         fns = [make(i) if make else triton_gemm(i, tile) for i in range(copies)]
@@ -74,7 +80,7 @@ def bench(model: str, proj: tuple, rows: int, copy_gbs: float, tiles: list) -> l
         except Exception as e:  # a tile that does not compile or fit
             print(f"  {model} {name} rows={rows} {kind} {tile}: {type(e).__name__}: {str(e)[:100]}")
             continue
-        row = dict(model=model, projection=name, rows=rows, n=n, k=k, kind=kind, tile=list(tile) if tile else None,
+        row = dict(model=model, projection=name, rows=rows, n=n, k=k, weights=weights, kind=kind, tile=list(tile) if tile else None,
                    us=ms * 1e3, gb_per_s=weight_bytes / ms / 1e6, fraction_of_copy=weight_bytes / ms / 1e6 / copy_gbs)
         out.append(row)
         if "sweep" not in kind:
@@ -95,6 +101,7 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", default=["llama-3.1-8b"])
     parser.add_argument("--rows", nargs="+", type=int, default=[2, 8, 16, 64, 128])
     parser.add_argument("--projections", nargs="+", default=["qkv", "o", "gate_up", "down"])
+    parser.add_argument("--weights", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tiles at --sweep-rows")
     parser.add_argument("--sweep-rows", nargs="+", type=int, default=[8, 64])
     parser.add_argument("--out", required=True)
@@ -105,10 +112,11 @@ def main() -> int:
         for proj in projections(model):
             if proj[0] not in args.projections:
                 continue
-            for m in args.rows:
-                tiles = sweep_tiles(m) if args.sweep and m in args.sweep_rows else []
-                rows += bench(model, proj, m, copy["gb_per_s"], tiles)
-    write_json(args.out, dict(**run_info("fp8_gemm_bench"), copy=copy, rows=rows))
+            for weights in args.weights:
+                for m in args.rows:
+                    tiles = sweep_tiles(m, 1 if weights == "fp8" else 2) if args.sweep and m in args.sweep_rows else []
+                    rows += bench(model, proj, m, copy["gb_per_s"], weights, tiles)
+    write_json(args.out, dict(**run_info("skinny_gemm_bench"), copy=copy, rows=rows))
     return 0
 
 

@@ -1,0 +1,236 @@
+"""Projections for decode batches, out = x @ w.T (+ bias) for x [M, K] with 2 to ~64 rows, on the
+tensor cores: bf16 / fp16 / fp32 operands, or W8A8 FP8 (x and w float8 e4m3, one float32 scale
+per row of each: out = (x * x_scale) @ (w * w_scale).T).
+
+cuBLAS picks tiles for these shapes that leave bandwidth unused: torch._scaled_mm reaches about
+2 TB/s of an H200's 4.8 on Llama-3.1-8B's FP8 projections at 64 rows, and the bf16 GEMMs split K
+into a GEMM and a reduce kernel at 8 rows (benchmarks/results/profile_decode-*). At so few rows the
+weights are all the traffic, so the kernel is built around reading them:
+
+- swap AB: each program multiplies a BLOCK_N x BLOCK_K weight tile by the transposed activations
+  (tl.dot(w, x.T)), so the weights fill the tensor cores' 64-row side and the rows (8 to 64) the
+  narrow side;
+- split K: a projection with few output tiles (Llama-3.1-8B's down_proj: 32 tiles of 128 outputs)
+  cuts K into SPLIT parts, each written as float32 partials that a second kernel sums in a fixed
+  order (so results never depend on timing), then scales, adds the bias and rounds;
+- the K loop is software-pipelined through shared memory (num_stages).
+
+Launch parameters depend on shapes only (CUDA-graph capturable). skinny_gemm_ref is the float32
+reference (for FP8, engine/models/fp8.py's fp8_linear_ref computes the same).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kernels._common import dot_precision, sm_count, use_pdl
+
+FP8 = torch.float8_e4m3fn
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
+    M, N, K, k_per_split,
+    stride_x, stride_w, stride_o,
+    HAS_BIAS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IMPRECISE_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_mask = (k0 + tl.arange(0, BLOCK_K)) < k_end
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if HAS_SCALES:  # Hopper's FP8 tensor cores add in reduced precision: float32 every IMPRECISE_K
+            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=IMPRECISE_K)
+        else:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PREC)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT > 1:  # partials [SPLIT, M, N], float32, unscaled
+        p_ptrs = part_ptr + (pid_s * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None]
+        tl.store(p_ptrs, acc, mask=mask)
+    else:
+        y = acc
+        if HAS_SCALES:
+            y = y * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+            y = y * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
+        tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _skinny_gemm_reduce_kernel(
+    part_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
+    M, N, stride_o,
+    HAS_BIAS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n_mask = offs_n < N
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):  # a fixed order: the same sum on every run
+        acc += tl.load(part_ptr + (s * M + m) * N + offs_n, mask=n_mask, other=0.0)
+    y = acc
+    if HAS_SCALES:
+        y = y * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0) * tl.load(x_scale_ptr + m)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_o + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+class SkinnyGemmTile(NamedTuple):
+    """Weight rows and K elements per tile, rows of x per program, K splits, warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    block_m: int
+    split: int
+    num_warps: int
+    num_stages: int
+
+
+def default_skinny_gemm_tile(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 1) -> SkinnyGemmTile:
+    """From benchmarks/skinny_gemm_bench.py --sweep on an H200 (Llama-3.1-8B projections, 8 and
+    64 rows): 64 outputs a program, all rows (16 to 64) in one; 256-byte K tiles 5 stages deep, or
+    128 bytes x 3 when the grid already gives every SM two programs (gate_up); K split in two while
+    that still fits the grid in one wave (o_proj and down_proj: 64 output tiles)."""
+    block_n = 64
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    tile_bytes, stages = (128, 3) if tiles >= 2 * num_sms else (256, 5)
+    block_k = tile_bytes // weight_bytes
+    split = 1
+    while tiles * split * 2 <= num_sms and k // (split * 2) >= 1024:
+        split *= 2
+    return SkinnyGemmTile(block_n, block_k, block_m, split, 4, stages)
+
+
+def skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    x_scale: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    tile: SkinnyGemmTile | None = None,
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) in float32, rounded to out_dtype (default x's dtype; bfloat16 for
+    FP8): [M, N]. x [M, K] and weight [N, K] with contiguous rows, of one dtype. FP8 (float8
+    e4m3) operands need x_scale float32 [M] (or [M, 1]) and weight_scale float32 [N]: the
+    product is then (x * x_scale) @ (weight * weight_scale).T. tile overrides the launch shape
+    (benchmark sweeps)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype:
+        raise ValueError(f"expected x [M, K] and weight [N, K] of one dtype, got {x.dtype} {tuple(x.shape)} "
+                         f"and {weight.dtype} {tuple(weight.shape)}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight need contiguous rows")
+    m, k = x.shape
+    n = weight.shape[0]
+    fp8 = x.dtype == FP8
+    if fp8:
+        if x_scale is None or weight_scale is None:
+            raise ValueError("FP8 operands need x_scale and weight_scale")
+        x_scale = x_scale.reshape(-1)
+        if x_scale.shape != (m,) or weight_scale.shape != (n,) or x_scale.dtype != torch.float32 \
+                or weight_scale.dtype != torch.float32 or not (x_scale.is_contiguous() and weight_scale.is_contiguous()):
+            raise ValueError(f"scales must be float32 [{m}] and [{n}], contiguous")
+    elif x_scale is not None or weight_scale is not None:
+        raise ValueError("scales go with FP8 operands only")
+    out = torch.empty((m, n), dtype=out_dtype or (torch.bfloat16 if fp8 else x.dtype), device=x.device)
+    if m == 0:
+        return out
+    tile = tile or default_skinny_gemm_tile(m, n, k, sm_count(x.device), weight.element_size())
+    split = max(1, tile.split)
+    # each split a whole number of K tiles
+    k_per_split = triton.cdiv(triton.cdiv(k, split), tile.block_k) * tile.block_k
+    split = triton.cdiv(k, k_per_split)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    pdl = use_pdl(x.device)
+    scale_args = (x_scale, weight_scale) if fp8 else (out, out)
+    bias_arg = bias if bias is not None else out
+    _skinny_gemm_kernel[(triton.cdiv(n, tile.block_n), split, triton.cdiv(m, tile.block_m))](
+        x, scale_args[0], weight, scale_args[1], bias_arg, out, part,
+        m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None,
+        HAS_SCALES=fp8,
+        SPLIT=split,
+        PDL=pdl,
+        DOT_PREC=dot_precision(x.dtype),
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        IMPRECISE_K=min(128, tile.block_k),  # as DeepSeek-V3 does (and cuBLAS without fast accumulation)
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+        launch_pdl=pdl,
+    )
+    if split > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _skinny_gemm_reduce_kernel[(m, triton.cdiv(n, block))](
+            part, scale_args[0], scale_args[1], bias_arg, out,
+            m, n, out.stride(0),
+            HAS_BIAS=bias is not None,
+            HAS_SCALES=fp8,
+            SPLIT=split,
+            PDL=pdl,
+            BLOCK=block,
+            num_warps=4,
+            launch_pdl=pdl,
+        )
+    return out
+
+
+def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    x_scale: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """float32 reference: the (dequantized) operands' product (+ bias), rounded to out_dtype."""
+    xf, wf = x.float(), weight.float()
+    if x_scale is not None:
+        xf = xf * x_scale.reshape(-1, 1).float()
+        wf = wf * weight_scale.float()[:, None]
+    y = xf @ wf.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or (torch.bfloat16 if x.dtype == FP8 else x.dtype))

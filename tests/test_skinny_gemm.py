@@ -1,0 +1,171 @@
+"""kernels.skinny_gemm: decode-batch projections on the tensor cores (float operands, or W8A8 FP8)
+against the float32 reference, with and without split K, bias, ragged edges. CPU tests run in
+Triton's interpreter at small shapes (float32: its bf16 dot is not exact); the `gpu` ones at model
+shapes on CUDA, against cuBLAS as well, and inside a captured CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.skinny_gemm import SkinnyGemmTile, default_skinny_gemm_tile, skinny_gemm, skinny_gemm_ref
+from tensor_checks import rel_err
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_operands(m: int, n: int, k: int, device: str = "cpu", seed: int = 0, bias: bool = False):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    xq = (torch.randn(m, k, generator=gen, device=device) * 40).clamp(-448, 448).to(FP8)
+    wq = (torch.randn(n, k, generator=gen, device=device) * 40).clamp(-448, 448).to(FP8)
+    x_scale = torch.rand(m, 1, generator=gen, device=device) * 1e-2 + 1e-4
+    w_scale = torch.rand(n, generator=gen, device=device) * 1e-3 + 1e-5
+    b = torch.randn(n, generator=gen, device=device).to(torch.bfloat16) if bias else None
+    return xq, x_scale, wq, w_scale, b
+
+
+def float_operands(m: int, n: int, k: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0,
+                   bias: bool = False):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=gen, device=device).to(dtype) if bias else None
+    return x, w, b
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor, sum_rel: float) -> None:
+    """out within one rounding of its dtype of ref, plus sum_rel times the sum of the products'
+    magnitudes (`magnitude`: |x| @ |w|.T), the bound of a sum whose adds round at that precision."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not out.isnan().any(), "an output the kernel never wrote"
+    ulp = 2.0 ** -23 if out.dtype == torch.float32 else 2.0 ** -7
+    bound = ref.float().abs() * ulp + magnitude * sum_rel + 1e-30
+    excess = ((out.float() - ref.float()).abs() / bound).max().item()
+    assert excess <= 1.0, f"error {excess:.2f}x the bound; relative error {rel_err(out, ref):.2e}"
+
+
+def fp8_magnitude(xq, x_scale, wq, w_scale) -> torch.Tensor:
+    return (xq.float().abs() * x_scale.reshape(-1, 1)) @ (wq.float().abs() * w_scale[:, None]).T
+
+
+# (m, n, k, tile): one program column; ragged N / M / K edges; split K (exact and ragged)
+CASES = [
+    pytest.param(4, 32, 64, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="plain"),
+    pytest.param(5, 40, 72, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="ragged-edges"),
+    pytest.param(3, 32, 128, SkinnyGemmTile(16, 32, 16, 4, 4, 2), id="split-4"),
+    pytest.param(18, 24, 100, SkinnyGemmTile(16, 32, 16, 3, 4, 2), id="split-ragged-two-row-blocks"),
+]
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k,tile", CASES)
+def test_fp8_matches_ref(m, n, k, tile, bias, out_dtype, poisoned_outputs):
+    xq, x_scale, wq, w_scale, b = fp8_operands(m, n, k, seed=m * n + k, bias=bias)
+    out = skinny_gemm(xq, wq, b, x_scale=x_scale, weight_scale=w_scale, out_dtype=out_dtype, tile=tile)
+    ref = skinny_gemm_ref(xq, wq, b, x_scale=x_scale, weight_scale=w_scale, out_dtype=out_dtype)
+    assert_close(out, ref, fp8_magnitude(xq, x_scale, wq, w_scale), 2.0 ** -20)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k,tile", CASES)
+def test_float_matches_ref(m, n, k, tile, bias, poisoned_outputs):
+    x, w, b = float_operands(m, n, k, torch.float32, seed=m + n + k, bias=bias)
+    out = skinny_gemm(x, w, b, tile=tile)
+    assert_close(out, skinny_gemm_ref(x, w, b), x.abs() @ w.abs().T, 2.0 ** -20)
+
+
+def test_split_results_do_not_depend_on_the_split_count():
+    """Splitting K changes only the order of the float32 sums."""
+    xq, x_scale, wq, w_scale, _ = fp8_operands(4, 32, 128, seed=7)
+    run = lambda split: skinny_gemm(xq, wq, x_scale=x_scale, weight_scale=w_scale, out_dtype=torch.float32,  # noqa: E731
+                                    tile=SkinnyGemmTile(16, 32, 16, split, 4, 2))
+    one = run(1)
+    for split in (2, 4):
+        torch.testing.assert_close(run(split), one, rtol=1e-5, atol=1e-5 * one.abs().max().item())
+
+
+def test_default_tile_splits_narrow_projections_only():
+    sms = 132
+    down = default_skinny_gemm_tile(64, 4096, 14336, sms)  # Llama-3.1-8B down_proj: 64 output tiles
+    gate_up = default_skinny_gemm_tile(64, 28672, 4096, sms)  # 448 output tiles
+    assert down.split > 1 and 14336 // down.split >= 1024
+    assert gate_up.split == 1
+    assert default_skinny_gemm_tile(8, 4096, 4096, sms).block_m == 16
+    assert default_skinny_gemm_tile(64, 4096, 4096, sms).block_m == 64
+    # the same tile bytes for bf16 weights: half the K elements
+    assert default_skinny_gemm_tile(8, 4096, 4096, sms, weight_bytes=2).block_k * 2 == \
+        default_skinny_gemm_tile(8, 4096, 4096, sms).block_k
+
+
+def test_rejects_bad_operands():
+    xq, x_scale, wq, w_scale, _ = fp8_operands(4, 32, 64)
+    with pytest.raises(ValueError):
+        skinny_gemm(xq.float(), wq, x_scale=x_scale, weight_scale=w_scale)  # dtypes differ
+    with pytest.raises(ValueError):
+        skinny_gemm(xq, wq[:, :32], x_scale=x_scale, weight_scale=w_scale)  # K differs
+    with pytest.raises(ValueError):
+        skinny_gemm(xq, wq, x_scale=x_scale[:2], weight_scale=w_scale)  # one scale per row
+    with pytest.raises(ValueError):
+        skinny_gemm(xq, wq)  # FP8 without scales
+    with pytest.raises(ValueError):
+        skinny_gemm(xq.float(), wq.float(), x_scale=x_scale, weight_scale=w_scale)  # scales without FP8
+
+
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1152, 896), (896, 4864)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 8, 16, 64])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gpu_fp8_model_shapes(m, n, k, poisoned_outputs):
+    """Hopper's FP8 dot adds at ~2^-13 within each 128-deep chunk (promoted to float32 between
+    chunks): the bound allows 2^-11 of the products' magnitudes, and the error must not exceed
+    twice cuBLAS's (torch._scaled_mm, exact accumulation) by more than that."""
+    xq, x_scale, wq, w_scale, b = fp8_operands(m, n, k, device="cuda", seed=m + n + k, bias=n == 1152)
+    out = skinny_gemm(xq, wq, b, x_scale=x_scale, weight_scale=w_scale)
+    ref = skinny_gemm_ref(xq, wq, b, x_scale=x_scale, weight_scale=w_scale)
+    assert_close(out, ref, fp8_magnitude(xq, x_scale, wq, w_scale), 2.0 ** -11)
+    cublas = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale[None, :], bias=b, out_dtype=torch.bfloat16)
+    assert rel_err(out, ref) <= 2 * rel_err(cublas, ref) + 2.0 ** -11
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 8, 16, 64])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gpu_bf16_model_shapes(m, n, k, poisoned_outputs):
+    x, w, b = float_operands(m, n, k, torch.bfloat16, device="cuda", seed=m * k + n, bias=n == 1152)
+    out = skinny_gemm(x, w, b)
+    ref = skinny_gemm_ref(x, w, b)
+    assert_close(out, ref, x.float().abs() @ w.float().abs().T, 2.0 ** -20)
+    assert rel_err(out, ref) <= 2 * rel_err(F.linear(x, w, b), ref) + 2.0 ** -12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [True, False])
+def test_gpu_graph_capture_replays_new_inputs(fp8):
+    m, n, k = 64, 4096, 14336  # a split-K shape
+    if fp8:
+        xq, x_scale, wq, w_scale, _ = fp8_operands(m, n, k, device="cuda", seed=1)
+        run = lambda: skinny_gemm(xq, wq, x_scale=x_scale, weight_scale=w_scale)  # noqa: E731
+    else:
+        xq, wq, _ = float_operands(m, n, k, torch.bfloat16, device="cuda", seed=1)
+        x_scale = w_scale = None
+        run = lambda: skinny_gemm(xq, wq)  # noqa: E731
+    run()  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    if fp8:
+        fresh = fp8_operands(m, n, k, device="cuda", seed=2)
+        xq.copy_(fresh[0])
+        x_scale.copy_(fresh[1])
+    else:
+        xq.copy_(float_operands(m, n, k, torch.bfloat16, device="cuda", seed=2)[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = skinny_gemm_ref(xq, wq, x_scale=x_scale, weight_scale=w_scale)
+    magnitude = fp8_magnitude(xq, x_scale, wq, w_scale) if fp8 else xq.float().abs() @ wq.float().abs().T
+    assert_close(out, ref, magnitude, 2.0 ** -11 if fp8 else 2.0 ** -20)
