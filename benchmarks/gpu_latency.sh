@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check
 set -u
 PART=${1:-tests}
 . benchmarks/gpu_env.sh
@@ -42,6 +42,16 @@ accuracy)
   ;;
 profile)
   timeout 120 python3 benchmarks/profile_decode.py --model qwen2.5-0.5b --batch 1 --out "$OUT/profile_qwen_b1.json" 2>&1 | quiet
+  ;;
+skinny-check)  # the skinny GEMM's and FP8's GPU tests (FP8 accuracy included), then decode at 1 / 8 / 16 / 64
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py tests/test_fp8.py \
+    > "$OUT/gpu_tests.log" 2>&1; tail -3 "$OUT/gpu_tests.log"
+  timeout 170 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 8 16 64 --chunks 8 --no-eager \
+    --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 --gemv-ab \
+    --out "$OUT/decode_8b.json" 2>&1 | grep -E " graphs"
+  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
+  timeout 100 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 8 16 64 --chunks 8 --no-eager \
+    --skip-transformers --max-num-seqs 64 --gemv-ab --out "$OUT/decode_qwen.json" 2>&1 | grep -E " graphs"
   ;;
 skinny)  # kernels/skinny_gemm.py: GPU tests, the bf16 tile sweep, decode with it against cuBLAS (A/B)
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py tests/test_fp8.py 2>&1 \

@@ -40,6 +40,7 @@ def _skinny_gemm_kernel(
     stride_x, stride_w, stride_o,
     HAS_BIAS: tl.constexpr,
     HAS_SCALES: tl.constexpr,
+    SILU_MUL: tl.constexpr,
     SPLIT: tl.constexpr,
     PDL: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -59,20 +60,25 @@ def _skinny_gemm_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     offs_k = k_start + tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+    if SILU_MUL:  # up row N + n beside gate row n
+        u_ptrs = w_ptrs + N * stride_w
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if SILU_MUL:
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k_mask = (k0 + tl.arange(0, BLOCK_K)) < k_end
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if HAS_SCALES:  # Hopper's FP8 tensor cores add in reduced precision: float32 every IMPRECISE_K
-            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=IMPRECISE_K)
-        else:
-            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PREC)
+        acc = _dot(w, x, acc, HAS_SCALES, DOT_PREC, IMPRECISE_K)
+        if SILU_MUL:
+            u = tl.load(u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc_u = _dot(u, x, acc_u, HAS_SCALES, DOT_PREC, IMPRECISE_K)
+            u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
@@ -87,8 +93,25 @@ def _skinny_gemm_kernel(
             y = y * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
         if HAS_BIAS:
             y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        dt = out_ptr.dtype.element_ty
+        if SILU_MUL:  # rounded as the unfused path rounds (kernels/activation.py)
+            up = acc_u
+            if HAS_SCALES:
+                up = up * tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[:, None]
+                up = up * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+            gate = y.to(dt).to(tl.float32)
+            y = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
         o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
-        tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_ptrs, y.to(dt), mask=mask)
+
+
+@triton.jit
+def _dot(w, x, acc, HAS_SCALES: tl.constexpr, DOT_PREC: tl.constexpr, IMPRECISE_K: tl.constexpr):
+    """acc + w @ x.T on the tensor cores. Hopper's FP8 dot adds in reduced precision: its sums
+    are promoted to float32 every IMPRECISE_K."""
+    if HAS_SCALES:
+        return tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=IMPRECISE_K)
+    return tl.dot(w, tl.trans(x), acc, input_precision=DOT_PREC)
 
 
 @triton.jit
@@ -153,35 +176,39 @@ def skinny_gemm(
     x_scale: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    silu_mul: bool = False,
     tile: SkinnyGemmTile | None = None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) in float32, rounded to out_dtype (default x's dtype; bfloat16 for
     FP8): [M, N]. x [M, K] and weight [N, K] with contiguous rows, of one dtype. FP8 (float8
     e4m3) operands need x_scale float32 [M] (or [M, 1]) and weight_scale float32 [N]: the
-    product is then (x * x_scale) @ (weight * weight_scale).T. tile overrides the launch shape
-    (benchmark sweeps)."""
+    product is then (x * x_scale) @ (weight * weight_scale).T. silu_mul: weight is a fused
+    [gate; up] of 2I rows (no bias) and the result silu(x @ gate.T) * (x @ up.T), [M, I]; K is
+    never split then. tile overrides the launch shape (benchmark sweeps)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype:
         raise ValueError(f"expected x [M, K] and weight [N, K] of one dtype, got {x.dtype} {tuple(x.shape)} "
                          f"and {weight.dtype} {tuple(weight.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight need contiguous rows")
+    if silu_mul and (weight.shape[0] % 2 or bias is not None):
+        raise ValueError("silu_mul needs an even number of weight rows and no bias")
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     fp8 = x.dtype == FP8
     if fp8:
         if x_scale is None or weight_scale is None:
             raise ValueError("FP8 operands need x_scale and weight_scale")
         x_scale = x_scale.reshape(-1)
-        if x_scale.shape != (m,) or weight_scale.shape != (n,) or x_scale.dtype != torch.float32 \
+        if x_scale.shape != (m,) or weight_scale.shape != (weight.shape[0],) or x_scale.dtype != torch.float32 \
                 or weight_scale.dtype != torch.float32 or not (x_scale.is_contiguous() and weight_scale.is_contiguous()):
-            raise ValueError(f"scales must be float32 [{m}] and [{n}], contiguous")
+            raise ValueError(f"scales must be float32 [{m}] and [{weight.shape[0]}], contiguous")
     elif x_scale is not None or weight_scale is not None:
         raise ValueError("scales go with FP8 operands only")
     out = torch.empty((m, n), dtype=out_dtype or (torch.bfloat16 if fp8 else x.dtype), device=x.device)
     if m == 0:
         return out
     tile = tile or default_skinny_gemm_tile(m, n, k, sm_count(x.device), weight.element_size())
-    split = max(1, tile.split)
+    split = 1 if silu_mul else max(1, tile.split)
     # each split a whole number of K tiles
     k_per_split = triton.cdiv(triton.cdiv(k, split), tile.block_k) * tile.block_k
     split = triton.cdiv(k, k_per_split)
@@ -195,6 +222,7 @@ def skinny_gemm(
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
         HAS_SCALES=fp8,
+        SILU_MUL=silu_mul,
         SPLIT=split,
         PDL=pdl,
         DOT_PREC=dot_precision(x.dtype),
@@ -224,8 +252,9 @@ def skinny_gemm(
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                     x_scale: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
-                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """float32 reference: the (dequantized) operands' product (+ bias), rounded to out_dtype."""
+                    out_dtype: torch.dtype | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """float32 reference: the (dequantized) operands' product (+ bias), rounded to out_dtype;
+    silu_mul: then silu(gate) * up as kernels/activation.py rounds it."""
     xf, wf = x.float(), weight.float()
     if x_scale is not None:
         xf = xf * x_scale.reshape(-1, 1).float()
@@ -233,4 +262,8 @@ def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     y = xf @ wf.T
     if bias is not None:
         y = y + bias.float()
-    return y.to(out_dtype or (torch.bfloat16 if x.dtype == FP8 else x.dtype))
+    dtype = out_dtype or (torch.bfloat16 if x.dtype == FP8 else x.dtype)
+    if silu_mul:
+        gate, up = y.to(dtype).float().chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate).to(dtype).float() * up
+    return y.to(dtype)

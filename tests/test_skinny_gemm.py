@@ -169,3 +169,44 @@ def test_gpu_graph_capture_replays_new_inputs(fp8):
     ref = skinny_gemm_ref(xq, wq, x_scale=x_scale, weight_scale=w_scale)
     magnitude = fp8_magnitude(xq, x_scale, wq, w_scale) if fp8 else xq.float().abs() @ wq.float().abs().T
     assert_close(out, ref, magnitude, 2.0 ** -11 if fp8 else 2.0 ** -20)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("m,n,k,tile", [pytest.param(3, 64, 64, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="plain"),
+                                        pytest.param(5, 40, 72, SkinnyGemmTile(16, 32, 16, 4, 4, 2), id="ragged-split-ignored")])
+def test_silu_mul_matches_the_unfused_path(m, n, k, tile, fp8, poisoned_outputs):
+    """silu(x @ gate.T) * (x @ up.T) for a fused [gate; up] weight, rounded like kernels/activation.py:
+    within one output rounding of the reference (K is never split, whatever the tile says)."""
+    if fp8:
+        xq, x_scale, wq, w_scale, _ = fp8_operands(m, 2 * n, k, seed=m + k)
+        kw = dict(x_scale=x_scale, weight_scale=w_scale, out_dtype=torch.float32)
+    else:
+        xq, wq, _ = float_operands(m, 2 * n, k, torch.float32, seed=m + k)
+        kw = {}
+    out = skinny_gemm(xq, wq, silu_mul=True, tile=tile, **kw)
+    ref = skinny_gemm_ref(xq, wq, silu_mul=True, **kw)
+    assert out.shape == (m, n)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    with pytest.raises(ValueError):
+        skinny_gemm(xq, wq[:-1], silu_mul=True, **kw)  # an odd number of rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 8, 16])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_silu_mul_model_shapes(m, fp8, poisoned_outputs):
+    n, k = 28672, 4096  # Llama-3.1-8B gate_up
+    if fp8:
+        xq, x_scale, wq, w_scale, _ = fp8_operands(m, n, k, device="cuda", seed=m)
+        kw = dict(x_scale=x_scale, weight_scale=w_scale)
+    else:
+        xq, wq, _ = float_operands(m, n, k, torch.bfloat16, device="cuda", seed=m)
+        kw = {}
+    out = skinny_gemm(xq, wq, silu_mul=True, **kw)
+    ref = skinny_gemm_ref(xq, wq, silu_mul=True, **kw)
+    unfused = skinny_gemm_ref(xq, wq, **kw)  # the projection alone, then the activation kernel's rounding
+    assert out.shape == (m, n // 2) and not out.isnan().any()
+    assert rel_err(out, ref) <= 2.0 ** -7, rel_err(out, ref)
+    from kernels.activation import silu_and_mul
+
+    assert rel_err(silu_and_mul(unfused), ref) <= 2.0 ** -7

@@ -39,20 +39,30 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ (q * scale).T (+ bias), in x's dtype."""
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+               silu_mul: bool = False) -> torch.Tensor:
+    """x [..., in] @ (q * scale).T (+ bias), in x's dtype; silu_mul: q is a fused [gate; up] and
+    the result silu(gate) * up."""
     if not x.is_cuda:
-        return F.linear(x, dequantize(q, scale, x.dtype), bias)
+        y = F.linear(x, dequantize(q, scale, x.dtype), bias)
+        if silu_mul:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        return y
     from kernels.skinny_gemm import skinny_gemm
     from kernels.fp8_quant import quantize_rows_fp8  # quantize_rows in one kernel, bit for bit
 
     rows = x.reshape(-1, x.shape[-1])
     xq, x_scale = quantize_rows_fp8(rows)
     if rows.shape[0] <= FP8_GEMM_MAX_ROWS:
-        y = skinny_gemm(xq, q, bias, x_scale=x_scale, weight_scale=scale, out_dtype=x.dtype)
+        y = skinny_gemm(xq, q, bias, x_scale=x_scale, weight_scale=scale, out_dtype=x.dtype, silu_mul=silu_mul)
     else:
         y = torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale[None, :], bias=bias, out_dtype=x.dtype)
-    return y.view(*x.shape[:-1], q.shape[0])
+        if silu_mul:
+            from kernels.activation import silu_and_mul
+
+            y = silu_and_mul(y)
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def fp8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,

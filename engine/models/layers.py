@@ -36,8 +36,12 @@ SMALL_GEMM_MAX_ROWS = 1
 FP8_GEMV_MAX_ROWS = 1
 FP8_SMALL_GEMM_MAX_ROWS = 1
 # From 2 to this many rows, a bf16/fp16 projection that no kernel above takes runs as
-# kernels/skinny_gemm.py instead of cuBLAS (engine/models/fp8.py decides the same for FP8).
-SKINNY_GEMM_MAX_ROWS = 64
+# kernels/skinny_gemm.py (with the SiLU-and-mul fused into gate_up) instead of cuBLAS; engine/models/fp8.py
+# decides the same for FP8. H200, Llama-3.1-8B at 8 rows: 110.5 vs 115.1 us for the four
+# projections, and 1,744 vs 1,673 tok/s for the whole step (before the fused SiLU); from 32 rows
+# cuBLAS wins on gate_up (61.9 vs 69.6 us) and the 0.5B step at 64 (53,757 vs 51,743 tok/s)
+# (benchmarks/results/skinny_gemm_bench-*, decode_latency-*-skinny-ab-*).
+SKINNY_GEMM_MAX_ROWS = 16
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -85,24 +89,27 @@ CPU_MKL_MAX_ROWS = 2
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-           scale: torch.Tensor | None = None, lm_head: bool = False) -> torch.Tensor:
+           scale: torch.Tensor | None = None, lm_head: bool = False, silu_mul: bool = False) -> torch.Tensor:
     """x @ weight.T (+ bias); out_dtype: the result (rounded to x's dtype first) in this dtype.
     An FP8 weight comes with its per-output-channel `scale` (engine/models/fp8.py).
-    lm_head: the vocabulary projection (cuBLAS, never the GEMV)."""
+    lm_head: the vocabulary projection (cuBLAS, never the GEMV). silu_mul: weight is a fused
+    [gate; up] and the result silu(gate) * up, fused into the projection where its kernel can."""
     kernel = None if lm_head else _fused_projection(x, weight)
     if kernel is not None:
-        return kernel(x, weight, bias, out_dtype=out_dtype, weight_scale=scale)[0]
+        return kernel(x, weight, bias, out_dtype=out_dtype, weight_scale=scale, silu_mul=silu_mul)[0]
     if weight.dtype == FP8:
-        y = fp8_linear(x, weight, scale, bias)
+        y = fp8_linear(x, weight, scale, bias, silu_mul=silu_mul)
+        return y if out_dtype is None else y.to(out_dtype)
+    if _skinny_applies(x, lm_head):
+        from kernels.skinny_gemm import skinny_gemm
+
+        y = skinny_gemm(x, weight, bias, silu_mul=silu_mul)
         return y if out_dtype is None else y.to(out_dtype)
     if packed is not None and x.shape[0] > CPU_MKL_MAX_ROWS:
         y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    elif _skinny_applies(x, lm_head):
-        from kernels.skinny_gemm import skinny_gemm
-
-        y = skinny_gemm(x, weight, bias)
     else:
         y = F.linear(x, weight, bias)
+    y = silu_and_mul(y) if silu_mul else y
     return y if out_dtype is None else y.to(out_dtype)
 
 
@@ -148,8 +155,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         h, residual = rms_norm(x, norm_weight, eps), x
     else:
         h, residual = add_rms_norm(x, residual, norm_weight, eps)
-    y = proj(h)
-    return (silu_and_mul(y) if silu_mul else y), residual
+    return linear(h, proj.weight, proj.bias, proj.packed, scale=proj.weight_scale, silu_mul=silu_mul), residual
 
 
 def fused_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
