@@ -152,20 +152,34 @@ class SkinnyGemmTile(NamedTuple):
     num_stages: int
 
 
-def default_skinny_gemm_tile(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 1) -> SkinnyGemmTile:
+# shared memory the pipeline stages may take (an H200 SM has 227 KB; the compiler adds a little)
+SHARED_MEMORY_BUDGET = 200 * 1024
+
+
+def stage_bytes(tile: SkinnyGemmTile, weight_bytes: int, silu_mul: bool = False) -> int:
+    """Shared memory of one pipeline stage: the weight tile(s) and the rows' K tile."""
+    return (2 if silu_mul else 1) * tile.block_n * tile.block_k * weight_bytes + tile.block_m * tile.block_k * weight_bytes
+
+
+def default_skinny_gemm_tile(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 1,
+                             silu_mul: bool = False) -> SkinnyGemmTile:
     """From benchmarks/skinny_gemm_bench.py --sweep on an H200 (Llama-3.1-8B projections, 8 and
     64 rows): 64 outputs a program, all rows (16 to 64) in one; 256-byte K tiles 5 stages deep, or
-    128 bytes x 3 when the grid already gives every SM two programs (gate_up); K split in two while
-    that still fits the grid in one wave (o_proj and down_proj: 64 output tiles)."""
+    128 bytes x 3 when the weight tiles already give every SM two programs (gate_up); K split in
+    two while that still fits the grid in one wave (o_proj and down_proj: 64 output tiles). Fewer
+    stages where they would not fit in shared memory (SiLU-and-mul reads two weight tiles)."""
     block_n = 64
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    tile_bytes, stages = (128, 3) if tiles >= 2 * num_sms else (256, 5)
-    block_k = tile_bytes // weight_bytes
+    weight_tiles = tiles * (2 if silu_mul else 1)
+    tile_bytes, stages = (128, 3) if weight_tiles >= 2 * num_sms else (256, 5)
     split = 1
-    while tiles * split * 2 <= num_sms and k // (split * 2) >= 1024:
+    while not silu_mul and tiles * split * 2 <= num_sms and k // (split * 2) >= 1024:
         split *= 2
-    return SkinnyGemmTile(block_n, block_k, block_m, split, 4, stages)
+    tile = SkinnyGemmTile(block_n, tile_bytes // weight_bytes, block_m, split, 4, stages)
+    while tile.num_stages > 2 and tile.num_stages * stage_bytes(tile, weight_bytes, silu_mul) > SHARED_MEMORY_BUDGET:
+        tile = tile._replace(num_stages=tile.num_stages - 1)
+    return tile
 
 
 def skinny_gemm(
@@ -207,7 +221,7 @@ def skinny_gemm(
     out = torch.empty((m, n), dtype=out_dtype or (torch.bfloat16 if fp8 else x.dtype), device=x.device)
     if m == 0:
         return out
-    tile = tile or default_skinny_gemm_tile(m, n, k, sm_count(x.device), weight.element_size())
+    tile = tile or default_skinny_gemm_tile(m, n, k, sm_count(x.device), weight.element_size(), silu_mul)
     split = 1 if silu_mul else max(1, tile.split)
     # each split a whole number of K tiles
     k_per_split = triton.cdiv(triton.cdiv(k, split), tile.block_k) * tile.block_k

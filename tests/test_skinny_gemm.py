@@ -210,3 +210,17 @@ def test_gpu_silu_mul_model_shapes(m, fp8, poisoned_outputs):
     from kernels.activation import silu_and_mul
 
     assert rel_err(silu_and_mul(unfused), ref) <= 2.0 ** -7
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+@pytest.mark.parametrize("weight_bytes", [1, 2])
+@pytest.mark.parametrize("m", [2, 8, 16, 32, 64])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336), (1152, 896), (4864, 896),
+                                 (896, 4864)])
+def test_default_tiles_fit_in_shared_memory(n, k, m, weight_bytes, silu_mul):
+    """Every default launch's pipeline fits the budget (a tile that does not fails only on a GPU)."""
+    from kernels.skinny_gemm import SHARED_MEMORY_BUDGET, stage_bytes
+
+    tile = default_skinny_gemm_tile(m, n, k, 132, weight_bytes, silu_mul)
+    assert tile.num_stages * stage_bytes(tile, weight_bytes, silu_mul) <= SHARED_MEMORY_BUDGET
+    assert tile.num_stages >= 2 and (tile.split == 1 or not silu_mul)
