@@ -46,7 +46,7 @@ profile)
 skinny-check)  # the skinny GEMM's and FP8's GPU tests (FP8 accuracy included), then decode at 1 / 8 / 16 / 64
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py tests/test_fp8.py \
     > "$OUT/gpu_tests.log" 2>&1; tail -3 "$OUT/gpu_tests.log"
-  timeout 170 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 8 16 64 --chunks 8 --no-eager \
+  timeout 260 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 8 16 64 --chunks 8 --no-eager \
     --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 --gemv-ab \
     --out "$OUT/decode_8b.json" 2>&1 | grep -E " graphs"
   python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
