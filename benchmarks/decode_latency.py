@@ -264,12 +264,12 @@ def main() -> None:
                            quant, caching)
                     engine.graphs = graphs
                 if args.gemv_ab and batch <= max(layers.GEMV_MAX_ROWS, layers.SKINNY_GEMM_MAX_ROWS):
-                    saved = layers.GEMV_MAX_ROWS, layers.SMALL_GEMM_MAX_ROWS, layers.SKINNY_GEMM_MAX_ROWS
-                    layers.GEMV_MAX_ROWS = layers.SMALL_GEMM_MAX_ROWS = layers.SKINNY_GEMM_MAX_ROWS = 0
+                    saved = layers.GEMV_MAX_ROWS, layers.SKINNY_GEMM_MAX_ROWS
+                    layers.GEMV_MAX_ROWS = layers.SKINNY_GEMM_MAX_ROWS = 0
                     graphs.capture(progress=False)  # the projection kernels are chosen when a graph is captured
                     record(name, "graphs-cublas", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape,
                            quant, caching)
-                    layers.GEMV_MAX_ROWS, layers.SMALL_GEMM_MAX_ROWS, layers.SKINNY_GEMM_MAX_ROWS = saved
+                    layers.GEMV_MAX_ROWS, layers.SKINNY_GEMM_MAX_ROWS = saved
                     graphs.capture(progress=False)
             prompts = fresh(1)
             for k in args.chunks:

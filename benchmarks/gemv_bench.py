@@ -5,8 +5,8 @@
 
 Each variant is timed per call inside a CUDA graph (as the engine runs decode), rotating over
 enough weight copies that L2 (60 MB) never serves repeats. Bandwidth = weight bytes / time, also
-as a fraction of the device-to-device copy bandwidth. --sweep times other tile shapes (1 row: the
-GEMV's; 2-16 rows: kernels/small_gemm.py's).
+as a fraction of the device-to-device copy bandwidth. --sweep times other GEMV tile shapes. (The
+engine runs 2 rows and more through kernels/skinny_gemm.py: benchmarks/skinny_gemm_bench.py.)
 --weights fp8: FP8 weights with per-row scales (engine/models/fp8.py); the baseline is then the
 W8A8 path (activations quantized per row, torch._scaled_mm). --pdl both: every variant with and
 without programmatic dependent launch (consecutive calls in the graph overlap with it).
@@ -69,7 +69,6 @@ def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles:
     from kernels.activation import silu_and_mul
     from kernels.gemv import gemv
     from kernels.rmsnorm import fused_add_rms_norm
-    from kernels.small_gemm import small_gemm
 
     name, n, k, norm, bias, silu = proj
     weight_bytes = n * k * (1 if fp8 else 2) + (n * 4 if fp8 else 0)
@@ -90,8 +89,7 @@ def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles:
 
     def fused(i, tile):
         w, scale = weights[i]
-        kernel = gemv if rows == 1 else small_gemm  # as engine/models/layers.py dispatches
-        return lambda: kernel(x, w, biases[i] if biases else None, norm_weight=g, residual=res,
+        return lambda: gemv(x, w, biases[i] if biases else None, norm_weight=g, residual=res,
                               silu_mul=silu, out_dtype=out_dtype, weight_scale=scale, tile=tile)
 
     baseline = "unfused (W8A8 _scaled_mm)" if fp8 else "unfused (cuBLAS)"
@@ -106,8 +104,6 @@ def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles:
             except Exception as e:  # a tile that does not compile or fit
                 print(f"  {model} {name} rows={rows} {kind} {tile}: {type(e).__name__}: {str(e)[:100]}")
                 continue
-            if kind == "gemv" and rows > 1:
-                kind = "small_gemm"
             rows_out.append(dict(model=model, projection=name, rows=rows, n=n, k=k, fused_norm=norm, bias=bias,
                                  silu_mul=silu, weights="fp8" if fp8 else "bf16", pdl=pdl, kind=kind,
                                  tile=list(tile) if tile else None, us=ms * 1e3, gb_per_s=weight_bytes / ms / 1e6,
@@ -116,13 +112,6 @@ def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles:
     del weights, biases
     torch.cuda.empty_cache()
     return rows_out
-
-
-def small_sweep_tiles(fp8: bool = False):
-    from kernels.small_gemm import SmallGemmTile
-
-    return [SmallGemmTile(bn, bk * (2 if fp8 else 1), w, st) for bn in (16, 32, 64) for bk in (64, 128, 256)
-            for w in (4, 8) for st in (3, 4)]
 
 
 def sweep_tiles(fp8: bool = False):
@@ -136,7 +125,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(SHAPES))
     p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8],
-                   help="1: the GEMV (kernels/gemv.py); 2-16: kernels/small_gemm.py")
+                   help="rows of x (the GEMV gives each row its own programs)")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--weights", nargs="+", choices=["bf16", "fp8"], default=["bf16"])
     p.add_argument("--pdl", choices=["on", "off", "both"], default="on")
@@ -146,7 +135,6 @@ def main() -> int:
 
     from kernels._common import sm_count
     from kernels.gemv import default_gemv_tile
-    from kernels.small_gemm import default_small_gemm_tile
 
     copy = copy_bandwidth(2048, 100)
     print(f"device-to-device copy: {copy['gb_per_s']:.0f} GB/s")
@@ -159,17 +147,12 @@ def main() -> int:
             if (args.projections and name not in args.projections) or (fp8 and name == "lm_head"):
                 continue  # the LM head stays in the model's dtype
             for rows in args.rows:
-                if rows == 1:
-                    default = default_gemv_tile(rows, n // 2 if silu else n, k, sm_count(torch.device("cuda")), silu,
-                                                1 if fp8 else 2)
-                else:  # kernels/small_gemm.py
-                    default = default_small_gemm_tile(n // 2 if silu else n, k, 1 if fp8 else 2)
+                default = default_gemv_tile(rows, n // 2 if silu else n, k, sm_count(torch.device("cuda")), silu,
+                                            1 if fp8 else 2)
                 tiles = [default]
-                if args.sweep and rows == 1:
+                if args.sweep:
                     tiles += [t for t in sweep_tiles(fp8) if t != default
                               and t.block_n * t.block_k * (2 if silu else 1) <= t.num_warps * 32 * 64]
-                elif args.sweep:
-                    tiles += [t for t in small_sweep_tiles(fp8) if t != default]
                 got = bench_projection(model, proj, rows, copy["gb_per_s"], tiles, fp8, pdl_settings)
                 for r in got:
                     r["default"] = r["tile"] == list(default)

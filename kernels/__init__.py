@@ -19,7 +19,7 @@ from kernels.prefill_attention import (
     paged_prefill_attention_ref,
 )
 from kernels.sampling import greedy_sample, greedy_sample_ref
-from kernels.small_gemm import SmallGemmTile, small_gemm, small_gemm_ref
+from kernels.skinny_gemm import SkinnyGemmTile, skinny_gemm, skinny_gemm_ref
 from kernels.rmsnorm import (
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
@@ -36,7 +36,7 @@ from kernels.rotary import (
 
 __all__ = [
     "GemvTile",
-    "SmallGemmTile",
+    "SkinnyGemmTile",
     "apply_rotary",
     "apply_rotary_ref",
     "build_cos_sin_cache",
@@ -63,8 +63,8 @@ __all__ = [
     "rope_inv_freq",
     "silu_and_mul",
     "silu_and_mul_ref",
-    "small_gemm",
-    "small_gemm_ref",
+    "skinny_gemm",
+    "skinny_gemm_ref",
     "store_kv",
     "wait_for_host",
     "wait_for_host_ref",

@@ -43,7 +43,6 @@ from kernels import (
     store_kv,
     store_kv_ref,
 )
-from kernels.small_gemm import _weight_for_dot
 
 TOL = 1e-4
 
@@ -480,47 +479,6 @@ def test_gemv_rope_store_fp8_weights():
     assert torch.equal(new_res, ref_res)
     assert rel_err(q, ref_q) < TOL
     assert rel_err(caches[0], ref_caches[0]) < TOL and rel_err(caches[1], ref_caches[1]) < TOL
-
-
-@pytest.mark.parametrize("rows", [2, 5, 16])
-@pytest.mark.parametrize("silu_mul,fp8", [(False, False), (True, False), (False, True), (True, True)])
-def test_small_gemm_reads_each_weight_tile_once_for_all_rows(rows, silu_mul, fp8, poisoned_outputs):
-    """2-16 rows through the tensor-core kernel: the unfused decoder's math (norm, bias, SiLU-and-mul,
-    FP8 scales), the new residual from the first column of programs only."""
-    from kernels.small_gemm import SmallGemmTile, small_gemm, small_gemm_ref
-
-    gen, x, w = _gemv_case(rows, 2 * 40 if silu_mul else 40, 300, seed=40 + rows, strided=True)
-    w = w * torch.logspace(-2, 1, w.shape[0])[:, None]
-    scale = None
-    if fp8:
-        w, scale = _fp8(w)
-    res, g = torch.randn(rows, 300, generator=gen), torch.randn(300, generator=gen)
-    b = None if silu_mul else torch.randn(w.shape[0], generator=gen)
-    tile = SmallGemmTile(16, 64, 4, 2)  # several K tiles and N blocks
-    out, new_res = small_gemm(x, w, b, norm_weight=g, residual=res, silu_mul=silu_mul, weight_scale=scale, tile=tile)
-    ref, ref_res = small_gemm_ref(x, w, b, norm_weight=g, residual=res, silu_mul=silu_mul, weight_scale=scale)
-    assert out.shape == ref.shape and torch.equal(new_res, ref_res)
-    assert rel_err(out, ref) < TOL
-    plain, none = small_gemm(x, w, b, weight_scale=scale, tile=tile, silu_mul=silu_mul)
-    assert none is None and rel_err(plain, gemv_ref(x, w, b, weight_scale=scale, silu_mul=silu_mul)[0]) < TOL
-    with pytest.raises(ValueError):
-        small_gemm(torch.randn(17, 300), w, b, weight_scale=scale)
-
-
-@triton.jit
-def _fp8_bytes_to_bf16(q_ptr, out_ptr):
-    offs = tl.arange(0, 256)
-    tl.store(out_ptr + offs, _weight_for_dot(tl.load(q_ptr + offs), True, tl.bfloat16))
-
-
-def test_small_gemm_fp8_bytes_become_exact_bf16():
-    """The bf16 path's conversion: every e4m3 byte as bf16 bits equals q * 2^-120 exactly."""
-    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8)
-    finite = ~q.view(torch.float8_e4m3fn).float().isnan()
-    out = torch.empty(256, dtype=torch.bfloat16)
-    _fp8_bytes_to_bf16[(1,)](q, out)
-    want = (q.view(torch.float8_e4m3fn).float() * 2.0**-120).to(torch.bfloat16)
-    assert torch.equal(out[finite].view(torch.int16), want[finite].view(torch.int16))
 
 
 def test_gemv_bad_shapes():

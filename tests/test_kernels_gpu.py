@@ -430,28 +430,3 @@ def test_programmatic_dependent_launch_keeps_a_chain_of_kernels_in_order():
         assert torch.equal(out, expected)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [2, 8, 16])
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("name", [n for n in sorted(GEMV_SHAPES) if "lm_head" not in n])
-def test_small_gemm_real_shapes(name, fp8, rows, poisoned_outputs):
-    """2-16 rows on the tensor cores, bf16 or FP8 weights, against the float32 product."""
-    from engine.models.fp8 import quantize_per_channel
-    from kernels.small_gemm import small_gemm
-
-    n, k, norm, bias, silu = GEMV_SHAPES[name]
-    gen = torch.Generator(device=DEV).manual_seed(rows + 200)
-    x = torch.randn(rows, k, device=DEV, dtype=BF16, generator=gen)
-    w = torch.randn(n, k, device=DEV, generator=gen) / k**0.5
-    w, scale = quantize_per_channel(w) if fp8 else (w.to(BF16), None)
-    b = torch.randn(n, device=DEV, dtype=BF16, generator=gen) if bias else None
-    res = torch.randn(rows, k, device=DEV, dtype=BF16, generator=gen) if norm else None
-    g = torch.rand(k, device=DEV, dtype=BF16, generator=gen) + 0.5 if norm else None
-    out, new_res = small_gemm(x, w, b, norm_weight=g, residual=res, silu_mul=silu, weight_scale=scale)
-    f32 = lambda t: t.float() if t is not None else None
-    ref, _ = gemv_ref(x.float(), w if fp8 else w.float(), f32(b), norm_weight=f32(g), residual=f32(res),
-                      silu_mul=silu, weight_scale=scale)
-    assert out.dtype == BF16 and out.shape == ref.shape and not out.isnan().any()
-    assert rel_err(out, ref) < TOL
-    if norm:
-        assert torch.equal(new_res, (x.float() + res.float()).to(BF16))

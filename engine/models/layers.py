@@ -23,18 +23,12 @@ _ONEDNN_LINEAR = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backen
 # us), yet the whole step is 4.7% faster with it everywhere (fewer kernels: 226 vs 216 tok/s).
 # cuBLAS wins for LM heads (90-100% of bandwidth vs 72-85%), which never take the GEMV, and from
 # 2 rows on for most shapes (our grid re-reads the weights per row). Benchmarks set GEMV_MAX_ROWS
-# to 0 to measure without. From 2 to SMALL_GEMM_MAX_ROWS rows, kernels/small_gemm.py (the same
-# fusions minus rotary, each weight tile read once for all rows on the tensor cores). Not yet
-# dispatched (maximum 1): its first version made whole decode steps slower than cuBLAS / W8A8 on an
-# H200 (Llama-3.1-8B bf16 at batch 2: 8.97 vs 4.80 ms; Qwen2.5-0.5B: 1.22 vs 1.05 ms;
-# benchmarks/results/decode_latency-h200-qwen2.5-0.5b-small-gemm-2026-12-01.json). Tune it with
-# benchmarks/gemv_bench.py --rows 2 8 16 before raising these.
+# to 0 to measure without. (A first tensor-core kernel with the GEMV's fusions for 2-16 rows made
+# whole steps slower than cuBLAS, Llama-3.1-8B at batch 2 8.97 vs 4.80 ms, and gave way to the
+# skinny GEMM below: benchmarks/results/decode_latency-h200-qwen2.5-0.5b-small-gemm-2026-12-01.json.)
 GEMV_MAX_ROWS = 1
-SMALL_GEMM_MAX_ROWS = 1
-# FP8 weights: the same kernels dequantize in registers (weight-only); more rows go W8A8 through
-# torch._scaled_mm (engine/models/fp8.py).
+# FP8 weights: the GEMV dequantizes in registers (weight-only); more rows go W8A8 (engine/models/fp8.py).
 FP8_GEMV_MAX_ROWS = 1
-FP8_SMALL_GEMM_MAX_ROWS = 1
 # From 2 to this many rows, a bf16/fp16 projection that no kernel above takes runs as
 # kernels/skinny_gemm.py (with the SiLU-and-mul fused into gate_up) instead of cuBLAS; engine/models/fp8.py
 # decides the same for FP8. H200, Llama-3.1-8B at 8 rows: 110.5 vs 115.1 us for the four
@@ -53,18 +47,12 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _fused_projection(x: torch.Tensor, weight: torch.Tensor):
-    """The Triton kernel that runs this projection with its neighbours fused in (kernels.gemv.gemv
-    or kernels.small_gemm.small_gemm, same signature), or None (cuBLAS / W8A8 and separate kernels)."""
-    if not _triton(x):
-        return None
+    """The Triton kernel that runs this projection with its neighbours fused in (kernels.gemv.gemv),
+    or None (the skinny GEMM, cuBLAS or W8A8, and separate kernels)."""
     if _gemv_applies(x, weight):
         from kernels.gemv import gemv
 
         return gemv
-    if x.shape[0] <= (FP8_SMALL_GEMM_MAX_ROWS if weight.dtype == FP8 else SMALL_GEMM_MAX_ROWS):
-        from kernels.small_gemm import small_gemm
-
-        return small_gemm
     return None
 
 
