@@ -25,7 +25,8 @@ from throughput import engine_config, engine_parser  # noqa: E402
 from workload import provenance, resolve_model, vocabulary, write_json  # noqa: E402
 
 
-def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, profile_wave: int = -1) -> list[dict]:
+def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, profile_wave: int = -1,
+              cprofile_wave: int = -1) -> list[dict]:
     from engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -49,9 +50,15 @@ def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, 
         ids = [f"w{w}-{i}" for i in range(len(batch))]
         for rid, prompt in zip(ids, batch):
             engine.add_request(rid, prompt, params)
+        submit_s = time.perf_counter() - start
         first: dict[str, float] = {}
         steps_to_first, steps = 0, 0
-        prof, profile_tables = None, None
+        prof, profile_tables, cprof = None, None, None
+        if w // concurrency == cprofile_wave:
+            import cProfile
+
+            cprof = cProfile.Profile()
+            cprof.enable()
         if w // concurrency == profile_wave:
             import torch
 
@@ -67,6 +74,8 @@ def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, 
                     first[out.request_id] = now
                     if len(first) == len(batch):
                         steps_to_first = steps
+            if cprof is not None and len(first) == len(batch):
+                cprof.disable()
             if prof is not None and len(first) == len(batch):
                 prof.__exit__(None, None, None)
                 host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
@@ -74,11 +83,20 @@ def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, 
                 print(host, device, sep="\n", flush=True)
                 profile_tables = dict(host=host.splitlines(), device=device.splitlines())
                 prof = None
+        if cprof is not None:  # Python time of the wave up to every first token, by function
+            import io
+            import pstats
+
+            cprof.disable()
+            text = io.StringIO()
+            pstats.Stats(cprof, stream=text).sort_stats("cumtime").print_stats(40)
+            print(text.getvalue(), flush=True)
+            profile_tables = dict(profile_tables or {}, python=text.getvalue().splitlines())
         scheduler.blocks.cached_prefix = cached_prefix
         ttft = sorted(first.values())
         waves.append(dict(ttft_p50_ms=1e3 * statistics.median(ttft), ttft_max_ms=1e3 * ttft[-1],
                           wave_ms=1e3 * (time.perf_counter() - start), steps_to_all_first=steps_to_first,
-                          admission_ms=1e3 * admit_s, **({"profile": profile_tables} if profile_tables else {})))
+                          submit_ms=1e3 * submit_s, admission_ms=1e3 * admit_s, **({"profile": profile_tables} if profile_tables else {})))
     return waves
 
 
@@ -90,6 +108,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--profile-wave", type=int, default=-1, help="torch.profiler over this wave's first tokens")
+    parser.add_argument("--cprofile-wave", type=int, default=-1, help="cProfile over this wave's first tokens")
     args = parser.parse_args()
 
     from engine import LLM
@@ -107,7 +126,8 @@ def main() -> int:
         run_waves(llm, [[rng.choice(allowed) for _ in range(64)] for _ in range(4)], 4, 4)  # warm-up
         prefix = [rng.choice(allowed) for _ in range(args.prefix)]
         prompts = [prefix + [rng.choice(allowed) for _ in range(args.suffix)] for _ in range(args.requests)]
-        waves = run_waves(llm, prompts, args.concurrency, args.max_tokens, args.profile_wave if caching else -1)
+        waves = run_waves(llm, prompts, args.concurrency, args.max_tokens, args.profile_wave if caching else -1,
+                          args.cprofile_wave if caching else -1)
         report["runs"]["on" if caching else "off"] = waves
         for i, wave in enumerate(waves):
             print(f"caching {'on ' if caching else 'off'} wave {i}: " + ", ".join(
