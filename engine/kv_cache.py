@@ -103,15 +103,9 @@ class BlockManager:
 
     # ---- prefix caching ------------------------------------------------------------------
 
-    def _blocks_bytes(self, seq: Sequence, num_blocks: int) -> memoryview:
-        """seq's first `num_blocks` full blocks of token ids as int64 bytes, in one conversion."""
-        return memoryview(array("q", seq.token_ids[:num_blocks * self.block_size]).tobytes())
-
     @staticmethod
-    def _hash(parent: bytes, block_bytes) -> bytes:
-        digest = hashlib.sha256(parent)
-        digest.update(block_bytes)
-        return digest.digest()
+    def _hash(parent: bytes, block_bytes: bytes) -> bytes:
+        return hashlib.sha256(parent + block_bytes).digest()
 
     def register(self, seq: Sequence) -> None:
         """Register seq's full blocks whose every token's KV is computed (they never change
@@ -123,10 +117,9 @@ class BlockManager:
         hashes = seq.block_hashes
         if len(hashes) >= full:
             return
-        data, step = self._blocks_bytes(seq, full), bs * 8
-        keys = self._chain(seq, full, data)
+        keys = self._chain(seq, full)
         for i in range(len(hashes), full):
-            tokens = bytes(data[i * step:(i + 1) * step])
+            tokens = seq.block_tokens[i]
             key = keys[i]
             hashes.append(key)
             if self._computing.get(key) == seq.request_id:
@@ -149,16 +142,20 @@ class BlockManager:
         count = (seq.num_tokens - 1) // self.block_size
         return self._chain(seq, count)[:count]
 
-    def _chain(self, seq: Sequence, count: int, data: memoryview | None = None) -> list[bytes]:
-        """seq's hash-chain keys of at least its first `count` full blocks, made once per block:
-        a sequence only appends tokens, so a full block's key never changes (kept in seq.block_keys;
-        a prompt waiting behind a prefill that computes its prefix asks again every step)."""
+    def _chain(self, seq: Sequence, count: int) -> list[bytes]:
+        """seq's hash-chain keys of at least its first `count` full blocks, made once per block
+        with the block's token bytes (seq.block_tokens): a sequence only appends tokens, so a full
+        block's key never changes (a prompt waiting behind a prefill that computes its prefix
+        asks again every step)."""
         keys = seq.block_keys
         if len(keys) < count:
-            data = data if data is not None else self._blocks_bytes(seq, count)
-            step, parent = self.block_size * 8, keys[-1] if keys else self._root
-            for i in range(len(keys), count):
-                parent = self._hash(parent, data[i * step:(i + 1) * step])
+            done, bs = len(keys), self.block_size
+            data, step = array("q", seq.token_ids[done * bs:count * bs]).tobytes(), bs * 8  # one conversion
+            blocks = [data[i:i + step] for i in range(0, len(data), step)]
+            seq.block_tokens += blocks
+            parent = keys[-1] if keys else self._root
+            for block in blocks:
+                parent = self._hash(parent, block)
                 keys.append(parent)
         return keys
 
@@ -172,11 +169,9 @@ class BlockManager:
             if block is None:
                 break
             blocks.append(block)
-        if not blocks:
-            return blocks
-        data, step = self._blocks_bytes(seq, len(blocks)), self.block_size * 8
+        tokens = seq.block_tokens  # made with the keys
         for i, block in enumerate(blocks):  # the tokens, not the hash alone
-            if self._block_key[block][1] != data[i * step:(i + 1) * step]:
+            if self._block_key[block][1] != tokens[i]:
                 return blocks[:i]
         return blocks
 

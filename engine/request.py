@@ -200,6 +200,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # prefix-cache keys of its first full blocks (kv_cache.py)
         self.block_keys: list[bytes] = []  # the hash chain of its full blocks so far (made once, kv_cache.py)
+        self.block_tokens: list[bytes] = []  # those blocks' token ids as int64 bytes (made with the keys)
         self.computing_keys: list[bytes] = []  # keys of the blocks its admitted prefill computes
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache at admission
         self.status = SequenceStatus.WAITING
