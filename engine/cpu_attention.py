@@ -36,6 +36,70 @@ _SOURCE = r"""
    over t < context_lens[b], token t of row b at block block_tables[b, t / bs], offset t % bs.
    q and out: [B, Hq, D] with strides (q_s0, q_s1, 1) and (Hq * D, D, 1);
    caches: [num_blocks, bs, Hkv, D] contiguous. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* One (sequence, KV head) task with head_dim 16 * NV, its G query heads in register blocks of GS:
+   each K and V row is loaded once per block and used for every head of the block; the query
+   (scaled) and the output accumulators stay in registers across the whole context. */
+#define DEFINE_TASK(NV, GS)                                                                          \
+static void task_##NV(const float* qb, int64_t q_s1, const float* k_cache, const float* v_cache,     \
+                      const int32_t* table, int64_t L, int64_t h, int64_t G, int64_t bs,             \
+                      int64_t tok_s, int64_t blk_s, float scale, float* scores, float* outb) {       \
+    for (int64_t g0 = 0; g0 < G; g0 += GS) {                                                         \
+        const int64_t gn = G - g0 < GS ? G - g0 : GS;                                                \
+        __m512 qv[GS][NV], acc[GS][NV];                                                              \
+        const __m512 sc = _mm512_set1_ps(scale);                                                     \
+        for (int g = 0; g < GS; ++g)                                                                 \
+            for (int j = 0; j < NV; ++j) {                                                           \
+                qv[g][j] = g < gn ? _mm512_mul_ps(_mm512_loadu_ps(qb + (h * G + g0 + g) * q_s1 + 16 * j), sc) \
+                                  : _mm512_setzero_ps();                                             \
+                acc[g][j] = _mm512_setzero_ps();                                                     \
+            }                                                                                        \
+        for (int64_t t0 = 0; t0 < L; t0 += bs) {                                                     \
+            const float* kb = k_cache + (int64_t)table[t0 / bs] * blk_s + h * 16 * NV;               \
+            const int64_t n = L - t0 < bs ? L - t0 : bs;                                             \
+            for (int64_t o = 0; o < n; ++o) {                                                        \
+                __m512 kv[NV];                                                                       \
+                for (int j = 0; j < NV; ++j) kv[j] = _mm512_loadu_ps(kb + o * tok_s + 16 * j);       \
+                for (int g = 0; g < GS; ++g) {                                                       \
+                    if (g >= gn) break;                                                              \
+                    __m512 d = _mm512_mul_ps(qv[g][0], kv[0]);                                       \
+                    for (int j = 1; j < NV; ++j) d = _mm512_fmadd_ps(qv[g][j], kv[j], d);            \
+                    scores[(g0 + g) * L + t0 + o] = _mm512_reduce_add_ps(d);                         \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+        for (int g = 0; g < gn; ++g) {                                                               \
+            float* sh = scores + (g0 + g) * L;                                                       \
+            float m = -INFINITY, sum = 0.f;                                                          \
+            for (int64_t t = 0; t < L; ++t) m = sh[t] > m ? sh[t] : m;                               \
+            _Pragma("omp simd reduction(+:sum)")                                                     \
+            for (int64_t t = 0; t < L; ++t) { sh[t] = expf(sh[t] - m); sum += sh[t]; }               \
+            const float inv = 1.f / sum;                                                             \
+            for (int64_t t = 0; t < L; ++t) sh[t] *= inv;                                            \
+        }                                                                                            \
+        for (int64_t t0 = 0; t0 < L; t0 += bs) {                                                     \
+            const float* vb = v_cache + (int64_t)table[t0 / bs] * blk_s + h * 16 * NV;               \
+            const int64_t n = L - t0 < bs ? L - t0 : bs;                                             \
+            for (int64_t o = 0; o < n; ++o) {                                                        \
+                __m512 vv[NV];                                                                       \
+                for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(vb + o * tok_s + 16 * j);       \
+                for (int g = 0; g < GS; ++g) {                                                       \
+                    if (g >= gn) break;                                                              \
+                    const __m512 p = _mm512_set1_ps(scores[(g0 + g) * L + t0 + o]);                  \
+                    for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);   \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+        for (int g = 0; g < gn; ++g)                                                                 \
+            for (int j = 0; j < NV; ++j)                                                             \
+                _mm512_storeu_ps(outb + (h * G + g0 + g) * 16 * NV + 16 * j, acc[g][j]);             \
+    }                                                                                                \
+}
+DEFINE_TASK(4, 4)  /* head_dim 64: 16 + 16 registers */
+DEFINE_TASK(8, 2)  /* head_dim 128 */
+#endif
+
 void paged_decode(const float* q, int64_t q_s0, int64_t q_s1, const float* k_cache, const float* v_cache,
                   const int32_t* block_tables, int64_t bt_s0, const int32_t* context_lens,
                   float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
@@ -60,6 +124,17 @@ void paged_decode(const float* q, int64_t q_s0, int64_t q_s1, const float* k_cac
             }
             const float* qb = q + b * q_s0;
             const int32_t* table = block_tables + b * bt_s0;
+#if defined(__AVX512F__)
+            if (D == 64 || D == 128) {
+                for (int64_t h = h0; h < h1; ++h) {
+                    if (D == 64)
+                        task_4(qb, q_s1, k_cache, v_cache, table, L, h, G, bs, tok_s, blk_s, scale, scores, out + b * Hq * D);
+                    else
+                        task_8(qb, q_s1, k_cache, v_cache, table, L, h, G, bs, tok_s, blk_s, scale, scores, out + b * Hq * D);
+                }
+                continue;
+            }
+#endif
             for (int64_t t0 = 0; t0 < L; t0 += bs) {
                 const float* kb = k_cache + (int64_t)table[t0 / bs] * blk_s;
                 const int64_t n = L - t0 < bs ? L - t0 : bs;

@@ -11,7 +11,11 @@ import torch.nn.functional as F
 from engine import cpu_attention
 from engine.attention import AttentionMetadata, TorchAttention
 
-BLOCK, KV_HEADS, HEADS, DIM = 16, 3, 9, 64
+BLOCK = 16
+# (KV heads, query heads, head_dim): SmolLM2-135M, Qwen2.5-0.5B, Llama-3.1-8B (the kernel's
+# vector paths for head_dim 64 and 128), and a head_dim it takes the generic path for
+SHAPES = [pytest.param(3, 9, 64, id="smollm2"), pytest.param(2, 14, 64, id="qwen2.5-0.5b"),
+          pytest.param(8, 32, 128, id="llama-3.1-8b"), pytest.param(1, 3, 96, id="generic")]
 
 
 def _reference(q, k_cache, v_cache, tables, lens, scale):
@@ -25,20 +29,21 @@ def _reference(q, k_cache, v_cache, tables, lens, scale):
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("kv_heads,heads,dim", SHAPES)
 @pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("batch", [1, 3, 17])
-def test_decode_matches_per_row_attention(use_kernel, batch):
+def test_decode_matches_per_row_attention(use_kernel, batch, kv_heads, heads, dim):
     if use_kernel and not cpu_attention.available():
         pytest.skip("no C compiler: the kernel is unavailable (the fallback is tested)")
     gen = torch.Generator().manual_seed(batch)
     num_blocks = 400
-    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)
-    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)
+    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=gen)
     lens = torch.randint(1, 300, (batch,), generator=gen, dtype=torch.int32)
     lens[0] = 1
     width = -(-int(lens.max()) // BLOCK) + 1  # a spare block, as a round's reservation leaves
     tables = (torch.randperm(num_blocks - 1, generator=gen)[:batch * width] + 1).view(batch, width).int()
-    q = torch.randn(batch, HEADS + 2 * KV_HEADS, DIM, generator=gen)[:, :HEADS]  # strided, like the qkv slice
+    q = torch.randn(batch, heads + 2 * kv_heads, dim, generator=gen)[:, :heads]  # strided, like the qkv slice
     meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(batch, dtype=torch.int64),
                              block_tables=tables, context_lens=lens)
     out = TorchAttention(BLOCK, use_kernel=use_kernel).attend_decode(q, k_cache, v_cache, meta, 0.125)
