@@ -49,8 +49,8 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
         return y
-    from kernels.skinny_gemm import skinny_gemm
     from kernels.fp8_quant import quantize_rows_fp8  # quantize_rows in one kernel, bit for bit
+    from kernels.skinny_gemm import skinny_gemm
 
     rows = x.reshape(-1, x.shape[-1])
     xq, x_scale = quantize_rows_fp8(rows)
