@@ -150,7 +150,8 @@ def main() -> None:
     parser.add_argument("--overlap-ab", action="store_true",
                         help="also time the graph rows with overlap_rounds off (the host reads each round before the next)")
     parser.add_argument("--gemv-ab", action="store_true",
-                        help="also time each batch our projection kernels take (GEMV, skinny GEMM) with cuBLAS (bf16)")
+                        help="also time each batch our projection kernels take (GEMV, skinny GEMM; bf16 and FP8) "
+                             "with cuBLAS / torch._scaled_mm instead")
     parser.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on",
                         help="the engine rows with prefix caching on, off, or both (the engine built twice)")
     parser.add_argument("--device", default="cuda", help="cpu: a check of the script (float32, no graphs, no roofline)")
@@ -174,7 +175,7 @@ def main() -> None:
     import transformers
 
     from engine import LLM
-    from engine.models import layers
+    from engine.models import fp8, layers
     from kernels import _common
 
     _common.PDL = args.pdl == "on"
@@ -263,13 +264,17 @@ def main() -> None:
                     record(name, "eager", batch, args.k, time_engine(llm, prompts, args.new_tokens, repeats=1), shape,
                            quant, caching)
                     engine.graphs = graphs
-                if args.gemv_ab and batch <= max(layers.GEMV_MAX_ROWS, layers.SKINNY_GEMM_MAX_ROWS):
-                    saved = layers.GEMV_MAX_ROWS, layers.SKINNY_GEMM_MAX_ROWS
-                    layers.GEMV_MAX_ROWS = layers.SKINNY_GEMM_MAX_ROWS = 0
+                ours = ((layers, "GEMV_MAX_ROWS"), (layers, "SKINNY_GEMM_MAX_ROWS"), (layers, "FP8_GEMV_MAX_ROWS"),
+                        (fp8, "FP8_GEMM_MAX_ROWS"))  # every projection kernel of ours, bf16 and FP8
+                if args.gemv_ab and batch <= max(getattr(m, k) for m, k in ours):
+                    saved = [getattr(m, k) for m, k in ours]
+                    for m, k in ours:
+                        setattr(m, k, 0)
                     graphs.capture(progress=False)  # the projection kernels are chosen when a graph is captured
                     record(name, "graphs-cublas", batch, args.k, time_engine(llm, prompts, args.new_tokens), shape,
                            quant, caching)
-                    layers.GEMV_MAX_ROWS, layers.SKINNY_GEMM_MAX_ROWS = saved
+                    for (m, k), v in zip(ours, saved):
+                        setattr(m, k, v)
                     graphs.capture(progress=False)
             prompts = fresh(1)
             for k in args.chunks:
