@@ -1,8 +1,6 @@
 """Paged decode attention for the CPU backend, reading each sequence's KV blocks where they
-lie (no gathered copy, no padding to the longest row, no mask): a small C function, built
-with the system's C compiler on first use into ~/.cache/graphserve (a second or so) and
-called through ctypes; OpenMP threads are torch's own (the same libgomp runtime, already
-loaded by torch), one sequence at a time, its blocks read whole and in order (one
+lie (no gathered copy, no padding to the longest row, no mask): a small C function (built
+by engine/cpu_build.py), one sequence at a time, its blocks read whole and in order (one
 (sequence, KV head) pair at a time when there are few sequences).
 
 `paged_decode_attention()` returns None where it does not apply (no compiler, not float32,
@@ -12,19 +10,12 @@ with scaled_dot_product_attention to float32 rounding (a different summation ord
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger("graphserve.engine")
+from engine.cpu_build import CLibrary
 
 _SOURCE = r"""
 #include <math.h>
@@ -216,70 +207,14 @@ void paged_decode(const float* q, int64_t q_s0, int64_t q_s1, const float* k_cac
 }
 """
 
-# fast-math for vectorised expf (glibc's libmvec) and reassociated sums; infinities kept. Compile
-# only: linked with -ffast-math, a shared object gets crtfastmath.o, which turns on flush-to-zero
-# for the whole process when loaded (denormal request floats then decoded as 0.0 in the core).
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC"]
-_LINK_FLAGS = ["-shared", "-fopenmp"]
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failed = False
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "graphserve" / "cpu_kernels"
-
-
-def _build() -> ctypes.CDLL | None:
-    if os.environ.get("GRAPHSERVE_CPU_ATTENTION", "").lower() == "torch":
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.info("no C compiler: CPU decode attention runs as gather + SDPA")
-        return None
-    # the machine's own build (-march=native): keyed by the source, flags and host
-    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, *_LINK_FLAGS, compiler, os.uname().machine,
-                                    os.uname().nodename])
-                         .encode()).hexdigest()[:16]
-    path = _cache_dir() / f"paged_decode-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            src, obj, lib = Path(tmp) / "paged_decode.c", Path(tmp) / "paged_decode.o", Path(tmp) / "paged_decode.so"
-            src.write_text(_SOURCE)
-            result = subprocess.run([compiler, *_FLAGS, "-c", str(src), "-o", str(obj)], capture_output=True, text=True)
-            if result.returncode == 0:
-                result = subprocess.run([compiler, *_LINK_FLAGS, str(obj), "-o", str(lib), "-lm"],
-                                        capture_output=True, text=True)
-            if result.returncode != 0:
-                logger.warning("building the CPU decode attention failed (gather + SDPA instead): %s",
-                               result.stderr[-2000:])
-                return None
-            os.replace(lib, path)  # atomic: concurrent builders each install a whole file
-    lib = ctypes.CDLL(str(path))  # its libgomp resolves to torch's, loaded with torch above
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_decode.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
-                                 ctypes.c_float, i64]
-    lib.paged_decode.restype = None
-    return lib
-
-
-def _library() -> ctypes.CDLL | None:
-    global _lib, _failed
-    if _lib is None and not _failed:
-        with _lock:
-            if _lib is None and not _failed:
-                try:
-                    _lib = _build()
-                except Exception:  # noqa: BLE001 - any failure means the torch path
-                    logger.warning("CPU decode attention unavailable (gather + SDPA instead)", exc_info=True)
-                _failed = _lib is None
-    return _lib
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_LIBRARY = CLibrary("paged_decode", _SOURCE, {"paged_decode": (
+    [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64],
+    None)}, disable_env="GRAPHSERVE_CPU_ATTENTION")
 
 
 def available() -> bool:
-    return _library() is not None
+    return _LIBRARY.get() is not None
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -292,7 +227,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             or block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32
             or block_tables.stride(1) != 1 or not context_lens.is_contiguous()):
         return None
-    lib = _library()
+    lib = _LIBRARY.get()
     if lib is None:
         return None
     batch, num_heads, head_dim = q.shape

@@ -8,11 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_linear
 from engine.models.fp8 import FP8, fp8_linear, quantize_per_channel
-
-# oneDNN's linear with a weight packed once at load time: 1.5-3x faster than the default
-# BLAS path for decode-sized batches on CPU (measured on the development machine).
-_ONEDNN_LINEAR = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
 
 
 # A decoder projection on CUDA runs as our Triton GEMV (kernels/gemv.py), with the RMSNorm before
@@ -62,17 +59,9 @@ def _skinny_applies(x: torch.Tensor, lm_head: bool) -> bool:
 
 
 def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
-    """A oneDNN-packed copy of a float32 CPU weight [out, in], or None where that does not apply."""
-    if not _ONEDNN_LINEAR or weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
-
-
-# On CPU, up to this many rows go to MKL's matrix-vector path (F.linear on the plain weight)
-# instead of the packed oneDNN weight: for the embedded model's 30 layers and LM head on the
-# 2-core development machine, 1 row took 18.0 ms with MKL vs 21.6 ms with oneDNN, 2 rows 19.5 vs
-# 22.1; from 4 rows oneDNN wins (24.2 vs 33.9 ms at 4, 33.5 vs 45.9 at 16).
-CPU_MKL_MAX_ROWS = 2
+    """A float32 CPU weight [out, in] repacked for decode-sized batches (engine/cpu_linear.py),
+    or None where that does not apply."""
+    return cpu_linear.pack_panels(weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -93,8 +82,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         y = skinny_gemm(x, weight, bias, silu_mul=silu_mul)
         return y if out_dtype is None else y.to(out_dtype)
-    if packed is not None and x.shape[0] > CPU_MKL_MAX_ROWS:
-        y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if cpu_linear.applies(x, packed):
+        y = cpu_linear.panel_linear(x, packed, weight.shape[0], bias)
     else:
         y = F.linear(x, weight, bias)
     y = silu_and_mul(y) if silu_mul else y
