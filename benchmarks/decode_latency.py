@@ -168,6 +168,8 @@ def main() -> None:
                         help="dummy: random weights made on the GPUs, no files (e.g. llama-3.1-70b over --tp 2)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                         help="the engine's share of GPU memory (0.9 for a model that fills most of it)")
+    parser.add_argument("--attention-min-split-tokens", type=int, default=None,
+                        help="override kernels/decode_attention.py's fewest KV tokens per split (A/B)")
     parser.add_argument("--tp-only", action="store_true",
                         help="only the --tp rows (a model one device cannot hold)")
     args = parser.parse_args()
@@ -179,6 +181,10 @@ def main() -> None:
     from kernels import _common
 
     _common.PDL = args.pdl == "on"
+    if args.attention_min_split_tokens is not None:
+        from kernels import decode_attention
+
+        decode_attention._MIN_TOKENS_PER_SPLIT = args.attention_min_split_tokens
 
     cuda = args.device != "cpu"
     bandwidth = copy_bandwidth()["gb_per_s"] * 1e9 if cuda else None

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab
 set -u
 PART=${1:-tests}
 . benchmarks/gpu_env.sh
@@ -71,6 +71,21 @@ profile-b64)  # where a batch-64 step goes: 0.5B bf16, 8B bf16 and fp8 (random w
   for q in none fp8; do
     timeout 150 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch 64 --load-format dummy \
       --quantization $q --out "$OUT/profile_llama_b64_$q.json" 2>&1 | quiet
+  done
+  ;;
+split-ab)  # graph vs eager on the GPU, then decode at batch 1 and 8 with the attention's split floor at 512 / 128 / 64 KV tokens
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu_engine.py \
+    tests/test_kernels_gpu.py -k "graph_path or teacher or constrained or decode_attention" > "$OUT/gpu_engine_tests.log" 2>&1
+  tail -3 "$OUT/gpu_engine_tests.log"
+  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
+  for s in 512 128 64; do
+    timeout 100 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 8 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 8 --attention-min-split-tokens $s --out "$OUT/decode_qwen_split$s.json" 2>&1 | grep -E " graphs"
+  done
+  for s in 512 128; do
+    timeout 150 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 8 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 8 --load-format dummy --attention-min-split-tokens $s \
+      --out "$OUT/decode_8b_split$s.json" 2>&1 | grep -E " graphs"
   done
   ;;
 esac
