@@ -22,9 +22,12 @@ from kernels._common import attention_output, check_kv_cache, dot_precision, sm_
 _LOG2E = 1.4426950408889634
 # Split-count heuristic, tuned on an H200 (benchmarks/kernel_bench.py --sweep): aim for about
 # this many programs per SM, never fewer than this many KV tokens per split (with the longest
-# context the block table can hold), never more splits than _MAX_SPLITS.
+# context the block table can hold), never more splits than _MAX_SPLITS. The floor was 512 until
+# decode_latency's A/B (--attention-min-split-tokens, contexts to 448): 128 gave 0.5B batch 1
+# 1,726-1,688 -> 1,756-1,760 tok/s, batch 8 8,776 -> 9,024, and Llama-3.1-8B within noise
+# (benchmarks/results/decode_latency-h200-*-split*-2026-12-01.json).
 _PROGRAMS_PER_SM = 4
-_MIN_TOKENS_PER_SPLIT = 512
+_MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 64
 
 
@@ -172,7 +175,7 @@ def default_decode_tile(head_dim: int) -> DecodeTile:
 
 
 def pick_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
-    """Split count from shapes only: about 4 programs per SM, each split >= 512 tokens, <= 64."""
+    """Split count from shapes only: about 4 programs per SM, each split >= 128 tokens, <= 64."""
     programs = batch * num_kv_heads
     if programs <= 0:
         return 1

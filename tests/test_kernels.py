@@ -152,7 +152,8 @@ def test_pick_num_splits_depends_on_shapes_only():
     assert pick_num_splits(8, 8, 8192, 132) == 8
     assert pick_num_splits(1, 8, 32768, 132) == 64  # capped at 64 splits
     assert pick_num_splits(1, 8, 128, 132) == 1  # too short to split
-    assert pick_num_splits(4, 2, 2048, 132) == 4  # capped at 512 tokens per split
+    assert pick_num_splits(1, 2, 448, 132) == 3  # capped at 128 tokens per split
+    assert pick_num_splits(4, 2, 2048, 132) == 16
 
 
 # ----------------------------------------------------------------------------- prefill attention
