@@ -25,8 +25,57 @@ from throughput import engine_config, engine_parser  # noqa: E402
 from workload import provenance, resolve_model, vocabulary, write_json  # noqa: E402
 
 
+class StepTimer:
+    """Host time of the core's parts, summed until reset(): scheduling, each prefill step, and
+    within it the model forward's launch (host) and, after a device sync, its remaining device
+    time (the syncs add nothing the step does not wait for anyway: it reads tokens back)."""
+
+    def __init__(self, core):
+        import torch
+
+        self.parts: dict[str, float] = {}
+        scheduler, runner = core.scheduler, core.runner
+        schedule, prefill = scheduler.schedule, runner.prefill
+
+        def timed(name, fn):
+            def wrapper(*args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.add(name, time.perf_counter() - t)
+            return wrapper
+
+        scheduler.schedule = timed("schedule", schedule)
+        runner.prefill = timed("prefill", prefill)
+        cuda = runner.device.type == "cuda"
+        marks = {}
+
+        def before(module, args):
+            if cuda:
+                torch.cuda.synchronize()
+            marks["t"] = time.perf_counter()
+
+        def after(module, args, output):
+            t = time.perf_counter()
+            self.add("forward_launch", t - marks["t"])
+            if cuda:
+                torch.cuda.synchronize()
+            self.add("forward_device_after_launch", time.perf_counter() - t)
+
+        runner.model.register_forward_pre_hook(before)
+        runner.model.register_forward_hook(after)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.parts[name] = self.parts.get(name, 0.0) + seconds
+
+    def reset(self) -> dict[str, float]:
+        parts, self.parts = {k: round(1e3 * v, 2) for k, v in self.parts.items()}, {}
+        return parts
+
+
 def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, profile_wave: int = -1,
-              cprofile_wave: int = -1) -> list[dict]:
+              cprofile_wave: int = -1, timer: StepTimer | None = None) -> list[dict]:
     from engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -46,13 +95,15 @@ def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, 
             return out
 
         scheduler.blocks.cached_prefix = timed
+        if timer is not None:
+            timer.reset()
         start = time.perf_counter()
         ids = [f"w{w}-{i}" for i in range(len(batch))]
         for rid, prompt in zip(ids, batch):
             engine.add_request(rid, prompt, params)
         submit_s = time.perf_counter() - start
         first: dict[str, float] = {}
-        steps_to_first, steps = 0, 0
+        steps_to_first, steps, parts_ms = 0, 0, None
         prof, profile_tables, cprof = None, None, None
         if w // concurrency == cprofile_wave:
             import cProfile
@@ -74,6 +125,7 @@ def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, 
                     first[out.request_id] = now
                     if len(first) == len(batch):
                         steps_to_first = steps
+                        parts_ms = timer.reset() if timer is not None else None
             if cprof is not None and len(first) == len(batch):
                 cprof.disable()
             if prof is not None and len(first) == len(batch):
@@ -96,7 +148,8 @@ def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, 
         ttft = sorted(first.values())
         waves.append(dict(ttft_p50_ms=1e3 * statistics.median(ttft), ttft_max_ms=1e3 * ttft[-1],
                           wave_ms=1e3 * (time.perf_counter() - start), steps_to_all_first=steps_to_first,
-                          submit_ms=1e3 * submit_s, admission_ms=1e3 * admit_s, **({"profile": profile_tables} if profile_tables else {})))
+                          submit_ms=1e3 * submit_s, admission_ms=1e3 * admit_s,
+                          **({"until_first_ms": parts_ms} if parts_ms else {}), **({"profile": profile_tables} if profile_tables else {})))
     return waves
 
 
@@ -109,6 +162,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--profile-wave", type=int, default=-1, help="torch.profiler over this wave's first tokens")
     parser.add_argument("--cprofile-wave", type=int, default=-1, help="cProfile over this wave's first tokens")
+    parser.add_argument("--timing", action="store_true",
+                        help="per wave, the core's host time until every first token: scheduling, prefill, "
+                             "the forward's launch and its device time after (device syncs around the forward)")
     args = parser.parse_args()
 
     from engine import LLM
@@ -126,12 +182,15 @@ def main() -> int:
         run_waves(llm, [[rng.choice(allowed) for _ in range(64)] for _ in range(4)], 4, 4)  # warm-up
         prefix = [rng.choice(allowed) for _ in range(args.prefix)]
         prompts = [prefix + [rng.choice(allowed) for _ in range(args.suffix)] for _ in range(args.requests)]
+        timer = StepTimer(llm.engine.core) if args.timing else None
         waves = run_waves(llm, prompts, args.concurrency, args.max_tokens, args.profile_wave if caching else -1,
-                          args.cprofile_wave if caching else -1)
+                          args.cprofile_wave if caching else -1, timer)
         report["runs"]["on" if caching else "off"] = waves
         for i, wave in enumerate(waves):
             print(f"caching {'on ' if caching else 'off'} wave {i}: " + ", ".join(
-                f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in wave.items() if k != "profile"), flush=True)
+                f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in wave.items() if k not in ("profile", "until_first_ms")) +
+                  (f"\n    until every first token (ms): {wave['until_first_ms']}" if "until_first_ms" in wave else ""),
+                  flush=True)
         del llm
     path = Path(args.out) / (args.name or f"prefix-engine-probe-{args.model}.json")
     write_json(path, report)
