@@ -30,6 +30,7 @@ from engine.core_messages import (
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.inputs import InputProcessor, ModelLimits
 from engine.output import OutputProcessor
+from engine.prefix_hash import prompt_keys
 from engine.request import RequestOutput, SamplingParams
 from engine.stats import EngineStats
 from engine.structured import GrammarCompiler, GrammarSpec
@@ -168,7 +169,10 @@ class AsyncEngine:
         updates: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = updates
         self.outputs.add(request_id, token_ids, params)
-        self._client.send(AddRequest(request_id, token_ids, params))
+        root = self.info.prefix_cache_root  # echo's prompt logprobs bypass the cache: no lookup
+        hashed = root is not None and params.prompt_logprobs is None
+        keys = prompt_keys(token_ids, self.info.block_size, root) if hashed else None
+        self._client.send(AddRequest(request_id, token_ids, params, keys))
         return RequestStream(self, request_id, updates)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,

@@ -184,8 +184,11 @@ class EngineCore:
         else:
             self.scheduler.add(seq)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt_block_keys: list[bytes] | None = None) -> Sequence:
+        """prompt_block_keys: the prefix-cache keys a front end hashed (AddRequest)."""
         seq = self.make_sequence(request_id, prompt_token_ids, params)
+        self.block_manager.adopt_prompt_keys(seq, prompt_block_keys)
         self.add_sequence(seq)
         return seq
 

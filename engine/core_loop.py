@@ -119,7 +119,8 @@ class CoreLoop:
         core = self.core
         if isinstance(message, AddRequest):
             try:
-                seq = core.add_request(message.request_id, message.prompt_token_ids, message.params)
+                seq = core.add_request(message.request_id, message.prompt_token_ids, message.params,
+                                       message.prompt_block_keys)
                 if self.workers:
                     self._inputs.adds.append(message)
                     self._inputs.seeds.append(seq.seed)
@@ -136,8 +137,10 @@ class CoreLoop:
                 self._inputs.aborts += message.request_ids
         elif isinstance(message, Hello):
             self.frontends.add(identity)
+            blocks = core.block_manager
             self._send(identity, CoreReady(core.model_path, core.max_model_len, core.args.vocab_size,
-                                           list(core.eos_ids), core.stats()))
+                                           list(core.eos_ids), core.stats(), blocks.block_size,
+                                           blocks.root if blocks.prefix_caching else None))
         elif isinstance(message, InjectFault):
             core.inject_fault(message.kind)
             if self.workers:

@@ -26,6 +26,9 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # the prefix cache's keys of the prompt's full blocks (engine/prefix_hash.py prompt_keys),
+    # hashed in the front end so that the core does not; None: the core hashes
+    prompt_block_keys: list[bytes] | None = None
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -56,6 +59,8 @@ class CoreReady(msgspec.Struct, tag=True, array_like=True):
     vocab_size: int
     eos_token_ids: list[int]
     stats: EngineStats
+    block_size: int = 16
+    prefix_cache_root: bytes | None = None  # the hash chain's root; None: prefix caching is off
 
 
 class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

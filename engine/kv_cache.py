@@ -1,7 +1,7 @@
 """Paged KV cache: the block pool (BlockManager) and the per-layer cache tensors.
 
 Prefix caching: a full block whose KV is computed is registered under a hash chain,
-sha256(parent block's hash, its token ids). A block whose last user ends stays cached
+sha256(parent block's hash, its token ids) (engine/prefix_hash.py). A block whose last user ends stays cached
 ("cached-free": counted as free, evicted least-recently-used only when no truly free
 block is left). A new prompt shares the longest run of cached full blocks by reference
 count; a hit is checked against the stored token ids, never trusted on the hash alone.
@@ -10,13 +10,12 @@ last token is always recomputed (into a block of the request's own)."""
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict, deque
 
 import torch
 
 from engine.models.config import ModelArgs
+from engine.prefix_hash import block_bytes, chain_keys, chain_root, num_prompt_blocks
 from engine.request import Sequence
 
 # Block 0 is never handed out: padded rows of a CUDA-graph batch and the steps a
@@ -36,7 +35,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.ref_counts[DUMMY_BLOCK] = 1
         self.free_blocks: deque[int] = deque(range(1, num_blocks))
-        self._root = hashlib.sha256(cache_salt.encode()).digest()  # anything else the KV depends on (the model)
+        self.root = chain_root(cache_salt)  # anything else the KV depends on (the model)
         self._by_hash: dict[bytes, int] = {}  # registered full blocks
         self._block_key: dict[int, tuple[bytes, bytes]] = {}  # block -> (its hash, its token ids as int64 bytes)
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # registered, no user; LRU first
@@ -103,10 +102,6 @@ class BlockManager:
 
     # ---- prefix caching ------------------------------------------------------------------
 
-    @staticmethod
-    def _hash(parent: bytes, block_bytes: bytes) -> bytes:
-        return hashlib.sha256(parent + block_bytes).digest()
-
     def register(self, seq: Sequence) -> None:
         """Register seq's full blocks whose every token's KV is computed (they never change
         again). A block whose content another block already holds stays unregistered."""
@@ -139,24 +134,27 @@ class BlockManager:
         recomputed for the next logits); none without prefix caching."""
         if not self.prefix_caching:
             return []
-        count = (seq.num_tokens - 1) // self.block_size
+        count = num_prompt_blocks(seq.num_tokens, self.block_size)
         return self._chain(seq, count)[:count]
 
+    def adopt_prompt_keys(self, seq: Sequence, keys: list[bytes] | None) -> None:
+        """Take the prompt keys a front end computed (engine/prefix_hash.py prompt_keys) for a
+        new sequence, when they have the right count (a wrong key costs a miss, never wrong KV:
+        cached_prefix compares the tokens)."""
+        if (self.prefix_caching and keys and not seq.block_keys
+                and len(keys) == num_prompt_blocks(seq.num_tokens, self.block_size)):
+            seq.block_keys = list(keys)
+
     def _chain(self, seq: Sequence, count: int) -> list[bytes]:
-        """seq's hash-chain keys of at least its first `count` full blocks, made once per block
-        with the block's token bytes (seq.block_tokens): a sequence only appends tokens, so a full
+        """seq's hash-chain keys of at least its first `count` full blocks (and their token
+        bytes in seq.block_tokens), each made once: a sequence only appends tokens, so a full
         block's key never changes (a prompt waiting behind a prefill that computes its prefix
         asks again every step)."""
-        keys = seq.block_keys
+        tokens, keys = seq.block_tokens, seq.block_keys
+        if len(tokens) < count:
+            tokens += block_bytes(seq.token_ids, len(tokens), count, self.block_size)
         if len(keys) < count:
-            done, bs = len(keys), self.block_size
-            data, step = array("q", seq.token_ids[done * bs:count * bs]).tobytes(), bs * 8  # one conversion
-            blocks = [data[i:i + step] for i in range(0, len(data), step)]
-            seq.block_tokens += blocks
-            parent = keys[-1] if keys else self._root
-            for block in blocks:
-                parent = self._hash(parent, block)
-                keys.append(parent)
+            keys += chain_keys(keys[-1] if keys else self.root, tokens[len(keys):count])
         return keys
 
     def cached_prefix(self, seq: Sequence, keys: list[bytes] | None = None) -> list[int]:
@@ -169,7 +167,7 @@ class BlockManager:
             if block is None:
                 break
             blocks.append(block)
-        tokens = seq.block_tokens  # made with the keys
+        tokens = seq.block_tokens  # made by _chain up to the keys' count
         for i, block in enumerate(blocks):  # the tokens, not the hash alone
             if self._block_key[block][1] != tokens[i]:
                 return blocks[:i]

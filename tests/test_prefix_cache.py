@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, prefix_hash
 from engine.kv_cache import BlockManager
 from engine.request import Sequence
 from tiny_models import make_tiny_model
@@ -139,7 +139,7 @@ def test_preempted_requests_are_readmitted_through_the_cache(model_dir, plain):
 
 def test_a_hash_collision_never_hands_out_wrong_kv(model_dir, plain, monkeypatch):
     """Every block hashes alike: the stored token ids tell them apart."""
-    monkeypatch.setattr(BlockManager, "_hash", lambda self, parent, toks: b"same")
+    monkeypatch.setattr(prefix_hash, "block_key", lambda parent, toks: b"same")
     cached = make_llm(model_dir, caching=True)
     other = [[200 + (3 * j) % 50 for j in range(53)]]
     assert tokens(cached, PROMPTS[:1]) == tokens(plain, PROMPTS[:1])
@@ -152,8 +152,8 @@ def test_each_block_is_hashed_once_however_often_its_prompt_is_looked_up(monkeyp
     """A prompt waiting behind a prefill that computes its prefix is looked up every step, and its
     prefill registers the same blocks: the hash chain is made once per block, not per lookup."""
     calls = []
-    real = BlockManager._hash
-    monkeypatch.setattr(BlockManager, "_hash", staticmethod(lambda parent, toks: calls.append(1) or real(parent, toks)))
+    real = prefix_hash.block_key
+    monkeypatch.setattr(prefix_hash, "block_key", lambda parent, toks: calls.append(1) or real(parent, toks))
     blocks = BlockManager(num_blocks=20, block_size=4, prefix_caching=True)
     seq = Sequence("w", list(range(30)), GREEDY)  # 7 full blocks before its last token
     keys = [blocks.prefix_keys(seq) for _ in range(5)]
@@ -168,6 +168,52 @@ def test_each_block_is_hashed_once_however_often_its_prompt_is_looked_up(monkeyp
     assert len(seq.block_hashes) == 8 and len(calls) == 8
     fresh = BlockManager(num_blocks=20, block_size=4, prefix_caching=True)
     assert fresh.prefix_keys(Sequence("x", list(range(30)), GREEDY)) == keys[0]  # the same chain from scratch
+
+
+def test_a_front_ends_prompt_keys_are_the_cores_and_wrong_ones_only_miss():
+    blocks = BlockManager(num_blocks=20, block_size=4, prefix_caching=True, cache_salt="m")
+    prompt = list(range(30))
+    from_front_end = prefix_hash.prompt_keys(prompt, 4, prefix_hash.chain_root("m"))
+    assert from_front_end == blocks.prefix_keys(Sequence("core", prompt, GREEDY))
+    owner = Sequence("o", prompt, GREEDY)
+    blocks.allocate(owner, 30)
+    owner.num_computed_tokens = 30
+    blocks.register(owner)
+    blocks.free(owner)
+    seq = Sequence("a", prompt, GREEDY)
+    blocks.adopt_prompt_keys(seq, from_front_end)
+    assert len(blocks.cached_prefix(seq)) == 7
+    short = Sequence("b", prompt, GREEDY)
+    blocks.adopt_prompt_keys(short, from_front_end[:3])  # the wrong count: not taken
+    assert short.block_keys == [] and len(blocks.cached_prefix(short)) == 7
+    other = Sequence("c", list(range(100, 130)), GREEDY)
+    blocks.adopt_prompt_keys(other, from_front_end)  # keys of another prompt: the tokens differ
+    assert blocks.cached_prefix(other) == []
+
+
+def test_the_front_end_hashes_the_prompt_and_the_core_thread_does_not(model_dir, monkeypatch):
+    """Through the server (its core in a thread here): a prompt's block keys are made beside
+    its tokenization, and the core reuses them for lookup and registration."""
+    import threading
+
+    import httpx
+
+    from engine import AsyncEngine, EngineConfig
+    from server.app import create_app
+    from server.testing import BackgroundServer
+
+    threads = []
+    real = prefix_hash.block_key
+    monkeypatch.setattr(prefix_hash, "block_key",
+                        lambda parent, toks: threads.append(threading.current_thread().name) or real(parent, toks))
+    config = EngineConfig(model=str(model_dir), device="cpu", block_size=BS, num_kv_blocks=96)
+    with BackgroundServer(create_app(AsyncEngine(config))) as server:
+        server.wait_ready()
+        with httpx.Client(base_url=server.url, timeout=60.0) as http:
+            usages = [http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
+                      .json()["usage"] for prompt in PROMPTS[:2]]
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] == 3 * BS
+    assert len(threads) == 2 * 3 and "graphserve-engine" not in threads
 
 
 def test_eviction_is_lru_and_spares_blocks_in_use():

@@ -150,7 +150,7 @@ class LlamaModel(nn.Module):
         return self.tp.all_gather_last_dim(logits)[..., :self.args.vocab_size]
 
     def pack_for_cpu(self) -> None:
-        """Pack every projection (and the LM head) for oneDNN; a no-op off CPU or float32."""
+        """Pack every projection (and the LM head) for the CPU panel kernel; a no-op off CPU or float32."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
