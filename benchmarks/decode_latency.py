@@ -168,6 +168,8 @@ def main() -> None:
                         help="dummy: random weights made on the GPUs, no files (e.g. llama-3.1-70b over --tp 2)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                         help="the engine's share of GPU memory (0.9 for a model that fills most of it)")
+    parser.add_argument("--fp8-weight-only-max-rows", type=int, default=None,
+                        help="override engine/models/fp8.py's FP8_WEIGHT_ONLY_MAX_ROWS (0: W8A8 from 2 rows; A/B)")
     parser.add_argument("--attention-min-split-tokens", type=int, default=None,
                         help="override kernels/decode_attention.py's fewest KV tokens per split (A/B)")
     parser.add_argument("--tp-only", action="store_true",
@@ -181,6 +183,8 @@ def main() -> None:
     from kernels import _common
 
     _common.PDL = args.pdl == "on"
+    if args.fp8_weight_only_max_rows is not None:
+        fp8.FP8_WEIGHT_ONLY_MAX_ROWS = args.fp8_weight_only_max_rows
     if args.attention_min_split_tokens is not None:
         from kernels import decode_attention
 

@@ -55,10 +55,12 @@ def bench(model: str, proj: tuple, rows: int, copy_gbs: float, weights: str, til
             return torch._scaled_mm(xq, fp8[i][0].t(), scale_a=xs, scale_b=fp8[i][1][None, :], bias=b, out_dtype=BF16)
         return fn
 
-    def triton_gemm(i, tile):
+    def triton_gemm(i, tile, weight_only=False):
         def fn():
             if fp8 is None:
                 return skinny_gemm(x, bf16[i], b, tile=tile)
+            if weight_only:
+                return skinny_gemm(x, fp8[i][0], b, weight_scale=fp8[i][1], tile=tile)
             xq, xs = quantize_rows_fp8(x)
             return skinny_gemm(xq, fp8[i][0], b, x_scale=xs, weight_scale=fp8[i][1], out_dtype=BF16, tile=tile)
         return fn
@@ -70,7 +72,9 @@ def bench(model: str, proj: tuple, rows: int, copy_gbs: float, weights: str, til
         variants += [("bf16 skinny_gemm sweep", t, None, 2 * n * k) for t in tiles]
     else:
         variants = [("W8A8 _scaled_mm", None, scaled_mm, fp8_bytes),
-                    ("W8A8 skinny_gemm", default_skinny_gemm_tile(rows, n, k, sms), None, fp8_bytes)]
+                    ("W8A8 skinny_gemm", default_skinny_gemm_tile(rows, n, k, sms), None, fp8_bytes),
+                    ("FP8 weight-only skinny_gemm", default_skinny_gemm_tile(rows, n, k, sms, x_bytes=2),
+                     lambda i: triton_gemm(i, default_skinny_gemm_tile(rows, n, k, sms, x_bytes=2), True), fp8_bytes)]
         variants += [("W8A8 skinny_gemm sweep", t, None, fp8_bytes) for t in tiles]
     out = []
     for kind, tile, make, weight_bytes in variants:
@@ -84,7 +88,7 @@ def bench(model: str, proj: tuple, rows: int, copy_gbs: float, weights: str, til
                    us=ms * 1e3, gb_per_s=weight_bytes / ms / 1e6, fraction_of_copy=weight_bytes / ms / 1e6 / copy_gbs)
         out.append(row)
         if "sweep" not in kind:
-            print(f"{model:13s} {name:8s} rows={rows:4d} {kind:20s} {str(row['tile'] or ''):28s} "
+            print(f"{model:13s} {name:8s} rows={rows:4d} {kind:28s} {str(row['tile'] or ''):28s} "
                   f"{row['us']:8.1f} us {row['gb_per_s']:7.0f} GB/s", flush=True)
     sweep = [r for r in out if "sweep" in r["kind"]]
     if sweep:

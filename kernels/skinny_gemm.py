@@ -1,6 +1,9 @@
 """Projections for decode batches, out = x @ w.T (+ bias) for x [M, K] with 2 to ~64 rows, on the
-tensor cores: bf16 / fp16 / fp32 operands, or W8A8 FP8 (x and w float8 e4m3, one float32 scale
-per row of each: out = (x * x_scale) @ (w * w_scale).T).
+tensor cores: bf16 / fp16 / fp32 operands; W8A8 FP8 (x and w float8 e4m3, one float32 scale
+per row of each: out = (x * x_scale) @ (w * w_scale).T); or weight-only FP8 (x bf16 / fp16, w
+e4m3 with its row scales: out = x @ (w * w_scale).T, the weights turned to fp16 in registers,
+which holds every e4m3 value exactly, and x scaled by 2^-8 into fp16's range, which no
+activation leaves: the tensor cores multiply fp16, accumulating in float32).
 
 cuBLAS picks tiles for these shapes that leave bandwidth unused: torch._scaled_mm reaches about
 2 TB/s of an H200's 4.8 on Llama-3.1-8B's FP8 projections at 64 rows, and the bf16 GEMMs split K
@@ -31,6 +34,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kernels._common import dot_precision, sm_count, use_pdl
 
 FP8 = torch.float8_e4m3fn
+# weight-only FP8: x * 2^-8 in fp16 overflows only past 16.7M, and loses bits only below 2^-16
+# (absolute error < 2^-17 there), far finer than x's own bf16 rounding; the result is scaled back
+W_ONLY_X_SCALE = tl.constexpr(2.0**-8)
 
 
 @triton.jit
@@ -40,6 +46,7 @@ def _skinny_gemm_kernel(
     stride_x, stride_w, stride_o,
     HAS_BIAS: tl.constexpr,
     HAS_SCALES: tl.constexpr,
+    W_ONLY: tl.constexpr,
     SILU_MUL: tl.constexpr,
     SPLIT: tl.constexpr,
     PDL: tl.constexpr,
@@ -74,9 +81,14 @@ def _skinny_gemm_kernel(
         k_mask = (k0 + tl.arange(0, BLOCK_K)) < k_end
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if W_ONLY:  # e4m3 weights are exact in fp16; x scaled into fp16's range (see W_ONLY_X_SCALE)
+            x = (x.to(tl.float32) * W_ONLY_X_SCALE).to(tl.float16)
+            w = w.to(tl.float16)
         acc = _dot(w, x, acc, HAS_SCALES, DOT_PREC, IMPRECISE_K)
         if SILU_MUL:
             u = tl.load(u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            if W_ONLY:
+                u = u.to(tl.float16)
             acc_u = _dot(u, x, acc_u, HAS_SCALES, DOT_PREC, IMPRECISE_K)
             u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -91,6 +103,8 @@ def _skinny_gemm_kernel(
         if HAS_SCALES:
             y = y * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
             y = y * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+        if W_ONLY:
+            y = y * (tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0) / W_ONLY_X_SCALE)[:, None]
         if HAS_BIAS:
             y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         dt = out_ptr.dtype.element_ty
@@ -99,6 +113,8 @@ def _skinny_gemm_kernel(
             if HAS_SCALES:
                 up = up * tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[:, None]
                 up = up * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+            if W_ONLY:
+                up = up * (tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0) / W_ONLY_X_SCALE)[:, None]
             gate = y.to(dt).to(tl.float32)
             y = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
         o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
@@ -120,6 +136,7 @@ def _skinny_gemm_reduce_kernel(
     M, N, stride_o,
     HAS_BIAS: tl.constexpr,
     HAS_SCALES: tl.constexpr,
+    W_ONLY: tl.constexpr,
     SPLIT: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -136,6 +153,8 @@ def _skinny_gemm_reduce_kernel(
     y = acc
     if HAS_SCALES:
         y = y * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0) * tl.load(x_scale_ptr + m)
+    if W_ONLY:
+        y = y * (tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0) / W_ONLY_X_SCALE)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_o + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -156,13 +175,15 @@ class SkinnyGemmTile(NamedTuple):
 SHARED_MEMORY_BUDGET = 200 * 1024
 
 
-def stage_bytes(tile: SkinnyGemmTile, weight_bytes: int, silu_mul: bool = False) -> int:
-    """Shared memory of one pipeline stage: the weight tile(s) and the rows' K tile."""
-    return (2 if silu_mul else 1) * tile.block_n * tile.block_k * weight_bytes + tile.block_m * tile.block_k * weight_bytes
+def stage_bytes(tile: SkinnyGemmTile, weight_bytes: int, silu_mul: bool = False, x_bytes: int | None = None) -> int:
+    """Shared memory of one pipeline stage: the weight tile(s) and the rows' K tile (x_bytes:
+    its element size, default the weights')."""
+    x_bytes = weight_bytes if x_bytes is None else x_bytes
+    return (2 if silu_mul else 1) * tile.block_n * tile.block_k * weight_bytes + tile.block_m * tile.block_k * x_bytes
 
 
 def default_skinny_gemm_tile(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 1,
-                             silu_mul: bool = False) -> SkinnyGemmTile:
+                             silu_mul: bool = False, x_bytes: int | None = None) -> SkinnyGemmTile:
     """From benchmarks/skinny_gemm_bench.py --sweep on an H200 (Llama-3.1-8B projections, 8 and
     64 rows): 64 outputs a program, all rows (16 to 64) in one; 256-byte K tiles 5 stages deep, or
     128 bytes x 3 when the weight tiles already give every SM two programs (gate_up); K split in
@@ -177,7 +198,8 @@ def default_skinny_gemm_tile(m: int, n: int, k: int, num_sms: int, weight_bytes:
     while not silu_mul and tiles * split * 2 <= num_sms and k // (split * 2) >= 1024:
         split *= 2
     tile = SkinnyGemmTile(block_n, tile_bytes // weight_bytes, block_m, split, 4, stages)
-    while tile.num_stages > 2 and tile.num_stages * stage_bytes(tile, weight_bytes, silu_mul) > SHARED_MEMORY_BUDGET:
+    while (tile.num_stages > 2
+           and tile.num_stages * stage_bytes(tile, weight_bytes, silu_mul, x_bytes) > SHARED_MEMORY_BUDGET):
         tile = tile._replace(num_stages=tile.num_stages - 1)
     return tile
 
@@ -194,14 +216,16 @@ def skinny_gemm(
     tile: SkinnyGemmTile | None = None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) in float32, rounded to out_dtype (default x's dtype; bfloat16 for
-    FP8): [M, N]. x [M, K] and weight [N, K] with contiguous rows, of one dtype. FP8 (float8
-    e4m3) operands need x_scale float32 [M] (or [M, 1]) and weight_scale float32 [N]: the
-    product is then (x * x_scale) @ (weight * weight_scale).T. silu_mul: weight is a fused
-    [gate; up] of 2I rows (no bias) and the result silu(x @ gate.T) * (x @ up.T), [M, I]; K is
-    never split then. tile overrides the launch shape (benchmark sweeps)."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype:
-        raise ValueError(f"expected x [M, K] and weight [N, K] of one dtype, got {x.dtype} {tuple(x.shape)} "
-                         f"and {weight.dtype} {tuple(weight.shape)}")
+    FP8 x): [M, N]. x [M, K] and weight [N, K] with contiguous rows, of one dtype, or (weight-only
+    FP8) a float8 e4m3 weight with bf16 / fp16 x. FP8 weights need weight_scale float32 [N];
+    FP8 x (W8A8) also x_scale float32 [M] (or [M, 1]): the product is then (x * x_scale) @
+    (weight * weight_scale).T, and weight-only x @ (weight * weight_scale).T. silu_mul: weight is
+    a fused [gate; up] of 2I rows (no bias) and the result silu(x @ gate.T) * (x @ up.T), [M, I];
+    K is never split then. tile overrides the launch shape (benchmark sweeps)."""
+    w_only = weight.dtype == FP8 and x.dtype in (torch.bfloat16, torch.float16)
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or (x.dtype != weight.dtype and not w_only):
+        raise ValueError(f"expected x [M, K] and weight [N, K] of one dtype (or an FP8 weight with bf16 / fp16 x), "
+                         f"got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight need contiguous rows")
     if silu_mul and (weight.shape[0] % 2 or bias is not None):
@@ -209,26 +233,30 @@ def skinny_gemm(
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     fp8 = x.dtype == FP8
+    if fp8 or w_only:
+        if weight_scale is None or (fp8 and x_scale is None) or (w_only and x_scale is not None):
+            raise ValueError("an FP8 weight needs weight_scale, and FP8 x (only) x_scale")
+        if weight_scale.shape != (weight.shape[0],) or weight_scale.dtype != torch.float32 \
+                or not weight_scale.is_contiguous():
+            raise ValueError(f"weight_scale must be float32 [{weight.shape[0]}], contiguous")
     if fp8:
-        if x_scale is None or weight_scale is None:
-            raise ValueError("FP8 operands need x_scale and weight_scale")
         x_scale = x_scale.reshape(-1)
-        if x_scale.shape != (m,) or weight_scale.shape != (weight.shape[0],) or x_scale.dtype != torch.float32 \
-                or weight_scale.dtype != torch.float32 or not (x_scale.is_contiguous() and weight_scale.is_contiguous()):
-            raise ValueError(f"scales must be float32 [{m}] and [{weight.shape[0]}], contiguous")
-    elif x_scale is not None or weight_scale is not None:
+        if x_scale.shape != (m,) or x_scale.dtype != torch.float32 or not x_scale.is_contiguous():
+            raise ValueError(f"x_scale must be float32 [{m}], contiguous")
+    elif not w_only and (x_scale is not None or weight_scale is not None):
         raise ValueError("scales go with FP8 operands only")
     out = torch.empty((m, n), dtype=out_dtype or (torch.bfloat16 if fp8 else x.dtype), device=x.device)
     if m == 0:
         return out
-    tile = tile or default_skinny_gemm_tile(m, n, k, sm_count(x.device), weight.element_size(), silu_mul)
+    tile = tile or default_skinny_gemm_tile(m, n, k, sm_count(x.device), weight.element_size(), silu_mul,
+                                            x.element_size())
     split = 1 if silu_mul else max(1, tile.split)
     # each split a whole number of K tiles
     k_per_split = triton.cdiv(triton.cdiv(k, split), tile.block_k) * tile.block_k
     split = triton.cdiv(k, k_per_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     pdl = use_pdl(x.device)
-    scale_args = (x_scale, weight_scale) if fp8 else (out, out)
+    scale_args = (x_scale if fp8 else out, weight_scale if fp8 or w_only else out)
     bias_arg = bias if bias is not None else out
     _skinny_gemm_kernel[(triton.cdiv(n, tile.block_n), split, triton.cdiv(m, tile.block_m))](
         x, scale_args[0], weight, scale_args[1], bias_arg, out, part,
@@ -236,6 +264,7 @@ def skinny_gemm(
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
         HAS_SCALES=fp8,
+        W_ONLY=w_only,
         SILU_MUL=silu_mul,
         SPLIT=split,
         PDL=pdl,
@@ -255,6 +284,7 @@ def skinny_gemm(
             m, n, out.stride(0),
             HAS_BIAS=bias is not None,
             HAS_SCALES=fp8,
+            W_ONLY=w_only,
             SPLIT=split,
             PDL=pdl,
             BLOCK=block,
@@ -272,6 +302,7 @@ def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     xf, wf = x.float(), weight.float()
     if x_scale is not None:
         xf = xf * x_scale.reshape(-1, 1).float()
+    if weight_scale is not None:
         wf = wf * weight_scale.float()[:, None]
     y = xf @ wf.T
     if bias is not None:

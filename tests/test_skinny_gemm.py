@@ -1,4 +1,5 @@
-"""kernels.skinny_gemm: decode-batch projections on the tensor cores (float operands, or W8A8 FP8)
+"""kernels.skinny_gemm: decode-batch projections on the tensor cores (float operands, W8A8 FP8, or
+FP8 weights with bf16 activations)
 against the float32 reference, with and without split K, bias, ragged edges. CPU tests run in
 Triton's interpreter at small shapes (float32: its bf16 dot is not exact); the `gpu` ones at model
 shapes on CUDA, against cuBLAS as well, and inside a captured CUDA graph."""
@@ -76,6 +77,26 @@ def test_float_matches_ref(m, n, k, tile, bias, poisoned_outputs):
     assert_close(out, skinny_gemm_ref(x, w, b), x.abs() @ w.abs().T, 2.0 ** -20)
 
 
+def w_only_operands(m: int, n: int, k: int, device: str = "cpu", seed: int = 0, bias: bool = False):
+    """bf16 activations (of a decoder's range, tiny values included) and an e4m3 weight with row scales."""
+    _, _, wq, w_scale, b = fp8_operands(m, n, k, device, seed, bias)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    x = (torch.randn(m, k, generator=gen, device=device) * 3.0 ** torch.randint(-8, 4, (m, k), generator=gen,
+                                                                               device=device)).to(torch.bfloat16)
+    return x, wq, w_scale, b
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k,tile", CASES)
+def test_fp8_weight_only_matches_ref(m, n, k, tile, bias, poisoned_outputs):
+    """bf16 x with an e4m3 weight: the weight exact in fp16, x scaled by 2^-8 into fp16 (exact for
+    bf16 values from 2^-16 up), the products summed in float32."""
+    x, wq, w_scale, b = w_only_operands(m, n, k, seed=m * n + k, bias=bias)
+    out = skinny_gemm(x, wq, b, weight_scale=w_scale, out_dtype=torch.float32, tile=tile)
+    ref = skinny_gemm_ref(x, wq, b, weight_scale=w_scale, out_dtype=torch.float32)
+    assert_close(out, ref, x.float().abs() @ (wq.float().abs() * w_scale[:, None]).T, 2.0 ** -20)
+
+
 def test_split_results_do_not_depend_on_the_split_count():
     """Splitting K changes only the order of the float32 sums."""
     xq, x_scale, wq, w_scale, _ = fp8_operands(4, 32, 128, seed=7)
@@ -111,9 +132,31 @@ def test_rejects_bad_operands():
         skinny_gemm(xq, wq)  # FP8 without scales
     with pytest.raises(ValueError):
         skinny_gemm(xq.float(), wq.float(), x_scale=x_scale, weight_scale=w_scale)  # scales without FP8
+    x = xq.to(torch.bfloat16)
+    with pytest.raises(ValueError):
+        skinny_gemm(x, wq)  # a weight-only FP8 weight without its scales
+    with pytest.raises(ValueError):
+        skinny_gemm(x, wq, x_scale=x_scale, weight_scale=w_scale)  # weight-only takes no x scale
+    with pytest.raises(ValueError):
+        skinny_gemm(x.float(), wq, weight_scale=w_scale)  # weight-only needs bf16 / fp16 x
 
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1152, 896), (896, 4864)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 8, 16])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gpu_fp8_weight_only_model_shapes(m, n, k, poisoned_outputs):
+    """The tensor cores' fp16 products are exact and their sums float32: within 2^-16 of the
+    products' magnitudes, and no worse than cuBLAS on the dequantized bf16 weight."""
+    x, wq, w_scale, b = w_only_operands(m, n, k, device="cuda", seed=m + n + k, bias=n == 1152)
+    out = skinny_gemm(x, wq, b, weight_scale=w_scale)
+    ref = skinny_gemm_ref(x, wq, b, weight_scale=w_scale)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, ref, x.float().abs() @ (wq.float().abs() * w_scale[:, None]).T, 2.0 ** -16)
+    cublas = F.linear(x, (wq.float() * w_scale[:, None]).to(torch.bfloat16), b)
+    assert rel_err(out, ref) <= 2 * rel_err(cublas, ref) + 2.0 ** -16
 
 
 @pytest.mark.gpu
@@ -171,13 +214,16 @@ def test_gpu_graph_capture_replays_new_inputs(fp8):
     assert_close(out, ref, magnitude, 2.0 ** -11 if fp8 else 2.0 ** -20)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fp8", [False, True, "weight-only"])
 @pytest.mark.parametrize("m,n,k,tile", [pytest.param(3, 64, 64, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="plain"),
                                         pytest.param(5, 40, 72, SkinnyGemmTile(16, 32, 16, 4, 4, 2), id="ragged-split-ignored")])
 def test_silu_mul_matches_the_unfused_path(m, n, k, tile, fp8, poisoned_outputs):
     """silu(x @ gate.T) * (x @ up.T) for a fused [gate; up] weight, rounded like kernels/activation.py:
     within one output rounding of the reference (K is never split, whatever the tile says)."""
-    if fp8:
+    if fp8 == "weight-only":
+        xq, wq, w_scale, _ = w_only_operands(m, 2 * n, k, seed=m + k)
+        kw = dict(weight_scale=w_scale, out_dtype=torch.float32)
+    elif fp8:
         xq, x_scale, wq, w_scale, _ = fp8_operands(m, 2 * n, k, seed=m + k)
         kw = dict(x_scale=x_scale, weight_scale=w_scale, out_dtype=torch.float32)
     else:
@@ -193,10 +239,13 @@ def test_silu_mul_matches_the_unfused_path(m, n, k, tile, fp8, poisoned_outputs)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [2, 8, 16])
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fp8", [False, True, "weight-only"])
 def test_gpu_silu_mul_model_shapes(m, fp8, poisoned_outputs):
     n, k = 28672, 4096  # Llama-3.1-8B gate_up
-    if fp8:
+    if fp8 == "weight-only":
+        xq, wq, w_scale, _ = w_only_operands(m, n, k, device="cuda", seed=m)
+        kw = dict(weight_scale=w_scale)
+    elif fp8:
         xq, x_scale, wq, w_scale, _ = fp8_operands(m, n, k, device="cuda", seed=m)
         kw = dict(x_scale=x_scale, weight_scale=w_scale)
     else:
@@ -213,14 +262,14 @@ def test_gpu_silu_mul_model_shapes(m, fp8, poisoned_outputs):
 
 
 @pytest.mark.parametrize("silu_mul", [False, True])
-@pytest.mark.parametrize("weight_bytes", [1, 2])
+@pytest.mark.parametrize("weight_bytes,x_bytes", [(1, 1), (2, 2), (1, 2)])
 @pytest.mark.parametrize("m", [2, 8, 16, 32, 64])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336), (1152, 896), (4864, 896),
                                  (896, 4864)])
-def test_default_tiles_fit_in_shared_memory(n, k, m, weight_bytes, silu_mul):
+def test_default_tiles_fit_in_shared_memory(n, k, m, weight_bytes, x_bytes, silu_mul):
     """Every default launch's pipeline fits the budget (a tile that does not fails only on a GPU)."""
     from kernels.skinny_gemm import SHARED_MEMORY_BUDGET, stage_bytes
 
-    tile = default_skinny_gemm_tile(m, n, k, 132, weight_bytes, silu_mul)
-    assert tile.num_stages * stage_bytes(tile, weight_bytes, silu_mul) <= SHARED_MEMORY_BUDGET
+    tile = default_skinny_gemm_tile(m, n, k, 132, weight_bytes, silu_mul, x_bytes)
+    assert tile.num_stages * stage_bytes(tile, weight_bytes, silu_mul, x_bytes) <= SHARED_MEMORY_BUDGET
     assert tile.num_stages >= 2 and (tile.split == 1 or not silu_mul)

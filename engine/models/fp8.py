@@ -19,6 +19,10 @@ _TINY = 1e-12  # an all-zero row still gets a usable scale
 # on an H200 the Triton kernel takes Llama-3.1-8B's four projections at 64 rows in 86 us against
 # 124 us, and loses from 128 rows on (benchmarks/results/skinny_gemm_bench-h200-*.json).
 FP8_GEMM_MAX_ROWS = 64
+# Up to this many rows (from 2: one row is the GEMV's, engine/models/layers.py) the weights are
+# dequantized in registers and x stays bf16 (kernels/skinny_gemm.py weight-only): no activation
+# quantization kernel, and no activation rounding to e4m3. Benchmarks set 0 to A/B against W8A8.
+FP8_WEIGHT_ONLY_MAX_ROWS = 16
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,6 +57,9 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
     from kernels.skinny_gemm import skinny_gemm
 
     rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= FP8_WEIGHT_ONLY_MAX_ROWS and rows.stride(-1) == 1:
+        y = skinny_gemm(rows, q, bias, weight_scale=scale, out_dtype=x.dtype, silu_mul=silu_mul)
+        return y.view(*x.shape[:-1], y.shape[-1])
     xq, x_scale = quantize_rows_fp8(rows)
     if rows.shape[0] <= FP8_GEMM_MAX_ROWS:
         y = skinny_gemm(xq, q, bias, x_scale=x_scale, weight_scale=scale, out_dtype=x.dtype, silu_mul=silu_mul)
@@ -67,7 +74,8 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
 
 def fp8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What the CUDA path computes, in float32 on any device: activations quantized per row too."""
+    """What the CUDA path computes beyond FP8_WEIGHT_ONLY_MAX_ROWS rows, in float32 on any device:
+    activations quantized per row too."""
     rows = x.reshape(-1, x.shape[-1])
     xq, x_scale = quantize_rows(rows)
     y = (xq.float() * x_scale) @ dequantize(q, scale, torch.float32).T
