@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only
 set -u
 PART=${1:-tests}
 . benchmarks/gpu_env.sh
@@ -71,6 +71,17 @@ profile-b64)  # where a batch-64 step goes: 0.5B bf16, 8B bf16 and fp8 (random w
   for q in none fp8; do
     timeout 150 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch 64 --load-format dummy \
       --quantization $q --out "$OUT/profile_llama_b64_$q.json" 2>&1 | quiet
+  done
+  ;;
+fp8-w-only)  # FP8 weight-only skinny GEMM: GPU tests, per projection against W8A8, decode A/B (8B FP8 at 1 / 8 / 16)
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py tests/test_fp8.py \
+    > "$OUT/gpu_tests.log" 2>&1; tail -3 "$OUT/gpu_tests.log"
+  timeout 100 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights fp8 --rows 2 8 16 \
+    --out "$OUT/skinny_gemm_bench_w_only.json" 2>&1 | grep -E "skinny|scaled" | quiet
+  for w in 0 16; do
+    timeout 130 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 8 16 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 16 --load-format dummy --quantization fp8 --fp8-weight-only-max-rows $w \
+      --out "$OUT/decode_8b_fp8_w_only_$w.json" 2>&1 | grep -E " graphs"
   done
   ;;
 split-ab)  # graph vs eager on the GPU, then decode at batch 1 and 8 with the attention's split floor at 512 / 128 / 64 KV tokens
