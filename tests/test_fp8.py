@@ -48,7 +48,7 @@ def test_the_projection_on_cpu_is_the_dequantized_product_and_close_to_the_refer
     q, scale = quantize_per_channel(w)
     y = fp8_linear(x, q, scale, b)
     assert torch.equal(y, F.linear(x, dequantize(q, scale, torch.float32), b))
-    # the CUDA path's math beyond 16 rows (activations quantized per row too) stays within FP8 error of it
+    # the CUDA path's W8A8 math (activations quantized per row too) stays within FP8 error of it
     ref = fp8_linear_ref(x, q, scale, b)
     assert (ref - y).abs().max() <= 0.1 * y.abs().max()
 

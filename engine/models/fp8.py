@@ -19,10 +19,15 @@ _TINY = 1e-12  # an all-zero row still gets a usable scale
 # on an H200 the Triton kernel takes Llama-3.1-8B's four projections at 64 rows in 86 us against
 # 124 us, and loses from 128 rows on (benchmarks/results/skinny_gemm_bench-h200-*.json).
 FP8_GEMM_MAX_ROWS = 64
-# Up to this many rows (from 2: one row is the GEMV's, engine/models/layers.py) the weights are
-# dequantized in registers and x stays bf16 (kernels/skinny_gemm.py weight-only): no activation
-# quantization kernel, and no activation rounding to e4m3. Benchmarks set 0 to A/B against W8A8.
-FP8_WEIGHT_ONLY_MAX_ROWS = 16
+# Up to this many rows (from 2: one row is the GEMV's, engine/models/layers.py) the weights would be
+# turned to fp16 in registers with x kept bf16 (kernels/skinny_gemm.py weight-only: no activation
+# quantization, no rounding of x to e4m3). Measured on an H200 it loses to W8A8 (the conversion
+# costs more than the activation quantization saves): Llama-3.1-8B at 8 rows gate_up 46.1 vs
+# 33.9 us, qkv 14.3 vs 12.8, o 10.3 vs 9.6 (down 24.1 vs 25.8, W8A8's quantization included), and
+# the whole step at batch 8 / 16 1,804 / 3,631 vs 2,291 / 4,403 tok/s (benchmarks/results/
+# skinny_gemm_bench-fp8-weight-only-*, decode_latency-*-fp8-{w8a8,weight-only}-*). So 0: W8A8
+# from 2 rows. decode_latency.py --fp8-weight-only-max-rows A/Bs it.
+FP8_WEIGHT_ONLY_MAX_ROWS = 0
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
