@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from engine.cpu_build import CLibrary
+from engine.cpu_build import AVX512_EXP16, CLibrary
 
 _SOURCE = r"""
 #include <math.h>
@@ -29,26 +29,7 @@ _SOURCE = r"""
    caches: [num_blocks, bs, Hkv, D] contiguous. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
-/* exp(x), 16 lanes: x = n ln2 + r (Cody-Waite, |r| <= ln2 / 2), exp(r) by its Taylor series to r^7
-   (truncation < 1e-8 relative), times 2^n by vscalefps (0 for very negative x, as expf). glibc's
-   vector expf was not used by the compiler here, and the scalar one made softmax a third of the
-   kernel's time. */
-static inline __m512 exp16(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
-
+""" + AVX512_EXP16 + r"""
 /* sh[0:L] <- exp(sh - max(sh)); returns 1 / their sum */
 static inline float softmax16(float* sh, int64_t L) {
     __m512 mv = _mm512_set1_ps(-INFINITY);

@@ -24,6 +24,30 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-o
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
+# exp for 16 float lanes, shared by the kernels' sources (inside their #if defined(__AVX512F__))
+AVX512_EXP16 = r"""
+/* exp(x), 16 lanes: x = n ln2 + r (Cody-Waite, |r| <= ln2 / 2), exp(r) by its Taylor series to r^7
+   (truncation < 1e-8 relative), times 2^n by vscalefps (0 for very negative x, as expf). glibc's
+   vector expf was not used by the compiler here, and the scalar one made softmax a third of the
+   kernel's time. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+"""
+
+
 def cache_dir() -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "graphserve" / "cpu_kernels"

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_linear
+from engine import cpu_linear, cpu_ops
 from engine.models.fp8 import FP8, fp8_linear, quantize_per_channel
 
 
@@ -158,6 +158,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
         return rms_norm_kernel(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        fused = cpu_ops.add_rms_norm(x, None, weight, eps)  # one pass in C, where it applies
+        if fused is not None:
+            return fused[0]
         # one op, bit for bit the lines below (and transformers' LlamaRMSNorm) in float32
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
@@ -173,6 +176,9 @@ def add_rms_norm(
         from kernels.rmsnorm import fused_add_rms_norm
 
         return fused_add_rms_norm(x, residual, weight, eps)
+    fused = cpu_ops.add_rms_norm(x, residual, weight, eps)
+    if fused is not None:
+        return fused
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
 
@@ -219,5 +225,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from kernels.activation import silu_and_mul as silu_and_mul_kernel
 
         return silu_and_mul_kernel(x)
+    fused = cpu_ops.silu_mul(x)
+    if fused is not None:
+        return fused
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
