@@ -16,7 +16,10 @@
 # throughput-qwen2.5-0.5b-pc-on.json, throughput-qwen2.5-0.5b-pc-off.json, decode_latency-pc.json.
 # Needs the server's packages: installed, or as wheels in .whl/ (benchmarks/gpu_env.sh).
 #
-# Usage: OUT=dir bash benchmarks/gpu_prefix.sh
+# Usage: OUT=dir bash benchmarks/gpu_prefix.sh [all | qwen | llama | rest]
+#   qwen / llama: that shape's GPU tests of the prefill graphs, then its prefix_bench with caching
+#   on and off, and with caching on but no prefill graphs (--cuda-graph-max-prefill-tokens 0);
+#   rest: steps 3-5. all (the default): steps 1-5.
 # Estimated ~8 min; every step has a timeout and the whole stays under BUDGET_S (540 s): a
 # step that would start with too little time left is skipped and says so in the log.
 set -u
@@ -45,12 +48,28 @@ Q=qwen2.5-0.5b
 L=llama-3.1-8b
 H200=(--config gpu-h200)
 
-step "$Q: random weights" 20 60 python3 benchmarks/random_models.py $Q
-step "$Q: prefix_bench (shared 2,000-token prefix)" 60 150 \
-  python3 benchmarks/prefix_bench.py --model $Q "${H200[@]}" --client-procs 4 --out "$OUT"
-step "$L: random weights" 120 170 python3 benchmarks/random_models.py $L
-step "$L: prefix_bench (shared 2,000-token prefix)" 100 200 \
-  python3 benchmarks/prefix_bench.py --model $L "${H200[@]}" --client-procs 4 --server-timeout 150 --out "$OUT"
+PART=${1:-all}
+shape() {  # shape MODEL SERVER_TIMEOUT: its random weights, (qwen/llama only) tests, prefix_bench
+  local m=$1 t=$2
+  step "$m: random weights" 20 170 python3 benchmarks/random_models.py $m
+  if [ "$PART" != all ]; then
+    step "$m: GPU tests of the prefill graphs" 60 200 env GPU_REPORT="$OUT/gpu_report.jsonl" python3 -m pytest -q -m gpu \
+      tests/test_kernels_gpu.py tests/test_gpu_engine.py -k "tile_map or ($m and (prefill_graphs or graph_path))" -p no:cacheprovider
+  fi
+  step "$m: prefix_bench (shared 2,000-token prefix)" 60 200 \
+    python3 benchmarks/prefix_bench.py --model $m "${H200[@]}" --client-procs 4 --server-timeout $t --out "$OUT"
+  if [ "$PART" != all ]; then
+    step "$m: prefix_bench, caching on, no prefill graphs" 40 120 \
+      python3 benchmarks/prefix_bench.py --model $m "${H200[@]}" --client-procs 4 --server-timeout $t --caching on \
+        --name "prefix_bench-$m-no-prefill-graphs" --out "$OUT" --cuda-graph-max-prefill-tokens 0
+  fi
+}
+case $PART in qwen|all) shape $Q 300;; esac
+case $PART in llama|all) shape $L 150;; esac
+if [ "$PART" != rest ] && [ "$PART" != all ]; then
+  echo "done in $(( $(date +%s) - START ))s, status $STATUS" | tee -a "$LOG"; exit $STATUS
+fi
+[ "$PART" = rest ] && step "$Q: random weights" 20 60 python3 benchmarks/random_models.py $Q
 step "$Q: multiturn_bench (32 x 6 turns)" 60 120 \
   python3 benchmarks/multiturn_bench.py --model $Q "${H200[@]}" --client-procs 4 --out "$OUT"
 for PC in on off; do

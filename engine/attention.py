@@ -34,6 +34,9 @@ class AttentionMetadata:
     # what a backend derives from this step's metadata once and reuses in every layer
     # (the torch backend: rotary tables, the flat block list, the decode mask)
     derived: dict = field(default_factory=dict, repr=False, compare=False)
+    # prefill (CUDA): a tile map [2, N] int32 for the attention kernel, whose grid then does
+    # not depend on the batch (kernels/prefill_attention.py; the prefill CUDA graphs)
+    attention_tiles: torch.Tensor | None = None
 
 
 class TorchAttention:
@@ -143,7 +146,7 @@ class TritonAttention:
         q = self._rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
             return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                                 meta.max_seqlen_q, scale)
+                                 meta.max_seqlen_q, scale, tiles=meta.attention_tiles)
         return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 
     def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -24,6 +24,7 @@ class EngineConfig:
     prefix_caching: bool = True  # reuse the KV of cached full blocks of a prompt's prefix (kv_cache.py)
     overlap_rounds: bool = True  # launch the next graph decode round before reading the current one's tokens
     cuda_graph_max_batch: int = 512
+    cuda_graph_max_prefill_tokens: int = 1024  # prefills of up to this many tokens replay a graph; 0: none
     num_threads: int | None = None  # torch CPU threads; None: all cores
     seed: int | None = None  # seeds of unseeded requests: None draws them from the OS
     grammar_compile_timeout: float = 10.0  # seconds a response_format / tool grammar may take to compile
@@ -48,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be fp8 (or left out), got {self.quantization!r}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be safetensors or dummy, got {self.load_format!r}")
+        if self.cuda_graph_max_prefill_tokens < 0:
+            raise ValueError(f"cuda_graph_max_prefill_tokens must be >= 0, got {self.cuda_graph_max_prefill_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

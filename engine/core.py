@@ -28,6 +28,7 @@ from engine.distributed import check_tensor_parallel, init_tensor_parallel
 from engine.errors import InvalidConfigError, InvalidRequestError
 from engine.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block
 from engine.models.config import ModelArgs
+from engine.prefill_graphs import PREFILL_GRAPH_MAX_SEQS, PrefillGraphs
 from engine.request import SamplingParams, Sequence, TokenLogprob
 from engine.runner import ModelRunner, StepTokens
 from engine.scheduler import DecodeRound, PrefillBatch, Scheduler
@@ -130,6 +131,12 @@ class EngineCore:
             self.graphs = GraphDecoder(self.runner, min(config.max_num_seqs, config.cuda_graph_max_batch),
                                        config.decode_chunk, -(-self.max_model_len // config.block_size))
             self.graphs.capture()
+            if config.cuda_graph_max_prefill_tokens:
+                self.runner.prefill_graphs = PrefillGraphs(
+                    self.model, self.kv_caches, config.block_size, config.cuda_graph_max_prefill_tokens,
+                    min(config.max_num_seqs, PREFILL_GRAPH_MAX_SEQS), -(-self.max_model_len // config.block_size),
+                    self.device)
+                self.runner.prefill_graphs.capture()
         self.sequences: dict[str, Sequence] = {}
         self.stats_counters = EngineStats(kv_blocks_total=self.block_manager.num_usable_blocks)
         self.timeline = DeviceTimeline(self.device)
@@ -506,5 +513,6 @@ class EngineCore:
                                    kv_blocks_cached_free=self.block_manager.num_cached_free_blocks,
                                    prefix_cache_queries=self.scheduler.num_queried_tokens,
                                    prefix_cache_hits=self.scheduler.num_cached_tokens,
+                                   prefill_graph_steps=self.runner.num_graph_prefills,
                                    device_busy_seconds=self.timeline.busy_seconds,
                                    device_idle_seconds=self.timeline.idle_seconds)

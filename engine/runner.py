@@ -15,6 +15,8 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.kv_cache import DUMMY_BLOCK, BlockManager
 from engine.models.llama import LlamaModel
+from engine.prefill_graphs import PrefillGraphs
+from engine.prefill_inputs import PrefillInputs, prefill_inputs
 from engine.request import Sequence, TokenLogprob
 from engine.sampler import SamplingTensors, advance, build_sampling_tensors, sample
 from engine.scheduler import DecodeRound, PrefillBatch
@@ -80,6 +82,8 @@ class ModelRunner:
         self.eos_ids = eos_ids
         self.vocab_size = model.args.vocab_size
         self.structured: StructuredOutputs | None = None  # the core's grammar matchers, when it has any
+        self.prefill_graphs: PrefillGraphs | None = None  # CUDA graphs of short prefills, when captured
+        self.num_graph_prefills = 0  # prefill steps that replayed a graph
 
     def token_bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """The grammar masks of `seqs` (host, [B, ceil(V/32)] int32), or None if none is constrained."""
@@ -97,42 +101,33 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, batch: PrefillBatch) -> dict[str, StepTokens]:
         """Compute KV for each chunk; sample the first token of every sequence whose
-        prefill completes (unless it asked for 0 tokens). Fills seq.prompt_logprobs."""
-        input_ids, positions, slots, query_lens, context_lens = [], [], [], [], []
-        for seq, n in zip(batch.seqs, batch.chunk_lens):
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            slots += [self.blocks.slot(seq, p) for p in range(start, start + n)]
-            query_lens.append(n)
-            context_lens.append(start + n)
-        cu = [0]
-        for n in query_lens:
-            cu.append(cu[-1] + n)
-        meta = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._block_tables(batch.seqs).to(self.device),
-            context_lens=self._tensor(context_lens, torch.int32),
-            cu_seqlens_q=self._tensor(cu, torch.int32),
-            max_seqlen_q=max(query_lens),
-            query_lens_host=query_lens,
-            context_lens_host=context_lens,
-        )
-        hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
-                            self.kv_caches)
-
-        for seq, start, n in zip(batch.seqs, cu, query_lens):
-            if seq.params.prompt_logprobs is not None:
+        prefill completes (unless it asked for 0 tokens). Fills seq.prompt_logprobs.
+        Through a prefill CUDA graph when one holds the batch and no prompt logprobs are asked."""
+        inputs = prefill_inputs(batch, self.block_size)
+        graphs = self.prefill_graphs
+        bucket = graphs.bucket_for(inputs) if graphs is not None else None
+        if bucket is not None and any(s.params.prompt_logprobs is not None for s in batch.seqs):
+            bucket = None
+        if bucket is not None:
+            last_logits = graphs.run(inputs, bucket)  # [B, V]: every sequence's last token
+            self.num_graph_prefills += 1
+        else:
+            hidden = self._prefill_forward(inputs)
+        cu = inputs.cu_seqlens.tolist()
+        for seq, start, n in zip(batch.seqs, cu, batch.chunk_lens):
+            if bucket is None and seq.params.prompt_logprobs is not None:
                 self._prompt_logprobs(seq, hidden[start:start + n], seq.num_computed_tokens)
             seq.num_computed_tokens += n
 
-        done = [(seq, cu[i + 1] - 1) for i, seq in enumerate(batch.seqs)
+        done = [i for i, seq in enumerate(batch.seqs)
                 if not seq.in_prefill and seq.num_output_tokens < seq.params.max_tokens]
         if not done:
             return {}
-        seqs = [s for s, _ in done]
-        logits = self.model.compute_logits(hidden[self._tensor([i for _, i in done], torch.int64)])
+        seqs = [batch.seqs[i] for i in done]
+        if bucket is not None:
+            logits = last_logits if len(done) == len(batch.seqs) else last_logits[self._tensor(done, torch.int64)]
+        else:
+            logits = self.model.compute_logits(hidden[self._tensor([cu[i + 1] - 1 for i in done], torch.int64)])
         st = build_sampling_tensors(seqs, self.vocab_size, self.eos_ids, self.device,
                                     token_bitmask=self.token_bitmask(seqs))
         out = sample(logits, st)
@@ -146,6 +141,22 @@ class ModelRunner:
                                                         [top_ids[i]] if top_ids else None,
                                                         [top_lps[i]] if top_lps else None)
         return results
+
+    def _prefill_forward(self, inputs: PrefillInputs) -> torch.Tensor:
+        """The eager forward pass of a packed prefill batch: hidden states [T, D]."""
+        dev = self.device
+        meta = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=torch.from_numpy(inputs.slots).to(dev),
+            block_tables=torch.from_numpy(inputs.block_tables).to(dev),
+            context_lens=torch.from_numpy(inputs.context_lens).to(dev),
+            cu_seqlens_q=torch.from_numpy(inputs.cu_seqlens).to(dev),
+            max_seqlen_q=int(inputs.query_lens.max()),
+            query_lens_host=inputs.query_lens.tolist(),
+            context_lens_host=inputs.context_lens.tolist(),
+        )
+        return self.model(torch.from_numpy(inputs.input_ids).to(dev), torch.from_numpy(inputs.positions).to(dev),
+                          meta, self.kv_caches)
 
     def _step_tokens(self, seq, tokens, logprobs, top_ids, top_lps) -> StepTokens:
         if seq.params.logprobs is None:

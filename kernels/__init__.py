@@ -17,6 +17,7 @@ from kernels.kv_store import store_kv, store_kv_ref
 from kernels.prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
+    prefill_tile_map,
 )
 from kernels.sampling import greedy_sample, greedy_sample_ref
 from kernels.skinny_gemm import SkinnyGemmTile, skinny_gemm, skinny_gemm_ref
@@ -53,6 +54,7 @@ __all__ = [
     "paged_decode_attention_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
+    "prefill_tile_map",
     "pick_num_splits",
     "quantize_rows_fp8",
     "quantize_rows_fp8_ref",

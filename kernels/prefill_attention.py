@@ -3,12 +3,18 @@
 All keys and values (cached prefix and the new tokens, which are already written) are read from
 the paged cache, so the same kernel serves plain prefill, chunked prefill and prefix-cache hits.
 Query token i of sequence b sits at absolute position context_lens[b] - q_len_b + i.
+
+The launch grid is either (query tiles of the longest sequence, sequences, heads), or, with a
+tile map, (tiles, heads): tile t is query block tiles[1, t] of sequence tiles[0, t], and a tile
+whose sequence is -1 does nothing. A tile map has a fixed size however the tokens fall into
+sequences, which is what a CUDA graph of padded prefills needs (engine/prefill_graphs.py).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +27,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
+    tiles_ptr, num_tiles,
     scale_log2,
     stride_qt, stride_qh,
     stride_cb, stride_ct,
@@ -32,14 +39,25 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TILE_MAP: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1)
-    h = tl.program_id(2)
+    if TILE_MAP:
+        tile = tl.program_id(0)
+        b = tl.load(tiles_ptr + tile)
+        pid_m = tl.load(tiles_ptr + num_tiles + tile)
+        h = tl.program_id(1)
+    else:
+        pid_m = tl.program_id(0)
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+    if b < 0:
+        return
     kvh = h // GROUP
 
     q_start = tl.load(cu_seqlens_ptr + b)
     q_len = tl.load(cu_seqlens_ptr + b + 1) - q_start
+    if pid_m * BLOCK_M >= q_len:  # a tile past a short sequence's queries (the plain grid)
+        return
     ctx = tl.load(context_lens_ptr + b)
     first_pos = ctx - q_len  # absolute position of the sequence's first query token
 
@@ -53,7 +71,7 @@ def _prefill_attention_kernel(
     q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None], other=0.0)
 
-    # keys past the tile's last query position are never needed; a tile past q_len loops 0 times
+    # keys past the tile's last query position are never needed
     kv_end = tl.minimum(ctx, first_pos + tl.minimum(pid_m * BLOCK_M + BLOCK_M, q_len))
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     head_off = kvh * HEAD_DIM
@@ -112,24 +130,30 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     tile: PrefillTile | None = None,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, Hq, D] over the paged cache.
 
     cu_seqlens_q [B+1] int32 (prefix sums of q lengths), context_lens [B] int32 (all KV tokens of
     the sequence after this step, >= its q length), max_seqlen_q a host int >= every q length.
     q may be a strided view (last dim contiguous). Returns [T, Hq, D] in q's dtype (or writes
-    `out`). tile overrides the launch shape (benchmark sweeps).
+    `out`). tile overrides the launch shape (benchmark sweeps). tiles: a tile map [2, N] int32
+    (prefill_tile_map) for the tile launch shape's block_m; max_seqlen_q is then unused.
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
     num_tokens, num_heads, _ = q.shape
     out = attention_output(q, num_kv_heads, head_dim, out)
     batch = cu_seqlens_q.shape[0] - 1
-    if num_tokens == 0 or batch <= 0 or max_seqlen_q <= 0:
-        return out
     tile = tile or default_prefill_tile(head_dim, q.dtype)
-    grid = (triton.cdiv(max_seqlen_q, tile.block_m), batch, num_heads)
+    if tiles is not None:
+        grid = (tiles.shape[1], num_heads)
+    elif num_tokens == 0 or batch <= 0 or max_seqlen_q <= 0:
+        return out
+    else:
+        grid = (triton.cdiv(max_seqlen_q, tile.block_m), batch, num_heads)
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        tiles if tiles is not None else cu_seqlens_q, grid[0],
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
@@ -141,10 +165,25 @@ def paged_prefill_attention(
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
         DOT_PREC=dot_precision(q.dtype),
+        TILE_MAP=tiles is not None,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
     return out
+
+
+def prefill_tile_map(query_lens: np.ndarray, block_m: int, num_tiles: int | None = None) -> np.ndarray:
+    """[2, N] int32: (sequence, query block) of each tile covering `query_lens`; padded to
+    `num_tiles` with sequence -1 (no work) when given."""
+    per_seq = -(-query_lens.astype(np.int64) // block_m)
+    seqs = np.repeat(np.arange(len(query_lens), dtype=np.int32), per_seq)
+    blocks = np.arange(len(seqs), dtype=np.int32) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq).astype(np.int32)
+    n = len(seqs) if num_tiles is None else num_tiles
+    if len(seqs) > n:
+        raise ValueError(f"{len(seqs)} query tiles do not fit in a map of {n}")
+    tiles = np.full((2, n), -1, dtype=np.int32)
+    tiles[0, :len(seqs)], tiles[1, :len(seqs)] = seqs, blocks
+    return tiles
 
 
 def paged_prefill_attention_ref(

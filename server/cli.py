@@ -43,6 +43,8 @@ ENGINE_FLAG_HELP = {
     "overlap_rounds": "launch each CUDA-graph decode round before the host reads the previous one's tokens "
                       "(--no-overlap-rounds: one round at a time)",
     "cuda_graph_max_batch": "largest batch bucket captured as a CUDA graph",
+    "cuda_graph_max_prefill_tokens": "prefill steps of up to this many tokens (in up to 64 sequences) replay a "
+                                     "CUDA graph, as a prefix-cache hit's short prefill does; 0: always eager",
     "num_threads": "torch CPU threads of a CPU engine (default: torch's, all cores; the front ends run in "
                    "their own processes and use little: on the 2-core development machine 2 threads served "
                    "21/91/135 tok/s at 1/8/16 streams where 1 thread served 17/63/84, measured before the "

@@ -6,6 +6,7 @@ references themselves are checked once against a naive dense computation.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -13,6 +14,7 @@ import triton.language as tl
 import torch.nn.functional as F
 from tensor_checks import rel_err
 
+from kernels.prefill_attention import default_prefill_tile
 from kernels import (
     GemvTile,
     apply_rotary,
@@ -33,6 +35,7 @@ from kernels import (
     paged_decode_attention_ref,
     paged_prefill_attention,
     paged_prefill_attention_ref,
+    prefill_tile_map,
     pick_num_splits,
     rms_norm,
     rms_norm_ref,
@@ -198,6 +201,35 @@ def test_prefill_attention(q_lens, ctx_lens):
     paged_prefill_attention(q, k_cache, v_cache, bt, cu, cl, max(q_lens), 0.125, out=out)
     ref = paged_prefill_attention_ref(q, k_cache, v_cache, bt, cu, cl, max(q_lens), 0.125)
     assert rel_err(out, ref) < TOL
+
+
+def test_prefill_tile_map():
+    tiles = prefill_tile_map(np.array([20, 0, 70, 1]), 32, num_tiles=8)
+    assert tiles.tolist() == [[0, 2, 2, 2, 3, -1, -1, -1], [0, 0, 1, 2, 0, -1, -1, -1]]
+    with pytest.raises(ValueError):
+        prefill_tile_map(np.array([70]), 32, num_tiles=2)
+
+
+def test_prefill_attention_tile_map_with_padding():
+    """The shape a prefill CUDA graph launches: tokens past the real ones, sequences with no
+    queries and no context, tiles with no sequence. Real rows match the reference; padded
+    rows are never written."""
+    gen = torch.Generator().manual_seed(8)
+    q_lens, ctx_lens = (5, 33, 1), (40, 70, 33)
+    q, k_cache, v_cache, bt, cu, cl = prefill_case(gen, q_lens, ctx_lens)
+    real = int(cu[-1])
+    pad_tokens, pad_seqs = 9, 2
+    q_pad = torch.cat([q, torch.randn(pad_tokens, *q.shape[1:], generator=gen)])
+    cu_pad = torch.cat([cu, torch.full((pad_seqs,), real, dtype=torch.int32)])
+    cl_pad = torch.cat([cl, torch.zeros(pad_seqs, dtype=torch.int32)])
+    bt_pad = torch.cat([bt, torch.zeros(pad_seqs, bt.shape[1], dtype=bt.dtype)])
+    block_m = default_prefill_tile(64, q.dtype).block_m
+    tiles = torch.from_numpy(prefill_tile_map(np.array(q_lens), block_m, num_tiles=real // block_m + 5 + pad_seqs))
+    out = torch.full_like(q_pad, float("nan"))
+    paged_prefill_attention(q_pad, k_cache, v_cache, bt_pad, cu_pad, cl_pad, 0, 0.125, out=out, tiles=tiles)
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, bt, cu, cl, max(q_lens), 0.125)
+    assert rel_err(out[:real], ref) < TOL
+    assert out[real:].isnan().all()
 
 
 def test_prefill_attention_head128_gqa4():

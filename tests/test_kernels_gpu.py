@@ -152,6 +152,40 @@ def test_prefill_attention_mixed_lengths_and_prefixes(shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [LLAMA_8B, QWEN_05B])
+def test_prefill_attention_tile_map_padded_like_a_graph(shape):
+    """The prefill graphs' launch: a fixed-size tile map, tokens and sequences padded past the
+    real ones (prefix-cache tails after long prefixes, one-token chunks). Real rows match the
+    reference; padded rows are never written."""
+    import numpy as np
+
+    from kernels import prefill_tile_map
+    from kernels.prefill_attention import default_prefill_tile
+
+    q_lens = [32, 1, 45, 7, 130]
+    prefixes = [2000, 64, 1999, 0, 300]
+    ctx_lens = [n + p for n, p in zip(q_lens, prefixes)]
+    real, bucket, seqs = sum(q_lens), 256, 16
+    k_cache, v_cache, bt, gen = paged_setup(seqs, max(ctx_lens), shape["hkv"], shape["head_dim"])
+    cu = torch.full((seqs + 1,), real, dtype=torch.int32, device=DEV)
+    cu[0] = 0
+    cu[1:len(q_lens) + 1] = torch.tensor(q_lens, device=DEV).cumsum(0)
+    cl = torch.zeros(seqs, dtype=torch.int32, device=DEV)
+    cl[:len(q_lens)] = torch.tensor(ctx_lens, device=DEV)
+    block_m = default_prefill_tile(shape["head_dim"], BF16).block_m
+    tiles = torch.from_numpy(prefill_tile_map(np.array(q_lens), block_m, -(-bucket // block_m) + seqs)).to(DEV)
+    q = torch.randn(bucket, shape["hq"], shape["head_dim"], device=DEV, dtype=BF16, generator=gen)
+    scale = shape["head_dim"] ** -0.5
+    out = nan_like(q)
+    paged_prefill_attention(q, k_cache, v_cache, bt, cu, cl, 0, scale, out=out, tiles=tiles)
+    n = len(q_lens)
+    ref = paged_prefill_attention_ref(q[:real].float(), k_cache.float(), v_cache.float(), bt[:n], cu[:n + 1],
+                                      cl[:n], max(q_lens), scale)
+    assert rel_err(out[:real], ref) < TOL
+    assert out[real:].isnan().all()
+
+
+@pytest.mark.gpu
 def test_store_kv_real_shape():
     k_cache, v_cache, _, gen = paged_setup(4, 1024, 8, 128)
     tokens = 300
