@@ -143,6 +143,7 @@ class EngineCore:
         self._injected_fault: str | None = None
         self._poisoned: set[str] = set()  # tests: requests whose every batch fails
         self._in_flight: RoundHandle | None = None  # a launched decode round, not collected yet
+        self._rounds_completed = 0  # the rounds launched before (and with) the last one collected
         # unseeded requests get a seed from here: the OS's entropy unless --seed fixes it (ranks of
         # one tensor-parallel engine draw the same sequence: rank 0's)
         self._seeds = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
@@ -301,10 +302,22 @@ class EngineCore:
         mark = self.timeline.begin()
         try:
             if isinstance(batch, PrefillBatch):
-                return self.runner.prefill(batch)
+                return self.runner.prefill(batch, overtake=self._may_overtake(batch))
             return self.decode(batch)
         finally:
             self.timeline.end(mark)
+
+    def _may_overtake(self, batch: PrefillBatch) -> bool:
+        """Whether a short prefill may run ahead of the decode rounds still on the device (the
+        prefill graphs' priority stream): only when one is running, and no block it writes was
+        freed after the launch of one that is (that round may still write the block: a
+        sequence that ended inside it). Not under tensor parallelism: the ranks' collectives
+        must not run on two streams at once."""
+        blocks = self.block_manager
+        if self.runner.prefill_graphs is None or self.tp.size > 1 or self._rounds_completed >= blocks.rounds_launched:
+            return False
+        return all(blocks.last_freed(s, s.num_computed_tokens, s.num_computed_tokens + n) <= self._rounds_completed
+                   for s, n in zip(batch.seqs, batch.chunk_lens))
 
     def _retry_alone(self, batch: PrefillBatch | DecodeRound) -> list[CoreOutput]:
         """Run each request of a failed batch on its own: the one(s) that still fail are
@@ -361,6 +374,7 @@ class EngineCore:
                 self._in_flight = None
         try:
             new_tokens, _ = self.graphs.collect(prev)
+            self._rounds_completed = max(self._rounds_completed, prev.number)
         except Exception:
             logger.exception("collecting a decode round failed; retrying its %d requests one by one",
                              len(prev.rnd.seqs))
@@ -481,6 +495,8 @@ class EngineCore:
             handle = self.graphs.launch(rnd)
         finally:
             self.timeline.end(mark)
+            self.block_manager.rounds_launched += 1  # also a failed launch: it may have queued work
+        handle.number = self.block_manager.rounds_launched
         self._count_replays(handle.bucket, rnd.num_steps)
         return handle
 
@@ -494,12 +510,15 @@ class EngineCore:
         eagerly (counted by reason)."""
         reason = self._eager_reason(rnd)
         if reason is None:
+            self.block_manager.rounds_launched += 1
             tokens, bucket = self.graphs.collect(self.graphs.launch(rnd))
             self._count_replays(bucket, rnd.num_steps)
-            return tokens
-        stats = self.stats_counters
-        stats.eager_rounds = {**stats.eager_rounds, reason: stats.eager_rounds.get(reason, 0) + 1}
-        return self.runner.decode(rnd)
+        else:
+            stats = self.stats_counters
+            stats.eager_rounds = {**stats.eager_rounds, reason: stats.eager_rounds.get(reason, 0) + 1}
+            tokens = self.runner.decode(rnd)  # synchronous, on the stream of the rounds
+        self._rounds_completed = self.block_manager.rounds_launched  # it waited for everything before it
+        return tokens
 
     def stats(self) -> EngineStats:
         """A snapshot; safe to call from another thread."""
@@ -514,5 +533,6 @@ class EngineCore:
                                    prefix_cache_queries=self.scheduler.num_queried_tokens,
                                    prefix_cache_hits=self.scheduler.num_cached_tokens,
                                    prefill_graph_steps=self.runner.num_graph_prefills,
+                                   prefill_steps_ahead=self.runner.num_overtaking_prefills,
                                    device_busy_seconds=self.timeline.busy_seconds,
                                    device_idle_seconds=self.timeline.idle_seconds)

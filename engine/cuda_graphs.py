@@ -109,6 +109,7 @@ class RoundHandle:
     launch_index: int  # slot.launches when this round took the slot
     event: torch.cuda.Event | None  # None on CPU, where the round ran inside launch()
     job: FeedJob | None = None  # its grammar rows' masks, being served
+    number: int = 0  # the engine's count of rounds launched, this one included
 
 
 class GraphDecoder:

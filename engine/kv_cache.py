@@ -42,6 +42,10 @@ class BlockManager:
         # keys of full blocks an admitted prefill is computing now -> its request id: a request
         # that needs the same block waits for it instead of computing it again
         self._computing: dict[bytes, str] = {}
+        # decode rounds launched so far (the engine counts them), and per block that count when it
+        # was last freed: a round still running may write a block freed after its launch
+        self.rounds_launched = 0
+        self.freed_at = [0] * num_blocks
 
     @property
     def num_usable_blocks(self) -> int:
@@ -86,6 +90,7 @@ class BlockManager:
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
+                self.freed_at[block] = self.rounds_launched
                 if block in self._block_key:
                     self._cached_free[block] = None  # most recently used last
                 else:
@@ -96,6 +101,11 @@ class BlockManager:
             if self._computing.get(key) == seq.request_id:
                 del self._computing[key]
         seq.computing_keys = []
+
+    def last_freed(self, seq: Sequence, start: int, end: int) -> int:
+        """The latest rounds_launched at which a block holding seq's positions start..end-1 was freed."""
+        bs = self.block_size
+        return max(self.freed_at[b] for b in seq.block_table[start // bs:(end - 1) // bs + 1])
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

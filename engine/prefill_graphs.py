@@ -13,6 +13,11 @@ runs over a tile map of fixed size whose padded tiles do nothing (kernels/prefil
 Padded rows carry garbage that no real row reads: every op is row-wise except attention,
 which reads only the real sequences' blocks.
 
+A replay may overtake the decode rounds queued on the device: the runner then runs it and its
+sampling on `stream`, a stream of higher priority, when the engine has checked that no round
+still running writes a block it writes (EngineCore._may_overtake). A prefix-cache hit's first
+token then waits for a millisecond of prefill instead of a whole decode round.
+
 On CPU (tests) the same static-buffer path runs eagerly.
 """
 
@@ -71,6 +76,8 @@ class PrefillGraphs:
         self.static["block_tables"] = self.static["block_tables"].view(seqs, table_width)
         self.logits = torch.zeros(seqs, model.args.vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # where an overtaking prefill runs (-1: above the default priority 0 of the decode rounds' stream)
+        self.stream = torch.cuda.Stream(device, priority=-1) if self.use_cuda_graphs else None
         self.pool = None
         self.capture_seconds = 0.0
         self._staged: torch.cuda.Event | None = None  # after the last run's host-to-device copies

@@ -84,6 +84,8 @@ class ModelRunner:
         self.structured: StructuredOutputs | None = None  # the core's grammar matchers, when it has any
         self.prefill_graphs: PrefillGraphs | None = None  # CUDA graphs of short prefills, when captured
         self.num_graph_prefills = 0  # prefill steps that replayed a graph
+        self.num_overtaking_prefills = 0  # of them, on the priority stream
+        self._last_prefill: torch.cuda.Event | None = None  # recorded after the last prefill's forward
 
     def token_bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """The grammar masks of `seqs` (host, [B, ceil(V/32)] int32), or None if none is constrained."""
@@ -99,20 +101,39 @@ class ModelRunner:
                             dtype=torch.int32)
 
     @torch.inference_mode()
-    def prefill(self, batch: PrefillBatch) -> dict[str, StepTokens]:
+    def prefill(self, batch: PrefillBatch, overtake: bool = False) -> dict[str, StepTokens]:
         """Compute KV for each chunk; sample the first token of every sequence whose
         prefill completes (unless it asked for 0 tokens). Fills seq.prompt_logprobs.
-        Through a prefill CUDA graph when one holds the batch and no prompt logprobs are asked."""
+        Through a prefill CUDA graph when one holds the batch and no prompt logprobs are asked;
+        `overtake` (the engine checked it is safe): that graph and the sampling run on the
+        graphs' priority stream, ahead of the decode rounds queued on the current one."""
         inputs = prefill_inputs(batch, self.block_size)
         graphs = self.prefill_graphs
         bucket = graphs.bucket_for(inputs) if graphs is not None else None
         if bucket is not None and any(s.params.prompt_logprobs is not None for s in batch.seqs):
             bucket = None
+        stream = graphs.stream if bucket is not None and overtake else None
+        if stream is None:
+            return self._prefill(batch, inputs, bucket)
+        if self._last_prefill is not None:  # the KV and static buffers of the prefills before it
+            stream.wait_event(self._last_prefill)
+        try:
+            with torch.cuda.stream(stream):
+                return self._prefill(batch, inputs, bucket)
+        finally:  # what runs after it on the current stream (the rounds it joins) sees its KV
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self.num_overtaking_prefills += 1
+
+    def _prefill(self, batch: PrefillBatch, inputs: PrefillInputs, bucket: int | None) -> dict[str, StepTokens]:
+        graphs = self.prefill_graphs
         if bucket is not None:
             last_logits = graphs.run(inputs, bucket)  # [B, V]: every sequence's last token
             self.num_graph_prefills += 1
         else:
             hidden = self._prefill_forward(inputs)
+        if self.device.type == "cuda":
+            self._last_prefill = torch.cuda.Event()
+            self._last_prefill.record()
         cu = inputs.cu_seqlens.tolist()
         for seq, start, n in zip(batch.seqs, cu, batch.chunk_lens):
             if bucket is None and seq.params.prompt_logprobs is not None:

@@ -160,6 +160,9 @@ class EngineStatsCollector(Collector):
         yield CounterMetricFamily(f"{PREFIX}_prefill_steps", "Prefill batches run.", stats.prefill_steps)
         yield CounterMetricFamily(f"{PREFIX}_prefill_graph_steps", "Prefill batches run by replaying a CUDA graph.",
                                   stats.prefill_graph_steps)
+        yield CounterMetricFamily(f"{PREFIX}_prefill_steps_ahead",
+                                  "Prefill graphs run ahead of the decode rounds queued on the device.",
+                                  stats.prefill_steps_ahead)
         yield CounterMetricFamily(
             f"{PREFIX}_device_busy_seconds", "Time the device spent running prefill batches and decode rounds.",
             stats.device_busy_seconds,

@@ -87,9 +87,9 @@ def test_decodes_riding_along_prefill_steps_keep_their_tokens(model_dir, hf_gree
     seen = []
     run = core.runner.prefill
 
-    def spy(batch):
+    def spy(batch, **kw):
         seen.append(batch.num_decodes)
-        return run(batch)
+        return run(batch, **kw)
 
     core.runner.prefill = spy
     try:

@@ -113,3 +113,83 @@ def test_prompt_logprobs_take_the_eager_path(model_dir):
     got = static.generate([PROMPTS[0][:20]], params)[0]
     assert got.token_ids == want.token_ids and got.prompt_logprobs == want.prompt_logprobs
     assert static.engine.core.runner.num_graph_prefills == 0
+
+
+def test_a_prefill_overtakes_running_rounds_only_into_blocks_they_cannot_write(model_dir):
+    """EngineCore._may_overtake: a prefill may run ahead of the rounds still on the device
+    unless a block it writes was freed after the launch of one of them (a request that ended
+    inside that round, whose steps past its end that round still runs)."""
+    core = make_llm(model_dir, graphs=64).engine.core
+    blocks = core.block_manager
+    ended = Sequence("ended", list(range(5, 40)), GREEDY)
+    blocks.allocate(ended, 35)
+    reused = list(ended.block_table)
+    fresh = Sequence("fresh", list(range(5, 40)), GREEDY)
+    blocks.allocate(fresh, 35)
+    batch = lambda seq: PrefillBatch([seq], [35])  # noqa: E731
+    assert not core._may_overtake(batch(fresh))  # nothing running: nothing to overtake
+    blocks.rounds_launched, core._rounds_completed = 4, 3  # round 4 runs
+    assert core._may_overtake(batch(fresh))
+    blocks.free(ended)  # while round 4 runs
+    again = Sequence("again", list(range(5, 40)), GREEDY)
+    again.block_table = reused
+    assert not core._may_overtake(batch(again))
+    again.num_computed_tokens = 32  # a cached prefix in the first two blocks: only the third is written
+    assert not core._may_overtake(PrefillBatch([again], [3]))
+    again.block_table = [fresh.block_table[0], fresh.block_table[1], reused[2]]
+    assert not core._may_overtake(PrefillBatch([again], [3]))
+    again.block_table = [reused[0], reused[1], fresh.block_table[2]]
+    assert core._may_overtake(PrefillBatch([again], [3]))
+    core._rounds_completed = 4  # round 4 is done: its blocks are safe again...
+    blocks.rounds_launched = 5  # ...while round 5 runs
+    again.block_table, again.num_computed_tokens = reused, 0
+    assert core._may_overtake(batch(again))
+    core.runner.prefill_graphs = None  # only prefill graphs overtake
+    assert not core._may_overtake(batch(again))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_prefills_overtaking_rounds_on_cuda_give_the_eager_tokens(model_dir, kind):
+    """Requests arriving while decode rounds are in flight, in a KV pool so small that the
+    blocks of requests that just ended are handed out again: prefills that overtake the
+    queued rounds (the priority stream) and those that may not give the tokens of an eager
+    engine, and some of each happen."""
+    import torch
+
+    lengths = [9, 17, 30, 12, 21, 26, 5, 14, 19, 8, 23, 11]
+    # 5-8 blocks each, 4 at a time, 30 blocks: a newcomer gets blocks freed a moment ago
+    prompts = [[5 + (7 * i + 3 * j) % 250 for j in range(60 + 4 * i)] for i in range(len(lengths))]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) if kind == "greedy" else
+              SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=n, ignore_eos=True) for n in lengths]
+    eager = LLM(str(model_dir), device="cuda", dtype="float32", enforce_eager=True, block_size=BS, num_kv_blocks=31)
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    del eager
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", block_size=BS, num_kv_blocks=31, decode_chunk=4,
+              max_num_seqs=4)
+    engine, core = llm.engine, llm.engine.core
+    decisions = []  # (a round was running, the prefill overtook it)
+    may_overtake = core._may_overtake
+
+    def record(batch):
+        decisions.append((core._rounds_completed < core.block_manager.rounds_launched, may_overtake(batch)))
+        return decisions[-1][1]
+
+    core._may_overtake = record
+    seen, pending = {}, list(range(len(lengths)))
+    for i in pending[:3]:
+        engine.add_request(f"r{i}", prompts[i], params[i])
+    pending = pending[3:]
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished and pending:  # one leaves, the next arrives while a round is in flight
+                i = pending.pop(0)
+                engine.add_request(f"r{i}", prompts[i], params[i])
+    assert [seen[f"r{i}"] for i in range(len(lengths))] == want
+    stats = engine.stats()
+    assert stats.prefill_steps_ahead == sum(ahead for _, ahead in decisions) > 0
+    assert (True, False) in decisions  # a newcomer whose blocks a running round may still write waited for it
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+    del llm
+    torch.cuda.empty_cache()
