@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -37,6 +38,8 @@ from engine.structured import GrammarCompiler, StructuredOutputs
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("graphserve.engine")
+
+WAIT_POLL_S = 50e-6  # how often _serve_while_waiting looks at the round and the front ends
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -144,6 +147,9 @@ class EngineCore:
         self._poisoned: set[str] = set()  # tests: requests whose every batch fails
         self._in_flight: RoundHandle | None = None  # a launched decode round, not collected yet
         self._rounds_completed = 0  # the rounds launched before (and with) the last one collected
+        # set by the core loop (one rank): called while a round runs, with the outputs made so far
+        # in the step; it sends them and takes the messages that arrived (new requests, aborts)
+        self.on_wait: Callable[[list[CoreOutput]], None] | None = None
         # unseeded requests get a seed from here: the OS's entropy unless --seed fixes it (ranks of
         # one tensor-parallel engine draw the same sequence: rank 0's)
         self._seeds = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
@@ -314,7 +320,8 @@ class EngineCore:
         sequence that ended inside it). Not under tensor parallelism: the ranks' collectives
         must not run on two streams at once."""
         blocks = self.block_manager
-        if self.runner.prefill_graphs is None or self.tp.size > 1 or self._rounds_completed >= blocks.rounds_launched:
+        if (self.runner.prefill_graph_bucket(batch) is None or self.tp.size > 1
+                or self._rounds_completed >= blocks.rounds_launched):
             return False
         return all(blocks.last_freed(s, s.num_computed_tokens, s.num_computed_tokens + n) <= self._rounds_completed
                    for s, n in zip(batch.seqs, batch.chunk_lens))
@@ -372,6 +379,8 @@ class EngineCore:
                     raise
                 logger.exception("launching a decode round ahead failed; it will be scheduled again")
                 self._in_flight = None
+        if self.on_wait is not None:
+            outputs = self._serve_while_waiting(prev, outputs)
         try:
             new_tokens, _ = self.graphs.collect(prev)
             self._rounds_completed = max(self._rounds_completed, prev.number)
@@ -382,6 +391,24 @@ class EngineCore:
             return outputs + self._retry_alone(prev.rnd)
         outputs += self._process(prev.rnd, new_tokens)
         self._drop_unwanted_round()
+        return outputs
+
+    def _serve_while_waiting(self, prev: RoundHandle, outputs: list[CoreOutput]) -> list[CoreOutput]:
+        """While `prev` runs: hand the step's outputs so far to on_wait (sent, and the messages
+        that arrived taken), and prefill newcomers at once where that prefill can overtake the
+        rounds on the device. A newcomer's first token then waits neither for the rest of this
+        round nor for the round queued behind it. Returns the outputs not handed over."""
+        stuck = False  # newcomers were admitted whose prefill cannot overtake: the next step runs it
+        while not self.graphs.is_done(prev):
+            self.on_wait(outputs)
+            outputs = []
+            if self.scheduler.waiting and not stuck:
+                batch = self.scheduler.schedule_prefill()
+                if batch is not None and self._may_overtake(batch):
+                    outputs = self._run_now(batch)
+                    continue
+                stuck = batch is not None
+            time.sleep(WAIT_POLL_S)  # lets the core's other threads (grammar masks) run
         return outputs
 
     def _drop_unwanted_round(self) -> None:

@@ -65,6 +65,8 @@ class CoreLoop:
         (CoreDied) and re-raised."""
         core = self.core
         core.structured.compiler.warm()
+        if not self.workers:  # the ranks of tensor parallelism take messages only between steps
+            core.on_wait = self._while_waiting
         try:
             while not self._stopping:
                 self._receive(wait=not core.has_unfinished())
@@ -80,6 +82,12 @@ class CoreLoop:
             logger.exception("engine core loop died")
             self._broadcast(CoreDied(f"{type(exc).__name__}: {exc}"))
             raise
+
+    def _while_waiting(self, outputs: list[CoreOutput]) -> None:
+        """EngineCore.on_wait: send what the step has made so far, take what has arrived."""
+        if outputs:
+            self._send_outputs(outputs)
+        self._receive(wait=False)
 
     def _check_workers(self) -> None:
         dead = [w for w in self.workers if not w.is_alive()]

@@ -388,6 +388,10 @@ class GraphDecoder:
         if self._feed is not None:
             self._feed.drain()
 
+    def is_done(self, handle: RoundHandle) -> bool:
+        """Whether a launched round's tokens have reached the host (collect would not wait)."""
+        return handle.event is None or handle.event.query()
+
     def collect(self, handle: RoundHandle) -> tuple[dict[str, StepTokens], int]:
         """Wait for a launched round's tokens; returns them per sequence, and the bucket used.
         Collect a round before launching the one after the next (they share host buffers)."""

@@ -89,10 +89,9 @@ class PrefillGraphs:
         """Attention tiles a bucket's tile map holds: each sequence adds at most one partial tile."""
         return -(-bucket // self.tile_rows) + self.seqs_for(bucket)
 
-    def bucket_for(self, inputs: PrefillInputs) -> int | None:
-        """The smallest bucket that holds the batch, or None (it runs eagerly)."""
-        tokens, seqs = inputs.num_tokens, len(inputs.query_lens)
-        return next((b for b in self.buckets if b >= tokens and self.seqs_for(b) >= seqs), None)
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
+        """The smallest bucket that holds a batch of this many tokens and sequences, or None."""
+        return next((b for b in self.buckets if b >= num_tokens and self.seqs_for(b) >= num_seqs), None)
 
     def _meta(self, bucket: int, inputs: PrefillInputs | None = None) -> AttentionMetadata:
         """The bucket's attention metadata over the static buffers (`inputs`: the host lengths

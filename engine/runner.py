@@ -108,11 +108,8 @@ class ModelRunner:
         `overtake` (the engine checked it is safe): that graph and the sampling run on the
         graphs' priority stream, ahead of the decode rounds queued on the current one."""
         inputs = prefill_inputs(batch, self.block_size)
-        graphs = self.prefill_graphs
-        bucket = graphs.bucket_for(inputs) if graphs is not None else None
-        if bucket is not None and any(s.params.prompt_logprobs is not None for s in batch.seqs):
-            bucket = None
-        stream = graphs.stream if bucket is not None and overtake else None
+        bucket = self.prefill_graph_bucket(batch)
+        stream = self.prefill_graphs.stream if bucket is not None and overtake else None
         if stream is None:
             return self._prefill(batch, inputs, bucket)
         if self._last_prefill is not None:  # the KV and static buffers of the prefills before it
@@ -123,6 +120,13 @@ class ModelRunner:
         finally:  # what runs after it on the current stream (the rounds it joins) sees its KV
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self.num_overtaking_prefills += 1
+
+    def prefill_graph_bucket(self, batch: PrefillBatch) -> int | None:
+        """The prefill graph that runs `batch`, or None: it runs eagerly (too long, prompt logprobs)."""
+        graphs = self.prefill_graphs
+        if graphs is None or any(s.params.prompt_logprobs is not None for s in batch.seqs):
+            return None
+        return graphs.bucket_for(sum(batch.chunk_lens), len(batch.seqs))
 
     def _prefill(self, batch: PrefillBatch, inputs: PrefillInputs, bucket: int | None) -> dict[str, StepTokens]:
         graphs = self.prefill_graphs

@@ -4,12 +4,11 @@ same buffers; the CUDA replay is checked on the GPU (tests/test_gpu_engine.py)."
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.prefill_graphs import PrefillGraphs, prefill_buckets
-from engine.prefill_inputs import PrefillInputs, prefill_inputs
+from engine.prefill_inputs import prefill_inputs
 from engine.request import Sequence
 from engine.scheduler import PrefillBatch
 from tiny_models import make_tiny_model
@@ -64,18 +63,12 @@ def test_prefill_inputs_pack_each_chunk_at_its_position():
 
 def test_a_batch_takes_the_smallest_bucket_that_holds_its_tokens_and_sequences(model_dir):
     graphs = make_llm(model_dir, graphs=64).engine.core.runner.prefill_graphs
-
-    def lens(*q: int) -> PrefillInputs:
-        n, b = sum(q), len(q)
-        return PrefillInputs(np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64), np.array(q),
-                             np.zeros(b, np.int32), np.zeros(b + 1, np.int32), np.zeros((b, 1), np.int32))
-
-    assert graphs.bucket_for(lens(3)) == 16
-    assert graphs.bucket_for(lens(16)) == 16
-    assert graphs.bucket_for(lens(10, 10)) == 32
-    assert graphs.bucket_for(lens(*[1] * 8)) == 16
-    assert graphs.bucket_for(lens(*[1] * 9)) is None  # the graphs hold 8 sequences
-    assert graphs.bucket_for(lens(65)) is None
+    assert graphs.bucket_for(3, 1) == 16
+    assert graphs.bucket_for(16, 1) == 16
+    assert graphs.bucket_for(20, 2) == 32
+    assert graphs.bucket_for(8, 8) == 16
+    assert graphs.bucket_for(9, 9) is None  # the graphs hold 8 sequences
+    assert graphs.bucket_for(65, 1) is None
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -144,17 +137,22 @@ def test_a_prefill_overtakes_running_rounds_only_into_blocks_they_cannot_write(m
     blocks.rounds_launched = 5  # ...while round 5 runs
     again.block_table, again.num_computed_tokens = reused, 0
     assert core._may_overtake(batch(again))
+    echo = Sequence("echo", list(range(5, 40)), SamplingParams(max_tokens=1, prompt_logprobs=1))
+    echo.block_table = reused
+    assert not core._may_overtake(batch(echo))  # prompt logprobs: an eager prefill
     core.runner.prefill_graphs = None  # only prefill graphs overtake
     assert not core._may_overtake(batch(again))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
-def test_prefills_overtaking_rounds_on_cuda_give_the_eager_tokens(model_dir, kind):
+@pytest.mark.parametrize("arrive", ["between_steps", "while_waiting"])
+def test_prefills_overtaking_rounds_on_cuda_give_the_eager_tokens(model_dir, kind, arrive):
     """Requests arriving while decode rounds are in flight, in a KV pool so small that the
     blocks of requests that just ended are handed out again: prefills that overtake the
     queued rounds (the priority stream) and those that may not give the tokens of an eager
-    engine, and some of each happen."""
+    engine, and some of each happen. "while_waiting": newcomers arrive through on_wait (as
+    the core loop passes them) while the core waits for a round, and are prefilled there."""
     import torch
 
     lengths = [9, 17, 30, 12, 21, 26, 5, 14, 19, 8, 23, 11]
@@ -167,7 +165,7 @@ def test_prefills_overtaking_rounds_on_cuda_give_the_eager_tokens(model_dir, kin
     del eager
     llm = LLM(str(model_dir), device="cuda", dtype="float32", block_size=BS, num_kv_blocks=31, decode_chunk=4,
               max_num_seqs=4)
-    engine, core = llm.engine, llm.engine.core
+    core = llm.engine.core
     decisions = []  # (a round was running, the prefill overtook it)
     may_overtake = core._may_overtake
 
@@ -176,20 +174,79 @@ def test_prefills_overtaking_rounds_on_cuda_give_the_eager_tokens(model_dir, kin
         return decisions[-1][1]
 
     core._may_overtake = record
-    seen, pending = {}, list(range(len(lengths)))
-    for i in pending[:3]:
-        engine.add_request(f"r{i}", prompts[i], params[i])
-    pending = pending[3:]
-    while engine.has_unfinished():
-        for out in engine.step():
+    seen, pending, ended = {}, list(range(len(lengths))), []
+
+    def take(outputs):
+        for out in outputs:
             seen.setdefault(out.request_id, []).extend(out.token_ids)
-            if out.finished and pending:  # one leaves, the next arrives while a round is in flight
-                i = pending.pop(0)
-                engine.add_request(f"r{i}", prompts[i], params[i])
+            if out.finish_reason is not None:
+                ended.append(out.request_id)
+
+    def arrivals():
+        while ended and pending:  # one leaves, the next arrives
+            ended.pop()
+            i = pending.pop(0)
+            core.add_request(f"r{i}", prompts[i], params[i])
+
+    if arrive == "while_waiting":
+        core.on_wait = lambda outputs: (take(outputs), arrivals())
+    ended += [None] * 3
+    arrivals()
+    while core.has_unfinished():
+        take(core.step())
+        arrivals()
     assert [seen[f"r{i}"] for i in range(len(lengths))] == want
-    stats = engine.stats()
+    stats = core.stats()
     assert stats.prefill_steps_ahead == sum(ahead for _, ahead in decisions) > 0
     assert (True, False) in decisions  # a newcomer whose blocks a running round may still write waited for it
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+    assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
     del llm
     torch.cuda.empty_cache()
+
+
+def test_newcomers_are_prefilled_while_the_core_waits_for_a_round(model_dir):
+    """EngineCore._serve_while_waiting (CPU: the round is made to look unfinished a few
+    times): outputs made so far go to on_wait, requests arriving there are admitted and
+    prefilled before the round is collected, and every request's tokens are an eager
+    engine's."""
+    from engine.cuda_graphs import GraphDecoder
+
+    lengths = [9, 17, 30, 12, 21, 26, 5, 14]
+    prompts = [PROMPTS[i % len(PROMPTS)][:20 + 4 * i] for i in range(len(lengths))]
+    params = [SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=n, ignore_eos=True) for n in lengths]
+    want = [o.token_ids for o in make_llm(model_dir, graphs=0).generate(prompts, params)]
+    core = make_llm(model_dir, graphs=64, decode_chunk=4, max_num_seqs=4).engine.core
+    core.graphs = GraphDecoder(core.runner, max_batch=4, max_steps=4, table_width=-(-core.max_model_len // BS),
+                               use_cuda_graphs=False)
+    core.graphs.capture(progress=False)
+    polls: dict[int, int] = {}
+
+    def is_done(handle) -> bool:  # each round runs through three looks
+        polls[id(handle)] = polls.get(id(handle), 0) + 1
+        return polls[id(handle)] > 3
+
+    core.graphs.is_done = is_done
+    seen, pending, ended, handed = {}, list(range(len(lengths))), [None] * 3, []
+
+    def take(outputs, where):
+        for out in outputs:
+            seen.setdefault(out.request_id, []).extend(out.token_ids)
+            handed.append((where, out.request_id, len(seen[out.request_id])))
+            if out.finish_reason is not None:
+                ended.append(out.request_id)
+
+    def arrivals():
+        while ended and pending:
+            ended.pop()
+            i = pending.pop(0)
+            core.add_request(f"r{i}", prompts[i], params[i])
+
+    core.on_wait = lambda outputs: (take(outputs, "waiting"), arrivals())
+    arrivals()
+    while core.has_unfinished():
+        take(core.step(), "step")
+        arrivals()
+    assert [seen[f"r{i}"] for i in range(len(lengths))] == want
+    # first tokens of newcomers went out while a round was still running
+    assert any(where == "waiting" and n == 1 for where, _, n in handed)
+    assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
