@@ -46,7 +46,7 @@ from workload import provenance, resolve_model, vocabulary, write_json  # noqa: 
 METRICS = ("graphserve_prefix_cache_queries", "graphserve_prefix_cache_hits", "graphserve_prompt_tokens",
            "graphserve_generation_tokens", "graphserve_time_to_first_token_seconds_sum",
            "graphserve_time_to_first_token_seconds_count", "graphserve_prefill_steps", "graphserve_decode_rounds",
-           "graphserve_decode_rounds_ahead")
+           "graphserve_decode_rounds_ahead", "graphserve_prefill_graph_steps", "graphserve_prefill_steps_ahead")
 
 
 def percentile(values: list[float], q: int) -> float | None:
