@@ -144,6 +144,16 @@ def test_a_prefill_overtakes_running_rounds_only_into_blocks_they_cannot_write(m
     assert not core._may_overtake(batch(again))
 
 
+def _report(row: dict) -> None:
+    """Measured values go to $GPU_REPORT (JSON lines) when set."""
+    import json
+    import os
+
+    if os.environ.get("GPU_REPORT"):
+        with open(os.environ["GPU_REPORT"], "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
 @pytest.mark.parametrize("arrive", ["between_steps", "while_waiting"])
@@ -166,15 +176,15 @@ def test_prefills_overtaking_rounds_on_cuda_give_the_eager_tokens(model_dir, kin
     llm = LLM(str(model_dir), device="cuda", dtype="float32", block_size=BS, num_kv_blocks=31, decode_chunk=4,
               max_num_seqs=4)
     core = llm.engine.core
-    decisions = []  # (a round was running, the prefill overtook it)
-    may_overtake = core._may_overtake
+    decisions = []  # per prefill: (a round was running, it overtook the rounds, it ran inside on_wait)
+    prefill, waiting = core.runner.prefill, [False]
 
-    def record(batch):
-        decisions.append((core._rounds_completed < core.block_manager.rounds_launched, may_overtake(batch)))
-        return decisions[-1][1]
+    def record(batch, overtake=False):
+        decisions.append((core._rounds_completed < core.block_manager.rounds_launched, overtake, waiting[0]))
+        return prefill(batch, overtake=overtake)
 
-    core._may_overtake = record
-    seen, pending, ended = {}, list(range(len(lengths))), []
+    core.runner.prefill = record
+    seen, pending, ended = {}, list(range(len(lengths))), [None] * 3
 
     def take(outputs):
         for out in outputs:
@@ -188,17 +198,26 @@ def test_prefills_overtaking_rounds_on_cuda_give_the_eager_tokens(model_dir, kin
             i = pending.pop(0)
             core.add_request(f"r{i}", prompts[i], params[i])
 
-    if arrive == "while_waiting":
-        core.on_wait = lambda outputs: (take(outputs), arrivals())
-    ended += [None] * 3
+    def on_wait(outputs):
+        waiting[0] = True
+        take(outputs)
+        arrivals()
+
+    if arrive == "while_waiting":  # arrivals come in there (and between steps when no round was waited for)
+        core.on_wait = on_wait
     arrivals()
     while core.has_unfinished():
+        waiting[0] = False
         take(core.step())
-        arrivals()
+        if not waiting[0]:
+            arrivals()
     assert [seen[f"r{i}"] for i in range(len(lengths))] == want
     stats = core.stats()
-    assert stats.prefill_steps_ahead == sum(ahead for _, ahead in decisions) > 0
-    assert (True, False) in decisions  # a newcomer whose blocks a running round may still write waited for it
+    assert stats.prefill_steps_ahead == sum(ahead for _, ahead, _ in decisions) > 0
+    if arrive == "between_steps":  # a newcomer whose blocks a running round may still write waited for it
+        assert any(running and not ahead for running, ahead, _ in decisions)
+    _report(dict(test="overtaking_prefills", kind=kind, arrive=arrive, prefills=len(decisions),
+                 ahead=sum(d[1] for d in decisions), while_waiting=sum(d[2] for d in decisions)))
     assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
     del llm
     torch.cuda.empty_cache()
