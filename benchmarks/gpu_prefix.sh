@@ -18,7 +18,8 @@
 #
 # Usage: OUT=dir bash benchmarks/gpu_prefix.sh [all | qwen | llama | rest]
 #   qwen / llama: that shape's GPU tests of the prefill graphs, then its prefix_bench with caching
-#   on and off, and with caching on but no prefill graphs (--cuda-graph-max-prefill-tokens 0);
+#   on and off, and with caching on: prefills ahead of the queued rounds (--prefill-ahead), and no
+#   prefill graphs (--cuda-graph-max-prefill-tokens 0);
 #   rest: steps 3-5. all (the default): steps 1-5.
 # Estimated ~8 min; every step has a timeout and the whole stays under BUDGET_S (540 s): a
 # step that would start with too little time left is skipped and says so in the log.
@@ -54,11 +55,15 @@ shape() {  # shape MODEL SERVER_TIMEOUT: its random weights, (qwen/llama only) t
   step "$m: random weights" 20 170 python3 benchmarks/random_models.py $m
   if [ "$PART" != all ]; then
     step "$m: GPU tests of the prefill graphs" 60 200 env GPU_REPORT="$OUT/gpu_report.jsonl" python3 -m pytest -q -m gpu \
-      tests/test_kernels_gpu.py tests/test_gpu_engine.py -k "tile_map or ($m and (prefill_graphs or graph_path))" -p no:cacheprovider
+      tests/test_kernels_gpu.py tests/test_gpu_engine.py tests/test_prefill_graphs.py \
+      -k "tile_map or overtaking or ($m and (prefill_graphs or graph_path))" -p no:cacheprovider
   fi
   step "$m: prefix_bench (shared 2,000-token prefix)" 60 200 \
     python3 benchmarks/prefix_bench.py --model $m "${H200[@]}" --client-procs 4 --server-timeout $t --out "$OUT"
   if [ "$PART" != all ]; then
+    step "$m: prefix_bench, caching on, prefills ahead" 40 120 \
+      python3 benchmarks/prefix_bench.py --model $m "${H200[@]}" --client-procs 4 --server-timeout $t --caching on \
+        --name "prefix_bench-$m-prefill-ahead" --out "$OUT" --prefill-ahead
     step "$m: prefix_bench, caching on, no prefill graphs" 40 120 \
       python3 benchmarks/prefix_bench.py --model $m "${H200[@]}" --client-procs 4 --server-timeout $t --caching on \
         --name "prefix_bench-$m-no-prefill-graphs" --out "$OUT" --cuda-graph-max-prefill-tokens 0

@@ -25,6 +25,9 @@ class EngineConfig:
     overlap_rounds: bool = True  # launch the next graph decode round before reading the current one's tokens
     cuda_graph_max_batch: int = 512
     cuda_graph_max_prefill_tokens: int = 1024  # prefills of up to this many tokens replay a graph; 0: none
+    # such a replay may run ahead of the decode rounds queued on the device, and the core prefills
+    # newcomers while it waits for a round (off until its GPU tests have passed again: README)
+    prefill_ahead: bool = False
     num_threads: int | None = None  # torch CPU threads; None: all cores
     seed: int | None = None  # seeds of unseeded requests: None draws them from the OS
     grammar_compile_timeout: float = 10.0  # seconds a response_format / tool grammar may take to compile

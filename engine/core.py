@@ -318,9 +318,9 @@ class EngineCore:
         prefill graphs' priority stream): only when one is running, and no block it writes was
         freed after the launch of one that is (that round may still write the block: a
         sequence that ended inside it). Not under tensor parallelism: the ranks' collectives
-        must not run on two streams at once."""
+        must not run on two streams at once. Only with EngineConfig.prefill_ahead."""
         blocks = self.block_manager
-        if (self.runner.prefill_graph_bucket(batch) is None or self.tp.size > 1
+        if (not self.config.prefill_ahead or self.runner.prefill_graph_bucket(batch) is None or self.tp.size > 1
                 or self._rounds_completed >= blocks.rounds_launched):
             return False
         return all(blocks.last_freed(s, s.num_computed_tokens, s.num_computed_tokens + n) <= self._rounds_completed

@@ -65,7 +65,8 @@ class CoreLoop:
         (CoreDied) and re-raised."""
         core = self.core
         core.structured.compiler.warm()
-        if not self.workers:  # the ranks of tensor parallelism take messages only between steps
+        # the ranks of tensor parallelism take messages only between steps
+        if core.config.prefill_ahead and not self.workers:
             core.on_wait = self._while_waiting
         try:
             while not self._stopping:

@@ -43,6 +43,9 @@ ENGINE_FLAG_HELP = {
     "overlap_rounds": "launch each CUDA-graph decode round before the host reads the previous one's tokens "
                       "(--no-overlap-rounds: one round at a time)",
     "cuda_graph_max_batch": "largest batch bucket captured as a CUDA graph",
+    "prefill_ahead": "short prefills (CUDA graphs) run ahead of the decode rounds queued on the GPU, and the core "
+                     "prefills newcomers while it waits for a round: a prefix-cache hit's first token waits for "
+                     "neither (experimental, off by default)",
     "cuda_graph_max_prefill_tokens": "prefill steps of up to this many tokens (in up to 64 sequences) replay a "
                                      "CUDA graph, as a prefix-cache hit's short prefill does; 0: always eager",
     "num_threads": "torch CPU threads of a CPU engine (default: torch's, all cores; the front ends run in "

@@ -112,7 +112,7 @@ def test_a_prefill_overtakes_running_rounds_only_into_blocks_they_cannot_write(m
     """EngineCore._may_overtake: a prefill may run ahead of the rounds still on the device
     unless a block it writes was freed after the launch of one of them (a request that ended
     inside that round, whose steps past its end that round still runs)."""
-    core = make_llm(model_dir, graphs=64).engine.core
+    core = make_llm(model_dir, graphs=64, prefill_ahead=True).engine.core
     blocks = core.block_manager
     ended = Sequence("ended", list(range(5, 40)), GREEDY)
     blocks.allocate(ended, 35)
@@ -140,6 +140,9 @@ def test_a_prefill_overtakes_running_rounds_only_into_blocks_they_cannot_write(m
     echo = Sequence("echo", list(range(5, 40)), SamplingParams(max_tokens=1, prompt_logprobs=1))
     echo.block_table = reused
     assert not core._may_overtake(batch(echo))  # prompt logprobs: an eager prefill
+    core.config.prefill_ahead = False  # switched off
+    assert not core._may_overtake(batch(again))
+    core.config.prefill_ahead = True
     core.runner.prefill_graphs = None  # only prefill graphs overtake
     assert not core._may_overtake(batch(again))
 
@@ -157,7 +160,8 @@ def _report(row: dict) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
 @pytest.mark.parametrize("arrive", ["between_steps", "while_waiting"])
-def test_prefills_overtaking_rounds_on_cuda_give_the_eager_tokens(model_dir, kind, arrive):
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prefills_overtaking_rounds_on_cuda_give_the_eager_tokens(model_dir, kind, arrive, seed):
     """Requests arriving while decode rounds are in flight, in a KV pool so small that the
     blocks of requests that just ended are handed out again: prefills that overtake the
     queued rounds (the priority stream) and those that may not give the tokens of an eager
@@ -167,14 +171,14 @@ def test_prefills_overtaking_rounds_on_cuda_give_the_eager_tokens(model_dir, kin
 
     lengths = [9, 17, 30, 12, 21, 26, 5, 14, 19, 8, 23, 11]
     # 5-8 blocks each, 4 at a time, 30 blocks: a newcomer gets blocks freed a moment ago
-    prompts = [[5 + (7 * i + 3 * j) % 250 for j in range(60 + 4 * i)] for i in range(len(lengths))]
+    prompts = [[5 + (7 * i + 3 * j + 11 * seed) % 250 for j in range(60 + 4 * i)] for i in range(len(lengths))]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) if kind == "greedy" else
               SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=n, ignore_eos=True) for n in lengths]
     eager = LLM(str(model_dir), device="cuda", dtype="float32", enforce_eager=True, block_size=BS, num_kv_blocks=31)
     want = [o.token_ids for o in eager.generate(prompts, params)]
     del eager
     llm = LLM(str(model_dir), device="cuda", dtype="float32", block_size=BS, num_kv_blocks=31, decode_chunk=4,
-              max_num_seqs=4)
+              max_num_seqs=4, prefill_ahead=True)
     core = llm.engine.core
     decisions = []  # per prefill: (a round was running, it overtook the rounds, it ran inside on_wait)
     prefill, waiting = core.runner.prefill, [False]
@@ -216,7 +220,7 @@ def test_prefills_overtaking_rounds_on_cuda_give_the_eager_tokens(model_dir, kin
     assert stats.prefill_steps_ahead == sum(ahead for _, ahead, _ in decisions) > 0
     if arrive == "between_steps":  # a newcomer whose blocks a running round may still write waited for it
         assert any(running and not ahead for running, ahead, _ in decisions)
-    _report(dict(test="overtaking_prefills", kind=kind, arrive=arrive, prefills=len(decisions),
+    _report(dict(test="overtaking_prefills", kind=kind, arrive=arrive, seed=seed, prefills=len(decisions),
                  ahead=sum(d[1] for d in decisions), while_waiting=sum(d[2] for d in decisions)))
     assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
     del llm
@@ -234,7 +238,7 @@ def test_newcomers_are_prefilled_while_the_core_waits_for_a_round(model_dir):
     prompts = [PROMPTS[i % len(PROMPTS)][:20 + 4 * i] for i in range(len(lengths))]
     params = [SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=n, ignore_eos=True) for n in lengths]
     want = [o.token_ids for o in make_llm(model_dir, graphs=0).generate(prompts, params)]
-    core = make_llm(model_dir, graphs=64, decode_chunk=4, max_num_seqs=4).engine.core
+    core = make_llm(model_dir, graphs=64, decode_chunk=4, max_num_seqs=4, prefill_ahead=True).engine.core
     core.graphs = GraphDecoder(core.runner, max_batch=4, max_steps=4, table_width=-(-core.max_model_len // BS),
                                use_cuda_graphs=False)
     core.graphs.capture(progress=False)
