@@ -2,7 +2,9 @@
 
 HF: normalise in fp32, cast to the input dtype, then multiply by the weight. The kernels follow
 the same rounding steps, so bf16 results match transformers, not just a higher-precision value.
-Outputs are in x's dtype.
+Outputs are in x's dtype, or (rms_norm_fp8) quantized to float8 e4m3 with one scale per row, as
+the W8A8 FP8 projection after the norm takes them: bit for bit kernels/fp8_quant.py applied to
+the normed row in x's dtype, one kernel instead of two.
 """
 
 from __future__ import annotations
@@ -11,15 +13,21 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_quant import _INV_FP8_MAX, FP8, _e4m3_bits, _row_scale
+
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
     stride_x, stride_r, stride_o, stride_ro,
-    hidden, eps,
+    hidden, eps, inv_fp8_max,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    QUANT_FP8: tl.constexpr,
+    SCALE_BY_RECIPROCAL: tl.constexpr,
 ):
+    """QUANT_FP8: out_ptr is the e4m3 output viewed as uint8, the normed row is rounded to the
+    residual's dtype (res_out_ptr's, which is x's) before it is quantized."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -31,24 +39,38 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
         x = x.to(tl.float32)
     var = tl.sum(x * x, 0) / hidden
-    normed = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    dtype = res_out_ptr.dtype.element_ty if QUANT_FP8 else out_ptr.dtype.element_ty
+    normed = (x * tl.rsqrt(var + eps)).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (normed * w).to(dtype)
+    if QUANT_FP8:
+        y = y.to(tl.float32)
+        scale = _row_scale(tl.max(tl.abs(y), 0), inv_fp8_max, SCALE_BY_RECIPROCAL)
+        v = tl.minimum(tl.maximum(tl.div_rn(y, scale), -448.0), 448.0)
+        tl.store(out_ptr + row * stride_o + offs, _e4m3_bits(v).to(tl.uint8), mask=mask)
+        tl.store(scale_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            out: torch.Tensor, res_out: torch.Tensor | None) -> None:
+            out: torch.Tensor, res_out: torch.Tensor | None, scale: torch.Tensor | None = None) -> None:
+    """scale given: out is float8 e4m3 (written as uint8), scale [rows, 1] float32."""
     rows, hidden = x.shape
     if rows == 0:
         return
     block = triton.next_power_of_2(hidden)
+    quant = scale is not None
     _rms_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out, res_out if res_out is not None else out,
+        x, residual if residual is not None else x, weight, out.view(torch.uint8) if quant else out,
+        res_out if res_out is not None else x, scale if quant else x,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         res_out.stride(0) if res_out is not None else 0,
-        hidden, eps,
+        hidden, eps, _INV_FP8_MAX,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        QUANT_FP8=quant,
+        SCALE_BY_RECIPROCAL=x.is_cuda,
         num_warps=min(16, max(1, block // 256)),
     )
 
@@ -81,6 +103,22 @@ def fused_add_rms_norm(
     new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch(x, residual, weight, eps, out, new_residual)
     return out, new_residual
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(q [T, H] float8 e4m3, scale [T, 1] float32, x + residual or None): rms_norm(x + residual)
+    in x's dtype, quantized per row as kernels/fp8_quant.quantize_rows_fp8 does, bit for bit."""
+    _check(x, weight)
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    if triton.next_power_of_2(x.shape[1]) > 16384:
+        raise ValueError(f"rows of {x.shape[1]} are longer than the norm kernel holds")
+    q = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    _launch(x, residual, weight, eps, q, new_residual, scale)
+    return q, scale, new_residual
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -53,6 +53,33 @@ def test_the_projection_on_cpu_is_the_dequantized_product_and_close_to_the_refer
     assert (ref - y).abs().max() <= 0.1 * y.abs().max()
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add-norm"])
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu-mul"])
+def test_an_fp8_projection_after_a_norm_takes_its_input_quantized_by_the_norm(monkeypatch, residual, silu_mul):
+    """layers.norm_linear with an FP8 weight on the Triton path (run here in the interpreter):
+    the norm's kernel quantizes (rms_norm_fp8) and the W8A8 GEMM takes that, bit for bit the
+    norm, the quantization and the GEMM as three kernels; the residual is passed on."""
+    from engine.models import layers
+    from engine.models.fp8 import fp8_gemm
+    from kernels.fp8_quant import quantize_rows_fp8
+    from kernels.rmsnorm import fused_add_rms_norm, rms_norm
+
+    monkeypatch.setattr(layers, "_triton", lambda x: True)
+    gen = torch.Generator().manual_seed(3)
+    proj = layers.Linear(64, 96 if silu_mul else 48, bias=False)
+    proj.weight.data = torch.randn(proj.weight.shape, generator=gen).to(torch.bfloat16)
+    proj.to_fp8()
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    res = torch.randn(3, 64, generator=gen).to(torch.bfloat16) if residual else None
+    w = (torch.rand(64, generator=gen) + 0.5).to(torch.bfloat16)
+    y, new_res = layers.norm_linear(x, res, w, 1e-6, proj, silu_mul=silu_mul)
+    normed, want_res = fused_add_rms_norm(x, res, w, 1e-6) if residual else (rms_norm(x, w, 1e-6), x)
+    xq, x_scale = quantize_rows_fp8(normed)
+    want = fp8_gemm(xq, x_scale, proj.weight, proj.weight_scale, None, torch.bfloat16, silu_mul)
+    assert torch.equal(y, want)
+    assert torch.equal(new_res, want_res)
+
+
 def test_quantization_fp8_serves_close_to_the_unquantized_model(tiny):
     """Teacher-forced over the prompts (prompt logprobs): FP8 weights pick the same next token
     almost everywhere and the log-probabilities stay close; every projection holds FP8."""

@@ -158,3 +158,59 @@ def test_gpu_strided_and_graph_capture():
     q_ref, scale_ref = quantize_rows_fp8_ref(static)
     assert torch.equal(scale, scale_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------- the norm, quantized
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add-norm"])
+def test_rms_norm_fp8_is_the_norm_then_the_quantization(dtype, residual, poisoned_outputs):
+    """kernels.rmsnorm.rms_norm_fp8: bit for bit rms_norm (or the residual add + rms_norm) in x's
+    dtype followed by quantize_rows_fp8, and the same new residual; widths that fill their block
+    and widths that do not; rows scaled far apart (their scales differ by 1e6)."""
+    from kernels.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_fp8
+
+    for hidden in (64, 100):
+        gen = torch.Generator().manual_seed(hidden)
+        x = (torch.randn(6, hidden, generator=gen) * torch.logspace(-3, 3, 6)[:, None]).to(dtype)
+        res = (torch.randn(6, hidden, generator=gen) * 2).to(dtype) if residual else None
+        w = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+        q, scale, new_res = rms_norm_fp8(x, w, 1e-6, res)
+        normed, want_res = fused_add_rms_norm(x, res, w, 1e-6) if residual else (rms_norm(x, w, 1e-6), None)
+        q_want, scale_want = quantize_rows_fp8(normed)
+        assert q.dtype == FP8 and scale.shape == (6, 1)
+        assert torch.equal(scale.view(torch.int32), scale_want.view(torch.int32))
+        assert torch.equal(q.view(torch.uint8), q_want.view(torch.uint8))
+        if residual:
+            assert torch.equal(new_res, want_res)
+        else:
+            assert new_res is None
+
+
+def test_rms_norm_fp8_refuses_what_it_cannot_take():
+    from kernels.rmsnorm import rms_norm_fp8
+
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError):
+        rms_norm_fp8(x, torch.ones(7), 1e-6)
+    with pytest.raises(ValueError):
+        rms_norm_fp8(x, torch.ones(8), 1e-6, residual=torch.randn(3, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [896, 4096])
+@pytest.mark.parametrize("m", [2, 64, 300])
+def test_gpu_rms_norm_fp8_model_shapes(m, hidden, poisoned_outputs):
+    """The fused norm + quantization at the two shapes' hidden sizes, bit for bit the two kernels."""
+    from kernels.rmsnorm import fused_add_rms_norm, rms_norm_fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(m * hidden)
+    x = torch.randn(m, hidden, device="cuda", generator=gen, dtype=torch.bfloat16) * 4
+    res = torch.randn(m, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
+    q, scale, new_res = rms_norm_fp8(x, w, 1e-6, res)
+    normed, want_res = fused_add_rms_norm(x, res, w, 1e-6)
+    q_want, scale_want = quantize_rows_fp8(normed)
+    assert torch.equal(scale.view(torch.int32), scale_want.view(torch.int32))
+    assert torch.equal(q.view(torch.uint8), q_want.view(torch.uint8))
+    assert torch.equal(new_res, want_res)

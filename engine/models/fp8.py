@@ -67,15 +67,30 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
         y = skinny_gemm(rows, q, bias, weight_scale=scale, out_dtype=x.dtype, silu_mul=silu_mul)
         return y.view(*x.shape[:-1], y.shape[-1])
     xq, x_scale = quantize_rows_fp8(rows)
-    if rows.shape[0] <= FP8_GEMM_MAX_ROWS:
-        y = skinny_gemm(xq, q, bias, x_scale=x_scale, weight_scale=scale, out_dtype=x.dtype, silu_mul=silu_mul)
-    else:
-        y = torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale[None, :], bias=bias, out_dtype=x.dtype)
-        if silu_mul:
-            from kernels.activation import silu_and_mul
-
-            y = silu_and_mul(y)
+    y = fp8_gemm(xq, x_scale, q, scale, bias, x.dtype, silu_mul)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def quantizes_activations(rows: int) -> bool:
+    """Whether an FP8 projection of this many rows on CUDA takes its activations in FP8 (W8A8),
+    so a kernel before it may hand them over quantized (kernels/rmsnorm.py's rms_norm_fp8)."""
+    return rows > FP8_WEIGHT_ONLY_MAX_ROWS
+
+
+def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+             bias: torch.Tensor | None, out_dtype: torch.dtype, silu_mul: bool = False) -> torch.Tensor:
+    """W8A8 on CUDA: activations xq [M, in] e4m3 with scales x_scale [M, 1], weight q with scale;
+    the result in out_dtype (silu(gate) * up when silu_mul)."""
+    from kernels.skinny_gemm import skinny_gemm
+
+    if xq.shape[0] <= FP8_GEMM_MAX_ROWS:
+        return skinny_gemm(xq, q, bias, x_scale=x_scale, weight_scale=scale, out_dtype=out_dtype, silu_mul=silu_mul)
+    y = torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale[None, :], bias=bias, out_dtype=out_dtype)
+    if silu_mul:
+        from kernels.activation import silu_and_mul
+
+        y = silu_and_mul(y)
+    return y
 
 
 def fp8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import cpu_linear, cpu_ops
-from engine.models.fp8 import FP8, fp8_linear, quantize_per_channel
+from engine.models.fp8 import FP8, fp8_gemm, fp8_linear, quantize_per_channel, quantizes_activations
 
 
 # A decoder projection on CUDA runs as our Triton GEMV (kernels/gemv.py), with the RMSNorm before
@@ -127,6 +127,13 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     if kernel is not None:
         y, new_residual = kernel(x, proj.weight, proj.bias, norm_weight=norm_weight, residual=residual, eps=eps,
                                  silu_mul=silu_mul, weight_scale=proj.weight_scale)
+        return y, x if residual is None else new_residual
+    if _triton(x) and proj.weight.dtype == FP8 and quantizes_activations(x.shape[0]):
+        # the norm hands the projection its input already quantized: one kernel fewer
+        from kernels.rmsnorm import rms_norm_fp8
+
+        xq, x_scale, new_residual = rms_norm_fp8(x, norm_weight, eps, residual)
+        y = fp8_gemm(xq, x_scale, proj.weight, proj.weight_scale, proj.bias, x.dtype, silu_mul)
         return y, x if residual is None else new_residual
     if residual is None:
         h, residual = rms_norm(x, norm_weight, eps), x
