@@ -107,9 +107,6 @@ class BlockManager:
         bs = self.block_size
         return max(self.freed_at[b] for b in seq.block_table[start // bs:(end - 1) // bs + 1])
 
-    def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
-
     # ---- prefix caching ------------------------------------------------------------------
 
     def register(self, seq: Sequence) -> None:
