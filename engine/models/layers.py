@@ -33,6 +33,8 @@ FP8_GEMV_MAX_ROWS = 1
 # cuBLAS wins on gate_up (61.9 vs 69.6 us) and the 0.5B step at 64 (53,757 vs 51,743 tok/s)
 # (benchmarks/results/skinny_gemm_bench-*, decode_latency-*-skinny-ab-*).
 SKINNY_GEMM_MAX_ROWS = 16
+# the norm before an FP8 projection hands it its input quantized (kernels/rmsnorm.py rms_norm_fp8)
+FP8_NORM_QUANT = True
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -128,7 +130,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         y, new_residual = kernel(x, proj.weight, proj.bias, norm_weight=norm_weight, residual=residual, eps=eps,
                                  silu_mul=silu_mul, weight_scale=proj.weight_scale)
         return y, x if residual is None else new_residual
-    if _triton(x) and proj.weight.dtype == FP8 and quantizes_activations(x.shape[0]):
+    if _triton(x) and proj.weight.dtype == FP8 and FP8_NORM_QUANT and quantizes_activations(x.shape[0]):
         # the norm hands the projection its input already quantized: one kernel fewer
         from kernels.rmsnorm import rms_norm_fp8
 
