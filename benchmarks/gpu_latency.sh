@@ -87,10 +87,10 @@ fp8-w-only)  # FP8 weight-only skinny GEMM: GPU tests, per projection against W8
 fp8-norm-ab)  # the FP8 GPU tests (the fused norm + quantization included), then 8B FP8 decode with and without it
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_fp8.py tests/test_fp8_quant.py \
     tests/test_skinny_gemm.py > "$OUT/gpu_tests.log" 2>&1; tail -3 "$OUT/gpu_tests.log"
-  for q in off on off on; do
+  for run in off-1 on-1 off-2 on-2; do  # interleaved, twice
     timeout 90 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 8 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --fp8-norm-quant $q \
-      --out "$OUT/decode_8b_fp8_norm_quant_$q.json" 2>&1 | grep -E " graphs"
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --fp8-norm-quant ${run%-*} \
+      --out "$OUT/decode_8b_fp8_norm_quant_$run.json" 2>&1 | grep -E " graphs"
   done
   ;;
 split-ab)  # graph vs eager on the GPU, then decode at batch 1 and 8 with the attention's split floor at 512 / 128 / 64 KV tokens
