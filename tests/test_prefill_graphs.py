@@ -273,3 +273,39 @@ def test_newcomers_are_prefilled_while_the_core_waits_for_a_round(model_dir):
     # first tokens of newcomers went out while a round was still running
     assert any(where == "waiting" and n == 1 for where, _, n in handed)
     assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
+
+
+def test_the_captured_forward_with_the_triton_backend_gives_the_eager_logits(model_dir):
+    """What a prefill graph captures (PrefillGraphs._forward over the static buffers, attention
+    through the tile map), run here with the Triton attention backend in the interpreter: the
+    logits of each sequence's last token equal an eager forward's, with tokens, sequences and
+    tiles padded."""
+    import torch
+
+    from engine.attention import TritonAttention
+    from engine.kv_cache import BlockManager, allocate_kv_cache
+    from engine.models.loader import load_model
+    from engine.runner import ModelRunner
+
+    model = load_model(str(model_dir), torch.float32, torch.device("cpu"), TritonAttention(BS), 512)
+    kv = allocate_kv_cache(model.kv_args, 64, BS, torch.float32, torch.device("cpu"))
+    blocks = BlockManager(64, BS)
+    runner = ModelRunner(model, kv, blocks, torch.device("cpu"), (2,))
+    graphs = PrefillGraphs(model, kv, BS, 64, 8, 32, torch.device("cpu"))
+    graphs.capture(progress=False)
+    gen = torch.Generator().manual_seed(0)
+    for lens in ([37], [5, 20, 1], [64]):
+        seqs = [Sequence(f"s{i}", torch.randint(3, 500, (n,), generator=gen).tolist(), GREEDY)
+                for i, n in enumerate(lens)]
+        for seq in seqs:
+            blocks.allocate(seq, len(seq.token_ids))
+        inputs = prefill_inputs(PrefillBatch(seqs, list(lens)), BS)
+        with torch.inference_mode():
+            eager = model.compute_logits(runner._prefill_forward(inputs)[torch.from_numpy(inputs.last_rows)])
+            bucket = graphs.bucket_for(inputs.num_tokens, len(lens))
+            graphs.run(inputs, bucket)  # stages the static buffers
+            graphs._forward(bucket, graphs._meta(bucket))  # as captured: no host lengths, the tile map
+            got = graphs.logits[:len(lens)]
+        assert (got - eager).abs().max() < 1e-4 * eager.abs().max(), lens
+        for seq in seqs:
+            blocks.free(seq)
