@@ -31,6 +31,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.kv_cache import DUMMY_BLOCK
+from engine.models.llama import LlamaModel
 from engine.prefill_inputs import PrefillInputs
 
 logger = logging.getLogger("graphserve.engine")
@@ -49,7 +50,7 @@ def prefill_buckets(max_tokens: int) -> list[int]:
 
 
 class PrefillGraphs:
-    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  max_tokens: int, max_seqs: int, table_width: int, device: torch.device,
                  use_cuda_graphs: bool = True):
         self.model = model
