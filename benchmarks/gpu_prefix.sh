@@ -54,7 +54,7 @@ shape() {  # shape MODEL SERVER_TIMEOUT: its random weights, (qwen/llama only) t
   local m=$1 t=$2
   step "$m: random weights" 20 170 python3 benchmarks/random_models.py $m
   if [ "$PART" != all ]; then
-    step "$m: GPU tests of the prefill graphs" 60 200 env GPU_REPORT="$OUT/gpu_report.jsonl" python3 -m pytest -q -m gpu \
+    step "$m: GPU tests of the prefill graphs" 60 240 env GPU_REPORT="$OUT/gpu_report.jsonl" python3 -m pytest -q -m gpu \
       tests/test_kernels_gpu.py tests/test_gpu_engine.py tests/test_prefill_graphs.py \
       -k "tile_map or overtaking or ($m and (prefill_graphs or graph_path))" -p no:cacheprovider
   fi

@@ -160,7 +160,7 @@ def _report(row: dict) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
 @pytest.mark.parametrize("arrive", ["between_steps", "while_waiting"])
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 def test_prefills_overtaking_rounds_on_cuda_give_the_eager_tokens(model_dir, kind, arrive, seed):
     """Requests arriving while decode rounds are in flight, in a KV pool so small that the
     blocks of requests that just ended are handed out again: prefills that overtake the
