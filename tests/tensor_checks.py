@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -22,3 +25,10 @@ def poisoned_outputs(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_empty_like(*a, **kw)))
+
+
+def report(row: dict) -> None:
+    """A GPU test's measured values, appended to $GPU_REPORT (JSON lines) when it is set."""
+    if os.environ.get("GPU_REPORT"):
+        with open(os.environ["GPU_REPORT"], "a") as f:
+            f.write(json.dumps(row) + "\n")

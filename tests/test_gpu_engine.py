@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensor_checks import report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -20,16 +21,6 @@ def model_path(request):
     from random_models import random_model
 
     return random_model(request.param)
-
-
-def _report(row: dict) -> None:
-    """Measured values go to $GPU_REPORT (JSON lines) when set."""
-    import json
-    import os
-
-    if os.environ.get("GPU_REPORT"):
-        with open(os.environ["GPU_REPORT"], "a") as f:
-            f.write(json.dumps(row) + "\n")
 
 
 def _free():
@@ -65,7 +56,7 @@ def test_teacher_forced_logits_match_transformers(model_path):
     hf_bf16_rel = ((reference[torch.bfloat16] - want).norm() / want.norm()).item()
     argmax_agree = (ours_logits.argmax(-1) == want.argmax(-1)).float().mean().item()
     hf_bf16_agree = (reference[torch.bfloat16].argmax(-1) == want.argmax(-1)).float().mean().item()
-    _report(dict(test="teacher_forced", model=Path(model_path).name, ours_bf16_vs_hf_fp32=rel,
+    report(dict(test="teacher_forced", model=Path(model_path).name, ours_bf16_vs_hf_fp32=rel,
                  hf_bf16_vs_hf_fp32=hf_bf16_rel, argmax_agreement=argmax_agree,
                  hf_bf16_argmax_agreement=hf_bf16_agree))
     # bf16 rounding accumulates over the layers. On the random-weight 8B shape transformers'
@@ -161,7 +152,7 @@ def test_prefill_graphs_match_eager_prefill(llm, lengths):
         top_g, top_e = dict(g.logprobs[0].top), dict(e.logprobs[0].top)
         worst = max(worst, max(abs(top_g[t] - top_e[t]) for t in top_g.keys() & top_e.keys()))
     padded = graphs.bucket_for(sum(lengths), len(lengths)) != sum(lengths)
-    _report(dict(test="prefill_graph_vs_eager", model=Path(engine.model_path).name, lengths=list(lengths),
+    report(dict(test="prefill_graph_vs_eager", model=Path(engine.model_path).name, lengths=list(lengths),
                  padded_tokens=padded, replay_vs_eager_rel=max(replay_errors), max_top5_logprob_diff=worst,
                  same_greedy=graph_tokens == eager_tokens))
     assert max(replay_errors) < 1e-3

@@ -11,6 +11,7 @@ from engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from engine.prefill_inputs import prefill_inputs
 from engine.request import Sequence
 from engine.scheduler import PrefillBatch
+from tensor_checks import report
 from tiny_models import make_tiny_model
 
 BS = 16
@@ -147,16 +148,6 @@ def test_a_prefill_overtakes_running_rounds_only_into_blocks_they_cannot_write(m
     assert not core._may_overtake(batch(again))
 
 
-def _report(row: dict) -> None:
-    """Measured values go to $GPU_REPORT (JSON lines) when set."""
-    import json
-    import os
-
-    if os.environ.get("GPU_REPORT"):
-        with open(os.environ["GPU_REPORT"], "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
 @pytest.mark.parametrize("arrive", ["between_steps", "while_waiting"])
@@ -220,7 +211,7 @@ def test_prefills_overtaking_rounds_on_cuda_give_the_eager_tokens(model_dir, kin
     assert stats.prefill_steps_ahead == sum(ahead for _, ahead, _ in decisions) > 0
     if arrive == "between_steps":  # a newcomer whose blocks a running round may still write waited for it
         assert any(running and not ahead for running, ahead, _ in decisions)
-    _report(dict(test="overtaking_prefills", kind=kind, arrive=arrive, seed=seed, prefills=len(decisions),
+    report(dict(test="overtaking_prefills", kind=kind, arrive=arrive, seed=seed, prefills=len(decisions),
                  ahead=sum(d[1] for d in decisions), while_waiting=sum(d[2] for d in decisions)))
     assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
     del llm
