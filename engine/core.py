@@ -131,14 +131,15 @@ class EngineCore:
         self.runner.structured = self.structured
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
+            table_width = -(-self.max_model_len // config.block_size)
             self.graphs = GraphDecoder(self.runner, min(config.max_num_seqs, config.cuda_graph_max_batch),
-                                       config.decode_chunk, -(-self.max_model_len // config.block_size))
+                                       config.decode_chunk, table_width)
+            self.runner.decode_table_width = table_width
             self.graphs.capture()
             if config.cuda_graph_max_prefill_tokens:
                 self.runner.prefill_graphs = PrefillGraphs(
                     self.model, self.kv_caches, config.block_size, config.cuda_graph_max_prefill_tokens,
-                    min(config.max_num_seqs, PREFILL_GRAPH_MAX_SEQS), -(-self.max_model_len // config.block_size),
-                    self.device)
+                    min(config.max_num_seqs, PREFILL_GRAPH_MAX_SEQS), table_width, self.device)
                 self.runner.prefill_graphs.capture()
         self.sequences: dict[str, Sequence] = {}
         self.stats_counters = EngineStats(kv_blocks_total=self.block_manager.num_usable_blocks)

@@ -8,6 +8,7 @@ each of which dies with it; it dies as soon as one of them has."""
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -41,6 +42,7 @@ def run_core(config: EngineConfig, address: str, parent_pid: int, log_level: int
     """The process's entry point."""
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which stops us in order
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack to the log
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s",
                         datefmt="%H:%M:%S")
     import zmq

@@ -127,15 +127,19 @@ class PrefillGraphs:
         torch.cuda.synchronize(self.device)
         started = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
+        # Captured on the stream they overtake on: torch keys cuBLAS's workspace by stream, and a
+        # graph bakes in the workspace of the stream it was captured on. On the default capture
+        # stream they would share the decode graphs' workspace, and a replay running beside a
+        # decode round would corrupt the GEMMs of both (pytorch/pytorch#193402 describes the sharing).
+        capture_stream = self.stream
         for bucket in tqdm(list(reversed(self.buckets)), desc="capturing prefill graphs", disable=not progress):
             meta = self._meta(bucket)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up outside the graph (Triton compiles, allocator settles)
+            capture_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(capture_stream):  # warm-up outside the graph (Triton compiles, allocator settles)
                 self._forward(bucket, meta)
-            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.current_stream().wait_stream(capture_stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream):
                 self._forward(bucket, meta)
             self.graphs[bucket] = graph
         torch.cuda.synchronize()

@@ -83,6 +83,10 @@ class ModelRunner:
         self.vocab_size = model.args.vocab_size
         self.structured: StructuredOutputs | None = None  # the core's grammar matchers, when it has any
         self.prefill_graphs: PrefillGraphs | None = None  # CUDA graphs of short prefills, when captured
+        # the decode graphs' block-table width, which eager rounds then take too: the decode
+        # attention splits by it (kernels/decode_attention.pick_num_splits), so an eager round
+        # gives the graphs' greedy tokens
+        self.decode_table_width: int | None = None
         self.num_graph_prefills = 0  # prefill steps that replayed a graph
         self.num_overtaking_prefills = 0  # of them, on the priority stream
         self._last_prefill: torch.cuda.Event | None = None  # recorded after the last prefill's forward
@@ -94,9 +98,9 @@ class ModelRunner:
     def _tensor(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        """[B, longest table] int32, short rows padded with the dummy block (host tensor)."""
-        width = max(len(s.block_table) for s in seqs)
+    def _block_tables(self, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
+        """[B, width or the longest table] int32, short rows padded with the dummy block (host tensor)."""
+        width = width or max(len(s.block_table) for s in seqs)
         return torch.tensor([s.block_table + [DUMMY_BLOCK] * (width - len(s.block_table)) for s in seqs],
                             dtype=torch.int32)
 
@@ -213,7 +217,7 @@ class ModelRunner:
     def prepare_decode(self, rnd: DecodeRound) -> DecodeState:
         """Host-built tensors for an eager round."""
         seqs, k = rnd.seqs, rnd.num_steps
-        tables = self._block_tables(seqs)
+        tables = self._block_tables(seqs, self.decode_table_width)
         positions, slots, context_lens = plan_steps(seqs, k, tables, self.block_size)
         st = build_sampling_tensors(seqs, self.vocab_size, self.eos_ids, self.device,
                                     token_bitmask=self.token_bitmask(seqs))

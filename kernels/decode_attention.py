@@ -175,7 +175,11 @@ def default_decode_tile(head_dim: int) -> DecodeTile:
 
 
 def pick_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
-    """Split count from shapes only: about 4 programs per SM, each split >= 128 tokens, <= 64."""
+    """Split count from shapes only: about 4 programs per SM, each split >= 128 tokens, <= 64.
+    The batch counts as the decode graph bucket that holds it (1, 2, 4, 8, then multiples of
+    8: engine/cuda_graphs.batch_buckets), so an eager step over the graphs' table width splits
+    each sequence's KV as the graph would, and sums it in the same order."""
+    batch = 1 << (batch - 1).bit_length() if batch <= 8 else -(-batch // 8) * 8
     programs = batch * num_kv_heads
     if programs <= 0:
         return 1

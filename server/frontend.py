@@ -5,6 +5,7 @@ N of them (server/supervisor.py); they die with it."""
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -28,6 +29,7 @@ def run_frontend(index: int, server: ServerSettings, engine_config: EngineConfig
 
     die_with_parent(parent_pid)
     os.setpgrp()  # Ctrl-C in a terminal reaches the supervisor alone, which forwards one SIGTERM
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack to the log
     logging.basicConfig(level=getattr(logging, server.log_level.upper(), logging.INFO),
                         format=log_format.replace("%(name)s", f"%(name)s[api{index}]"), datefmt="%H:%M:%S")
     from engine.async_engine import AsyncEngine

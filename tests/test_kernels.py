@@ -157,6 +157,10 @@ def test_pick_num_splits_depends_on_shapes_only():
     assert pick_num_splits(1, 8, 128, 132) == 1  # too short to split
     assert pick_num_splits(1, 2, 448, 132) == 3  # capped at 128 tokens per split
     assert pick_num_splits(4, 2, 2048, 132) == 16
+    # a batch counts as its decode graph bucket: an eager step splits as the graph would
+    assert pick_num_splits(3, 8, 32768, 132) == pick_num_splits(4, 8, 32768, 132) == 16
+    assert pick_num_splits(17, 2, 32768, 132) == pick_num_splits(24, 2, 32768, 132) == 11
+    assert pick_num_splits(5, 8, 32768, 132) != pick_num_splits(4, 8, 32768, 132)
 
 
 # ----------------------------------------------------------------------------- prefill attention

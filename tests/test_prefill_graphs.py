@@ -148,37 +148,39 @@ def test_a_prefill_overtakes_running_rounds_only_into_blocks_they_cannot_write(m
     assert not core._may_overtake(batch(again))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["greedy", "seeded"])
-@pytest.mark.parametrize("arrive", ["between_steps", "while_waiting"])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_prefills_overtaking_rounds_on_cuda_give_the_eager_tokens(model_dir, kind, arrive, seed):
-    """Requests arriving while decode rounds are in flight, in a KV pool so small that the
-    blocks of requests that just ended are handed out again: prefills that overtake the
-    queued rounds (the priority stream) and those that may not give the tokens of an eager
-    engine, and some of each happen. "while_waiting": newcomers arrive through on_wait (as
-    the core loop passes them) while the core waits for a round, and are prefilled there."""
-    import torch
-
+def run_arrivals_on_cuda(model_dir, kind: str, arrive: str, seed: int, overtake: bool):
+    """Twelve requests, four at a time: when one ends the next arrives, between steps or
+    (arrive="while_waiting") through on_wait while the core waits for a round. Each round
+    is made to look unfinished for its first WAIT_LOOKS looks, so that where requests arrive
+    does not depend on the GPU's timing. overtake=False: prefills the engine lets overtake
+    run on the current stream all the same (the same schedule, no overtaking).
+    Returns (tokens per request, per prefill (a round was running, it may overtake, in on_wait), stats)."""
     lengths = [9, 17, 30, 12, 21, 26, 5, 14, 19, 8, 23, 11]
-    # 5-8 blocks each, 4 at a time, 30 blocks: a newcomer gets blocks freed a moment ago
+    if arrive == "between_steps":
+        # 5-8 blocks each, 4 at a time, 30 blocks: a newcomer gets blocks freed a moment ago
+        num_blocks, chunk = 31, 4
+    else:  # a pool deep enough that a newcomer's blocks were freed before the running rounds
+        lengths, num_blocks, chunk = [3 * n for n in lengths], 401, 32
     prompts = [[5 + (7 * i + 3 * j + 11 * seed) % 250 for j in range(60 + 4 * i)] for i in range(len(lengths))]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) if kind == "greedy" else
               SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=n, ignore_eos=True) for n in lengths]
-    eager = LLM(str(model_dir), device="cuda", dtype="float32", enforce_eager=True, block_size=BS, num_kv_blocks=31)
-    want = [o.token_ids for o in eager.generate(prompts, params)]
-    del eager
-    llm = LLM(str(model_dir), device="cuda", dtype="float32", block_size=BS, num_kv_blocks=31, decode_chunk=4,
-              max_num_seqs=4, prefill_ahead=True)
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", block_size=BS, num_kv_blocks=num_blocks,
+              decode_chunk=chunk, max_num_seqs=4, prefill_ahead=True)
     core = llm.engine.core
-    decisions = []  # per prefill: (a round was running, it overtook the rounds, it ran inside on_wait)
-    prefill, waiting = core.runner.prefill, [False]
+    decisions = []
+    prefill, waiting, is_done, looks = core.runner.prefill, [False], core.graphs.is_done, {}
 
     def record(batch, overtake=False):
         decisions.append((core._rounds_completed < core.block_manager.rounds_launched, overtake, waiting[0]))
-        return prefill(batch, overtake=overtake)
+        return prefill(batch, overtake=overtake and overtake_allowed)
 
+    def slow_is_done(handle) -> bool:
+        looks[id(handle)] = looks.get(id(handle), 0) + 1
+        return looks[id(handle)] > WAIT_LOOKS and is_done(handle)
+
+    overtake_allowed = overtake
     core.runner.prefill = record
+    core.graphs.is_done = slow_is_done
     seen, pending, ended = {}, list(range(len(lengths))), [None] * 3
 
     def take(outputs):
@@ -206,16 +208,45 @@ def test_prefills_overtaking_rounds_on_cuda_give_the_eager_tokens(model_dir, kin
         take(core.step())
         if not waiting[0]:
             arrivals()
-    assert [seen[f"r{i}"] for i in range(len(lengths))] == want
-    stats = core.stats()
-    assert stats.prefill_steps_ahead == sum(ahead for _, ahead, _ in decisions) > 0
-    if arrive == "between_steps":  # a newcomer whose blocks a running round may still write waited for it
-        assert any(running and not ahead for running, ahead, _ in decisions)
-    report(dict(test="overtaking_prefills", kind=kind, arrive=arrive, seed=seed, prefills=len(decisions),
-                 ahead=sum(d[1] for d in decisions), while_waiting=sum(d[2] for d in decisions)))
     assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
-    del llm
+    tokens, stats = [seen[f"r{i}"] for i in range(len(lengths))], core.stats()
+    del llm, core
+    return tokens, decisions, stats
+
+
+WAIT_LOOKS = 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+@pytest.mark.parametrize("arrive", ["between_steps", "while_waiting"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefills_overtaking_rounds_on_cuda_give_the_tokens_of_the_same_schedule_in_order(model_dir, kind, arrive,
+                                                                                          seed):
+    """The same requests and arrivals twice: once with the prefills the engine lets overtake
+    run on the priority stream, ahead of the decode rounds queued on the device, and once run
+    in stream order. The tokens are the same (a difference would be a race between the two
+    streams: KV, static buffers, or a workspace they share), and some prefills of each kind
+    happen: overtaking, and (between steps, in a pool so small that blocks freed a moment ago
+    are handed out again) held back because a running round may still write a block. While
+    waiting: newcomers are prefilled, ahead of the rounds, before the round is collected.
+    (Where a newcomer is prefilled, in on_wait or the next step, may differ between the two
+    runs: the in-order prefill waits for the round, and the round may end sooner.)"""
+    import torch
+
+    want, in_order, _ = run_arrivals_on_cuda(model_dir, kind, arrive, seed, overtake=False)
+    got, decisions, stats = run_arrivals_on_cuda(model_dir, kind, arrive, seed, overtake=True)
     torch.cuda.empty_cache()
+    report(dict(test="overtaking_prefills", kind=kind, arrive=arrive, seed=seed, prefills=len(decisions),
+                ahead=sum(d[1] for d in decisions), while_waiting=sum(d[2] for d in decisions),
+                ahead_while_waiting=sum(d[1] and d[2] for d in decisions), same=got == want,
+                same_schedule=decisions == in_order))
+    assert got == want
+    assert stats.prefill_steps_ahead == sum(ahead for _, ahead, _ in decisions) > 0
+    if arrive == "between_steps":
+        assert any(running and not ahead for running, ahead, _ in decisions)
+    else:
+        assert any(ahead and in_wait for _, ahead, in_wait in decisions)
 
 
 def test_newcomers_are_prefilled_while_the_core_waits_for_a_round(model_dir):
