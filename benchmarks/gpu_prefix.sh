@@ -14,6 +14,8 @@
 # Writes under $OUT: gpu_prefix.log (the GPU, versions, every step's output) and 6 JSON files:
 # prefix_bench-qwen2.5-0.5b.json, prefix_bench-llama-3.1-8b.json, multiturn_bench-qwen2.5-0.5b.json,
 # throughput-qwen2.5-0.5b-pc-on.json, throughput-qwen2.5-0.5b-pc-off.json, decode_latency-pc.json.
+# A prefix_bench run whose requests do not finish within its --work-timeout writes
+# server-stalled-*.log there too: the server's log, with every process's stacks (SIGUSR1).
 # Needs the server's packages: installed, or as wheels in .whl/ (benchmarks/gpu_env.sh).
 #
 # Usage: OUT=dir bash benchmarks/gpu_prefix.sh [all | qwen | llama | rest]
@@ -59,14 +61,15 @@ shape() {  # shape MODEL SERVER_TIMEOUT: its random weights, (qwen/llama only) t
       -k "tile_map or overtaking or ($m and (prefill_graphs or graph_path))" -p no:cacheprovider
   fi
   step "$m: prefix_bench (shared 2,000-token prefix)" 60 200 \
-    python3 benchmarks/prefix_bench.py --model $m "${H200[@]}" --client-procs 4 --server-timeout $t --out "$OUT"
+    python3 benchmarks/prefix_bench.py --model $m "${H200[@]}" --client-procs 4 --server-timeout $t --work-timeout 60 \
+      --out "$OUT"
   if [ "$PART" != all ]; then
     step "$m: prefix_bench, caching on, prefills ahead" 40 120 \
-      python3 benchmarks/prefix_bench.py --model $m "${H200[@]}" --client-procs 4 --server-timeout $t --caching on \
-        --name "prefix_bench-$m-prefill-ahead" --out "$OUT" --prefill-ahead
+      python3 benchmarks/prefix_bench.py --model $m "${H200[@]}" --client-procs 4 --server-timeout 90 --caching on \
+        --work-timeout 45 --name "prefix_bench-$m-prefill-ahead" --out "$OUT" --prefill-ahead
     step "$m: prefix_bench, caching on, no prefill graphs" 40 120 \
-      python3 benchmarks/prefix_bench.py --model $m "${H200[@]}" --client-procs 4 --server-timeout $t --caching on \
-        --name "prefix_bench-$m-no-prefill-graphs" --out "$OUT" --cuda-graph-max-prefill-tokens 0
+      python3 benchmarks/prefix_bench.py --model $m "${H200[@]}" --client-procs 4 --server-timeout 90 --caching on \
+        --work-timeout 45 --name "prefix_bench-$m-no-prefill-graphs" --out "$OUT" --cuda-graph-max-prefill-tokens 0
   fi
 }
 case $PART in qwen|all) shape $Q 300;; esac

@@ -30,6 +30,7 @@ import random
 import re
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -217,7 +218,7 @@ def run_server(args, model: str | None, caching: bool, extra: list[str], work) -
         warm = [dict(id=-1, prompt=[7, 8, 9, 10], new=[])] * 2
         run_chains(server.url, warm, 2, 4, 1)
         before = settled_scrape(server.url)
-        records, wall = work(server.url)
+        records, wall = within(args.work_timeout, lambda: work(server.url), server, Path(args.out))
         after = settled_scrape(server.url)
         server.terminate()
         server.wait(60)
@@ -229,6 +230,32 @@ def run_server(args, model: str | None, caching: bool, extra: list[str], work) -
                server_ttft_mean_s=delta["graphserve_time_to_first_token_seconds_sum"] / n_ttft if n_ttft else None)
     row["output_tok_s"] = row["output_tokens"] / wall if wall else None
     return row, records
+
+
+def within(seconds: float, work, server, out: Path):
+    """work() if it ends within `seconds`; else the server's stacks (SIGUSR1) and its log go to
+    out/server-stalled-<time>.log, and TimeoutError."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["value"] = work()
+        except BaseException as exc:  # re-raised in the caller's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        server.dump_stacks()
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"server-stalled-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        path.write_text(server.log)
+        raise TimeoutError(f"the requests did not finish within {seconds:.0f} s; the server's log and "
+                           f"stacks: {path}")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 def make_conversations(args, model: str | None) -> list[dict]:
@@ -255,6 +282,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--caching", choices=["both", "on", "off"], default="both")
     parser.add_argument("--server-timeout", type=float, default=300.0)
+    parser.add_argument("--work-timeout", type=float, default=900.0,
+                        help="seconds the requests may take; then the server's stacks and log go to --out")
     parser.add_argument("--out", default=str(BENCH / "results"))
     parser.add_argument("--name", default=None)
     args, extra = parser.parse_known_args()

@@ -46,6 +46,8 @@ def main() -> int:
     parser.add_argument("--client-procs", type=int, default=4, help="client processes the streams are spread over")
     parser.add_argument("--caching", choices=["both", "on", "off"], default="both")
     parser.add_argument("--server-timeout", type=float, default=300.0)
+    parser.add_argument("--work-timeout", type=float, default=900.0,
+                        help="seconds the requests may take; then the server's stacks and log go to --out")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--name", default=None)
     args, extra = parser.parse_known_args()

@@ -34,6 +34,12 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def dump_stacks_on_sigusr1() -> None:
+    """kill -USR1 PID: every thread's Python stack to stderr (the server's log); the process
+    goes on. Every process the server spawns takes it, so `pkill -USR1 -f spawn_main` is safe."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def new_core_address() -> str:
     return f"ipc://{tempfile.mkdtemp(prefix='graphserve-')}/core"
 
@@ -42,7 +48,7 @@ def run_core(config: EngineConfig, address: str, parent_pid: int, log_level: int
     """The process's entry point."""
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which stops us in order
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack to the log
+    dump_stacks_on_sigusr1()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s",
                         datefmt="%H:%M:%S")
     import zmq

@@ -21,9 +21,10 @@ logger = logging.getLogger("graphserve.engine")
 
 def run_worker(config: EngineConfig, rank: int, init_method: str, parent_pid: int, log_level: int) -> None:
     """The process's entry point."""
-    from engine.core_process import die_with_parent
+    from engine.core_process import die_with_parent, dump_stacks_on_sigusr1
 
     die_with_parent(parent_pid)
+    dump_stacks_on_sigusr1()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when to stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s",

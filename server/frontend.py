@@ -5,7 +5,6 @@ N of them (server/supervisor.py); they die with it."""
 
 from __future__ import annotations
 
-import faulthandler
 import logging
 import os
 import signal
@@ -25,11 +24,11 @@ def run_frontend(index: int, server: ServerSettings, engine_config: EngineConfig
                  log_format: str) -> None:
     """The process's entry point: serve until SIGTERM (drain, then exit 0) or until the
     engine core goes away (exit 1)."""
-    from engine.core_process import die_with_parent
+    from engine.core_process import die_with_parent, dump_stacks_on_sigusr1
 
     die_with_parent(parent_pid)
     os.setpgrp()  # Ctrl-C in a terminal reaches the supervisor alone, which forwards one SIGTERM
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack to the log
+    dump_stacks_on_sigusr1()
     logging.basicConfig(level=getattr(logging, server.log_level.upper(), logging.INFO),
                         format=log_format.replace("%(name)s", f"%(name)s[api{index}]"), datefmt="%H:%M:%S")
     from engine.async_engine import AsyncEngine

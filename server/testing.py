@@ -142,8 +142,20 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the server did not become ready:\n{self.log}")
+                self.dump_stacks()
+                raise TimeoutError(f"the server did not become ready (its processes' stacks at the end):\n{self.log}")
             time.sleep(0.05)
+
+    def dump_stacks(self, settle: float = 2.0) -> None:
+        """SIGUSR1 to each process the server spawned (core, front ends, ranks: they print
+        every thread's stack into the log and go on); waits `settle` s for the dumps."""
+        for pid in descendant_pids(self.process.pid):
+            try:
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGUSR1)
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+        time.sleep(settle)
 
     def terminate(self) -> None:
         """SIGTERM: drain, then exit."""

@@ -576,3 +576,26 @@ def test_a_stop_string_ends_the_core_request(one_frontend: Served) -> None:
     assert after["graphserve_kv_blocks_free"] == after["graphserve_kv_blocks_total"], after
     rounds = after["graphserve_decode_rounds_total"] - before["graphserve_decode_rounds_total"]
     assert rounds <= (k + 1) // DECODE_CHUNK + 4, (rounds, k, answered_after, idle_after)
+
+
+def test_sigusr1_prints_the_stacks_and_the_server_goes_on(one_frontend: Served) -> None:
+    """The README's way to see where a stuck server is: SIGUSR1 to the core and the front end
+    (`pkill -USR1 -f spawn_main`) prints each thread's stack to the log; both keep serving."""
+    url, server = one_frontend.url, one_frontend.server
+    core, frontend = one_frontend.core(), one_frontend.frontends()[0]
+    for pid in (core, frontend):
+        assert "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()
+    logged = len(server.lines)
+    for pid in (core, frontend):
+        os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while sum("most recent call first" in line for line in server.lines[logged:]) < 2:
+        assert time.monotonic() < deadline, server.log[-3000:]
+        time.sleep(0.05)
+    dumped = "".join(server.lines[logged:])
+    assert "engine/core_loop.py" in dumped  # the core's main thread, in its loop
+    assert "uvicorn" in dumped or "asyncio" in dumped  # the front end's event loop
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120.0)
+    model = client.models.list().data[0].id
+    assert client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4).choices[0].text
+    assert one_frontend.core() == core and one_frontend.frontends() == [frontend]

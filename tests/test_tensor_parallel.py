@@ -174,7 +174,7 @@ def _rank_processes(server_pid: int) -> tuple[int, list[int]]:
 
 def test_server_with_two_ranks_serves_one_ranks_tokens_and_dies_with_a_rank(tmp_path):
     """`serve --tensor-parallel-size 2` (CPU: two processes over gloo) answers with one rank's
-    greedy and seeded tokens; kill -9 of rank 1 mid-stream ends the stream with an error and
+    greedy and seeded tokens (after SIGUSR1 made every process print its stacks); kill -9 of rank 1 mid-stream ends the stream with an error and
     the server exits non-zero within seconds, leaving no process behind."""
     import httpx
     import openai
@@ -190,6 +190,11 @@ def test_server_with_two_ranks_serves_one_ranks_tokens_and_dies_with_a_rank(tmp_
         seen.update(descendant_pids(server.process.pid))
         core, ranks = _rank_processes(server.process.pid)
         assert len(ranks) == 1
+        server.dump_stacks(settle=0.0)  # SIGUSR1 to the core, the front end and rank 1: stacks, and they go on
+        deadline = time.monotonic() + 10
+        while "engine/tp_worker.py" not in server.log and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "engine/tp_worker.py" in server.log and "engine/core_loop.py" in server.log, server.log[-2000:]
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
         for prompt, params, expected in zip(PROMPTS, [PARAMS[0], PARAMS[1], PARAMS[0], PARAMS[1]], want):
             got = client.completions.create(model="m", prompt=prompt, max_tokens=params.max_tokens,
