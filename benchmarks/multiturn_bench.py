@@ -47,7 +47,9 @@ from workload import provenance, resolve_model, vocabulary, write_json  # noqa: 
 METRICS = ("graphserve_prefix_cache_queries", "graphserve_prefix_cache_hits", "graphserve_prompt_tokens",
            "graphserve_generation_tokens", "graphserve_time_to_first_token_seconds_sum",
            "graphserve_time_to_first_token_seconds_count", "graphserve_prefill_steps", "graphserve_decode_rounds",
-           "graphserve_decode_rounds_ahead", "graphserve_prefill_graph_steps", "graphserve_prefill_steps_ahead")
+           "graphserve_decode_rounds_ahead", "graphserve_prefill_graph_steps", "graphserve_prefill_steps_ahead",
+           *(f"graphserve_request_{part}_seconds_{stat}" for part in ("queue_time", "prefill_time", "first_token_return")
+             for stat in ("sum", "count")))
 
 
 def percentile(values: list[float], q: int) -> float | None:
@@ -229,6 +231,10 @@ def run_server(args, model: str | None, caching: bool, extra: list[str], work) -
                server_hit_rate=hits / queries if queries else None, server_counters=delta,
                server_ttft_mean_s=delta["graphserve_time_to_first_token_seconds_sum"] / n_ttft if n_ttft else None)
     row["output_tok_s"] = row["output_tokens"] / wall if wall else None
+    # the server-side time to first token in its parts (means): to the prefill step, the prefill, back
+    for part in ("queue_time", "prefill_time", "first_token_return"):
+        count = delta[f"graphserve_request_{part}_seconds_count"]
+        row[f"server_{part}_mean_s"] = delta[f"graphserve_request_{part}_seconds_sum"] / count if count else None
     return row, records
 
 

@@ -66,7 +66,9 @@ def main() -> int:
         print(f"prefix caching {'on ' if caching else 'off'}: {row['completed']}/{row['requests']} ok, "
               f"{row['output_tok_s']:,.0f} out tok/s, TTFT p50/p99 {fmt_ms(row['ttft_p50_s'])} / "
               f"{fmt_ms(row['ttft_p99_s'])} ms (mean {fmt_ms(row['ttft_mean_s'])}, server-side mean "
-              f"{fmt_ms(row['server_ttft_mean_s'])}), hit rate {row['hit_rate']}", flush=True)
+              f"{fmt_ms(row['server_ttft_mean_s'])}: queue {fmt_ms(row['server_queue_time_mean_s'])}, prefill "
+              f"{fmt_ms(row['server_prefill_time_mean_s'])}, back {fmt_ms(row['server_first_token_return_mean_s'])}), "
+              f"hit rate {row['hit_rate']}", flush=True)
     if len(report["runs"]) == 2:
         off, on = report["runs"]
         report["ttft_p50_speedup"] = off["ttft_p50_s"] / on["ttft_p50_s"] if on["ttft_p50_s"] else None

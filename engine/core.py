@@ -452,6 +452,9 @@ class EngineCore:
                 out = CoreOutput(seq.request_id, [], finish_reason=seq.finish_reason)
             if first:
                 out.num_cached_tokens = seq.num_cached_tokens
+                if out.token_ids:
+                    now = time.monotonic()
+                    out.core_times = (seq.scheduled_at or now, now)
                 if seq.prompt_logprobs is not None:
                     out.prompt_logprobs = seq.prompt_logprobs
             if seq.finish_reason is not None:

@@ -76,6 +76,8 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first output only
     num_cached_tokens: int = 0  # with the first output: prompt tokens whose KV the prefix cache held
     error: str | None = None  # with finish_reason "error", when there is something to say
+    # with the first token: (first scheduled, first token on the host), time.monotonic()
+    core_times: tuple[float, float] | None = None
 
 
 class RoundOutputs(msgspec.Struct, tag=True, array_like=True):

@@ -61,7 +61,8 @@ class OutputProcessor:
         if finished:
             del self.states[out.request_id]
         update = RequestOutput(out.request_id, state.prompt_token_ids, text, token_ids, finished, finish_reason,
-                               stop_reason, logprobs, out.prompt_logprobs, out.num_cached_tokens, out.error)
+                               stop_reason, logprobs, out.prompt_logprobs, out.num_cached_tokens, out.error,
+                               out.core_times)
         return update, stopped_here
 
     def _add_text(self, state: _TextState, tokens: list[int]) -> str | None:

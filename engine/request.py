@@ -167,6 +167,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # in the first update; the first token has none
     num_cached_tokens: int = 0  # in the first update: prompt tokens served from the prefix cache
     error: str | None = None  # with finish_reason "error": what went wrong, when known
+    # in the update with the first token: (first scheduled, first token on the engine's host),
+    # time.monotonic() in the engine core
+    core_times: tuple[float, float] | None = None
 
     def merge(self, later: "RequestOutput") -> None:
         """Append a later update of the same request to this one."""
@@ -177,6 +180,7 @@ class RequestOutput:
         if self.prompt_logprobs is None:
             self.prompt_logprobs = later.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
+        self.core_times = self.core_times or later.core_times
         self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason
         self.error = later.error
 
@@ -210,6 +214,9 @@ class Sequence:
         self.stop_reason: int | None = None  # the stop token id that ended it (None for EOS)
         self.num_preemptions = 0
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        # when a prefill step first took it: time.monotonic() (CLOCK_MONOTONIC, one clock for the
+        # engine core and the front ends)
+        self.scheduled_at: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

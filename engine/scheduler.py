@@ -3,6 +3,7 @@ chunked prefill, K-step decode rounds with KV reserved up front, preemption by r
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -106,6 +107,8 @@ class Scheduler:
             if not self.blocks.can_allocate(need + self.blocks.num_reusable(cached)):
                 break
             self.waiting.popleft()
+            if seq.scheduled_at is None:
+                seq.scheduled_at = time.monotonic()
             self.blocks.mark_computing(seq, keys[len(cached):])
             if cached:
                 self.blocks.share(seq, cached)

@@ -47,6 +47,7 @@ class ChoiceProgress:
 
     arrival_time: float
     first_token_time: float | None = None
+    core_times: tuple[float, float] | None = None  # RequestOutput.core_times
     # the whole output so far when the group keeps outputs (a response sent at the end),
     # else only the latest update (a stream sends each update as it comes)
     output: RequestOutput | None = None
@@ -179,6 +180,7 @@ class GenerationGroup:
         progress.num_output_tokens += len(output.token_ids)
         if progress.first_token_time is None and output.token_ids:
             progress.first_token_time = time.monotonic()
+        progress.core_times = progress.core_times or output.core_times
         if output.finished and not progress.done:
             progress.done = True
             self._observe(index, output.finish_reason)
@@ -193,6 +195,7 @@ class GenerationGroup:
             arrival_time=progress.arrival_time,
             first_token_time=progress.first_token_time,
             finish_time=time.monotonic(),
+            core_times=progress.core_times,
         )
         if self.log_requests:
             logger.info(

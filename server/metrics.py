@@ -23,6 +23,7 @@ logger = logging.getLogger("graphserve.server")
 PREFIX = "graphserve"
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 40.0, 160.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
@@ -67,6 +68,28 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        # the time to first token in three parts, which add up to it
+        self.queue_time = Histogram(
+            f"{PREFIX}_request_queue_time_seconds",
+            "From a request's arrival (parsed) to the prefill step that first takes it: the hop to the "
+            "engine core, the core finishing the step it is in, and waiting for a sequence slot or KV blocks.",
+            buckets=_PHASE_BUCKETS,
+            registry=self.registry,
+        )
+        self.prefill_time = Histogram(
+            f"{PREFIX}_request_prefill_time_seconds",
+            "From the prefill step that first takes a request to its first token on the engine's host "
+            "(its prefill steps, and the work queued on the device before them).",
+            buckets=_PHASE_BUCKETS,
+            registry=self.registry,
+        )
+        self.first_token_return = Histogram(
+            f"{PREFIX}_request_first_token_return_seconds",
+            "From a request's first token on the engine's host to the front end: the rest of that step "
+            "(waiting for a decode round in flight), the hop back, detokenizing.",
+            buckets=_PHASE_BUCKETS,
+            registry=self.registry,
+        )
         self.engine_collector = EngineStatsCollector(engine)
         self.registry.register(self.engine_collector)
 
@@ -79,7 +102,10 @@ class ServerMetrics:
         arrival_time: float,
         first_token_time: float | None,
         finish_time: float,
+        core_times: tuple[float, float] | None = None,
     ) -> None:
+        """core_times: (first scheduled, first token on the engine's host) on time.monotonic(), which
+        is CLOCK_MONOTONIC: one clock for the front ends and the engine core."""
         self.requests.labels(finish_reason=finish_reason or "abort").inc()
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generated_tokens)
@@ -88,6 +114,11 @@ class ServerMetrics:
             self.time_to_first_token.observe(first_token_time - arrival_time)
             if num_generated_tokens > 1:
                 self.time_per_output_token.observe((finish_time - first_token_time) / (num_generated_tokens - 1))
+            if core_times is not None:
+                scheduled, first_token = core_times
+                self.queue_time.observe(scheduled - arrival_time)
+                self.prefill_time.observe(first_token - scheduled)
+                self.first_token_return.observe(first_token_time - first_token)
 
     def observe_error(self, status_code: int) -> None:
         self.http_errors.labels(status=str(status_code)).inc()

@@ -599,3 +599,39 @@ def test_sigusr1_prints_the_stacks_and_the_server_goes_on(one_frontend: Served) 
     model = client.models.list().data[0].id
     assert client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4).choices[0].text
     assert one_frontend.core() == core and one_frontend.frontends() == [frontend]
+
+
+def test_time_to_first_token_splits_into_queue_prefill_and_front_end_time(one_frontend: Served) -> None:
+    """/metrics splits each request's time to first token into its way to the prefill step that
+    takes it (the hop to the engine core, waiting there), the prefill, and the first token's way
+    back: the three add up to the time to first token. Ten requests on 8 sequence slots: the two
+    that wait for a slot show it as queue time."""
+    url = one_frontend.url
+    before = wait_until_idle(url, 30.0)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120.0)
+    model = client.models.list().data[0].id
+    latencies: list[float] = []
+
+    def one(prompt: str) -> None:
+        started = time.monotonic()
+        client.completions.create(model=model, prompt=prompt, max_tokens=40, temperature=0,
+                                  extra_body={"ignore_eos": True})
+        latencies.append(time.monotonic() - started)
+
+    threads = [threading.Thread(target=one, args=(PROMPTS[i % len(PROMPTS)],)) for i in range(10)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert len(latencies) == 10
+    after = wait_until_idle(url, 30.0)
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    parts = ["queue_time", "prefill_time", "first_token_return"]
+    for part in parts:
+        assert delta[f"graphserve_request_{part}_seconds_count"] == 10, part
+    ttft = delta["graphserve_time_to_first_token_seconds_sum"]
+    queue, prefill, back = (delta[f"graphserve_request_{part}_seconds_sum"] for part in parts)
+    assert abs(queue + prefill + back - ttft) < 1e-5, (queue, prefill, back, ttft)
+    assert prefill > 0 and back > 0
+    # two requests waited for a slot about as long as the others' whole 40 tokens took
+    assert queue > 0.8 * min(latencies), (queue, sorted(latencies))
