@@ -179,10 +179,10 @@ def pick_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: in
     The batch counts as the decode graph bucket that holds it (1, 2, 4, 8, then multiples of
     8: engine/cuda_graphs.batch_buckets), so an eager step over the graphs' table width splits
     each sequence's KV as the graph would, and sums it in the same order."""
+    if batch <= 0 or num_kv_heads <= 0:
+        return 1
     batch = 1 << (batch - 1).bit_length() if batch <= 8 else -(-batch // 8) * 8
     programs = batch * num_kv_heads
-    if programs <= 0:
-        return 1
     want = _PROGRAMS_PER_SM * num_sms // programs
     cap = max(1, max_context // _MIN_TOKENS_PER_SPLIT)
     return max(1, min(want, cap, _MAX_SPLITS))
