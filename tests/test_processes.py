@@ -601,7 +601,7 @@ def test_sigusr1_prints_the_stacks_and_the_server_goes_on(one_frontend: Served) 
     assert one_frontend.core() == core and one_frontend.frontends() == [frontend]
 
 
-def test_time_to_first_token_splits_into_queue_prefill_and_front_end_time(one_frontend: Served) -> None:
+def test_time_to_first_token_splits_into_queue_prefill_and_return_time(one_frontend: Served) -> None:
     """/metrics splits each request's time to first token into its way to the prefill step that
     takes it (the hop to the engine core, waiting there), the prefill, and the first token's way
     back: the three add up to the time to first token. Ten requests on 8 sequence slots: the two
