@@ -42,14 +42,12 @@ for _p in (str(ROOT), str(BENCH)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from workload import provenance, resolve_model, vocabulary, write_json  # noqa: E402
+from workload import TTFT_METRICS, provenance, resolve_model, vocabulary, ttft_means, write_json  # noqa: E402
 
 METRICS = ("graphserve_prefix_cache_queries", "graphserve_prefix_cache_hits", "graphserve_prompt_tokens",
-           "graphserve_generation_tokens", "graphserve_time_to_first_token_seconds_sum",
-           "graphserve_time_to_first_token_seconds_count", "graphserve_prefill_steps", "graphserve_decode_rounds",
+           "graphserve_generation_tokens", "graphserve_prefill_steps", "graphserve_decode_rounds",
            "graphserve_decode_rounds_ahead", "graphserve_prefill_graph_steps", "graphserve_prefill_steps_ahead",
-           *(f"graphserve_request_{part}_seconds_{stat}" for part in ("queue_time", "prefill_time", "first_token_return")
-             for stat in ("sum", "count")))
+           *TTFT_METRICS)
 
 
 def percentile(values: list[float], q: int) -> float | None:
@@ -226,15 +224,9 @@ def run_server(args, model: str | None, caching: bool, extra: list[str], work) -
         server.wait(60)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in METRICS}
     queries, hits = delta["graphserve_prefix_cache_queries"], delta["graphserve_prefix_cache_hits"]
-    n_ttft = delta["graphserve_time_to_first_token_seconds_count"]
     row = dict(prefix_caching=caching, server_args=serve, wall_s=wall, **summarize(records),
-               server_hit_rate=hits / queries if queries else None, server_counters=delta,
-               server_ttft_mean_s=delta["graphserve_time_to_first_token_seconds_sum"] / n_ttft if n_ttft else None)
+               server_hit_rate=hits / queries if queries else None, server_counters=delta, **ttft_means(delta))
     row["output_tok_s"] = row["output_tokens"] / wall if wall else None
-    # the server-side time to first token in its parts (means): to the prefill step, the prefill, back
-    for part in ("queue_time", "prefill_time", "first_token_return"):
-        count = delta[f"graphserve_request_{part}_seconds_count"]
-        row[f"server_{part}_mean_s"] = delta[f"graphserve_request_{part}_seconds_sum"] / count if count else None
     return row, records
 
 

@@ -61,13 +61,14 @@ BENCH = ROOT / "benchmarks"
 for _p in (str(ROOT), str(BENCH)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
+from workload import TTFT_METRICS, ttft_means  # noqa: E402
 
 METRIC_IDLE = "graphserve_device_idle_seconds"
 METRIC_BUSY = "graphserve_device_busy_seconds"
 SERVER_COUNTERS = (METRIC_IDLE, METRIC_BUSY, "graphserve_decode_rounds", "graphserve_decode_rounds_ahead",
                    "graphserve_prefill_steps", "graphserve_num_preemptions", "graphserve_generation_tokens",
                    "graphserve_prompt_tokens", "graphserve_cuda_graph_replays", "graphserve_eager_decode_rounds",
-                   "graphserve_prefix_cache_queries", "graphserve_prefix_cache_hits")
+                   "graphserve_prefix_cache_queries", "graphserve_prefix_cache_hits", *TTFT_METRICS)
 
 
 # ---- one client process --------------------------------------------------------------------------------------
@@ -351,6 +352,7 @@ def summarize(results, before, after, concurrency, procs, poisson_rate, num_requ
     if before is not None and after is not None:
         server = {k: after[k] - before.get(k, 0.0) for k in after}
     row["server_counters"] = server
+    row.update(ttft_means(server or {}))
     idle = server.get(METRIC_IDLE) if server else None
     busy = server.get(METRIC_BUSY) if server else None
     row["gpu_idle_s"], row["gpu_busy_s"] = idle, busy
@@ -549,7 +551,12 @@ def main() -> int:
                                        "benchmark_serving); an event may carry several tokens",
                                    client_cpu_fraction="CPU seconds of each client process / level wall time",
                                    gpu_idle_ratio="delta idle / (delta idle + delta busy) of the server's "
-                                                  "graphserve_device_{idle,busy}_seconds_total"),
+                                                  "graphserve_device_{idle,busy}_seconds_total",
+                                   server_ttft_mean_s="the server's own mean TTFT (from the request parsed) and "
+                                                      "its parts, which add up to it: server_queue_time_mean_s "
+                                                      "(to the prefill step that takes it), "
+                                                      "server_prefill_time_mean_s, server_first_token_return_mean_s "
+                                                      "(from the engine's host back to the front end)"),
                   offline_output_tok_s=offline, doubling_check=doubling, levels=levels, skipped_levels=skipped,
                   **report)
     write_json(out_dir / f"{stem}.json", report)

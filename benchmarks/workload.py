@@ -131,6 +131,24 @@ def provenance(benchmark: str) -> dict:
     return info
 
 
+# the server's time to first token and its three parts (server/metrics.py): histogram sums and counts
+TTFT_METRICS = tuple(f"graphserve_{name}_seconds_{stat}" for name in (
+    "time_to_first_token", "request_queue_time", "request_prefill_time", "request_first_token_return")
+    for stat in ("sum", "count"))
+
+
+def ttft_means(delta: dict[str, float]) -> dict[str, float | None]:
+    """From the deltas of TTFT_METRICS over a run: the server-side mean TTFT and of each part
+    (server_ttft_mean_s, server_queue_time_mean_s, server_prefill_time_mean_s,
+    server_first_token_return_mean_s)."""
+    means = {}
+    for metric, key in (("time_to_first_token", "ttft"), ("request_queue_time", "queue_time"),
+                        ("request_prefill_time", "prefill_time"), ("request_first_token_return", "first_token_return")):
+        count = delta.get(f"graphserve_{metric}_seconds_count", 0.0)
+        means[f"server_{key}_mean_s"] = delta.get(f"graphserve_{metric}_seconds_sum", 0.0) / count if count else None
+    return means
+
+
 def write_json(path: Path | str, result: dict) -> None:
     """measure.write_json where it imports (it needs torch), else the same by hand."""
     try:
