@@ -215,8 +215,9 @@ def run_server(args, model: str | None, caching: bool, extra: list[str], work) -
              *([] if caching else ["--no-prefix-caching"])]
     with ServerProcess(serve) as server:
         server.wait_ready(args.server_timeout)
-        warm = [dict(id=-1, prompt=[7, 8, 9, 10], new=[])] * 2
-        run_chains(server.url, warm, 2, 4, 1)
+        # 16 connections: every front end (4 by default) most likely gets some of the warm-up
+        warm = [dict(id=-1, prompt=[7, 8, 9, 10], new=[])] * 16
+        run_chains(server.url, warm, 16, 4, 1)
         before = settled_scrape(server.url)
         records, wall = within(args.work_timeout, lambda: work(server.url), server, Path(args.out))
         after = settled_scrape(server.url)

@@ -396,9 +396,14 @@ class EngineCore:
 
     def _serve_while_waiting(self, prev: RoundHandle, outputs: list[CoreOutput]) -> list[CoreOutput]:
         """While `prev` runs: hand the step's outputs so far to on_wait (sent, and the messages
-        that arrived taken), and prefill newcomers at once where that prefill can overtake the
-        rounds on the device. A newcomer's first token then waits neither for the rest of this
-        round nor for the round queued behind it. Returns the outputs not handed over."""
+        that arrived taken), and with EngineConfig.prefill_ahead prefill newcomers at once where
+        that prefill can overtake the rounds on the device. A newcomer's first token then waits
+        neither for the rest of this round nor for the round queued behind it. Returns the
+        outputs not handed over."""
+        if not self.config.prefill_ahead:
+            # the prefill's first tokens go out now, not after the round is collected and processed
+            self.on_wait(outputs)
+            return []
         stuck = False  # newcomers were admitted whose prefill cannot overtake: the next step runs it
         while not self.graphs.is_done(prev):
             self.on_wait(outputs)

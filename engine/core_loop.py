@@ -66,7 +66,7 @@ class CoreLoop:
         core = self.core
         core.structured.compiler.warm()
         # the ranks of tensor parallelism take messages only between steps
-        if core.config.prefill_ahead and not self.workers:
+        if not self.workers:
             core.on_wait = self._while_waiting
         try:
             while not self._stopping:

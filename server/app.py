@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
@@ -64,6 +65,9 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # anyio imports its asyncio backend on first use (~40-50 ms), which would otherwise
+        # land on this front end's first streamed response
+        await anyio.sleep(0)
         supervisor = asyncio.create_task(_run_engine(state, on_ready, on_engine_failure))
         try:
             yield

@@ -10,8 +10,10 @@ from server.errors import APIError
 from server.state import get_state
 
 
-def require_api_key(request: Request) -> None:
-    """FastAPI dependency: 401 unless `Authorization: Bearer <api key>` matches."""
+async def require_api_key(request: Request) -> None:
+    """FastAPI dependency: 401 unless `Authorization: Bearer <api key>` matches. Async, so
+    FastAPI runs it on the event loop: a plain `def` dependency costs every request a hop
+    to anyio's thread pool."""
     expected = get_state(request).api_key
     if not expected:
         return

@@ -110,8 +110,11 @@ async def create_completion(request: Request) -> Response:
     )
     if params.grammar is not None:  # a 400 for a grammar that fails or takes too long to compile
         await engine.check_grammar(params.grammar)
-    # tokenizing is O(body size): off the event loop, so other clients keep being served
-    fitted = await asyncio.to_thread(fit_max_tokens, body, prompts, tokenizer, engine.max_model_len)
+    if any(isinstance(prompt, str) for prompt in prompts):
+        # tokenizing is O(body size): off the event loop, so other clients keep being served
+        fitted = await asyncio.to_thread(fit_max_tokens, body, prompts, tokenizer, engine.max_model_len)
+    else:  # token ids: nothing to tokenize, and a thread hop costs a busy server milliseconds
+        fitted = fit_max_tokens(body, prompts, tokenizer, engine.max_model_len)
     jobs = [
         ChoiceJob(index=p * body.n + c, prompt=ids, params=for_choice(params, c, max_tokens=limit))
         for p, (ids, limit) in enumerate(fitted)

@@ -249,18 +249,19 @@ def test_prefills_overtaking_rounds_on_cuda_give_the_tokens_of_the_same_schedule
         assert any(ahead and in_wait for _, ahead, in_wait in decisions)
 
 
-def test_newcomers_are_prefilled_while_the_core_waits_for_a_round(model_dir):
+@pytest.mark.parametrize("prefill_ahead", [True, False])
+def test_newcomers_are_prefilled_while_the_core_waits_for_a_round(model_dir, prefill_ahead):
     """EngineCore._serve_while_waiting (CPU: the round is made to look unfinished a few
-    times): outputs made so far go to on_wait, requests arriving there are admitted and
-    prefilled before the round is collected, and every request's tokens are an eager
-    engine's."""
+    times): outputs made so far, first tokens included, go to on_wait before the round is
+    collected; requests arriving there are admitted (with prefill_ahead, prefilled at once);
+    and every request's tokens are an eager engine's."""
     from engine.cuda_graphs import GraphDecoder
 
     lengths = [9, 17, 30, 12, 21, 26, 5, 14]
     prompts = [PROMPTS[i % len(PROMPTS)][:20 + 4 * i] for i in range(len(lengths))]
     params = [SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=n, ignore_eos=True) for n in lengths]
     want = [o.token_ids for o in make_llm(model_dir, graphs=0).generate(prompts, params)]
-    core = make_llm(model_dir, graphs=64, decode_chunk=4, max_num_seqs=4, prefill_ahead=True).engine.core
+    core = make_llm(model_dir, graphs=64, decode_chunk=4, max_num_seqs=4, prefill_ahead=prefill_ahead).engine.core
     core.graphs = GraphDecoder(core.runner, max_batch=4, max_steps=4, table_width=-(-core.max_model_len // BS),
                                use_cuda_graphs=False)
     core.graphs.capture(progress=False)
