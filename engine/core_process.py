@@ -9,6 +9,7 @@ each of which dies with it; it dies as soon as one of them has."""
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import multiprocessing
 import os
@@ -40,6 +41,16 @@ def dump_stacks_on_sigusr1() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
+def freeze_startup_objects() -> None:
+    """Once start-up is done: collect, then take every object alive now out of the garbage
+    collector's sight (gc.freeze). A loaded model, captured CUDA graphs and compiled kernels are
+    hundreds of thousands of objects that live as long as the process; otherwise each full
+    collection walks them all (0.14-0.16 s for the CPU engine on a CI machine) while every
+    request in flight waits."""
+    gc.collect()
+    gc.freeze()
+
+
 def new_core_address() -> str:
     return f"ipc://{tempfile.mkdtemp(prefix='graphserve-')}/core"
 
@@ -64,6 +75,7 @@ def run_core(config: EngineConfig, address: str, parent_pid: int, log_level: int
     except BaseException:
         logger.exception("the engine core failed to start")
         os._exit(1)
+    freeze_startup_objects()
     try:
         CoreLoop(core, socket, workers).run()
     except BaseException:

@@ -21,7 +21,7 @@ logger = logging.getLogger("graphserve.engine")
 
 def run_worker(config: EngineConfig, rank: int, init_method: str, parent_pid: int, log_level: int) -> None:
     """The process's entry point."""
-    from engine.core_process import die_with_parent, dump_stacks_on_sigusr1
+    from engine.core_process import die_with_parent, dump_stacks_on_sigusr1, freeze_startup_objects
 
     die_with_parent(parent_pid)
     dump_stacks_on_sigusr1()
@@ -34,6 +34,7 @@ def run_worker(config: EngineConfig, rank: int, init_method: str, parent_pid: in
 
     try:
         core = EngineCore(config, rank, init_method)
+        freeze_startup_objects()
         while True:
             inputs = decode_step_inputs(core.tp.broadcast_bytes(None))
             if inputs.stop:
