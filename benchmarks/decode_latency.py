@@ -170,6 +170,9 @@ def main() -> None:
                         help="the engine's share of GPU memory (0.9 for a model that fills most of it)")
     parser.add_argument("--fp8-weight-only-max-rows", type=int, default=None,
                         help="override engine/models/fp8.py's FP8_WEIGHT_ONLY_MAX_ROWS (0: W8A8 from 2 rows; A/B)")
+    parser.add_argument("--fp8-gemv-max-rows", type=int, default=None,
+                        help="override engine/models/layers.py's FP8_GEMV_MAX_ROWS (0: batch 1 goes W8A8 through "
+                             "the norm's quantization and the skinny GEMM instead of the GEMV; A/B)")
     parser.add_argument("--fp8-norm-quant", choices=["on", "off"], default="on",
                         help="the RMSNorm before an FP8 projection quantizes its input (off: a separate kernel; A/B)")
     parser.add_argument("--attention-min-split-tokens", type=int, default=None,
@@ -186,6 +189,8 @@ def main() -> None:
 
     _common.PDL = args.pdl == "on"
     layers.FP8_NORM_QUANT = args.fp8_norm_quant == "on"
+    if args.fp8_gemv_max_rows is not None:
+        layers.FP8_GEMV_MAX_ROWS = args.fp8_gemv_max_rows
     if args.fp8_weight_only_max_rows is not None:
         fp8.FP8_WEIGHT_ONLY_MAX_ROWS = args.fp8_weight_only_max_rows
     if args.attention_min_split_tokens is not None:
