@@ -47,7 +47,7 @@ from workload import TTFT_METRICS, provenance, resolve_model, vocabulary, ttft_m
 METRICS = ("graphserve_prefix_cache_queries", "graphserve_prefix_cache_hits", "graphserve_prompt_tokens",
            "graphserve_generation_tokens", "graphserve_prefill_steps", "graphserve_decode_rounds",
            "graphserve_decode_rounds_ahead", "graphserve_prefill_graph_steps", "graphserve_prefill_steps_ahead",
-           *TTFT_METRICS)
+           "graphserve_core_gc_full_collections", "graphserve_core_gc_full_collection_seconds", *TTFT_METRICS)
 
 
 def percentile(values: list[float], q: int) -> float | None:

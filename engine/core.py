@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine import gc_stats
 from engine.config import EngineConfig
 from engine.core_messages import CoreOutput
 from engine.cuda_graphs import GraphDecoder, RoundHandle, eager_reason
@@ -559,6 +560,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         """A snapshot; safe to call from another thread."""
         self.timeline.poll()
+        gc_collections, gc_seconds = gc_stats.totals()
         # the counter dicts are replaced, never mutated, so sharing them is safe
         return dataclasses.replace(self.stats_counters, num_running=len(self.scheduler.running),
                                    num_waiting=len(self.scheduler.waiting),
@@ -571,4 +573,5 @@ class EngineCore:
                                    prefill_graph_steps=self.runner.num_graph_prefills,
                                    prefill_steps_ahead=self.runner.num_overtaking_prefills,
                                    device_busy_seconds=self.timeline.busy_seconds,
-                                   device_idle_seconds=self.timeline.idle_seconds)
+                                   device_idle_seconds=self.timeline.idle_seconds,
+                                   gc_full_collections=gc_collections, gc_full_collection_seconds=gc_seconds)

@@ -18,6 +18,7 @@ import sys
 import tempfile
 from multiprocessing.process import BaseProcess
 
+from engine import gc_stats
 from engine.config import EngineConfig
 
 logger = logging.getLogger("graphserve.engine")
@@ -60,6 +61,7 @@ def run_core(config: EngineConfig, address: str, parent_pid: int, log_level: int
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which stops us in order
     dump_stacks_on_sigusr1()
+    gc_stats.watch()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s",
                         datefmt="%H:%M:%S")
     import zmq

@@ -27,3 +27,5 @@ class EngineStats:
     eager_rounds: dict[str, int] = field(default_factory=dict)  # reason -> decode rounds run eagerly
     device_busy_seconds: float = 0.0  # the device ran a batch or round
     device_idle_seconds: float = 0.0  # requests were running, but the device waited for the host
+    gc_full_collections: int = 0  # the core process's full garbage collections (engine/gc_stats.py)
+    gc_full_collection_seconds: float = 0.0  # the time they took, the core's loop stopped

@@ -203,6 +203,16 @@ class EngineStatsCollector(Collector):
             "Time the device waited for the host between batches while requests were running.",
             stats.device_idle_seconds,
         )
+        yield CounterMetricFamily(
+            f"{PREFIX}_core_gc_full_collections",
+            "Full garbage collections in the engine-core process (each stops its loop).",
+            stats.gc_full_collections,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_core_gc_full_collection_seconds",
+            "Time the engine-core process spent in full garbage collections.",
+            stats.gc_full_collection_seconds,
+        )
         replays = CounterMetricFamily(
             f"{PREFIX}_cuda_graph_replays",
             "Decode steps replayed from a CUDA graph, by batch bucket.",

@@ -637,6 +637,15 @@ def test_time_to_first_token_splits_into_queue_prefill_and_return_time(one_front
     assert queue > 0.8 * min(latencies), (queue, sorted(latencies))
 
 
+def test_metrics_count_the_core_processes_full_garbage_collections(one_frontend: Served) -> None:
+    """A full collection stops the core's loop and every request in flight with it, so /metrics
+    reports the core process's (engine/gc_stats.py): at least the one freeze_startup_objects ran
+    once the model was loaded."""
+    values = metrics(one_frontend.url)
+    assert values["graphserve_core_gc_full_collections_total"] >= 1
+    assert values["graphserve_core_gc_full_collection_seconds_total"] > 0
+
+
 def test_a_full_collection_after_start_up_skips_the_start_up_objects():
     """engine/core_process.freeze_startup_objects (the core, each front end and each tensor-
     parallel rank call it once started): the objects alive then are out of the garbage
