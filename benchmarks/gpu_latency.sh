@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only|fp8-norm-ab
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only|fp8-norm-ab|merge-check|fp8-8b
 set -u
 PART=${1:-tests}
 . benchmarks/gpu_env.sh
@@ -107,5 +107,26 @@ split-ab)  # graph vs eager on the GPU, then decode at batch 1 and 8 with the at
       --skip-transformers --max-num-seqs 8 --load-format dummy --attention-min-split-tokens $s \
       --out "$OUT/decode_8b_split$s.json" 2>&1 | grep -E " graphs"
   done
+  ;;
+merge-check)  # the in-kernel split merge and the compile-free serving: GPU tests, then 0.5B decode A/B (2x interleaved)
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py \
+    tests/test_gpu_engine.py -k "decode_attention or ((compiles or graph_path) and qwen)" > "$OUT/gpu_tests.log" 2>&1
+  tail -3 "$OUT/gpu_tests.log"
+  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
+  for run in in-kernel-1 second-kernel-1 in-kernel-2 second-kernel-2; do
+    timeout 60 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --attention-merge ${run%-*} --out "$OUT/decode_qwen_merge_$run.json" 2>&1 \
+      | grep -E " graphs"
+  done
+  ;;
+fp8-8b)  # Llama-3.1-8B: the FP8 gate_up through W8A8 at batch 1 (A/B, interleaved), bf16 for reference
+  for run in w8a8-1 gemv-1 w8a8-2 gemv-2; do
+    timeout 100 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 \
+      --fp8-gate-up-gemv-max-rows $([ ${run%-*} = gemv ] && echo 1 || echo 0) \
+      --out "$OUT/decode_8b_fp8_gate_up_$run.json" 2>&1 | grep -E " graphs"
+  done
+  timeout 100 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 64 --chunks 8 --no-eager \
+    --skip-transformers --max-num-seqs 64 --load-format dummy --out "$OUT/decode_8b_bf16.json" 2>&1 | grep -E " graphs"
   ;;
 esac

@@ -142,6 +142,8 @@ class EngineCore:
                     self.model, self.kv_caches, config.block_size, config.cuda_graph_max_prefill_tokens,
                     min(config.max_num_seqs, PREFILL_GRAPH_MAX_SEQS), table_width, self.device)
                 self.runner.prefill_graphs.capture()
+        if self.device.type == "cuda":
+            self.runner.warm_up_eager_prefill()
         self.sequences: dict[str, Sequence] = {}
         self.stats_counters = EngineStats(kv_blocks_total=self.block_manager.num_usable_blocks)
         self.timeline = DeviceTimeline(self.device)

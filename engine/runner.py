@@ -171,6 +171,29 @@ class ModelRunner:
                                                         [top_lps[i]] if top_lps else None)
         return results
 
+    @torch.inference_mode()
+    def warm_up_eager_prefill(self) -> None:
+        """Run the eager prefill path and the greedy sampler once on dummy tokens, so that Triton
+        compiles their kernels at start-up and not during the first requests (measured on an H200:
+        ~0.45 s added to the first requests' time to first token). Two sequences of 129 and 7 tokens,
+        written only into the dummy block."""
+        from kernels.sampling import greedy_sample
+
+        lens = np.minimum([129, 7], self.model.cos_sin.shape[0]).astype(np.int64)  # within the rotary table
+        positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
+        cu = np.zeros(len(lens) + 1, dtype=np.int32)
+        cu[1:] = np.cumsum(lens)
+        width = -(-int(lens.max()) // self.block_size)
+        inputs = PrefillInputs(np.zeros(len(positions), dtype=np.int64), positions,
+                               DUMMY_BLOCK * self.block_size + positions % self.block_size, lens,
+                               lens.astype(np.int32), cu, np.full((len(lens), width), DUMMY_BLOCK, dtype=np.int32))
+        hidden = self._prefill_forward(inputs)
+        logits = self.model.compute_logits(hidden[self._tensor(inputs.last_rows, torch.int64)])
+        greedy_sample(logits)
+        allowed = torch.full((len(lens), -(-logits.shape[1] // 32)), -1, dtype=torch.int32, device=self.device)
+        greedy_sample(logits, allowed)  # the variant of rows under a grammar
+        torch.cuda.synchronize(self.device)
+
     def _prefill_forward(self, inputs: PrefillInputs) -> torch.Tensor:
         """The eager forward pass of a packed prefill batch: hidden states [T, D]."""
         dev = self.device

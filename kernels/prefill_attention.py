@@ -24,7 +24,11 @@ from kernels._common import attention_output, check_kv_cache, dot_precision
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# The tile count and the block table's width change with every batch's lengths. Specialised (Triton
+# compiles a variant per integer argument that is 1 or a multiple of 16), each first batch whose
+# table was 16 or 32 blocks wide compiled the kernel while serving: every request of a multi-turn
+# benchmark's fourth turn waited ~0.4 s for it (H200, benchmarks/jit_probe.py).
+@triton.jit(do_not_specialize=["num_tiles", "stride_bt"])
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
     tiles_ptr, num_tiles,

@@ -38,7 +38,7 @@ def test_teacher_forced_logits_match_transformers(model_path):
 
     dev = torch.device("cuda")
     prompt_len, steps, bs = 64, 64, 16
-    ours = load_model(model_path, torch.bfloat16, dev, TritonAttention(bs), 1024)
+    ours = load_model(model_path, torch.bfloat16, dev, TritonAttention(bs, dev), 1024)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 30000, (prompt_len + steps,), generator=gen).to(dev)
     ours_logits = teacher_forced_logits(ours, ids, prompt_len, bs)
@@ -78,6 +78,46 @@ def llm(model_path):
     yield llm
     del llm
     _free()
+
+
+def _compiled_kernel_variants() -> dict[str, int]:
+    """Per Triton kernel in kernels/, how many variants this process has compiled."""
+    import importlib
+    import pkgutil
+
+    import kernels
+    from triton.runtime.jit import JITFunction
+
+    counts = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"kernels.{info.name}")
+        for name, fn in vars(module).items():
+            if isinstance(fn, JITFunction):
+                counts[f"{info.name}.{name}"] = sum(len(cache[0]) for cache in fn.device_caches.values())
+    return counts
+
+
+def test_serving_compiles_no_kernels_after_start_up(llm):
+    """Every kernel a request needs is compiled while the engine starts: prompts whose block tables
+    are 1, 15-17 and 31-32 blocks wide, prefilled through the graphs and eagerly (prompt logprobs),
+    alone and together, then decoded greedily, sampled and with logprobs, compile nothing. (Runs
+    first on its engine: the tests after it would compile what it checks for.) Before, the eager
+    prefill's first table 16 or 32 blocks wide compiled the attention kernel while serving."""
+    from engine import SamplingParams
+
+    before = _compiled_kernel_variants()
+    gen = torch.Generator().manual_seed(0)
+    lengths = [5, 240, 256, 257, 300, 496, 497]
+    prompts = [torch.randint(100, 30000, (n,), generator=gen).tolist() for n in lengths]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for params in (greedy, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=1)):
+        for prompt in prompts:
+            llm.generate([prompt], params)
+        llm.generate(prompts, params)
+    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True))
+    llm.generate(prompts[:3], SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True))
+    after = _compiled_kernel_variants()
+    assert after == before, {name: (before.get(name), n) for name, n in after.items() if before.get(name) != n}
 
 
 @pytest.mark.parametrize("batch", [1, 3, 17, 64])

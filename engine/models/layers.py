@@ -26,6 +26,11 @@ from engine.models.fp8 import FP8, fp8_gemm, fp8_linear, quantize_per_channel, q
 GEMV_MAX_ROWS = 1
 # FP8 weights: the GEMV dequantizes in registers (weight-only); more rows go W8A8 (engine/models/fp8.py).
 FP8_GEMV_MAX_ROWS = 1
+# ... except the fused [gate; up] projection, which goes W8A8 from one row on (this many rows and fewer
+# take the GEMV): on an H200 the skinny GEMM takes Llama-3.1-8B's gate_up at one row in 33.1 us (83% of
+# copy bandwidth), the GEMV in 45.1 (61%), where the GEMV wins on qkv, o and down
+# (benchmarks/results/skinny_gemm_bench-fp8-sweep-*, gemv_bench-fp8-sweep-pdl-*).
+FP8_GATE_UP_GEMV_MAX_ROWS = 0
 # From 2 to this many rows, a bf16/fp16 projection that no kernel above takes runs as
 # kernels/skinny_gemm.py (with the SiLU-and-mul fused into gate_up) instead of cuBLAS; engine/models/fp8.py
 # decides the same for FP8. H200, Llama-3.1-8B at 8 rows: 110.5 vs 115.1 us for the four
@@ -41,14 +46,18 @@ def _triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return _triton(x) and x.shape[0] <= (FP8_GEMV_MAX_ROWS if weight.dtype == FP8 else GEMV_MAX_ROWS)
+def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
+    if weight.dtype == FP8:
+        max_rows = FP8_GATE_UP_GEMV_MAX_ROWS if silu_mul else FP8_GEMV_MAX_ROWS
+    else:
+        max_rows = GEMV_MAX_ROWS
+    return _triton(x) and x.shape[0] <= max_rows
 
 
-def _fused_projection(x: torch.Tensor, weight: torch.Tensor):
+def _fused_projection(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False):
     """The Triton kernel that runs this projection with its neighbours fused in (kernels.gemv.gemv),
     or None (the skinny GEMM, cuBLAS or W8A8, and separate kernels)."""
-    if _gemv_applies(x, weight):
+    if _gemv_applies(x, weight, silu_mul):
         from kernels.gemv import gemv
 
         return gemv
@@ -73,7 +82,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     An FP8 weight comes with its per-output-channel `scale` (engine/models/fp8.py).
     lm_head: the vocabulary projection (cuBLAS, never the GEMV). silu_mul: weight is a fused
     [gate; up] and the result silu(gate) * up, fused into the projection where its kernel can."""
-    kernel = None if lm_head else _fused_projection(x, weight)
+    kernel = None if lm_head else _fused_projection(x, weight, silu_mul)
     if kernel is not None:
         return kernel(x, weight, bias, out_dtype=out_dtype, weight_scale=scale, silu_mul=silu_mul)[0]
     if weight.dtype == FP8:
@@ -125,7 +134,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     """A decoder sub-block's input side: h = rmsnorm(x + residual) * norm_weight (rmsnorm(x) when
     residual is None), y = proj(h), then silu(gate) * up when silu_mul. Returns (y, x + residual).
     Decode-sized batches on CUDA do all of it in one kernel."""
-    kernel = _fused_projection(x, proj.weight)
+    kernel = _fused_projection(x, proj.weight, silu_mul)
     if kernel is not None:
         y, new_residual = kernel(x, proj.weight, proj.bias, norm_weight=norm_weight, residual=residual, eps=eps,
                                  silu_mul=silu_mul, weight_scale=proj.weight_scale)
