@@ -176,8 +176,9 @@ def main() -> None:
     parser.add_argument("--fp8-gate-up-gemv-max-rows", type=int, default=None,
                         help="override engine/models/layers.py's FP8_GATE_UP_GEMV_MAX_ROWS (1: batch 1's gate_up takes "
                              "the GEMV, as the other projections do; A/B)")
-    parser.add_argument("--attention-merge", choices=["in-kernel", "second-kernel"], default="in-kernel",
-                        help="where decode attention merges its splits (kernels/decode_attention.py MERGE_IN_KERNEL; A/B)")
+    parser.add_argument("--skinny-gemm-max-rows", type=int, default=None,
+                        help="override engine/models/layers.py's SKINNY_GEMM_MAX_ROWS (bf16 rows that take the skinny "
+                             "GEMM instead of cuBLAS; A/B)")
     parser.add_argument("--fp8-norm-quant", choices=["on", "off"], default="on",
                         help="the RMSNorm before an FP8 projection quantizes its input (off: a separate kernel; A/B)")
     parser.add_argument("--attention-min-split-tokens", type=int, default=None,
@@ -196,14 +197,15 @@ def main() -> None:
     layers.FP8_NORM_QUANT = args.fp8_norm_quant == "on"
     if args.fp8_gemv_max_rows is not None:
         layers.FP8_GEMV_MAX_ROWS = args.fp8_gemv_max_rows
+    if args.skinny_gemm_max_rows is not None:
+        layers.SKINNY_GEMM_MAX_ROWS = args.skinny_gemm_max_rows
     if args.fp8_gate_up_gemv_max_rows is not None:
         layers.FP8_GATE_UP_GEMV_MAX_ROWS = args.fp8_gate_up_gemv_max_rows
-    from kernels import decode_attention
-
-    decode_attention.MERGE_IN_KERNEL = args.attention_merge == "in-kernel"
     if args.fp8_weight_only_max_rows is not None:
         fp8.FP8_WEIGHT_ONLY_MAX_ROWS = args.fp8_weight_only_max_rows
     if args.attention_min_split_tokens is not None:
+        from kernels import decode_attention
+
         decode_attention._MIN_TOKENS_PER_SPLIT = args.attention_min_split_tokens
 
     cuda = args.device != "cpu"

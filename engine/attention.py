@@ -130,18 +130,15 @@ class TorchAttention:
 class TritonAttention:
     """CUDA backend: fused rotary + KV store, paged prefill and paged (split-K) decode kernels."""
 
-    def __init__(self, block_size: int, device: torch.device):
+    def __init__(self, block_size: int):
         from kernels import (
             paged_decode_attention,
             paged_prefill_attention,
             rope_and_store_kv,
         )
-        from kernels.decode_attention import new_split_counters
 
         self.block_size = block_size
         self._rope_store, self._prefill, self._decode = rope_and_store_kv, paged_prefill_attention, paged_decode_attention
-        # the decode kernel's split merge (every layer's call on the engine's stream shares them)
-        self.split_counters = new_split_counters(device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -150,15 +147,13 @@ class TritonAttention:
         if meta.is_prefill:
             return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                                  meta.max_seqlen_q, scale, tiles=meta.attention_tiles)
-        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                            split_counters=self.split_counters)
+        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 
     def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float) -> torch.Tensor:
         """Decode attention of rotated q over a cache that already holds this step's K/V."""
-        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                            split_counters=self.split_counters)
+        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 
 
 def make_attention_backend(device: torch.device, block_size: int) -> TorchAttention | TritonAttention:
-    return TritonAttention(block_size, device) if device.type == "cuda" else TorchAttention(block_size)
+    return TritonAttention(block_size) if device.type == "cuda" else TorchAttention(block_size)

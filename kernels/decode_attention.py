@@ -3,11 +3,8 @@
 GQA: one program handles every query head of one KV head (the group is packed into the rows of
 the tile), so each KV tile is read once per group. Split-K (flash-decoding): when there are too
 few (sequence, KV head) pairs to fill the GPU, each sequence's KV range is cut into `num_splits`
-parts computed in parallel; each writes a partial (max, sum, unnormalised acc), and the last
-split of a (sequence, KV head) to finish merges them: each split counts itself in on an atomic
-counter after its partial is written, and the one that completes the count reads every partial
-and writes the output (then zeroes the counter for the next call). Without counters a second
-kernel merges. All launch parameters depend on shapes only, so the wrapper is CUDA-graph
+parts computed in parallel; each writes a partial (max, sum, unnormalised acc) and a second
+kernel merges them. All launch parameters depend on shapes only, so the wrapper is CUDA-graph
 capturable.
 """
 
@@ -32,15 +29,12 @@ _LOG2E = 1.4426950408889634
 _PROGRAMS_PER_SM = 4
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 64
-# With split counters, the attention kernel merges its splits itself: one kernel launch per call
-# instead of two. Benchmarks set False to A/B (the second kernel merges).
-MERGE_IN_KERNEL = True
 
 
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counters_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     scale_log2,
     stride_qb, stride_qh,
     stride_cb, stride_ct,  # cache strides of a block and of a token (same for k and v)
@@ -54,12 +48,9 @@ def _decode_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,
-    MERGE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """MERGE (with WRITE_PARTIAL): the last split to finish merges the partials; splits past the
-    sequence's end do nothing."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // NUM_KV_HEADS
@@ -72,55 +63,25 @@ def _decode_attention_kernel(
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
     g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g
+
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)
 
     num_tiles = tl.cdiv(ctx, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     t_start = split * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, num_tiles)
-    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    # partials are [B, Hq, num_splits] (m, l) and [B, Hq, num_splits, HEAD_DIM] (acc), fp32
-    part = (b.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * num_splits
+    head_off = kvh * HEAD_DIM
 
-    if MERGE:
-        active = tl.cdiv(num_tiles, tiles_per_split)  # splits holding at least one tile
-        if split < active:
-            m_i, l_i, acc = _attend_tiles(q_rows, k_cache_ptr, v_cache_ptr, bt_row, ctx, t_start, t_end,
-                                          scale_log2, stride_cb, stride_ct, kvh * HEAD_DIM, g_mask, GROUP_PAD,
-                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PREC)
-            _store_partial(part + split, m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, g_mask, HEAD_DIM)
-            tl.debug_barrier()  # every thread's partial is written before the count is released
-            arrived = tl.atomic_add(counters_ptr + pid, 1, sem="acq_rel")
-            if arrived == active - 1:
-                _merge_partials(part, active, part_m_ptr, part_l_ptr, part_acc_ptr,
-                                out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                                g_mask, GROUP_PAD, HEAD_DIM)
-                tl.store(counters_ptr + pid, 0)
-    else:
-        m_i, l_i, acc = _attend_tiles(q_rows, k_cache_ptr, v_cache_ptr, bt_row, ctx, t_start, t_end,
-                                      scale_log2, stride_cb, stride_ct, kvh * HEAD_DIM, g_mask, GROUP_PAD,
-                                      HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PREC)
-        if WRITE_PARTIAL:
-            _store_partial(part + split, m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, g_mask, HEAD_DIM)
-        else:
-            out = acc / l_i[:, None]
-            o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-
-
-@triton.jit
-def _attend_tiles(q_rows, k_cache_ptr, v_cache_ptr, bt_row, ctx, t_start, t_end, scale_log2, stride_cb, stride_ct,
-                  head_off, g_mask, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Online softmax of the group's queries over KV tiles [t_start, t_end): (max, sum, unnormalised acc)."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    q = tl.load(q_rows, mask=g_mask[:, None], other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+
     # Every tile in [t_start, t_end) holds at least one valid token, so no row of s is all -inf.
     for t in range(t_start, t_end):
         tok = t * BLOCK_N + offs_n
@@ -138,38 +99,17 @@ def _attend_tiles(q_rows, k_cache_ptr, v_cache_ptr, bt_row, ctx, t_start, t_end,
         v = tl.load(v_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
-    return m_i, l_i, acc
 
-
-@triton.jit
-def _store_partial(part, m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, g_mask, HEAD_DIM: tl.constexpr):
-    offs_d = tl.arange(0, HEAD_DIM)
-    tl.store(part_m_ptr + part, m_i, mask=g_mask)
-    tl.store(part_l_ptr + part, l_i, mask=g_mask)
-    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
-
-
-@triton.jit
-def _merge_partials(part, num_parts, part_m_ptr, part_l_ptr, part_acc_ptr, o_ptrs, g_mask,
-                    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The group's output from its first num_parts partials (read past L1: other SMs wrote them)."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    m_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    for s in range(0, num_parts):
-        m_max = tl.maximum(m_max, tl.load(part_m_ptr + part + s, mask=g_mask, other=float("-inf"),
-                                          cache_modifier=".cg"))
-    num = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    den = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    for s in range(0, num_parts):
-        m = tl.load(part_m_ptr + part + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(part_l_ptr + part + s, mask=g_mask, other=0.0, cache_modifier=".cg")
-        w = tl.where(l > 0, tl.exp2(m - m_max), 0.0)  # padded rows of the group: weight 0, no NaN
-        acc = tl.load(part_acc_ptr + (part + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None],
-                      other=0.0, cache_modifier=".cg")
-        num += acc * w[:, None]
-        den += l * w
-    out = num / tl.where(den > 0, den, 1.0)[:, None]
-    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=g_mask[:, None])
+    if WRITE_PARTIAL:
+        # partials are [B, Hq, num_splits] (m, l) and [B, Hq, num_splits, HEAD_DIM] (acc), fp32
+        part = (b.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split
+        tl.store(part_m_ptr + part, m_i, mask=g_mask)
+        tl.store(part_l_ptr + part, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+    else:
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 @triton.jit
@@ -248,14 +188,6 @@ def pick_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: in
     return max(1, min(want, cap, _MAX_SPLITS))
 
 
-def new_split_counters(device: torch.device) -> torch.Tensor:
-    """The counters paged_decode_attention's in-kernel merge needs on `device`: zeros, one per
-    (sequence, KV head) of any launch that splits (pick_num_splits splits only below
-    _PROGRAMS_PER_SM / 2 (sequence, KV head) pairs per SM). Allocate them once, outside CUDA graph
-    capture, and pass them to every call on one stream: each call leaves them zero."""
-    return torch.zeros(_PROGRAMS_PER_SM * sm_count(device), dtype=torch.int32, device=device)
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -266,7 +198,6 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     tile: DecodeTile | None = None,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, Hq, D] over each sequence's first context_lens[b] cached tokens.
 
@@ -275,8 +206,6 @@ def paged_decode_attention(
     contiguous). Returns [B, Hq, D] in q's dtype, or writes `out` (same shape, last dim contiguous).
     num_splits=None picks the split count from (B, Hkv, max_blocks * block_size) and the SM count.
     tile overrides the launch shape (benchmark sweeps); None uses default_decode_tile.
-    split_counters (new_split_counters): a split launch merges inside the attention kernel, where
-    they hold B * Hkv counters; without them a second kernel merges.
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
     batch, num_heads, _ = q.shape
@@ -297,12 +226,10 @@ def paged_decode_attention(
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
 
-    merge = (MERGE_IN_KERNEL and num_splits > 1 and split_counters is not None and split_counters.numel() >= batch * num_kv_heads
-             and split_counters.dtype == torch.int32 and split_counters.device == q.device)
     pdl = use_pdl(q.device)
     _decode_attention_kernel[(batch * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
-        out, part_m, part_l, part_acc, split_counters if merge else part_m,
+        out, part_m, part_l, part_acc,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
@@ -316,14 +243,13 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=tile.block_n,
         WRITE_PARTIAL=num_splits > 1,
-        MERGE=merge,
         DOT_PREC=dot_precision(q.dtype),
         PDL=pdl,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         launch_pdl=pdl,
     )
-    if num_splits > 1 and not merge:
+    if num_splits > 1:
         _decode_reduce_kernel[(batch * num_heads,)](
             part_m, part_l, part_acc, out,
             out.stride(0), out.stride(1),

@@ -38,7 +38,7 @@ def test_teacher_forced_logits_match_transformers(model_path):
 
     dev = torch.device("cuda")
     prompt_len, steps, bs = 64, 64, 16
-    ours = load_model(model_path, torch.bfloat16, dev, TritonAttention(bs, dev), 1024)
+    ours = load_model(model_path, torch.bfloat16, dev, TritonAttention(bs), 1024)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 30000, (prompt_len + steps,), generator=gen).to(dev)
     ours_logits = teacher_forced_logits(ours, ids, prompt_len, bs)

@@ -14,7 +14,6 @@ import triton.language as tl
 import torch.nn.functional as F
 from tensor_checks import rel_err
 
-from kernels.decode_attention import new_split_counters
 from kernels.prefill_attention import default_prefill_tile
 from kernels import (
     GemvTile,
@@ -127,25 +126,6 @@ def test_decode_attention_more_splits_than_tiles(num_splits):
     q, k_cache, v_cache, bt, cl = decode_case(gen, batch=2, ctx=(70, 5))
     out = paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=num_splits)
     assert rel_err(out, paged_decode_attention_ref(q, k_cache, v_cache, bt, cl, 0.125)) < TOL
-
-
-@pytest.mark.parametrize("num_splits,ctx", [(2, (1, 37, 70)), (3, (1, 37, 70)), (8, (70, 5, 16)), (20, (70, 5, 16))])
-def test_decode_attention_merges_in_kernel_with_split_counters(num_splits, ctx):
-    """With split counters the last split of each (sequence, KV head) to finish merges the
-    partials (no second kernel): the reference's output and the two-kernel merge's, splits past a
-    sequence's end (most of them at 8 and 20) left out, and the counters zero again for the next call."""
-    gen = torch.Generator().manual_seed(10 + num_splits)
-    q, k_cache, v_cache, bt, cl = decode_case(gen, ctx=ctx)
-    ref = paged_decode_attention_ref(q, k_cache, v_cache, bt, cl, 0.125)
-    counters = new_split_counters(torch.device("cpu"))
-    for _ in range(2):  # the second call counts from the zeros the first left
-        out = torch.full_like(q, float("nan"))
-        paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=num_splits, out=out,
-                               split_counters=counters)
-        assert rel_err(out, ref) < TOL
-        assert not counters.any()
-    two_kernels = paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=num_splits)
-    assert rel_err(out, two_kernels) < 1e-6
 
 
 def test_decode_attention_gqa8_head128_block32_strided_q():

@@ -74,7 +74,7 @@ def test_triton_path_matches_torch_path(monkeypatch, tmp_path, variant):
 
     path = make_tiny_model(tmp_path / variant, variant)
     torch_model = load_model(path, torch.float32, torch.device("cpu"), TorchAttention(16), 128)
-    triton_model = load_model(path, torch.float32, torch.device("cpu"), TritonAttention(16, torch.device("cpu")), 128)
+    triton_model = load_model(path, torch.float32, torch.device("cpu"), TritonAttention(16), 128)
     ids = torch.randint(3, 500, (21,), generator=torch.Generator().manual_seed(0))
     table = [4, 1]
     slot = lambda p: table[p // 16] * 16 + p % 16

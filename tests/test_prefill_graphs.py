@@ -310,7 +310,7 @@ def test_the_captured_forward_with_the_triton_backend_gives_the_eager_logits(mod
     from engine.models.loader import load_model
     from engine.runner import ModelRunner
 
-    model = load_model(str(model_dir), torch.float32, torch.device("cpu"), TritonAttention(BS, torch.device("cpu")), 512)
+    model = load_model(str(model_dir), torch.float32, torch.device("cpu"), TritonAttention(BS), 512)
     kv = allocate_kv_cache(model.kv_args, 64, BS, torch.float32, torch.device("cpu"))
     blocks = BlockManager(64, BS)
     runner = ModelRunner(model, kv, blocks, torch.device("cpu"), (2,))

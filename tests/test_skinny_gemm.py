@@ -175,7 +175,7 @@ def test_gpu_fp8_model_shapes(m, n, k, poisoned_outputs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [2, 8, 16, 64])
+@pytest.mark.parametrize("m", [2, 8, 16, 40, 64])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_gpu_bf16_model_shapes(m, n, k, poisoned_outputs):
     x, w, b = float_operands(m, n, k, torch.bfloat16, device="cuda", seed=m * k + n, bias=n == 1152)
@@ -238,7 +238,7 @@ def test_silu_mul_matches_the_unfused_path(m, n, k, tile, fp8, poisoned_outputs)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [2, 8, 16])
+@pytest.mark.parametrize("m", [2, 8, 16, 40, 64])
 @pytest.mark.parametrize("fp8", [False, True, "weight-only"])
 def test_gpu_silu_mul_model_shapes(m, fp8, poisoned_outputs):
     n, k = 28672, 4096  # Llama-3.1-8B gate_up

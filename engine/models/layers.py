@@ -34,10 +34,12 @@ FP8_GATE_UP_GEMV_MAX_ROWS = 0
 # From 2 to this many rows, a bf16/fp16 projection that no kernel above takes runs as
 # kernels/skinny_gemm.py (with the SiLU-and-mul fused into gate_up) instead of cuBLAS; engine/models/fp8.py
 # decides the same for FP8. H200, Llama-3.1-8B at 8 rows: 110.5 vs 115.1 us for the four
-# projections, and 1,744 vs 1,673 tok/s for the whole step (before the fused SiLU); from 32 rows
-# cuBLAS wins on gate_up (61.9 vs 69.6 us) and the 0.5B step at 64 (53,757 vs 51,743 tok/s)
-# (benchmarks/results/skinny_gemm_bench-*, decode_latency-*-skinny-ab-*).
-SKINNY_GEMM_MAX_ROWS = 16
+# projections, and 1,744 vs 1,673 tok/s for the whole step (before the fused SiLU). From 32 rows
+# cuBLAS wins on gate_up alone (61.9 vs 69.6 us), but with the SiLU fused (one kernel fewer a layer)
+# the whole step at 64 rows is faster through the skinny GEMM: 0.5B 54,957 / 55,817 vs 53,157 /
+# 53,422 tok/s, 8B 12,159 vs 11,804 (2026-12-02, decode_latency.py --skinny-gemm-max-rows 64 vs 16)
+# (benchmarks/results/skinny_gemm_bench-*, decode_latency-*-skinny-*).
+SKINNY_GEMM_MAX_ROWS = 64
 # the norm before an FP8 projection hands it its input quantized (kernels/rmsnorm.py rms_norm_fp8)
 FP8_NORM_QUANT = True
 
