@@ -164,6 +164,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/decode_latency.json"))
     parser.add_argument("--pdl", choices=["on", "off"], default="on",
                         help="programmatic dependent launch of the Triton kernels (kernels/_common.py)")
+    parser.add_argument("--pdl-elementwise", choices=["on", "off"], default=None,
+                        help="PDL for the kernels between the projections too (kernels/_common.py PDL_ELEMENTWISE; A/B)")
     parser.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
                         help="dummy: random weights made on the GPUs, no files (e.g. llama-3.1-70b over --tp 2)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
@@ -194,6 +196,8 @@ def main() -> None:
     from kernels import _common
 
     _common.PDL = args.pdl == "on"
+    if args.pdl_elementwise is not None:
+        _common.PDL_ELEMENTWISE = args.pdl_elementwise == "on"
     layers.FP8_NORM_QUANT = args.fp8_norm_quant == "on"
     if args.fp8_gemv_max_rows is not None:
         layers.FP8_GEMV_MAX_ROWS = args.fp8_gemv_max_rows

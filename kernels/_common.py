@@ -27,11 +27,17 @@ def sm_count(device: torch.device) -> int:
 # kernel before it finishes; it reads what does not depend on that kernel (its weights), then waits
 # (gdc_wait) before touching anything the kernel before wrote. Benchmarks set PDL = False to A/B.
 PDL = True
+# The kernels between the projections at 2 rows and more (RMSNorm, rotary + KV store, SiLU-and-mul,
+# FP8 row quantization; at one row the GEMV fuses them) launch with PDL too when this is set: they
+# wait for the kernel before them at their start. Off until measured on the GPU
+# (benchmarks/decode_latency.py --pdl-elementwise on A/Bs it).
+PDL_ELEMENTWISE = False
 
 
-def use_pdl(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with programmatic dependent launch (sm90+, not the interpreter)."""
-    if not PDL or device.type != "cuda":
+def use_pdl(device: torch.device, elementwise: bool = False) -> bool:
+    """Whether kernels on `device` launch with programmatic dependent launch (sm90+, not the
+    interpreter); elementwise: for the kernels PDL_ELEMENTWISE covers."""
+    if not PDL or device.type != "cuda" or (elementwise and not PDL_ELEMENTWISE):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_capability(index) >= 9

@@ -5,14 +5,21 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kernels._common import use_pdl
 
 
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_o, inter,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
@@ -33,8 +40,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     block = min(1024, triton.next_power_of_2(inter))
+    pdl = use_pdl(x.device, elementwise=True)
     _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
-        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4,
+        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return out
 

@@ -29,6 +29,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kernels._common import use_pdl
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -72,9 +75,13 @@ def _quantize_rows_fp8_kernel(
     BLOCK_K: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
     SCALE_BY_RECIPROCAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row per program. q_ptr: the e4m3 output viewed as uint8."""
     row = tl.program_id(0).to(tl.int64)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
     offs = tl.arange(0, BLOCK_K)
@@ -138,13 +145,16 @@ def quantize_rows_fp8(x: torch.Tensor, *, block_k: int | None = None) -> tuple[t
     if k == 0:
         raise ValueError("x has rows of length 0: no scale is defined")
     block = default_block_k(k) if block_k is None else min(block_k, triton.next_power_of_2(k))
+    pdl = use_pdl(x.device, elementwise=True)
     _quantize_rows_fp8_kernel[(rows,)](
         x, q.view(torch.uint8), scale,
         k, x.stride(0), q.stride(0), _INV_FP8_MAX,
         BLOCK_K=block,
         SINGLE_BLOCK=block >= k,
         SCALE_BY_RECIPROCAL=x.is_cuda,
+        PDL=pdl,
         num_warps=min(16, max(1, block // 256)),
+        launch_pdl=pdl,
     )
     return q, scale
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels._common import use_pdl
 from kernels.fp8_quant import _INV_FP8_MAX, FP8, _e4m3_bits, _row_scale
 
 
@@ -25,12 +27,17 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     QUANT_FP8: tl.constexpr,
     SCALE_BY_RECIPROCAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """QUANT_FP8: out_ptr is the e4m3 output viewed as uint8, the normed row is rounded to the
     residual's dtype (res_out_ptr's, which is x's) before it is quantized."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # the weights: before the wait
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
@@ -41,7 +48,6 @@ def _rms_norm_kernel(
     var = tl.sum(x * x, 0) / hidden
     dtype = res_out_ptr.dtype.element_ty if QUANT_FP8 else out_ptr.dtype.element_ty
     normed = (x * tl.rsqrt(var + eps)).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (normed * w).to(dtype)
     if QUANT_FP8:
         y = y.to(tl.float32)
@@ -61,6 +67,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         return
     block = triton.next_power_of_2(hidden)
     quant = scale is not None
+    pdl = use_pdl(x.device, elementwise=True)
     _rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out.view(torch.uint8) if quant else out,
         res_out if res_out is not None else x, scale if quant else x,
@@ -71,7 +78,9 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         BLOCK=block,
         QUANT_FP8=quant,
         SCALE_BY_RECIPROCAL=x.is_cuda,
+        PDL=pdl,
         num_warps=min(16, max(1, block // 256)),
+        launch_pdl=pdl,
     )
 
 

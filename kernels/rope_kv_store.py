@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels._common import check_kv_cache
+from kernels._common import check_kv_cache, use_pdl
 from kernels.kv_store import store_kv_ref
 from kernels.rotary import _rotate_heads, apply_rotary_ref
 
@@ -22,8 +23,12 @@ def _rope_kv_store_kernel(
     NUM_Q_HEADS: tl.constexpr, Q_PAD: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, KV_PAD: tl.constexpr,
     HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, HALF)
     dt = q_ptr.dtype.element_ty
@@ -76,13 +81,16 @@ def rope_and_store_kv(
         raise ValueError(f"cos_sin_cache {tuple(cos_sin_cache.shape)} does not match head_dim {head_dim}")
     if num_tokens == 0:
         return q
+    pdl = use_pdl(q.device, elementwise=True)
     _rope_kv_store_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         NUM_Q_HEADS=num_q_heads, Q_PAD=triton.next_power_of_2(num_q_heads),
         NUM_KV_HEADS=num_kv_heads, KV_PAD=triton.next_power_of_2(num_kv_heads),
         HALF=head_dim // 2,
+        PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )
     return q
 

@@ -464,3 +464,70 @@ def test_programmatic_dependent_launch_keeps_a_chain_of_kernels_in_order():
         assert torch.equal(out, expected)
 
 
+
+
+@pytest.mark.gpu
+def test_programmatic_dependent_launch_of_the_kernels_between_projections(monkeypatch):
+    """kernels/_common.PDL_ELEMENTWISE: a decoder-like chain at 8 rows (skinny GEMMs, W8A8 among
+    them, with the RMSNorm, FP8 quantization, rotary + KV store and SiLU-and-mul kernels between
+    them) captured in a CUDA graph with every kernel launched with PDL gives bit for bit what it
+    gives launched one by one without: each waits for the kernel before it."""
+    from kernels import _common
+    from kernels.fp8_quant import quantize_rows_fp8
+    from kernels.rmsnorm import rms_norm_fp8
+    from kernels.skinny_gemm import skinny_gemm
+
+    from engine.models.fp8 import quantize_per_channel
+
+    gen = torch.Generator(device=DEV).manual_seed(8)
+    rows, hidden, hq, hkv, head_dim, inter = 8, 896, 14, 2, 64, 4864
+
+    def weight(n, k):
+        return torch.randn(n, k, device=DEV, dtype=BF16, generator=gen) / k**0.5
+
+    layers = [dict(qkv=weight((hq + 2 * hkv) * head_dim, hidden), o=weight(hidden, hq * head_dim),
+                   gate_up=weight(2 * inter, hidden), down=weight(hidden, inter),
+                   side=quantize_per_channel(weight(hidden, hidden)),
+                   g1=torch.rand(hidden, device=DEV, dtype=BF16, generator=gen) + 0.5,
+                   g2=torch.rand(hidden, device=DEV, dtype=BF16, generator=gen) + 0.5) for _ in range(3)]
+    k_cache, v_cache, block_tables, _ = paged_setup(rows, 300, hkv, head_dim, seed=4)
+    cos_sin = build_cos_sin_cache(head_dim, 4096, 1000000.0, None, device=DEV)
+    positions = torch.full((rows,), 299, device=DEV)
+    slots = block_tables[:, 299 // 16].long() * 16 + 299 % 16
+    lens = torch.full((rows,), 300, device=DEV, dtype=torch.int32)
+    x0 = torch.randn(rows, hidden, device=DEV, dtype=BF16, generator=gen)
+
+    def chain():
+        x, res = x0, torch.zeros_like(x0)
+        for w in layers:
+            h, res = fused_add_rms_norm(x, res, w["g1"], 1e-6)
+            qkv = skinny_gemm(h, w["qkv"]).view(rows, hq + 2 * hkv, head_dim)
+            q, k, v = qkv.split([hq, hkv, hkv], dim=1)
+            rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+            attn = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, num_splits=2)
+            x = skinny_gemm(attn.reshape(rows, -1), w["o"])
+            hq8, hs, res = rms_norm_fp8(x, w["g2"], 1e-6, res)
+            side_q, side_s = quantize_rows_fp8(x)
+            side = skinny_gemm(side_q, w["side"][0], x_scale=side_s, weight_scale=w["side"][1])
+            h = (hq8.float() * hs).to(BF16)
+            act = silu_and_mul(skinny_gemm(h, w["gate_up"]))
+            x = skinny_gemm(act, w["down"]) + side
+        return x + res
+
+    monkeypatch.setattr(_common, "PDL", False)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    expected = chain()
+    monkeypatch.setattr(_common, "PDL", True)
+    monkeypatch.setattr(_common, "PDL_ELEMENTWISE", True)
+    assert _common.use_pdl(torch.device(DEV), elementwise=True) == (torch.cuda.get_device_capability()[0] >= 9)
+    chain()  # compile the PDL variants outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        k_cache.copy_(k_before)
+        v_cache.copy_(v_before)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
