@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only|fp8-norm-ab|serving-check|skinny-final|pdl-elementwise|fp8-8b
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only|fp8-norm-ab|skinny-final|pdl-elementwise|fp8-8b
 set -u
 PART=${1:-tests}
 . benchmarks/gpu_env.sh
@@ -106,23 +106,6 @@ split-ab)  # graph vs eager on the GPU, then decode at batch 1 and 8 with the at
     timeout 150 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 8 --chunks 8 --no-eager \
       --skip-transformers --max-num-seqs 8 --load-format dummy --attention-min-split-tokens $s \
       --out "$OUT/decode_8b_split$s.json" 2>&1 | grep -E " graphs"
-  done
-  ;;
-serving-check)  # GPU tests of the changes (compile-free serving, FP8 gate_up W8A8), then decode at 1 and 64 with
-  # bf16's skinny GEMM up to 16 rows (as shipped) and up to 64 (A/B, interleaved)
-  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py tests/test_fp8.py \
-    tests/test_gpu_engine.py -k "decode_attention or fp8 or ((compiles or graph_path) and qwen)" > "$OUT/gpu_tests.log" 2>&1
-  tail -3 "$OUT/gpu_tests.log"
-  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  for run in 16-1 64-1 16-2 64-2; do
-    timeout 60 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --skinny-gemm-max-rows ${run%-*} --out "$OUT/decode_qwen_skinny_$run.json" \
-      2>&1 | grep -E " graphs"
-  done
-  for run in 16 64; do
-    timeout 100 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --skinny-gemm-max-rows $run \
-      --out "$OUT/decode_8b_skinny_$run.json" 2>&1 | grep -E " graphs"
   done
   ;;
 skinny-final)  # after SKINNY_GEMM_MAX_ROWS = 64: GPU tests, then the in-between batches 16 / 32 / 64 against 16 (A/B)
