@@ -166,6 +166,9 @@ def main() -> None:
                         help="programmatic dependent launch of the Triton kernels (kernels/_common.py)")
     parser.add_argument("--pdl-elementwise", choices=["on", "off"], default=None,
                         help="PDL for the kernels between the projections too (kernels/_common.py PDL_ELEMENTWISE; A/B)")
+    parser.add_argument("--skinny-prefetch", choices=["on", "off"], default=None,
+                        help="the skinny GEMM prefetches its first weight tiles before its PDL wait "
+                             "(kernels/skinny_gemm.py PREFETCH_BEFORE_WAIT; A/B)")
     parser.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
                         help="dummy: random weights made on the GPUs, no files (e.g. llama-3.1-70b over --tp 2)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
@@ -198,6 +201,10 @@ def main() -> None:
     _common.PDL = args.pdl == "on"
     if args.pdl_elementwise is not None:
         _common.PDL_ELEMENTWISE = args.pdl_elementwise == "on"
+    if args.skinny_prefetch is not None:
+        from kernels import skinny_gemm
+
+        skinny_gemm.PREFETCH_BEFORE_WAIT = args.skinny_prefetch == "on"
     layers.FP8_NORM_QUANT = args.fp8_norm_quant == "on"
     if args.fp8_gemv_max_rows is not None:
         layers.FP8_GEMV_MAX_ROWS = args.fp8_gemv_max_rows

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only|fp8-norm-ab|skinny-final|pdl-elementwise|fp8-8b
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only|fp8-norm-ab|skinny-final|pdl-elementwise|pdl-elementwise-8b|fp8-8b
 set -u
 PART=${1:-tests}
 . benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt"
 quiet() { grep -v -E "Warning|it/s|warn\(" ; }
+# the pdl-elementwise parts' arms: neither, PDL for the kernels between projections (e), and the skinny prefetch too (ep)
+arms() { case $1 in off) echo "--pdl-elementwise off --skinny-prefetch off" ;; e) echo "--pdl-elementwise on --skinny-prefetch off" ;;
+  ep) echo "--pdl-elementwise on --skinny-prefetch on" ;; esac; }
 case "$PART" in
 tests)
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
@@ -124,20 +127,22 @@ skinny-final)  # after SKINNY_GEMM_MAX_ROWS = 64: GPU tests, then the in-between
       --out "$OUT/decode_8b_skinny_$rows.json" 2>&1 | grep -E " graphs"
   done
   ;;
-pdl-elementwise)  # PDL for the norm / rotary / SiLU / quantization kernels: the GPU tests, then decode A/B (interleaved)
+pdl-elementwise)  # PDL for the norm / rotary / SiLU / quantization kernels (E) and the skinny GEMM's weight prefetch
+  # before its wait (P): the GPU tests, then decode with neither, E, E+P (0.5B interleaved twice; the 8B once each)
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py tests/test_fp8_quant.py \
     -k "programmatic or rms or rope or silu or quant" > "$OUT/gpu_tests.log" 2>&1
   tail -3 "$OUT/gpu_tests.log"
   python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  for run in on-1 off-1 on-2 off-2; do
+  for run in off-1 e-1 ep-1 off-2 e-2 ep-2; do
     timeout 60 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 8 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --pdl-elementwise ${run%-*} --out "$OUT/decode_qwen_pdl_elementwise_$run.json" \
-      2>&1 | grep -E " graphs"
+      --skip-transformers --max-num-seqs 64 $(arms ${run%-*}) --out "$OUT/decode_qwen_pdl_$run.json" 2>&1 | grep -E " graphs"
   done
-  for run in on off; do
-    timeout 120 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 --pdl-elementwise $run \
-      --out "$OUT/decode_8b_pdl_elementwise_$run.json" 2>&1 | grep -E " graphs"
+  ;;
+pdl-elementwise-8b)  # the same arms on Llama-3.1-8B, bf16 and FP8, once each
+  for run in off e ep; do
+    timeout 150 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 $(arms $run) \
+      --out "$OUT/decode_8b_pdl_$run.json" 2>&1 | grep -E " graphs"
   done
   ;;
 fp8-8b)  # Llama-3.1-8B: the FP8 gate_up through W8A8 at batch 1 (A/B, interleaved), bf16 for reference

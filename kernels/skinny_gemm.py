@@ -34,6 +34,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kernels._common import dot_precision, sm_count, use_pdl
 
 FP8 = torch.float8_e4m3fn
+# With PDL, each program asks L2 for the first weight tiles its pipeline will load (prefetch.global.L2:
+# no registers, no wait) before it waits for the kernel before it, as the GEMV loads its first tile
+# early. Off until measured on the GPU (benchmarks/decode_latency.py --skinny-prefetch on A/Bs it).
+PREFETCH_BEFORE_WAIT = False
 # weight-only FP8: x * 2^-8 in fp16 overflows only past 16.7M, and loses bits only below 2^-16
 # (absolute error < 2^-17 there), far finer than x's own bf16 rounding; the result is scaled back
 W_ONLY_X_SCALE = tl.constexpr(2.0**-8)
@@ -55,7 +59,9 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IMPRECISE_K: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
 ):
+    """PREFETCH_LINES: 128-byte lines of each weight row to prefetch into L2 before the PDL wait (0: none)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -70,6 +76,11 @@ def _skinny_gemm_kernel(
     if SILU_MUL:  # up row N + n beside gate row n
         u_ptrs = w_ptrs + N * stride_w
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+    if PREFETCH_LINES > 0:  # the weights do not depend on the kernel before: ask for them first
+        rows = tl.minimum(offs_n, N - 1)
+        _prefetch_l2(w_ptr, rows, stride_w, k_start, k_end, PREFETCH_LINES)
+        if SILU_MUL:
+            _prefetch_l2(w_ptr, rows + N, stride_w, k_start, k_end, PREFETCH_LINES)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -119,6 +130,17 @@ def _skinny_gemm_kernel(
             y = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
         o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
         tl.store(o_ptrs, y.to(dt), mask=mask)
+
+
+@triton.jit
+def _prefetch_l2(w_ptr, rows, stride_w, k_start, k_end, LINES: tl.constexpr):
+    """Ask L2 for the first LINES 128-byte lines of each row's weights from k_start (prefetch.global.L2:
+    no registers taken, nothing waits for it; addresses clamped to the rows' last element)."""
+    per_line = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
+    offs = tl.minimum(k_start + tl.arange(0, LINES) * per_line, k_end - 1)
+    ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_w + offs[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -256,6 +278,9 @@ def skinny_gemm(
     split = triton.cdiv(k, k_per_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     pdl = use_pdl(x.device)
+    # the lines of the tiles the pipeline's prologue loads (num_stages - 1 of them), a power of two
+    prologue_lines = (tile.num_stages - 1) * tile.block_k * weight.element_size() // 128
+    prefetch_lines = 1 << (prologue_lines.bit_length() - 1) if pdl and PREFETCH_BEFORE_WAIT and prologue_lines else 0
     scale_args = (x_scale if fp8 else out, weight_scale if fp8 or w_only else out)
     bias_arg = bias if bias is not None else out
     _skinny_gemm_kernel[(triton.cdiv(n, tile.block_n), split, triton.cdiv(m, tile.block_m))](
@@ -273,6 +298,7 @@ def skinny_gemm(
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         IMPRECISE_K=min(128, tile.block_k),  # as DeepSeek-V3 does (and cuBLAS without fast accumulation)
+        PREFETCH_LINES=prefetch_lines,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         launch_pdl=pdl,

@@ -476,9 +476,11 @@ def assert_graph_replays_give(chain, expected: torch.Tensor) -> None:
 def test_programmatic_dependent_launch_of_the_kernels_between_projections(monkeypatch):
     """kernels/_common.PDL_ELEMENTWISE: a decoder-like chain at 8 rows (skinny GEMMs, W8A8 among
     them, with the RMSNorm, FP8 quantization, rotary + KV store and SiLU-and-mul kernels between
-    them) captured in a CUDA graph with every kernel launched with PDL gives bit for bit what it
+    them) captured in a CUDA graph with every kernel launched with PDL, and the skinny GEMM
+    prefetching its weights before it waits (PREFETCH_BEFORE_WAIT), gives bit for bit what it
     gives launched one by one without: each waits for the kernel before it."""
     from kernels import _common
+    from kernels import skinny_gemm as skinny_gemm_module
     from kernels.fp8_quant import quantize_rows_fp8
     from kernels.rmsnorm import rms_norm_fp8
     from kernels.skinny_gemm import skinny_gemm
@@ -524,5 +526,6 @@ def test_programmatic_dependent_launch_of_the_kernels_between_projections(monkey
     expected = chain()  # (each layer writes the one slot it then reads: a rerun finds the caches as it needs)
     monkeypatch.setattr(_common, "PDL", True)
     monkeypatch.setattr(_common, "PDL_ELEMENTWISE", True)
+    monkeypatch.setattr(skinny_gemm_module, "PREFETCH_BEFORE_WAIT", True)
     assert _common.use_pdl(torch.device(DEV), elementwise=True) == (torch.cuda.get_device_capability()[0] >= 9)
     assert_graph_replays_give(chain, expected)

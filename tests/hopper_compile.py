@@ -1,0 +1,82 @@
+"""Compile Triton kernels for an H100/H200 (sm_90) without a GPU, through Triton's own LLVM and
+ptxas, and print what the PTX holds (JSON). Run as a script in a process without TRITON_INTERPRET
+(tests/test_hopper_compile.py does): it checks code paths that only a GPU runs, PDL and prefetches."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+FLOATS = {"eps", "inv_fp8_max", "inv_max", "scale_log2"}
+
+
+def signature(fn, constexprs: dict, pointers: dict[str, str]) -> dict[str, str]:
+    """Every argument's type: constexprs as given, `pointers` as named, other *_ptr bf16, the rest i32 / fp32."""
+    def kind(name: str) -> str:
+        if name in constexprs:
+            return "constexpr"
+        if name in pointers:
+            return pointers[name]
+        if name.endswith("_ptr"):
+            return "*bf16"
+        return "fp32" if name in FLOATS else "i32"
+
+    return {name: kind(name) for name in fn.arg_names}
+
+
+def compile_ptx(fn, constexprs: dict, pointers: dict[str, str] | None = None, **options) -> str:
+    kernel = triton.compile(ASTSource(fn, signature(fn, constexprs, pointers or {}), constexprs), target=HOPPER,
+                            options=options)
+    assert kernel.asm["cubin"], "ptxas produced no cubin"
+    return kernel.asm["ptx"]
+
+
+def summary(ptx: str) -> dict:
+    lines = [line.strip() for line in ptx.splitlines()]
+    first = {key: next((i for i, line in enumerate(lines) if line.startswith(key)), None)
+             for key in ("prefetch.global.L2", "griddepcontrol.wait", "griddepcontrol.launch_dependents")}
+    return dict(prefetches=sum(line.startswith("prefetch.global.L2") for line in lines),
+                waits=sum(line.startswith("griddepcontrol.wait") for line in lines), first_line=first)
+
+
+def cases() -> dict[str, dict]:
+    from kernels.activation import _silu_and_mul_kernel
+    from kernels.fp8_quant import _quantize_rows_fp8_kernel
+    from kernels.rmsnorm import _rms_norm_kernel
+    from kernels.rope_kv_store import _rope_kv_store_kernel
+    from kernels.skinny_gemm import _skinny_gemm_kernel
+
+    out = {}
+    skinny = dict(HAS_BIAS=False, HAS_SCALES=False, W_ONLY=False, SILU_MUL=False, SPLIT=1, PDL=True, DOT_PREC="tf32",
+                  BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, IMPRECISE_K=128, PREFETCH_LINES=4)
+    fp32_scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "part_ptr": "*fp32"}
+    out["skinny_bf16_prefetch"] = compile_ptx(_skinny_gemm_kernel, skinny, fp32_scales, num_warps=4, num_stages=3)
+    out["skinny_bf16_silu_prefetch"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, SILU_MUL=True), fp32_scales,
+                                                   num_warps=4, num_stages=3)
+    fp8 = dict(fp32_scales, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv")
+    out["skinny_w8a8_silu_prefetch"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, SILU_MUL=True,
+                                                                             BLOCK_K=256), fp8, num_warps=4, num_stages=3)
+    norm = dict(HAS_RESIDUAL=True, BLOCK=1024, QUANT_FP8=False, SCALE_BY_RECIPROCAL=True, PDL=True)
+    out["rms_norm"] = compile_ptx(_rms_norm_kernel, norm, {"scale_ptr": "*fp32"}, num_warps=4)
+    out["rms_norm_fp8"] = compile_ptx(_rms_norm_kernel, dict(norm, QUANT_FP8=True),
+                                      {"scale_ptr": "*fp32", "out_ptr": "*u8"}, num_warps=4)
+    out["rope_kv_store"] = compile_ptx(_rope_kv_store_kernel, dict(NUM_Q_HEADS=14, Q_PAD=16, NUM_KV_HEADS=2, KV_PAD=2,
+                                                                   HALF=32, PDL=True),
+                                       {"pos_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32"}, num_warps=4)
+    out["silu_and_mul"] = compile_ptx(_silu_and_mul_kernel, dict(BLOCK=1024, PDL=True), num_warps=4)
+    out["quantize_rows_fp8"] = compile_ptx(_quantize_rows_fp8_kernel, dict(BLOCK_K=1024, SINGLE_BLOCK=True,
+                                                                           SCALE_BY_RECIPROCAL=True, PDL=True),
+                                           {"q_ptr": "*u8", "scale_ptr": "*fp32"}, num_warps=4)
+    return {name: summary(ptx) for name, ptx in out.items()}
+
+
+if __name__ == "__main__":
+    print(json.dumps(cases()))

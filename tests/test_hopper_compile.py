@@ -1,0 +1,41 @@
+"""The GPU-only code paths of our kernels compile for an H100/H200 (sm_90) on this CPU machine:
+programmatic dependent launch of the kernels between the projections (kernels/_common.PDL_ELEMENTWISE)
+and the skinny GEMM's weight prefetch before its PDL wait (kernels/skinny_gemm.PREFETCH_BEFORE_WAIT).
+The interpreter never runs them, and CI has no GPU; Triton's own compiler and ptxas do, in a
+process without TRITON_INTERPRET (tests/hopper_compile.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HELPER = Path(__file__).with_name("hopper_compile.py")
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(HELPER)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kernel", ["rms_norm", "rms_norm_fp8", "rope_kv_store", "silu_and_mul", "quantize_rows_fp8",
+                                    "skinny_bf16_prefetch", "skinny_bf16_silu_prefetch", "skinny_w8a8_silu_prefetch"])
+def test_the_pdl_variant_compiles_and_waits_for_the_kernel_before(compiled, kernel):
+    assert compiled[kernel]["waits"] >= 1
+    first = compiled[kernel]["first_line"]
+    assert first["griddepcontrol.wait"] < first["griddepcontrol.launch_dependents"]
+
+
+@pytest.mark.parametrize("kernel,lines", [("skinny_bf16_prefetch", 64 * 4), ("skinny_bf16_silu_prefetch", 2 * 64 * 4),
+                                          ("skinny_w8a8_silu_prefetch", 2 * 64 * 4)])
+def test_the_skinny_gemm_prefetches_its_weights_before_it_waits(compiled, kernel, lines):
+    """64 weight rows (128 for gate and up) x 4 lines of 128 bytes, over 128 threads, all before the wait."""
+    assert compiled[kernel]["prefetches"] == lines // 128
+    assert compiled[kernel]["first_line"]["prefetch.global.L2"] < compiled[kernel]["first_line"]["griddepcontrol.wait"]
