@@ -23,6 +23,24 @@ from random_models import random_model, random_model_config  # noqa: E402
 K = 8  # decode steps per round: the profiled eager round and the timed graph rounds
 
 
+def critical_path(spans: list[tuple[str, float, float]]) -> dict[str, dict[str, float]]:
+    """Per kernel name, from (name, start, end) device spans: `exposed`, the time it kept the GPU
+    busy past every kernel that started before it (the step's span is their sum plus the idle
+    time), and `idle_before`, the time nothing ran before it started. Under PDL kernels overlap,
+    so summed durations overcount; this attributes the span itself."""
+    out: dict[str, dict[str, float]] = {}
+    busy_until = None
+    for name, start, end in sorted(spans, key=lambda s: s[1]):
+        entry = out.setdefault(name, dict(count=0, exposed=0.0, idle_before=0.0))
+        entry["count"] += 1
+        if busy_until is None:
+            busy_until = start
+        entry["idle_before"] += max(0.0, start - busy_until)
+        entry["exposed"] += max(0.0, end - max(busy_until, start))
+        busy_until = max(busy_until, end)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="qwen2.5-0.5b")
@@ -84,6 +102,8 @@ def main() -> None:
     for e in graph_kernels:
         graph_counts.setdefault(e.name[:120], []).append(e.device_time_total)
     graph_top = sorted(((k, len(v) / replays, sum(v) / replays) for k, v in graph_counts.items()), key=lambda t: -t[2])
+    path = critical_path([(e.name[:120], e.time_range.start, e.time_range.end) for e in graph_kernels])
+    path_top = sorted(path.items(), key=lambda kv: -(kv[1]["exposed"] + kv[1]["idle_before"]))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for i in range(replays):
@@ -105,6 +125,8 @@ def main() -> None:
                   graph_replay_us=replay_us, graph_kernel_us=graph_kernel_us,
                   graph_kernels_per_step=len(graph_kernels) / replays,
                   graph_top_kernels=[dict(name=k, per_step=c, device_us=t) for k, c, t in graph_top[:30]],
+                  graph_critical_path=[dict(name=k, per_step=v["count"] / replays, exposed_us=v["exposed"] / replays,
+                                            idle_before_us=v["idle_before"] / replays) for k, v in path_top[:30]],
                   gpu=torch.cuda.get_device_name(),
                   command=" ".join(sys.argv))
     Path(args.out).write_text(json.dumps(result, indent=1))
@@ -114,6 +136,10 @@ def main() -> None:
           f"kernels, so {replay_us - graph_kernel_us:.1f} us between kernels")
     for name, count, t in graph_top[:20]:
         print(f"  {t:8.1f} us  x{count:5.1f}  {name[:90]}")
+    print("the replay's span by kernel (exposed: busy past the kernels before it; idle: nothing ran before it), us/step:")
+    for name, v in path_top[:20]:
+        print(f"  exposed {v['exposed'] / replays:8.1f}  idle {v['idle_before'] / replays:7.1f}  "
+              f"x{v['count'] / replays:5.1f}  {name[:80]}")
 
 
 if __name__ == "__main__":
