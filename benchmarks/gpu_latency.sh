@@ -8,9 +8,12 @@ PART=${1:-tests}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt"
 quiet() { grep -v -E "Warning|it/s|warn\(" ; }
-# the pdl-elementwise parts' arms: neither, PDL for the kernels between projections (e), and the skinny prefetch too (ep)
-arms() { case $1 in off) echo "--pdl-elementwise off --skinny-prefetch off" ;; e) echo "--pdl-elementwise on --skinny-prefetch off" ;;
-  ep) echo "--pdl-elementwise on --skinny-prefetch on" ;; esac; }
+# the pdl-elementwise parts' arms, each adding to the one before: none of them (off), PDL for the kernels
+# between projections (e), the skinny GEMM's weight prefetch (ep), rotary + KV store in the skinny qkv (epr)
+arms() { case $1 in off) echo "--pdl-elementwise off --skinny-prefetch off --skinny-rope-store off" ;;
+  e) echo "--pdl-elementwise on --skinny-prefetch off --skinny-rope-store off" ;;
+  ep) echo "--pdl-elementwise on --skinny-prefetch on --skinny-rope-store off" ;;
+  epr) echo "--pdl-elementwise on --skinny-prefetch on --skinny-rope-store on" ;; esac; }
 case "$PART" in
 tests)
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
@@ -106,7 +109,7 @@ split-ab)  # graph vs eager on the GPU, then decode at batch 1 and 8 with the at
       --skip-transformers --max-num-seqs 8 --attention-min-split-tokens $s --out "$OUT/decode_qwen_split$s.json" 2>&1 | grep -E " graphs"
   done
   for s in 512 128; do
-    timeout 150 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 8 --chunks 8 --no-eager \
+    timeout 140 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 8 --chunks 8 --no-eager \
       --skip-transformers --max-num-seqs 8 --load-format dummy --attention-min-split-tokens $s \
       --out "$OUT/decode_8b_split$s.json" 2>&1 | grep -E " graphs"
   done
@@ -127,20 +130,19 @@ skinny-final)  # after SKINNY_GEMM_MAX_ROWS = 64: GPU tests, then the in-between
       --out "$OUT/decode_8b_skinny_$rows.json" 2>&1 | grep -E " graphs"
   done
   ;;
-pdl-elementwise)  # PDL for the norm / rotary / SiLU / quantization kernels (E) and the skinny GEMM's weight prefetch
-  # before its wait (P): the GPU tests, then decode with neither, E, E+P (0.5B interleaved twice; the 8B once each)
+pdl-elementwise)  # the arms above (see arms()): the GPU tests, then decode at 8 and 64 (0.5B interleaved twice)
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py tests/test_fp8_quant.py \
-    -k "programmatic or rms or rope or silu or quant" > "$OUT/gpu_tests.log" 2>&1
+    tests/test_skinny_gemm.py -k "programmatic or rms or rope or silu or quant" > "$OUT/gpu_tests.log" 2>&1
   tail -3 "$OUT/gpu_tests.log"
   python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  for run in off-1 e-1 ep-1 off-2 e-2 ep-2; do
+  for run in off-1 e-1 ep-1 epr-1 off-2 e-2 ep-2 epr-2; do
     timeout 60 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 8 64 --chunks 8 --no-eager \
       --skip-transformers --max-num-seqs 64 $(arms ${run%-*}) --out "$OUT/decode_qwen_pdl_$run.json" 2>&1 | grep -E " graphs"
   done
   ;;
 pdl-elementwise-8b)  # the same arms on Llama-3.1-8B, bf16 and FP8, once each
-  for run in off e ep; do
-    timeout 150 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 64 --chunks 8 --no-eager \
+  for run in off e ep epr; do
+    timeout 140 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 64 --chunks 8 --no-eager \
       --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 $(arms $run) \
       --out "$OUT/decode_8b_pdl_$run.json" 2>&1 | grep -E " graphs"
   done

@@ -81,3 +81,18 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
     if block_size & (block_size - 1) or head_dim & (head_dim - 1):
         raise ValueError(f"block_size and head_dim must be powers of two, got {block_size}, {head_dim}")
     return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def rope_store_shapes(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      num_heads: int) -> tuple[int, int, int]:
+    """Check the inputs of a projection with rotary and the KV-cache write fused in (a fused [q; k; v]
+    weight, one position and slot per row of x) and return (q_size, kv_size, head_dim)."""
+    _, _, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    if weight.shape[0] != q_size + 2 * kv_size or cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(f"weight {tuple(weight.shape)} / cos_sin_cache {tuple(cos_sin_cache.shape)} do not match "
+                         f"{num_heads} q heads and the cache's {num_kv_heads} kv heads of {head_dim}")
+    if cos_sin_cache.stride(-1) != 1 or positions.shape != slot_mapping.shape or positions.shape[0] != x.shape[0]:
+        raise ValueError("positions and slot_mapping need one entry per row; cos_sin_cache a contiguous last dim")
+    return q_size, kv_size, head_dim

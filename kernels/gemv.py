@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels._common import check_kv_cache, sm_count, use_pdl
+from kernels._common import rope_store_shapes, sm_count, use_pdl
 
 
 # FP8 weights arrive as int8 bytes. The hardware path from e4m3 to float32 (two conversions per
@@ -179,7 +179,9 @@ def _rope_store_epilogue(y_a, y_b, rows_a, rows_b, d, n_mask, m, q_out_row, pos_
                          slot_ptr, k_cache_ptr, v_cache_ptr,
                          Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HALF: tl.constexpr):
     """Rows a (first half of a head) and b (second half) of q, k or v, rounded to the model dtype:
-    rotate q and k as kernels.rope_kv_store does, write q out and k, v into the cache slot."""
+    rotate q and k as kernels.rope_kv_store does, write q out and k, v into the cache slot.
+    One token m (the GEMV: vectors over the rows) or a tile (kernels/skinny_gemm.py: rows_a, rows_b,
+    d [N, 1], tokens m [1, M], y and n_mask [N, M]): everything broadcasts; n_mask masks the stores."""
     dt = q_out_row.dtype.element_ty
     pos = tl.load(pos_ptr + m).to(tl.int64)
     cos = tl.load(cos_sin_ptr + pos * stride_cs + d).to(dt).to(tl.float32)
@@ -352,13 +354,8 @@ def gemv_rope_store(
     new_residual or None). Equals gemv + kernels.rope_kv_store.rope_and_store_kv."""
     _check_inputs(x, weight, norm_weight, residual)
     _check_scale(weight, weight_scale)
-    _, _, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    if weight.shape[0] != q_size + 2 * kv_size or cos_sin_cache.shape[1] != head_dim:
-        raise ValueError(f"weight {tuple(weight.shape)} / cos_sin_cache {tuple(cos_sin_cache.shape)} do not match "
-                         f"{num_heads} q heads and the cache's {num_kv_heads} kv heads of {head_dim}")
-    if cos_sin_cache.stride(-1) != 1 or positions.shape != slot_mapping.shape or positions.shape[0] != x.shape[0]:
-        raise ValueError("positions and slot_mapping need one entry per row; cos_sin_cache a contiguous last dim")
+    q_size, kv_size, head_dim = rope_store_shapes(x, weight, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
+                                                  num_heads)
     rows, k = x.shape
     pairs = weight.shape[0] // 2
     q = torch.empty((rows, num_heads, head_dim), dtype=x.dtype, device=x.device)

@@ -55,13 +55,20 @@ def cases() -> dict[str, dict]:
     from kernels.skinny_gemm import _skinny_gemm_kernel
 
     out = {}
-    skinny = dict(HAS_BIAS=False, HAS_SCALES=False, W_ONLY=False, SILU_MUL=False, SPLIT=1, PDL=True, DOT_PREC="tf32",
+    skinny = dict(HAS_BIAS=False, HAS_SCALES=False, W_ONLY=False, SILU_MUL=False, ROPE_STORE=False, Q_SIZE=0,
+                  KV_SIZE=0, HALF=1, SPLIT=1, PDL=True, DOT_PREC="tf32",
                   BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, IMPRECISE_K=128, PREFETCH_LINES=4)
     fp32_scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "part_ptr": "*fp32"}
     out["skinny_bf16_prefetch"] = compile_ptx(_skinny_gemm_kernel, skinny, fp32_scales, num_warps=4, num_stages=3)
     out["skinny_bf16_silu_prefetch"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, SILU_MUL=True), fp32_scales,
                                                    num_warps=4, num_stages=3)
     fp8 = dict(fp32_scales, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv")
+    rope = dict(skinny, ROPE_STORE=True, Q_SIZE=14 * 64, KV_SIZE=2 * 64, HALF=32)
+    rope_ptrs = dict(fp32_scales, pos_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32")
+    out["skinny_bf16_rope_prefetch"] = compile_ptx(_skinny_gemm_kernel, rope, rope_ptrs, num_warps=4, num_stages=3)
+    out["skinny_w8a8_rope_prefetch"] = compile_ptx(_skinny_gemm_kernel, dict(rope, HAS_SCALES=True, BLOCK_K=256),
+                                                   dict(rope_ptrs, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv"),
+                                                   num_warps=4, num_stages=3)
     out["skinny_w8a8_silu_prefetch"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, SILU_MUL=True,
                                                                              BLOCK_K=256), fp8, num_warps=4, num_stages=3)
     norm = dict(HAS_RESIDUAL=True, BLOCK=1024, QUANT_FP8=False, SCALE_BY_RECIPROCAL=True, PDL=True)

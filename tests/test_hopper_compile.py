@@ -1,6 +1,7 @@
 """The GPU-only code paths of our kernels compile for an H100/H200 (sm_90) on this CPU machine:
-programmatic dependent launch of the kernels between the projections (kernels/_common.PDL_ELEMENTWISE)
-and the skinny GEMM's weight prefetch before its PDL wait (kernels/skinny_gemm.PREFETCH_BEFORE_WAIT).
+programmatic dependent launch of the kernels between the projections (kernels/_common.PDL_ELEMENTWISE),
+the skinny GEMM's weight prefetch before its PDL wait (kernels/skinny_gemm.PREFETCH_BEFORE_WAIT), and
+its rotary + KV-store epilogue on the tensor cores' layout (layers.SKINNY_ROPE_STORE).
 The interpreter never runs them, and CI has no GPU; Triton's own compiler and ptxas do, in a
 process without TRITON_INTERPRET (tests/hopper_compile.py)."""
 
@@ -26,7 +27,8 @@ def compiled() -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("kernel", ["rms_norm", "rms_norm_fp8", "rope_kv_store", "silu_and_mul", "quantize_rows_fp8",
-                                    "skinny_bf16_prefetch", "skinny_bf16_silu_prefetch", "skinny_w8a8_silu_prefetch"])
+                                    "skinny_bf16_prefetch", "skinny_bf16_silu_prefetch", "skinny_w8a8_silu_prefetch",
+                                    "skinny_bf16_rope_prefetch", "skinny_w8a8_rope_prefetch"])
 def test_the_pdl_variant_compiles_and_waits_for_the_kernel_before(compiled, kernel):
     assert compiled[kernel]["waits"] >= 1
     first = compiled[kernel]["first_line"]
@@ -34,8 +36,10 @@ def test_the_pdl_variant_compiles_and_waits_for_the_kernel_before(compiled, kern
 
 
 @pytest.mark.parametrize("kernel,lines", [("skinny_bf16_prefetch", 64 * 4), ("skinny_bf16_silu_prefetch", 2 * 64 * 4),
-                                          ("skinny_w8a8_silu_prefetch", 2 * 64 * 4)])
+                                          ("skinny_w8a8_silu_prefetch", 2 * 64 * 4),
+                                          ("skinny_bf16_rope_prefetch", 2 * 64 * 4)])
 def test_the_skinny_gemm_prefetches_its_weights_before_it_waits(compiled, kernel, lines):
-    """64 weight rows (128 for gate and up) x 4 lines of 128 bytes, over 128 threads, all before the wait."""
+    """64 weight rows (128 for gate and up, or the two halves of the heads) x 4 lines of 128 bytes, over
+    128 threads, all before the wait."""
     assert compiled[kernel]["prefetches"] == lines // 128
     assert compiled[kernel]["first_line"]["prefetch.global.L2"] < compiled[kernel]["first_line"]["griddepcontrol.wait"]

@@ -473,17 +473,19 @@ def assert_graph_replays_give(chain, expected: torch.Tensor) -> None:
 
 
 @pytest.mark.gpu
-def test_programmatic_dependent_launch_of_the_kernels_between_projections(monkeypatch):
+@pytest.mark.parametrize("fused_rope", [False, True], ids=["rope-kernel", "rope-in-qkv"])
+def test_programmatic_dependent_launch_of_the_kernels_between_projections(monkeypatch, fused_rope):
     """kernels/_common.PDL_ELEMENTWISE: a decoder-like chain at 8 rows (skinny GEMMs, W8A8 among
     them, with the RMSNorm, FP8 quantization, rotary + KV store and SiLU-and-mul kernels between
     them) captured in a CUDA graph with every kernel launched with PDL, and the skinny GEMM
     prefetching its weights before it waits (PREFETCH_BEFORE_WAIT), gives bit for bit what it
-    gives launched one by one without: each waits for the kernel before it."""
+    gives launched one by one without: each waits for the kernel before it. fused_rope: qkv, rotary and
+    the cache write as one kernel (skinny_gemm_rope_store)."""
     from kernels import _common
     from kernels import skinny_gemm as skinny_gemm_module
     from kernels.fp8_quant import quantize_rows_fp8
     from kernels.rmsnorm import rms_norm_fp8
-    from kernels.skinny_gemm import skinny_gemm
+    from kernels.skinny_gemm import skinny_gemm, skinny_gemm_rope_store
 
     from engine.models.fp8 import quantize_per_channel
 
@@ -509,9 +511,12 @@ def test_programmatic_dependent_launch_of_the_kernels_between_projections(monkey
         x, res = x0, torch.zeros_like(x0)
         for w in layers:
             h, res = fused_add_rms_norm(x, res, w["g1"], 1e-6)
-            qkv = skinny_gemm(h, w["qkv"]).view(rows, hq + 2 * hkv, head_dim)
-            q, k, v = qkv.split([hq, hkv, hkv], dim=1)
-            rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+            if fused_rope:
+                q = skinny_gemm_rope_store(h, w["qkv"], None, positions, cos_sin, slots, k_cache, v_cache, hq)
+            else:
+                qkv = skinny_gemm(h, w["qkv"]).view(rows, hq + 2 * hkv, head_dim)
+                q, k, v = qkv.split([hq, hkv, hkv], dim=1)
+                rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
             attn = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, num_splits=2)
             x = skinny_gemm(attn.reshape(rows, -1), w["o"])
             hq8, hs, res = rms_norm_fp8(x, w["g2"], 1e-6, res)

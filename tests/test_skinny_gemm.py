@@ -273,3 +273,121 @@ def test_default_tiles_fit_in_shared_memory(n, k, m, weight_bytes, x_bytes, silu
     tile = default_skinny_gemm_tile(m, n, k, 132, weight_bytes, silu_mul, x_bytes)
     assert tile.num_stages * stage_bytes(tile, weight_bytes, silu_mul, x_bytes) <= SHARED_MEMORY_BUDGET
     assert tile.num_stages >= 2 and (tile.split == 1 or not silu_mul)
+
+
+def rope_case(m: int, hq: int, hkv: int, head_dim: int, k: int, device: str = "cpu", seed: int = 0):
+    """Positions, a cos/sin table, slots (row 1 skipped with -1) and empty paged caches for m tokens."""
+    from kernels import build_cos_sin_cache
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cos_sin = build_cos_sin_cache(head_dim, 4096, 10000.0, None, device=device)
+    positions = torch.randint(0, 4096, (m,), generator=gen, device=device)
+    num_blocks, block_size = m + 3, 16
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=device)[:m]
+    slots[1] = -1
+    cache = torch.zeros(num_blocks, block_size, hkv, head_dim, device=device)
+    return positions, cos_sin, slots, cache
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "w8a8"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m", [2, 5, 18])
+def test_rope_store_matches_the_projection_then_rope_and_store(m, bias, fp8, poisoned_outputs):
+    """skinny_gemm_rope_store: the rotated q and the cache writes of skinny_gemm followed by
+    kernels.rope_kv_store, within a rounding (float32 here); the skipped slot is left alone."""
+    from kernels.rope_kv_store import rope_and_store_kv
+    from kernels.skinny_gemm import skinny_gemm_rope_store
+
+    hq, hkv, head_dim, k = 4, 2, 16, 64
+    n = (hq + 2 * hkv) * head_dim
+    tile = SkinnyGemmTile(16, 32, 16, 1, 4, 2)
+    if fp8:
+        xq, x_scale, wq, w_scale, b = fp8_operands(m, n, k, seed=m, bias=bias)
+        kw = dict(x_scale=x_scale, weight_scale=w_scale)
+        b = b.float() if b is not None else None
+    else:
+        xq, wq, b = float_operands(m, n, k, torch.float32, seed=m, bias=bias)
+        kw = {}
+    positions, cos_sin, slots, cache = rope_case(m, hq, hkv, head_dim, k, seed=m)
+    k_cache, v_cache = cache.clone().fill_(7.0), cache.clone().fill_(7.0)
+    q = skinny_gemm_rope_store(xq, wq, b, positions, cos_sin, slots, k_cache, v_cache, hq, tile=tile,
+                               out_dtype=torch.float32, **kw)
+    qkv = skinny_gemm(xq, wq, b, tile=tile, out_dtype=torch.float32, **kw).view(m, hq + 2 * hkv, head_dim)
+    ref_q, ref_k, ref_v = qkv.split([hq, hkv, hkv], dim=1)
+    ref_q = ref_q.clone()
+    ref_k_cache, ref_v_cache = cache.clone().fill_(7.0), cache.clone().fill_(7.0)
+    rope_and_store_kv(ref_q, ref_k, ref_v, positions, cos_sin, ref_k_cache, ref_v_cache, slots)
+    assert q.shape == (m, hq, head_dim)
+    torch.testing.assert_close(q, ref_q, rtol=1e-5, atol=1e-5 * ref_q.abs().max().item())
+    torch.testing.assert_close(k_cache, ref_k_cache, rtol=1e-5, atol=1e-5 * ref_k_cache.abs().max().item())
+    torch.testing.assert_close(v_cache, ref_v_cache, rtol=1e-5, atol=1e-5 * ref_v_cache.abs().max().item())
+    written = torch.zeros(k_cache.shape[0] * k_cache.shape[1], dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    assert (k_cache.view(-1, hkv, head_dim)[written] != 7.0).all()
+    assert (k_cache.view(-1, hkv, head_dim)[~written] == 7.0).all()  # row 1's slot -1 wrote nothing
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "w8a8"])
+@pytest.mark.parametrize("m", [2, 16, 40, 64])
+@pytest.mark.parametrize("shape", [(14, 2, 64, 896), (32, 8, 128, 4096)], ids=["qwen2.5-0.5b", "llama-3.1-8b"])
+def test_gpu_rope_store_model_shapes(m, fp8, shape, poisoned_outputs):
+    """At model shapes on CUDA, against the projection then kernels.rope_kv_store (bf16: within one
+    rounding of q, a bf16 ulp or so)."""
+    from kernels.rope_kv_store import rope_and_store_kv
+    from kernels.skinny_gemm import skinny_gemm_rope_store
+
+    hq, hkv, head_dim, k = shape
+    n = (hq + 2 * hkv) * head_dim
+    if fp8:
+        xq, x_scale, wq, w_scale, b = fp8_operands(m, n, k, device="cuda", seed=m, bias=hq == 14)
+        kw = dict(x_scale=x_scale, weight_scale=w_scale)
+    else:
+        xq, wq, b = float_operands(m, n, k, torch.bfloat16, device="cuda", seed=m, bias=hq == 14)
+        kw = {}
+    positions, cos_sin, slots, cache = rope_case(m, hq, hkv, head_dim, k, device="cuda", seed=m)
+    cache = cache.to(torch.bfloat16)
+    k_cache, v_cache, ref_k_cache, ref_v_cache = (cache.clone() for _ in range(4))
+    q = skinny_gemm_rope_store(xq, wq, b, positions, cos_sin, slots, k_cache, v_cache, hq, **kw)
+    qkv = skinny_gemm(xq, wq, b, **kw).view(m, hq + 2 * hkv, head_dim)
+    ref_q, ref_k, ref_v = qkv.split([hq, hkv, hkv], dim=1)
+    ref_q = ref_q.clone()
+    rope_and_store_kv(ref_q, ref_k, ref_v, positions, cos_sin, ref_k_cache, ref_v_cache, slots)
+    assert rel_err(q, ref_q) < 1e-2 and rel_err(k_cache, ref_k_cache) < 1e-2
+    assert torch.equal(v_cache, ref_v_cache)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add-norm"])
+def test_the_decoder_fuses_rotary_and_the_cache_write_into_the_skinny_qkv(monkeypatch, fp8, residual):
+    """engine/models/layers.py with SKINNY_ROPE_STORE (run here in the interpreter): at 3 rows,
+    fused_qkv_rope_store runs the norm and skinny_gemm_rope_store, and gives the rotated q, the
+    cache writes and the residual of the unfused path (norm_linear, then rotary + store); off,
+    it leaves the rows to that path."""
+    from engine.models import layers
+    from kernels.rope_kv_store import rope_and_store_kv
+
+    monkeypatch.setattr(layers, "_triton", lambda x: True)
+    hq, hkv, head_dim, hidden, m = 4, 2, 16, 64, 3
+    gen = torch.Generator().manual_seed(5)
+    proj = layers.Linear(hidden, (hq + 2 * hkv) * head_dim, bias=True)
+    proj.weight.data = torch.randn(proj.weight.shape, generator=gen).to(torch.bfloat16) / hidden**0.5
+    proj.bias.data = torch.randn(proj.bias.shape, generator=gen).to(torch.bfloat16)
+    if fp8:
+        proj.to_fp8()
+    x = torch.randn(m, hidden, generator=gen).to(torch.bfloat16)
+    res = torch.randn(m, hidden, generator=gen).to(torch.bfloat16) if residual else None
+    w = (torch.rand(hidden, generator=gen) + 0.5).to(torch.bfloat16)
+    positions, cos_sin, slots, cache = rope_case(m, hq, hkv, head_dim, hidden, seed=6)
+    cache = cache.to(torch.bfloat16)
+    k_cache, v_cache, ref_k_cache, ref_v_cache = (cache.clone() for _ in range(4))
+    args = (x, res, w, 1e-6, proj, hq, positions, cos_sin, slots)
+    assert layers.fused_qkv_rope_store(*args, k_cache, v_cache) is None  # off by default
+    monkeypatch.setattr(layers, "SKINNY_ROPE_STORE", True)
+    q, new_res = layers.fused_qkv_rope_store(*args, k_cache, v_cache)
+    qkv, want_res = layers.norm_linear(x, res, w, 1e-6, proj)
+    ref_q, ref_k, ref_v = qkv.view(m, hq + 2 * hkv, head_dim).split([hq, hkv, hkv], dim=1)
+    ref_q = ref_q.clone()
+    rope_and_store_kv(ref_q, ref_k, ref_v, positions, cos_sin, ref_k_cache, ref_v_cache, slots)
+    assert torch.equal(new_res, want_res)
+    assert rel_err(q, ref_q) < 1e-2 and rel_err(k_cache, ref_k_cache) < 1e-2 and rel_err(v_cache, ref_v_cache) < 1e-2
