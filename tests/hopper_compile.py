@@ -59,6 +59,13 @@ def cases() -> dict[str, dict]:
                   KV_SIZE=0, HALF=1, SPLIT=1, PDL=True, DOT_PREC="tf32",
                   BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, IMPRECISE_K=128, PREFETCH_LINES=4)
     fp32_scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "part_ptr": "*fp32"}
+    # as shipped (no prefetch, no rotary), bf16 and W8A8 with the SiLU: the paths every decode batch of 2-64 rows takes
+    out["skinny_bf16"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, PREFETCH_LINES=0), fp32_scales, num_warps=4,
+                                     num_stages=5)
+    out["skinny_w8a8_silu"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, PREFETCH_LINES=0, HAS_SCALES=True,
+                                                                    SILU_MUL=True, BLOCK_K=128),
+                                          dict(fp32_scales, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv"), num_warps=4,
+                                          num_stages=3)
     out["skinny_bf16_prefetch"] = compile_ptx(_skinny_gemm_kernel, skinny, fp32_scales, num_warps=4, num_stages=3)
     out["skinny_bf16_silu_prefetch"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, SILU_MUL=True), fp32_scales,
                                                    num_warps=4, num_stages=3)

@@ -179,7 +179,8 @@ def fused_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_we
         return q, x if residual is None else new_residual
     fp8 = weight.dtype == FP8
     rows_fit = x.shape[0] <= (fp8_weights.FP8_GEMM_MAX_ROWS if fp8 else SKINNY_GEMM_MAX_ROWS)
-    if not (SKINNY_ROPE_STORE and _skinny_applies(x, lm_head=False) and rows_fit and (not fp8 or FP8_NORM_QUANT)):
+    w8a8 = fp8 and FP8_NORM_QUANT and quantizes_activations(x.shape[0])  # the path norm_linear takes then
+    if not (SKINNY_ROPE_STORE and _skinny_applies(x, lm_head=False) and rows_fit and (w8a8 or not fp8)):
         return None
     from kernels.skinny_gemm import skinny_gemm_rope_store
 
