@@ -158,3 +158,7 @@ fp8-8b)  # Llama-3.1-8B: the FP8 gate_up through W8A8 at batch 1 (A/B, interleav
     --skip-transformers --max-num-seqs 64 --load-format dummy --out "$OUT/decode_8b_bf16.json" 2>&1 | grep -E " graphs"
   ;;
 esac
+# the device returns at most 8 files from $OUT: past 5 JSON files, they come back as one tar
+if [ "$(ls "$OUT"/*.json 2>/dev/null | wc -l)" -gt 5 ]; then
+  (cd "$OUT" && tar czf results.tgz ./*.json && rm -f ./*.json)
+fi
