@@ -172,6 +172,9 @@ def main() -> None:
     parser.add_argument("--skinny-rope-store", choices=["on", "off"], default=None,
                         help="qkv, rotary and the KV-cache write in one skinny GEMM from 2 rows "
                              "(engine/models/layers.py SKINNY_ROPE_STORE; A/B)")
+    parser.add_argument("--gemv-grouped-sum", choices=["on", "off"], default=None,
+                        help="the FP8 GEMV sums its products in groups of 16 before the accumulator "
+                             "(kernels/gemv.py GROUPED_SUM; A/B)")
     parser.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
                         help="dummy: random weights made on the GPUs, no files (e.g. llama-3.1-70b over --tp 2)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
@@ -211,6 +214,10 @@ def main() -> None:
     layers.FP8_NORM_QUANT = args.fp8_norm_quant == "on"
     if args.fp8_gemv_max_rows is not None:
         layers.FP8_GEMV_MAX_ROWS = args.fp8_gemv_max_rows
+    if args.gemv_grouped_sum is not None:
+        import importlib
+
+        importlib.import_module("kernels.gemv").GROUPED_SUM = args.gemv_grouped_sum == "on"
     if args.skinny_rope_store is not None:
         layers.SKINNY_ROPE_STORE = args.skinny_rope_store == "on"
     if args.skinny_gemm_max_rows is not None:

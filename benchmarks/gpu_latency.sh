@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only|fp8-norm-ab|skinny-final|pdl-elementwise|pdl-elementwise-8b|fp8-8b
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only|fp8-norm-ab|skinny-final|pdl-elementwise|pdl-elementwise-8b|fp8-grouped|fp8-8b
 set -u
 PART=${1:-tests}
 . benchmarks/gpu_env.sh
@@ -145,6 +145,18 @@ pdl-elementwise-8b)  # the same arms on Llama-3.1-8B, bf16 and FP8, once each
     timeout 140 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 64 --chunks 8 --no-eager \
       --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 $(arms $run) \
       --out "$OUT/decode_8b_pdl_$run.json" 2>&1 | grep -E " graphs"
+  done
+  ;;
+fp8-grouped)  # the FP8 GEMV with grouped sums (kernels/gemv.GROUPED_SUM): its GPU tests, the 8B projections at one row
+  # (default tile and a sweep, grouped off and on), then 8B FP8 decode at batch 1, interleaved
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py -k "fp8_weights" \
+    > "$OUT/gpu_tests.log" 2>&1; tail -3 "$OUT/gpu_tests.log"
+  timeout 200 python3 benchmarks/gemv_bench.py --models llama-3.1-8b --rows 1 --weights fp8 --projections qkv o down \
+    --sweep --grouped-sum both --out "$OUT/gemv_bench_grouped.json" 2>&1 | grep -E "grouped=" | quiet
+  for run in on-1 off-1 on-2 off-2; do
+    timeout 60 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 8 --load-format dummy --quantization fp8 --gemv-grouped-sum ${run%-*} \
+      --out "$OUT/decode_8b_fp8_grouped_$run.json" 2>&1 | grep -E " graphs"
   done
   ;;
 fp8-8b)  # Llama-3.1-8B: the FP8 gate_up through W8A8 at batch 1 (A/B, interleaved), bf16 for reference

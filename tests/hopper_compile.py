@@ -5,7 +5,11 @@ ptxas, and print what the PTX holds (JSON). Run as a script in a process without
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -44,16 +48,27 @@ def compile_kernel(fn, constexprs: dict, pointers: dict[str, str] | None = None,
     return kernel
 
 
-def compile_ptx(fn, constexprs: dict, pointers: dict[str, str] | None = None, **options) -> str:
-    return compile_kernel(fn, constexprs, pointers, **options).asm["ptx"]
+def compile_ptx(fn, constexprs: dict, pointers: dict[str, str] | None = None, **options):
+    return compile_kernel(fn, constexprs, pointers, **options)
 
 
-def summary(ptx: str) -> dict:
-    lines = [line.strip() for line in ptx.splitlines()]
+def registers(cubin: bytes) -> int:
+    """Registers per thread, from Triton's own cuobjdump."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1))
+
+
+def summary(kernel) -> dict:
+    lines = [line.strip() for line in kernel.asm["ptx"].splitlines()]
     first = {key: next((i for i, line in enumerate(lines) if line.startswith(key)), None)
              for key in ("prefetch.global.L2", "griddepcontrol.wait", "griddepcontrol.launch_dependents")}
     return dict(prefetches=sum(line.startswith("prefetch.global.L2") for line in lines),
-                waits=sum(line.startswith("griddepcontrol.wait") for line in lines), first_line=first)
+                waits=sum(line.startswith("griddepcontrol.wait") for line in lines), first_line=first,
+                registers=registers(kernel.asm["cubin"]))
 
 
 def cases() -> dict[str, dict]:
@@ -98,7 +113,16 @@ def cases() -> dict[str, dict]:
     out["quantize_rows_fp8"] = compile_ptx(_quantize_rows_fp8_kernel, dict(BLOCK_K=1024, SINGLE_BLOCK=True,
                                                                            SCALE_BY_RECIPROCAL=True, PDL=True),
                                            {"q_ptr": "*u8", "scale_ptr": "*fp32"}, num_warps=4)
-    return {name: summary(ptx) for name, ptx in out.items()}
+    from kernels.gemv import _gemv_kernel
+
+    gemv = dict(HAS_NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, HAS_W_SCALE=True, SILU_MUL=False, ROPE_STORE=False,
+                Q_SIZE=0, KV_SIZE=0, HALF=1, PDL=True, BLOCK_N=4, BLOCK_K=2048, SUM_GROUP=1)
+    gemv_ptrs = {"w_ptr": "*i8", "w_scale_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32"}
+    sizes = ("N", "K", "stride_x", "stride_r", "stride_ro", "stride_w", "stride_o")
+    for group in (1, 16):  # Llama-3.1-8B's FP8 down_proj tile at one row, with and without GROUPED_SUM
+        out[f"gemv_fp8_down_group{group}"] = compile_kernel(_gemv_kernel, dict(gemv, SUM_GROUP=group), gemv_ptrs, sizes,
+                                                            num_warps=4)
+    return {name: summary(kernel) for name, kernel in out.items()}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ references themselves are checked once against a naive dense computation.
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 import torch
@@ -478,10 +480,13 @@ def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale
 
 
+@pytest.mark.parametrize("grouped_sum", [False, True])
 @pytest.mark.parametrize("silu_mul", [False, True])
-def test_gemv_fp8_weights_dequantized_in_registers(silu_mul):
+def test_gemv_fp8_weights_dequantized_in_registers(silu_mul, grouped_sum, monkeypatch):
     """FP8 rows times their scale: the dequantized weight's product, over several K tiles (the next
-    tile read ahead of its use), with the fused norm and SiLU-and-mul."""
+    tile read ahead of its use), with the fused norm and SiLU-and-mul; also with the products summed
+    in groups of 16 before the accumulator (kernels/gemv.GROUPED_SUM)."""
+    monkeypatch.setattr(importlib.import_module("kernels.gemv"), "GROUPED_SUM", grouped_sum)
     gen, x, w = _gemv_case(2, 2 * 40 if silu_mul else 40, 300, seed=28)
     w = w * torch.logspace(-2, 1, w.shape[0])[:, None]  # rows of different sizes: the scales matter
     q, scale = _fp8(w)
@@ -498,7 +503,9 @@ def test_gemv_fp8_weights_dequantized_in_registers(silu_mul):
         gemv(x, q, weight_scale=scale[:-1])
 
 
-def test_gemv_rope_store_fp8_weights():
+@pytest.mark.parametrize("grouped_sum", [False, True])
+def test_gemv_rope_store_fp8_weights(grouped_sum, monkeypatch):
+    monkeypatch.setattr(importlib.import_module("kernels.gemv"), "GROUPED_SUM", grouped_sum)
     gen = torch.Generator().manual_seed(32)
     hq, hkv, head_dim, hidden, rows = 4, 2, 16, 40, 2
     n = (hq + 2 * hkv) * head_dim

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from tensor_checks import rel_err
@@ -390,12 +392,15 @@ def test_gemv_rope_store_real_shapes(shape, hidden, bias, poisoned_outputs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grouped_sum", [False, True])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("name", [n for n in sorted(GEMV_SHAPES) if "lm_head" not in n])
-def test_gemv_fp8_weights_real_shapes(name, rows, poisoned_outputs):
+def test_gemv_fp8_weights_real_shapes(name, rows, grouped_sum, poisoned_outputs, monkeypatch):
     """FP8 weights (e4m3, a float32 scale per row) dequantized in registers: the float32 product
-    with the dequantized weight."""
+    with the dequantized weight (also with kernels/gemv.GROUPED_SUM)."""
     from engine.models.fp8 import quantize_per_channel
+
+    monkeypatch.setattr(importlib.import_module("kernels.gemv"), "GROUPED_SUM", grouped_sum)
 
     n, k, norm, bias, silu = GEMV_SHAPES[name]
     gen = torch.Generator(device=DEV).manual_seed(rows + 100)
