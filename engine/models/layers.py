@@ -177,10 +177,12 @@ def fused_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_we
         q, new_residual = gemv_rope_store(x, weight, qkv_proj.bias, *rope, norm_weight=norm_weight, residual=residual,
                                           eps=eps, weight_scale=scale)
         return q, x if residual is None else new_residual
+    if not SKINNY_ROPE_STORE or not _skinny_applies(x, lm_head=False):
+        return None
     fp8 = weight.dtype == FP8
     rows_fit = x.shape[0] <= (fp8_weights.FP8_GEMM_MAX_ROWS if fp8 else SKINNY_GEMM_MAX_ROWS)
     w8a8 = fp8 and FP8_NORM_QUANT and quantizes_activations(x.shape[0])  # the path norm_linear takes then
-    if not (SKINNY_ROPE_STORE and _skinny_applies(x, lm_head=False) and rows_fit and (w8a8 or not fp8)):
+    if not rows_fit or (fp8 and not w8a8):
         return None
     from kernels.skinny_gemm import skinny_gemm_rope_store
 
