@@ -192,7 +192,9 @@ def test_server_with_two_ranks_serves_one_ranks_tokens_and_dies_with_a_rank(tmp_
         assert len(ranks) == 1
         server.dump_stacks(settle=0.0)  # SIGUSR1 to the core, the front end and rank 1: stacks, and they go on
         deadline = time.monotonic() + 10
-        while "engine/tp_worker.py" not in server.log and time.monotonic() < deadline:
+        # each process writes its stacks when it gets the signal: wait for both, not the first
+        while not ("engine/tp_worker.py" in server.log and "engine/core_loop.py" in server.log) \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "engine/tp_worker.py" in server.log and "engine/core_loop.py" in server.log, server.log[-2000:]
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
