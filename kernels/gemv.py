@@ -44,7 +44,9 @@ _Y_RESCALE = tl.constexpr(2.0**56)
 # [BLOCK_N, BLOCK_K]: compiled for sm_90, Llama-3.1-8B's down tile takes 56 registers instead of 118
 # and gate_up's 79 instead of 126, so twice the programs fit an SM and twice the weight bytes are in
 # flight (the FP8 GEMV reaches 51-72% of copy bandwidth, bf16's 81-90%). The sums change order, not
-# precision. Off until measured on the GPU (benchmarks/decode_latency.py --gemv-grouped-sum on).
+# precision. Off: slower on the H200, 2026-12-02 despite the registers. 8B FP8 batch 1 311.9 / 312.0
+# vs 341.7 / 341.5 tok/s (decode_latency.py --gemv-grouped-sum on|off); per projection at its best tile
+# qkv 12.34 vs 11.83 us, o 7.80 vs 6.85, down 20.50 vs 19.05 (gemv_bench.py --grouped-sum both --sweep).
 GROUPED_SUM = False
 _SUM_GROUP = 16
 

@@ -45,7 +45,10 @@ SKINNY_GEMM_MAX_ROWS = 64
 FP8_NORM_QUANT = True
 # Decode batches the skinny GEMM takes (2 rows and up) run qkv with rotary and the KV-cache write in
 # its epilogue (kernels/skinny_gemm.py skinny_gemm_rope_store, as the GEMV does at one row): one kernel
-# fewer a layer. Off until measured on the GPU (benchmarks/decode_latency.py --skinny-rope-store on).
+# fewer a layer. Off: slower on the H200, 2026-12-02 (decode_latency.py --skinny-rope-store on|off):
+# 0.5B batch 64 57,579 / 58,772 vs 59,759 / 59,853 tok/s, 8B FP8 batch 64 14,191 vs 14,865, batch 8
+# 2,359 vs 2,433; only 8B bf16 batch 8 gained (1,772 vs 1,755). The epilogue's per-tile rotary costs
+# more than the kernel it saves.
 SKINNY_ROPE_STORE = False
 
 
