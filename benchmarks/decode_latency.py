@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -207,16 +208,12 @@ def main() -> None:
     _common.PDL = args.pdl == "on"
     if args.pdl_elementwise is not None:
         _common.PDL_ELEMENTWISE = args.pdl_elementwise == "on"
-    if args.skinny_prefetch is not None:
-        from kernels import skinny_gemm
-
-        skinny_gemm.PREFETCH_BEFORE_WAIT = args.skinny_prefetch == "on"
+    if args.skinny_prefetch is not None:  # the module: the package exports a function of its name
+        importlib.import_module("kernels.skinny_gemm").PREFETCH_BEFORE_WAIT = args.skinny_prefetch == "on"
     layers.FP8_NORM_QUANT = args.fp8_norm_quant == "on"
     if args.fp8_gemv_max_rows is not None:
         layers.FP8_GEMV_MAX_ROWS = args.fp8_gemv_max_rows
     if args.gemv_grouped_sum is not None:
-        import importlib
-
         importlib.import_module("kernels.gemv").GROUPED_SUM = args.gemv_grouped_sum == "on"
     if args.skinny_rope_store is not None:
         layers.SKINNY_ROPE_STORE = args.skinny_rope_store == "on"
