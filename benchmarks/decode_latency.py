@@ -193,6 +193,9 @@ def main() -> None:
                              "GEMM instead of cuBLAS; A/B)")
     parser.add_argument("--fp8-norm-quant", choices=["on", "off"], default="on",
                         help="the RMSNorm before an FP8 projection quantizes its input (off: a separate kernel; A/B)")
+    parser.add_argument("--attention-prefetch", type=int, default=None,
+                        help="override kernels/decode_attention.py's PREFETCH_TILES (tiles of KV rows each program "
+                             "asks L2 for before its PDL wait; 0: none; A/B)")
     parser.add_argument("--attention-min-split-tokens", type=int, default=None,
                         help="override kernels/decode_attention.py's fewest KV tokens per split (A/B)")
     parser.add_argument("--tp-only", action="store_true",
@@ -223,10 +226,11 @@ def main() -> None:
         layers.FP8_GATE_UP_GEMV_MAX_ROWS = args.fp8_gate_up_gemv_max_rows
     if args.fp8_weight_only_max_rows is not None:
         fp8.FP8_WEIGHT_ONLY_MAX_ROWS = args.fp8_weight_only_max_rows
+    decode_attention = importlib.import_module("kernels.decode_attention")
     if args.attention_min_split_tokens is not None:
-        from kernels import decode_attention
-
         decode_attention._MIN_TOKENS_PER_SPLIT = args.attention_min_split_tokens
+    if args.attention_prefetch is not None:
+        decode_attention.PREFETCH_TILES = args.attention_prefetch
 
     cuda = args.device != "cpu"
     bandwidth = copy_bandwidth()["gb_per_s"] * 1e9 if cuda else None

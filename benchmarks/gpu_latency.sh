@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only|fp8-norm-ab|skinny-final|pdl-elementwise|pdl-elementwise-8b|fp8-grouped|fp8-8b
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only|fp8-norm-ab|skinny-final|pdl-elementwise|pdl-elementwise-8b|fp8-grouped|fp8-8b|attention-prefetch
 set -u
 PART=${1:-tests}
 . benchmarks/gpu_env.sh
@@ -157,6 +157,19 @@ fp8-grouped)  # the FP8 GEMV with grouped sums (kernels/gemv.GROUPED_SUM): its G
     timeout 60 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
       --skip-transformers --max-num-seqs 8 --load-format dummy --quantization fp8 --gemv-grouped-sum ${run%-*} \
       --out "$OUT/decode_8b_fp8_grouped_$run.json" 2>&1 | grep -E " graphs"
+  done
+  ;;
+attention-prefetch)  # decode attention's KV prefetch before its PDL wait and the skinny GEMM's weight prefetch:
+  # their GPU tests, then 0.5B at 1 / 8 / 64, four arms interleaved twice (none, attention, skinny, both)
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py \
+    -k "programmatic or decode_attention" > "$OUT/gpu_tests.log" 2>&1; tail -3 "$OUT/gpu_tests.log"
+  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
+  for run in none-1 attn-1 skinny-1 both-1 none-2 attn-2 skinny-2 both-2; do
+    a=$(case ${run%-*} in attn|both) echo 2 ;; *) echo 0 ;; esac)
+    s=$(case ${run%-*} in skinny|both) echo on ;; *) echo off ;; esac)
+    timeout 60 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 8 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --attention-prefetch $a --skinny-prefetch $s \
+      --out "$OUT/decode_qwen_prefetch_$run.json" 2>&1 | grep -E " graphs"
   done
   ;;
 fp8-8b)  # Llama-3.1-8B: the FP8 gate_up through W8A8 at batch 1 (A/B, interleaved), bf16 for reference

@@ -18,6 +18,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._common import attention_output, check_kv_cache, dot_precision, sm_count, use_pdl
+from kernels._prefetch import prefetch_l2
 
 _LOG2E = 1.4426950408889634
 # Split-count heuristic, tuned on an H200 (benchmarks/kernel_bench.py --sweep): aim for about
@@ -29,6 +30,11 @@ _LOG2E = 1.4426950408889634
 _PROGRAMS_PER_SM = 4
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 64
+# With PDL, each program asks L2 for the K and V rows of its split's first PREFETCH_TILES tiles
+# before it waits for the kernel before it (the qkv projection): those rows were written in earlier
+# steps, and at short contexts the DRAM latency of the first tile is most of the kernel's time.
+# Off until measured on the GPU (benchmarks/decode_latency.py --attention-prefetch on A/Bs it).
+PREFETCH_TILES = 0
 
 
 @triton.jit
@@ -50,33 +56,37 @@ def _decode_attention_kernel(
     WRITE_PARTIAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH_TILES: tl.constexpr,
 ):
+    """PREFETCH_TILES: tiles of K and V rows to prefetch into L2 before the PDL wait (0: none)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // NUM_KV_HEADS
     kvh = pid % NUM_KV_HEADS
-    # the step's context lengths come from a kernel at least two launches back: complete (PDL)
+    offs_n = tl.arange(0, BLOCK_N)
+    # the step's context lengths and block tables come from kernels at least two launches back:
+    # complete (PDL), so they and the KV rows of earlier steps may be read before the wait
     ctx = tl.load(context_lens_ptr + b)
+    num_tiles = tl.cdiv(ctx, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    t_start = split * tiles_per_split
+    t_end = tl.minimum(t_start + tiles_per_split, num_tiles)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    head_off = kvh * HEAD_DIM
+    for i in tl.static_range(PREFETCH_TILES):
+        _prefetch_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, t_start + i, t_end, ctx, head_off, stride_cb, stride_ct,
+                          HEAD_DIM, BLOCK_SIZE, BLOCK_N)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
     g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g
 
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None], other=0.0)
-
-    num_tiles = tl.cdiv(ctx, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    t_start = split * tiles_per_split
-    t_end = tl.minimum(t_start + tiles_per_split, num_tiles)
-
-    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    head_off = kvh * HEAD_DIM
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -110,6 +120,22 @@ def _decode_attention_kernel(
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _prefetch_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, t, t_end, ctx, head_off, stride_cb, stride_ct,
+                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Ask L2 for the K and V rows of tile t (when t < t_end): every 128-byte line of each token's head
+    row. Tokens past the range point into block 0, which the engine keeps allocated."""
+    per_line: tl.constexpr = 1024 // k_cache_ptr.dtype.element_ty.primitive_bitwidth
+    lines: tl.constexpr = (HEAD_DIM + per_line - 1) // per_line
+    tok = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = (tok < ctx) & (t < t_end)
+    blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    row = tl.where(valid, blk * stride_cb + (tok % BLOCK_SIZE) * stride_ct + head_off, head_off)
+    offs = row[:, None] + tl.minimum(tl.arange(0, lines) * per_line, HEAD_DIM - 1)[None, :]
+    prefetch_l2(k_cache_ptr + offs)
+    prefetch_l2(v_cache_ptr + offs)
 
 
 @triton.jit
@@ -245,6 +271,7 @@ def paged_decode_attention(
         WRITE_PARTIAL=num_splits > 1,
         DOT_PREC=dot_precision(q.dtype),
         PDL=pdl,
+        PREFETCH_TILES=PREFETCH_TILES if pdl else 0,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         launch_pdl=pdl,

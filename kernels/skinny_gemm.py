@@ -32,6 +32,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._common import dot_precision, rope_store_shapes, sm_count, use_pdl
+from kernels._prefetch import prefetch_l2
 from kernels.gemv import _rope_store_epilogue
 
 FP8 = torch.float8_e4m3fn
@@ -165,13 +166,11 @@ def _dequantized(acc, rows, offs_m, n_mask, m_mask, x_scale_ptr, w_scale_ptr, HA
 
 @triton.jit
 def _prefetch_l2(w_ptr, rows, stride_w, k_start, k_end, LINES: tl.constexpr):
-    """Ask L2 for the first LINES 128-byte lines of each row's weights from k_start (prefetch.global.L2:
-    no registers taken, nothing waits for it; addresses clamped to the rows' last element)."""
+    """Ask L2 for the first LINES 128-byte lines of each row's weights from k_start (addresses clamped
+    to the rows' last element)."""
     per_line = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
     offs = tl.minimum(k_start + tl.arange(0, LINES) * per_line, k_end - 1)
-    ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_w + offs[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
-                              dtype=tl.int32, is_pure=False, pack=1)
+    prefetch_l2(w_ptr + rows.to(tl.int64)[:, None] * stride_w + offs[None, :])
 
 
 @triton.jit

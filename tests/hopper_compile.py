@@ -122,6 +122,19 @@ def cases() -> dict[str, dict]:
     for group in (1, 16):  # Llama-3.1-8B's FP8 down_proj tile at one row, with and without GROUPED_SUM
         out[f"gemv_fp8_down_group{group}"] = compile_kernel(_gemv_kernel, dict(gemv, SUM_GROUP=group), gemv_ptrs, sizes,
                                                             num_warps=4)
+    from kernels.decode_attention import _decode_attention_kernel
+
+    attention_ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_m_ptr": "*fp32",
+                      "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}
+    strides = ("stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_bt", "stride_ob", "stride_oh")
+    # Qwen2.5-0.5B's (7 q heads a KV head, D 64, 128-token tiles) and Llama-3.1-8B's (4, D 128, 64-token tiles)
+    for name, group, head_dim, block_n, stages in (("qwen", 7, 64, 128, 2), ("llama", 4, 128, 64, 3)):
+        attention = dict(NUM_KV_HEADS=2 if name == "qwen" else 8, GROUP=group, GROUP_PAD=16, HEAD_DIM=head_dim,
+                         BLOCK_SIZE=16, BLOCK_N=block_n, WRITE_PARTIAL=True, DOT_PREC="tf32", PDL=True)
+        for tiles in (0, 2):
+            out[f"attention_{name}_prefetch{tiles}"] = compile_kernel(
+                _decode_attention_kernel, dict(attention, PREFETCH_TILES=tiles), attention_ptrs, strides,
+                num_warps=4, num_stages=stages)
     return {name: summary(kernel) for name, kernel in out.items()}
 
 

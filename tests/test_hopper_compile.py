@@ -1,7 +1,8 @@
 """The GPU-only code paths of our kernels compile for an H100/H200 (sm_90) on this CPU machine:
 programmatic dependent launch of the kernels between the projections (kernels/_common.PDL_ELEMENTWISE),
 the skinny GEMM's weight prefetch before its PDL wait (kernels/skinny_gemm.PREFETCH_BEFORE_WAIT), and
-its rotary + KV-store epilogue on the tensor cores' layout (layers.SKINNY_ROPE_STORE).
+its rotary + KV-store epilogue on the tensor cores' layout (layers.SKINNY_ROPE_STORE), and decode
+attention's KV prefetch before its wait (kernels/decode_attention.PREFETCH_TILES).
 The interpreter never runs them, and CI has no GPU; Triton's own compiler and ptxas do, in a
 process without TRITON_INTERPRET (tests/hopper_compile.py)."""
 
@@ -29,7 +30,8 @@ def compiled() -> dict[str, dict]:
 @pytest.mark.parametrize("kernel", ["rms_norm", "rms_norm_fp8", "rope_kv_store", "silu_and_mul", "quantize_rows_fp8",
                                     "skinny_bf16_prefetch", "skinny_bf16_silu_prefetch", "skinny_w8a8_silu_prefetch",
                                     "skinny_bf16_rope_prefetch", "skinny_w8a8_rope_prefetch", "skinny_bf16",
-                                    "skinny_w8a8_silu"])
+                                    "skinny_w8a8_silu", "attention_qwen_prefetch0", "attention_qwen_prefetch2",
+                                    "attention_llama_prefetch2"])
 def test_the_pdl_variant_compiles_and_waits_for_the_kernel_before(compiled, kernel):
     assert compiled[kernel]["waits"] >= 1
     first = compiled[kernel]["first_line"]
@@ -51,3 +53,13 @@ def test_the_grouped_fp8_gemv_holds_fewer_registers(compiled):
     """kernels/gemv.GROUPED_SUM: with the products summed in groups of 16 before the accumulator, the
     FP8 GEMV's down_proj tile needs well under the registers it needs without (more programs an SM)."""
     assert compiled["gemv_fp8_down_group16"]["registers"] < 0.75 * compiled["gemv_fp8_down_group1"]["registers"]
+
+
+@pytest.mark.parametrize("model", ["qwen", "llama"])
+def test_decode_attention_prefetches_its_first_kv_tiles_before_it_waits(compiled, model):
+    """Two tiles of K and V rows (128 tokens of 128 bytes, or 64 of 256), one line a thread each: 4
+    prefetches, all before the wait; none with PREFETCH_TILES 0."""
+    assert compiled[f"attention_{model}_prefetch0"]["prefetches"] == 0
+    kernel = compiled[f"attention_{model}_prefetch2"]
+    assert kernel["prefetches"] == 2 * 2
+    assert kernel["first_line"]["prefetch.global.L2"] < kernel["first_line"]["griddepcontrol.wait"]

@@ -86,7 +86,10 @@ def decode_ref(q, k_cache, v_cache, block_tables, context_lens):
         (3, 8192, QWEN_05B, None),
     ],
 )
-def test_decode_attention_real_shapes(batch, max_ctx, shape, num_splits):
+@pytest.mark.parametrize("prefetch_tiles", [0, 2])
+def test_decode_attention_real_shapes(batch, max_ctx, shape, num_splits, prefetch_tiles, monkeypatch):
+    """prefetch_tiles: kernels/decode_attention.PREFETCH_TILES (the KV rows asked of L2 before the PDL wait)."""
+    monkeypatch.setattr(importlib.import_module("kernels.decode_attention"), "PREFETCH_TILES", prefetch_tiles)
     q, k_cache, v_cache, bt, cl = decode_case(batch, max_ctx, **shape)
     out = nan_like(q)
     paged_decode_attention(q, k_cache, v_cache, bt, cl, q.shape[-1] ** -0.5, num_splits=num_splits, out=out)
@@ -419,11 +422,17 @@ def test_gemv_fp8_weights_real_shapes(name, rows, grouped_sum, poisoned_outputs,
 
 
 @pytest.mark.gpu
-def test_programmatic_dependent_launch_keeps_a_chain_of_kernels_in_order():
+@pytest.mark.parametrize("prefetch_tiles", [0, 2])
+def test_programmatic_dependent_launch_keeps_a_chain_of_kernels_in_order(prefetch_tiles, monkeypatch):
     """A decoder-like chain (GEMVs that read what the one before wrote, attention between them)
     captured in a CUDA graph with programmatic dependent launch gives bit for bit what it gives
-    launched one by one without it: no kernel reads its input before the kernel before wrote it."""
+    launched one by one without it: no kernel reads its input before the kernel before wrote it.
+    Every layer writes the same cache slot, which the attention after it reads: with prefetch_tiles
+    (decode_attention.PREFETCH_TILES) it asks L2 for that row before its wait, and must still see the
+    value the qkv kernel before it wrote."""
     from kernels import _common
+
+    monkeypatch.setattr(importlib.import_module("kernels.decode_attention"), "PREFETCH_TILES", prefetch_tiles)
 
     gen = torch.Generator(device=DEV).manual_seed(7)
     hidden, hq, hkv, head_dim, inter = 896, 14, 2, 64, 4864
