@@ -33,8 +33,12 @@ _MAX_SPLITS = 64
 # With PDL, each program asks L2 for the K and V rows of its split's first PREFETCH_TILES tiles
 # before it waits for the kernel before it (the qkv projection): those rows were written in earlier
 # steps, and at short contexts the DRAM latency of the first tile is most of the kernel's time.
-# Off until measured on the GPU (benchmarks/decode_latency.py --attention-prefetch on A/Bs it).
-PREFETCH_TILES = 0
+# Batches up to PREFETCH_MAX_BATCH only. H200, 2026-12-02 (decode_latency.py --attention-prefetch 2|0,
+# interleaved): Qwen2.5-0.5B batch 1 1,790-1,801 vs 1,751-1,761 tok/s, batch 8 10,359 / 10,440 vs
+# 10,268 / 10,256, but batch 64 58,797 / 59,034 vs 59,965 / 60,115; Llama-3.1-8B batch 1 246.7 vs
+# 245.4, batch 8 1,790 vs 1,788.
+PREFETCH_TILES = 2
+PREFETCH_MAX_BATCH = 8
 
 
 @triton.jit
@@ -271,7 +275,7 @@ def paged_decode_attention(
         WRITE_PARTIAL=num_splits > 1,
         DOT_PREC=dot_precision(q.dtype),
         PDL=pdl,
-        PREFETCH_TILES=PREFETCH_TILES if pdl else 0,
+        PREFETCH_TILES=PREFETCH_TILES if pdl and batch <= PREFETCH_MAX_BATCH else 0,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         launch_pdl=pdl,

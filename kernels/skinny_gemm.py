@@ -38,8 +38,9 @@ from kernels.gemv import _rope_store_epilogue
 FP8 = torch.float8_e4m3fn
 # With PDL, each program asks L2 for the first weight tiles its pipeline will load (prefetch.global.L2:
 # no registers, no wait) before it waits for the kernel before it, as the GEMV loads its first tile
-# early. Off until measured: the first A/B (2026-12-02) never turned it on (decode_latency.py set the
-# switch on the package's skinny_gemm function, not this module). The GPU tests pass with it on.
+# early. Off: no faster on the H200, 2026-12-02 (decode_latency.py --skinny-prefetch on|off, interleaved):
+# Qwen2.5-0.5B batch 8 10,105 / 10,119 vs 10,268 / 10,256 tok/s, batch 64 59,487 / 59,934 vs 59,965 /
+# 60,115. The GPU tests pass with it on.
 PREFETCH_BEFORE_WAIT = False
 # weight-only FP8: x * 2^-8 in fp16 overflows only past 16.7M, and loses bits only below 2^-16
 # (absolute error < 2^-17 there), far finer than x's own bf16 rounding; the result is scaled back

@@ -74,6 +74,13 @@ def decode_ref(q, k_cache, v_cache, block_tables, context_lens):
     return paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, context_lens, scale)
 
 
+def use_attention_prefetch(monkeypatch, tiles: int) -> None:
+    """Decode attention prefetches `tiles` KV tiles before its PDL wait, whatever the batch."""
+    module = importlib.import_module("kernels.decode_attention")
+    monkeypatch.setattr(module, "PREFETCH_TILES", tiles)
+    monkeypatch.setattr(module, "PREFETCH_MAX_BATCH", 1 << 30)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "batch,max_ctx,shape,num_splits",
@@ -88,8 +95,9 @@ def decode_ref(q, k_cache, v_cache, block_tables, context_lens):
 )
 @pytest.mark.parametrize("prefetch_tiles", [0, 2])
 def test_decode_attention_real_shapes(batch, max_ctx, shape, num_splits, prefetch_tiles, monkeypatch):
-    """prefetch_tiles: kernels/decode_attention.PREFETCH_TILES (the KV rows asked of L2 before the PDL wait)."""
-    monkeypatch.setattr(importlib.import_module("kernels.decode_attention"), "PREFETCH_TILES", prefetch_tiles)
+    """prefetch_tiles: kernels/decode_attention.PREFETCH_TILES (the KV rows asked of L2 before the PDL
+    wait), at every batch here."""
+    use_attention_prefetch(monkeypatch, prefetch_tiles)
     q, k_cache, v_cache, bt, cl = decode_case(batch, max_ctx, **shape)
     out = nan_like(q)
     paged_decode_attention(q, k_cache, v_cache, bt, cl, q.shape[-1] ** -0.5, num_splits=num_splits, out=out)
@@ -432,7 +440,7 @@ def test_programmatic_dependent_launch_keeps_a_chain_of_kernels_in_order(prefetc
     value the qkv kernel before it wrote."""
     from kernels import _common
 
-    monkeypatch.setattr(importlib.import_module("kernels.decode_attention"), "PREFETCH_TILES", prefetch_tiles)
+    use_attention_prefetch(monkeypatch, prefetch_tiles)
 
     gen = torch.Generator(device=DEV).manual_seed(7)
     hidden, hq, hkv, head_dim, inter = 896, 14, 2, 64, 4864
