@@ -193,6 +193,8 @@ def main() -> None:
                              "GEMM instead of cuBLAS; A/B)")
     parser.add_argument("--fp8-norm-quant", choices=["on", "off"], default="on",
                         help="the RMSNorm before an FP8 projection quantizes its input (off: a separate kernel; A/B)")
+    parser.add_argument("--gemv-long-k-block", type=int, default=None,
+                        help="override kernels/gemv.py's LONG_K_BLOCK_K (bf16 down_proj's K tile at batch 1; A/B)")
     parser.add_argument("--attention-prefetch", type=int, default=None,
                         help="override kernels/decode_attention.py's PREFETCH_TILES (tiles of KV rows each program "
                              "asks L2 for before its PDL wait; 0: none; A/B)")
@@ -216,6 +218,8 @@ def main() -> None:
     layers.FP8_NORM_QUANT = args.fp8_norm_quant == "on"
     if args.fp8_gemv_max_rows is not None:
         layers.FP8_GEMV_MAX_ROWS = args.fp8_gemv_max_rows
+    if args.gemv_long_k_block is not None:
+        importlib.import_module("kernels.gemv").LONG_K_BLOCK_K = args.gemv_long_k_block
     if args.gemv_grouped_sum is not None:
         importlib.import_module("kernels.gemv").GROUPED_SUM = args.gemv_grouped_sum == "on"
     if args.skinny_rope_store is not None:

@@ -125,12 +125,12 @@ def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles:
 
 def sweep_tiles(fp8: bool = False, grouped: bool = False):
     """Tiles whose accumulator takes at most 64 registers a thread (grouped sums: 16 products per
-    accumulator register, so tiles up to 4x larger still fit)."""
+    accumulator register, so tiles up to 4x larger still fit); bf16 2048-wide K tiles for one or two rows."""
     from kernels.gemv import GemvTile
 
     per_thread = 256 if grouped else 64
     return [GemvTile(bn, bk, w) for bn in (1, 2, 4, 8, 16, 32, 64) for bk in (256, 512, 1024, 2048)
-            for w in (4, 8) if bn * bk <= w * 32 * per_thread and (fp8 or bk <= 1024)]
+            for w in (4, 8) if bn * bk <= w * 32 * per_thread and (fp8 or bk <= 1024 or bn <= 2)]
 
 
 def main() -> int:
@@ -144,11 +144,15 @@ def main() -> int:
     p.add_argument("--grouped-sum", choices=["on", "off", "both"], default="off",
                    help="FP8: products summed in groups of 16 before the accumulator (kernels/gemv.py GROUPED_SUM)")
     p.add_argument("--projections", nargs="+", help="only these (qkv o gate_up down lm_head)")
+    p.add_argument("--max-registers", nargs="+", type=int, default=[],
+                   help="also time the default tile with each of these register caps (GemvTile.max_registers)")
+    p.add_argument("--tiles", nargs="+", default=[],
+                   help="also time these tiles: block_n,block_k,num_warps[,max_registers] each")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results" / f"gemv_bench-{dt.date.today()}.json")
     args = p.parse_args()
 
     from kernels._common import sm_count
-    from kernels.gemv import default_gemv_tile
+    from kernels.gemv import GemvTile, default_gemv_tile
 
     copy = copy_bandwidth(2048, 100)
     print(f"device-to-device copy: {copy['gb_per_s']:.0f} GB/s")
@@ -164,7 +168,8 @@ def main() -> int:
             for rows in args.rows:
                 default = default_gemv_tile(rows, n // 2 if silu else n, k, sm_count(torch.device("cuda")), silu,
                                             1 if fp8 else 2)
-                tiles = [default]
+                tiles = [default] + [default._replace(max_registers=r) for r in args.max_registers]
+                tiles += [GemvTile(*map(int, spec.split(","))) for spec in args.tiles]
                 if args.sweep:
                     grouped = fp8 and True in grouped_settings
                     limit = 256 if grouped else 64

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only|fp8-norm-ab|skinny-final|pdl-elementwise|pdl-elementwise-8b|fp8-grouped|fp8-8b|attention-prefetch
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only|fp8-norm-ab|skinny-final|pdl-elementwise|pdl-elementwise-8b|fp8-grouped|fp8-8b|attention-prefetch|targets|gemv-tiles
 set -u
 PART=${1:-tests}
 . benchmarks/gpu_env.sh
@@ -171,6 +171,33 @@ attention-prefetch)  # decode attention's KV prefetch before its PDL wait and th
       --skip-transformers --max-num-seqs 64 --attention-prefetch $a --skinny-prefetch $s \
       --out "$OUT/decode_qwen_prefetch_$run.json" 2>&1 | grep -E " graphs"
   done
+  ;;
+gemv-tiles)  # bf16 one-row GEMV tiles the sweep had not tried (2048-wide K for one or two rows, register caps),
+  # then decode at batch 1 with down_proj's K tile 2048 against 1024, interleaved (0.5B twice, 8B once)
+  timeout 200 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 \
+    --projections down gate_up --sweep --max-registers 80 --out "$OUT/gemv_bench_tiles.json" 2>&1 | grep -E "best" | quiet
+  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
+  for run in 2048-1 1024-1 2048-2 1024-2; do
+    timeout 45 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 8 --gemv-long-k-block ${run%-*} --out "$OUT/decode_qwen_down_$run.json" \
+      2>&1 | grep -E " graphs"
+  done
+  for b in 2048 1024; do
+    timeout 70 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 8 --load-format dummy --gemv-long-k-block $b \
+      --out "$OUT/decode_8b_down_$b.json" 2>&1 | grep -E " graphs"
+  done
+  ;;
+targets)  # issue 13's target table in one call: both models at 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes
+  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
+  timeout 90 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 8 64 --chunks 8 --no-eager \
+    --skip-transformers --max-num-seqs 64 --quantization none fp8 --out "$OUT/decode_qwen.json" 2>&1 | grep -E " graphs"
+  timeout 150 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 8 64 --chunks 8 --no-eager \
+    --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 --out "$OUT/decode_8b.json" \
+    2>&1 | grep -E " graphs"
+  timeout 100 python3 benchmarks/profile_decode.py --model qwen2.5-0.5b --batch 64 --out "$OUT/profile_qwen_b64.json" 2>&1 | quiet
+  timeout 150 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch 64 --load-format dummy \
+    --quantization fp8 --out "$OUT/profile_llama_b64_fp8.json" 2>&1 | quiet
   ;;
 fp8-8b)  # Llama-3.1-8B: the FP8 gate_up through W8A8 at batch 1 (A/B, interleaved), bf16 for reference
   for run in w8a8-1 gemv-1 w8a8-2 gemv-2; do

@@ -226,9 +226,13 @@ def _rope_store_epilogue(y_a, y_b, rows_a, rows_b, d, n_mask, m, q_out_row, pos_
 
 
 class GemvTile(NamedTuple):
+    """Outputs (SiLU-and-mul: row pairs) and K elements per program, warps; max_registers caps the
+    registers a thread may take (ptxas maxnreg), so more programs fit an SM (None: the compiler's pick)."""
+
     block_n: int
     block_k: int
     num_warps: int
+    max_registers: int | None = None
 
 
 # Tile choice from benchmarks/gemv_bench.py --sweep on an H200 with programmatic dependent launch
@@ -244,6 +248,11 @@ class GemvTile(NamedTuple):
 _MAX_BLOCK_K = 1024
 _LONG_K = 4096
 _MAX_BLOCK_N = 8
+# bf16 down_proj's K tile. The sweep never tried 2048 for bf16, and compiled for sm_90 a [1, 2048]
+# tile takes 29 registers like the [1, 1024] one (8 programs an SM either way) while it keeps twice
+# the weight bytes in flight (Qwen2.5-0.5B: 3.5 MB against 1.8 over the GPU). To be measured
+# (benchmarks/decode_latency.py --gemv-long-k-block 2048; gemv_bench.py --sweep now tries it).
+LONG_K_BLOCK_K = 1024
 
 
 def default_gemv_tile(rows: int, n: int, k: int, num_sms: int, silu_mul: bool = False,
@@ -255,7 +264,7 @@ def default_gemv_tile(rows: int, n: int, k: int, num_sms: int, silu_mul: bool = 
             return GemvTile(2, _MAX_BLOCK_K, 4)
         return GemvTile(8, min(512 if fp8 else 256, triton.next_power_of_2(k)), 4)
     if k > _LONG_K and not fp8:
-        return GemvTile(1, _MAX_BLOCK_K, 8)
+        return GemvTile(1, LONG_K_BLOCK_K, 8)
     block_n, block_k = (4, 2048) if k > _LONG_K else (_MAX_BLOCK_N, min(_MAX_BLOCK_K, triton.next_power_of_2(k)))
     while block_n > 1 and rows * triton.cdiv(n, block_n) < 2 * num_sms:
         block_n //= 2
@@ -307,6 +316,7 @@ def _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, out, n, t
         SUM_GROUP=min(_SUM_GROUP, tile.block_k) if GROUPED_SUM and weight_scale is not None else 1,
         num_warps=tile.num_warps,
         launch_pdl=pdl,
+        **({"maxnreg": tile.max_registers} if tile.max_registers and x.is_cuda else {}),
     )
     return new_residual
 
@@ -382,7 +392,7 @@ def gemv_rope_store(
     q = torch.empty((rows, num_heads, head_dim), dtype=x.dtype, device=x.device)
     if tile is None:  # the plain GEMV's tile for these weight rows, in pairs
         plain = default_gemv_tile(rows, weight.shape[0], k, sm_count(x.device), weight_bytes=weight.element_size())
-        tile = GemvTile(max(1, plain.block_n // 2), plain.block_k, plain.num_warps)
+        tile = plain._replace(block_n=max(1, plain.block_n // 2))
     rope = (positions, cos_sin_cache, slot_mapping, k_cache, v_cache, q_size, kv_size, head_dim)
     return q, _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, q.view(rows, q_size), pairs, tile,
                       rope=rope)

@@ -297,8 +297,12 @@ GEMV_SHAPES = {
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("name", sorted(GEMV_SHAPES))
-def test_gemv_real_shapes(name, rows, poisoned_outputs):
+@pytest.mark.parametrize("name", sorted(GEMV_SHAPES) + ["qwen-down-2048", "llama-down-2048"])
+def test_gemv_real_shapes(name, rows, poisoned_outputs, monkeypatch):
+    """*-2048: down_proj with 2048-wide K tiles (kernels/gemv.LONG_K_BLOCK_K)."""
+    if name.endswith("-2048"):
+        monkeypatch.setattr(importlib.import_module("kernels.gemv"), "LONG_K_BLOCK_K", 2048)
+        name = name.removesuffix("-2048")
     n, k, norm, bias, silu = GEMV_SHAPES[name]
     gen = torch.Generator(device=DEV).manual_seed(rows)
     x = torch.randn(rows, k, device=DEV, dtype=BF16, generator=gen)
