@@ -188,7 +188,10 @@ gemv-tiles)  # bf16 one-row GEMV tiles the sweep had not tried (2048-wide K for 
       --out "$OUT/decode_8b_down_$b.json" 2>&1 | grep -E " graphs"
   done
   ;;
-targets)  # issue 13's target table in one call: both models at 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes
+targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
+  # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu_engine.py -k "graph_path" \
+    > "$OUT/gpu_tests.log" 2>&1; tail -3 "$OUT/gpu_tests.log"
   python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
   timeout 90 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 8 64 --chunks 8 --no-eager \
     --skip-transformers --max-num-seqs 64 --quantization none fp8 --out "$OUT/decode_qwen.json" 2>&1 | grep -E " graphs"
