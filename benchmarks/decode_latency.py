@@ -167,15 +167,6 @@ def main() -> None:
                         help="programmatic dependent launch of the Triton kernels (kernels/_common.py)")
     parser.add_argument("--pdl-elementwise", choices=["on", "off"], default=None,
                         help="PDL for the kernels between the projections too (kernels/_common.py PDL_ELEMENTWISE; A/B)")
-    parser.add_argument("--skinny-prefetch", choices=["on", "off"], default=None,
-                        help="the skinny GEMM prefetches its first weight tiles before its PDL wait "
-                             "(kernels/skinny_gemm.py PREFETCH_BEFORE_WAIT; A/B)")
-    parser.add_argument("--skinny-rope-store", choices=["on", "off"], default=None,
-                        help="qkv, rotary and the KV-cache write in one skinny GEMM from 2 rows "
-                             "(engine/models/layers.py SKINNY_ROPE_STORE; A/B)")
-    parser.add_argument("--gemv-grouped-sum", choices=["on", "off"], default=None,
-                        help="the FP8 GEMV sums its products in groups of 16 before the accumulator "
-                             "(kernels/gemv.py GROUPED_SUM; A/B)")
     parser.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
                         help="dummy: random weights made on the GPUs, no files (e.g. llama-3.1-70b over --tp 2)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
@@ -213,17 +204,11 @@ def main() -> None:
     _common.PDL = args.pdl == "on"
     if args.pdl_elementwise is not None:
         _common.PDL_ELEMENTWISE = args.pdl_elementwise == "on"
-    if args.skinny_prefetch is not None:  # the module: the package exports a function of its name
-        importlib.import_module("kernels.skinny_gemm").PREFETCH_BEFORE_WAIT = args.skinny_prefetch == "on"
     layers.FP8_NORM_QUANT = args.fp8_norm_quant == "on"
     if args.fp8_gemv_max_rows is not None:
         layers.FP8_GEMV_MAX_ROWS = args.fp8_gemv_max_rows
-    if args.gemv_long_k_block is not None:
+    if args.gemv_long_k_block is not None:  # the modules: the package exports functions of their names
         importlib.import_module("kernels.gemv").LONG_K_BLOCK_K = args.gemv_long_k_block
-    if args.gemv_grouped_sum is not None:
-        importlib.import_module("kernels.gemv").GROUPED_SUM = args.gemv_grouped_sum == "on"
-    if args.skinny_rope_store is not None:
-        layers.SKINNY_ROPE_STORE = args.skinny_rope_store == "on"
     if args.skinny_gemm_max_rows is not None:
         layers.SKINNY_GEMM_MAX_ROWS = args.skinny_gemm_max_rows
     if args.fp8_gate_up_gemv_max_rows is not None:

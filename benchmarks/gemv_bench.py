@@ -63,10 +63,7 @@ def make_inputs(rows: int, n: int, k: int, norm: bool, bias: bool, copies: int, 
 
 
 def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles: list, fp8: bool = False,
-                     pdl_settings: tuple[bool, ...] = (True,),
-                     grouped_settings: tuple[bool, ...] = (False,)) -> list[dict]:
-    import importlib
-
+                     pdl_settings: tuple[bool, ...] = (True,)) -> list[dict]:
     from engine.models.fp8 import fp8_linear
     from kernels import _common
     from kernels.activation import silu_and_mul
@@ -98,13 +95,9 @@ def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles:
     baseline = "unfused (W8A8 _scaled_mm)" if fp8 else "unfused (cuBLAS)"
     variants = [(baseline, None)] + [("gemv", t) for t in tiles]
     rows_out = []
-    gemv_module = importlib.import_module("kernels.gemv")
-    for pdl, grouped in [(on, sums) for on in pdl_settings for sums in grouped_settings]:
+    for pdl in pdl_settings:
         _common.PDL = pdl
-        gemv_module.GROUPED_SUM = grouped
         for kind, tile in variants:
-            if grouped and kind.startswith("unfused") and len(grouped_settings) > 1:
-                continue  # the baseline does not change
             fns = [unfused(i) if kind.startswith("unfused") else fused(i, tile) for i in range(copies)]
             try:
                 ms = graph_ms(fns, min_calls=2 * copies)
@@ -112,25 +105,21 @@ def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles:
                 print(f"  {model} {name} rows={rows} {kind} {tile}: {type(e).__name__}: {str(e)[:100]}")
                 continue
             rows_out.append(dict(model=model, projection=name, rows=rows, n=n, k=k, fused_norm=norm, bias=bias,
-                                 silu_mul=silu, weights="fp8" if fp8 else "bf16", pdl=pdl, grouped_sum=grouped,
-                                 kind=kind,
+                                 silu_mul=silu, weights="fp8" if fp8 else "bf16", pdl=pdl, kind=kind,
                                  tile=list(tile) if tile else None, us=ms * 1e3, gb_per_s=weight_bytes / ms / 1e6,
                                  fraction_of_copy=weight_bytes / ms / 1e6 / copy_gbs))
     _common.PDL = True
-    gemv_module.GROUPED_SUM = False
     del weights, biases
     torch.cuda.empty_cache()
     return rows_out
 
 
-def sweep_tiles(fp8: bool = False, grouped: bool = False):
-    """Tiles whose accumulator takes at most 64 registers a thread (grouped sums: 16 products per
-    accumulator register, so tiles up to 4x larger still fit); bf16 2048-wide K tiles for one or two rows."""
+def sweep_tiles(fp8: bool = False):
+    """Tiles whose accumulator takes at most 64 registers a thread; bf16 2048-wide K tiles for one or two rows."""
     from kernels.gemv import GemvTile
 
-    per_thread = 256 if grouped else 64
     return [GemvTile(bn, bk, w) for bn in (1, 2, 4, 8, 16, 32, 64) for bk in (256, 512, 1024, 2048)
-            for w in (4, 8) if bn * bk <= w * 32 * per_thread and (fp8 or bk <= 1024 or bn <= 2)]
+            for w in (4, 8) if bn * bk <= w * 32 * 64 and (fp8 or bk <= 1024 or bn <= 2)]
 
 
 def main() -> int:
@@ -141,8 +130,6 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--weights", nargs="+", choices=["bf16", "fp8"], default=["bf16"])
     p.add_argument("--pdl", choices=["on", "off", "both"], default="on")
-    p.add_argument("--grouped-sum", choices=["on", "off", "both"], default="off",
-                   help="FP8: products summed in groups of 16 before the accumulator (kernels/gemv.py GROUPED_SUM)")
     p.add_argument("--projections", nargs="+", help="only these (qkv o gate_up down lm_head)")
     p.add_argument("--max-registers", nargs="+", type=int, default=[],
                    help="also time the default tile with each of these register caps (GemvTile.max_registers)")
@@ -157,7 +144,6 @@ def main() -> int:
     copy = copy_bandwidth(2048, 100)
     print(f"device-to-device copy: {copy['gb_per_s']:.0f} GB/s")
     pdl_settings = {"on": (True,), "off": (False,), "both": (True, False)}[args.pdl]
-    grouped_settings = {"on": (True,), "off": (False,), "both": (False, True)}[args.grouped_sum]
     results = []
     for model, weights in [(m, w) for m in args.models for w in args.weights]:
         fp8 = weights == "fp8"
@@ -171,24 +157,18 @@ def main() -> int:
                 tiles = [default] + [default._replace(max_registers=r) for r in args.max_registers]
                 tiles += [GemvTile(*map(int, spec.split(","))) for spec in args.tiles]
                 if args.sweep:
-                    grouped = fp8 and True in grouped_settings
-                    limit = 256 if grouped else 64
-                    tiles += [t for t in sweep_tiles(fp8, grouped) if t != default
-                              and t.block_n * t.block_k * (2 if silu else 1) <= t.num_warps * 32 * limit]
-                got = bench_projection(model, proj, rows, copy["gb_per_s"], tiles, fp8, pdl_settings,
-                                       grouped_settings if fp8 else (False,))
+                    tiles += [t for t in sweep_tiles(fp8) if t != default
+                              and t.block_n * t.block_k * (2 if silu else 1) <= t.num_warps * 32 * 64]
+                got = bench_projection(model, proj, rows, copy["gb_per_s"], tiles, fp8, pdl_settings)
                 for r in got:
                     r["default"] = r["tile"] == list(default)
                 results += got
-                for pdl, grouped in sorted({(r["pdl"], r["grouped_sum"]) for r in got
-                                            if not r["kind"].startswith("unfused")}):
-                    base = next(r for r in got if r["pdl"] == pdl and r["kind"].startswith("unfused"))
-                    mine_rows = [r for r in got if r["pdl"] == pdl and r["grouped_sum"] == grouped
-                                 and not r["kind"].startswith("unfused")]
-                    mine = next((r for r in mine_rows if r["default"]), mine_rows[0])
-                    best = min(mine_rows, key=lambda r: r["us"])
-                    print(f"{model:13s} {weights} {name:8s} M={rows} pdl={int(pdl)} grouped={int(grouped)}  "
-                          f"{base['kind'][9:-1]} "
+                for pdl in pdl_settings:
+                    mine_rows = [r for r in got if r["pdl"] == pdl]
+                    base = next(r for r in mine_rows if r["kind"].startswith("unfused"))
+                    mine = next(r for r in mine_rows if r["default"])
+                    best = min((r for r in mine_rows if not r["kind"].startswith("unfused")), key=lambda r: r["us"])
+                    print(f"{model:13s} {weights} {name:8s} M={rows} pdl={int(pdl)}  {base['kind'][9:-1]} "
                           f"{base['us']:7.2f} us ({base['fraction_of_copy']:5.1%})  gemv {mine['us']:7.2f} us "
                           f"({mine['fraction_of_copy']:5.1%}) {mine['kind']} {mine['tile']}  best {best['us']:7.2f} us "
                           f"{best['tile']}", flush=True)

@@ -1,19 +1,13 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only|fp8-norm-ab|skinny-final|pdl-elementwise|pdl-elementwise-8b|fp8-grouped|fp8-8b|attention-prefetch|targets|gemv-tiles
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only|fp8-norm-ab|skinny-final|fp8-8b|targets|gemv-tiles
 set -u
 PART=${1:-tests}
 . benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt"
 quiet() { grep -v -E "Warning|it/s|warn\(" ; }
-# the pdl-elementwise parts' arms, each adding to the one before: none of them (off), PDL for the kernels
-# between projections (e), the skinny GEMM's weight prefetch (ep), rotary + KV store in the skinny qkv (epr)
-arms() { case $1 in off) echo "--pdl-elementwise off --skinny-prefetch off --skinny-rope-store off" ;;
-  e) echo "--pdl-elementwise on --skinny-prefetch off --skinny-rope-store off" ;;
-  ep) echo "--pdl-elementwise on --skinny-prefetch on --skinny-rope-store off" ;;
-  epr) echo "--pdl-elementwise on --skinny-prefetch on --skinny-rope-store on" ;; esac; }
 case "$PART" in
 tests)
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
@@ -130,48 +124,6 @@ skinny-final)  # after SKINNY_GEMM_MAX_ROWS = 64: GPU tests, then the in-between
       --out "$OUT/decode_8b_skinny_$rows.json" 2>&1 | grep -E " graphs"
   done
   ;;
-pdl-elementwise)  # the arms above (see arms()): the GPU tests, then decode at 8 and 64 (0.5B interleaved twice)
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py tests/test_fp8_quant.py \
-    tests/test_skinny_gemm.py -k "programmatic or rms or rope or silu or quant" > "$OUT/gpu_tests.log" 2>&1
-  tail -3 "$OUT/gpu_tests.log"
-  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  for run in off-1 e-1 ep-1 epr-1 off-2 e-2 ep-2 epr-2; do
-    timeout 60 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 8 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 $(arms ${run%-*}) --out "$OUT/decode_qwen_pdl_$run.json" 2>&1 | grep -E " graphs"
-  done
-  ;;
-pdl-elementwise-8b)  # the same arms on Llama-3.1-8B, bf16 and FP8, once each
-  for run in off e ep epr; do
-    timeout 140 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 $(arms $run) \
-      --out "$OUT/decode_8b_pdl_$run.json" 2>&1 | grep -E " graphs"
-  done
-  ;;
-fp8-grouped)  # the FP8 GEMV with grouped sums (kernels/gemv.GROUPED_SUM): its GPU tests, the 8B projections at one row
-  # (default tile and a sweep, grouped off and on), then 8B FP8 decode at batch 1, interleaved
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py -k "fp8_weights" \
-    > "$OUT/gpu_tests.log" 2>&1; tail -3 "$OUT/gpu_tests.log"
-  timeout 200 python3 benchmarks/gemv_bench.py --models llama-3.1-8b --rows 1 --weights fp8 --projections qkv o down \
-    --sweep --grouped-sum both --out "$OUT/gemv_bench_grouped.json" 2>&1 | grep -E "grouped=" | quiet
-  for run in on-1 off-1 on-2 off-2; do
-    timeout 60 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 8 --load-format dummy --quantization fp8 --gemv-grouped-sum ${run%-*} \
-      --out "$OUT/decode_8b_fp8_grouped_$run.json" 2>&1 | grep -E " graphs"
-  done
-  ;;
-attention-prefetch)  # decode attention's KV prefetch before its PDL wait and the skinny GEMM's weight prefetch:
-  # their GPU tests, then 0.5B at 1 / 8 / 64, four arms interleaved twice (none, attention, skinny, both)
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py \
-    -k "programmatic or decode_attention" > "$OUT/gpu_tests.log" 2>&1; tail -3 "$OUT/gpu_tests.log"
-  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  for run in none-1 attn-1 skinny-1 both-1 none-2 attn-2 skinny-2 both-2; do
-    a=$(case ${run%-*} in attn|both) echo 2 ;; *) echo 0 ;; esac)
-    s=$(case ${run%-*} in skinny|both) echo on ;; *) echo off ;; esac)
-    timeout 60 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 8 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --attention-prefetch $a --skinny-prefetch $s \
-      --out "$OUT/decode_qwen_prefetch_$run.json" 2>&1 | grep -E " graphs"
-  done
-  ;;
 gemv-tiles)  # bf16 one-row GEMV tiles the sweep had not tried (2048-wide K for one or two rows, register caps),
   # then decode at batch 1 with down_proj's K tile 2048 against 1024, interleaved (0.5B twice, 8B once)
   timeout 200 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 \
@@ -190,8 +142,9 @@ gemv-tiles)  # bf16 one-row GEMV tiles the sweep had not tried (2048-wide K for 
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu_engine.py -k "graph_path" \
-    > "$OUT/gpu_tests.log" 2>&1; tail -3 "$OUT/gpu_tests.log"
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu_engine.py \
+    tests/test_kernels_gpu.py -k "graph_path or programmatic or gemv_real" > "$OUT/gpu_tests.log" 2>&1
+  tail -3 "$OUT/gpu_tests.log"
   python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
   timeout 90 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 8 64 --chunks 8 --no-eager \
     --skip-transformers --max-num-seqs 64 --quantization none fp8 --out "$OUT/decode_qwen.json" 2>&1 | grep -E " graphs"

@@ -39,16 +39,6 @@ from kernels._common import rope_store_shapes, sm_count, use_pdl
 # inside float32's normal range; powers of two, so the products equal q * x exactly as before.
 _X_PRESCALE = tl.constexpr(2.0**64)
 _Y_RESCALE = tl.constexpr(2.0**56)
-# FP8 weights: each thread sums the products of the 16 contiguous weights one 16-byte load gave it
-# before adding them to the accumulator, which is then [BLOCK_N, BLOCK_K / 16] instead of
-# [BLOCK_N, BLOCK_K]: compiled for sm_90, Llama-3.1-8B's down tile takes 56 registers instead of 118
-# and gate_up's 79 instead of 126, so twice the programs fit an SM and twice the weight bytes are in
-# flight (the FP8 GEMV reaches 51-72% of copy bandwidth, bf16's 81-90%). The sums change order, not
-# precision. Off: slower on the H200, 2026-12-02 despite the registers. 8B FP8 batch 1 311.9 / 312.0
-# vs 341.7 / 341.5 tok/s (decode_latency.py --gemv-grouped-sum on|off); per projection at its best tile
-# qkv 12.34 vs 11.83 us, o 7.80 vs 6.85, down 20.50 vs 19.05 (gemv_bench.py --grouped-sum both --sweep).
-GROUPED_SUM = False
-_SUM_GROUP = 16
 
 
 @triton.jit
@@ -58,14 +48,6 @@ def _weight_f32(w, FP8_BYTES: tl.constexpr):
         bits = (w.to(tl.int32) << 20) & -2013265921  # 0x87FFFFFF: the sign and bits 20-26
         return bits.to(tl.float32, bitcast=True)
     return w.to(tl.float32)
-
-
-@triton.jit
-def _grouped(products, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUM_GROUP: tl.constexpr):
-    """[BLOCK_N, BLOCK_K] products summed over groups of SUM_GROUP contiguous K (1: as they are)."""
-    if SUM_GROUP > 1:
-        products = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // SUM_GROUP, SUM_GROUP]), 2)
-    return products
 
 
 @triton.jit
@@ -103,11 +85,9 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SUM_GROUP: tl.constexpr,
 ):
     """N: outputs (SiLU-and-mul: gate rows; rotary: row pairs). Paired modes read two row sets.
-    HAS_W_SCALE: FP8 weights, each row's dot product times its scale. SUM_GROUP > 1: products summed
-    in groups of that many contiguous K before they reach the accumulator (see GROUPED_SUM)."""
+    HAS_W_SCALE: FP8 weights, each row's dot product times its scale."""
     m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     dt = x_ptr.dtype.element_ty
@@ -153,18 +133,18 @@ def _gemv_kernel(
 
     # one program per row writes the new residual (the others only read the old one)
     res_store_end = tl.where(pid_n == 0, K, 0)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // SUM_GROUP], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if SILU_MUL or ROPE_STORE:
-        acc_b = tl.zeros([BLOCK_N, BLOCK_K // SUM_GROUP], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         xk = _x_tile(x_row, r_row, res_out_row, norm_w_ptr, offs_k, offs_k < K, inv_rms, res_store_end,
                      HAS_NORM, HAS_RESIDUAL)
         if HAS_W_SCALE:
             xk = xk * _X_PRESCALE
-        acc += _grouped(_weight_f32(w, HAS_W_SCALE) * xk[None, :], BLOCK_N, BLOCK_K, SUM_GROUP)
+        acc += _weight_f32(w, HAS_W_SCALE) * xk[None, :]
         if SILU_MUL or ROPE_STORE:
-            acc_b += _grouped(_weight_f32(u, HAS_W_SCALE) * xk[None, :], BLOCK_N, BLOCK_K, SUM_GROUP)
+            acc_b += _weight_f32(u, HAS_W_SCALE) * xk[None, :]
         next_k = offs_k + BLOCK_K
         wk_mask = n_mask[:, None] & (next_k < K)[None, :]
         w = tl.load(w_rows + next_k[None, :], mask=wk_mask, other=0.0)
@@ -199,9 +179,7 @@ def _rope_store_epilogue(y_a, y_b, rows_a, rows_b, d, n_mask, m, q_out_row, pos_
                          slot_ptr, k_cache_ptr, v_cache_ptr,
                          Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HALF: tl.constexpr):
     """Rows a (first half of a head) and b (second half) of q, k or v, rounded to the model dtype:
-    rotate q and k as kernels.rope_kv_store does, write q out and k, v into the cache slot.
-    One token m (the GEMV: vectors over the rows) or a tile (kernels/skinny_gemm.py: rows_a, rows_b,
-    d [N, 1], tokens m [1, M], y and n_mask [N, M]): everything broadcasts; n_mask masks the stores."""
+    rotate q and k as kernels.rope_kv_store does, write q out and k, v into the cache slot."""
     dt = q_out_row.dtype.element_ty
     pos = tl.load(pos_ptr + m).to(tl.int64)
     cos = tl.load(cos_sin_ptr + pos * stride_cs + d).to(dt).to(tl.float32)
@@ -313,7 +291,6 @@ def _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, out, n, t
         PDL=pdl,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
-        SUM_GROUP=min(_SUM_GROUP, tile.block_k) if GROUPED_SUM and weight_scale is not None else 1,
         num_warps=tile.num_warps,
         launch_pdl=pdl,
         **({"maxnreg": tile.max_registers} if tile.max_registers and x.is_cuda else {}),

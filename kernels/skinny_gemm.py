@@ -31,17 +31,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels._common import dot_precision, rope_store_shapes, sm_count, use_pdl
-from kernels._prefetch import prefetch_l2
-from kernels.gemv import _rope_store_epilogue
+from kernels._common import dot_precision, sm_count, use_pdl
 
 FP8 = torch.float8_e4m3fn
-# With PDL, each program asks L2 for the first weight tiles its pipeline will load (prefetch.global.L2:
-# no registers, no wait) before it waits for the kernel before it, as the GEMV loads its first tile
-# early. Off: no faster on the H200, 2026-12-02 (decode_latency.py --skinny-prefetch on|off, interleaved):
-# Qwen2.5-0.5B batch 8 10,105 / 10,119 vs 10,268 / 10,256 tok/s, batch 64 59,487 / 59,934 vs 59,965 /
-# 60,115. The GPU tests pass with it on.
-PREFETCH_BEFORE_WAIT = False
 # weight-only FP8: x * 2^-8 in fp16 overflows only past 16.7M, and loses bits only below 2^-16
 # (absolute error < 2^-17 there), far finer than x's own bf16 rounding; the result is scaled back
 W_ONLY_X_SCALE = tl.constexpr(2.0**-8)
@@ -50,17 +42,12 @@ W_ONLY_X_SCALE = tl.constexpr(2.0**-8)
 @triton.jit
 def _skinny_gemm_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
-    pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
     M, N, K, k_per_split,
-    stride_x, stride_w, stride_o, stride_cs,
+    stride_x, stride_w, stride_o,
     HAS_BIAS: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     W_ONLY: tl.constexpr,
     SILU_MUL: tl.constexpr,
-    ROPE_STORE: tl.constexpr,
-    Q_SIZE: tl.constexpr,
-    KV_SIZE: tl.constexpr,
-    HALF: tl.constexpr,
     SPLIT: tl.constexpr,
     PDL: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -68,11 +55,7 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IMPRECISE_K: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
 ):
-    """PREFETCH_LINES: 128-byte lines of each weight row to prefetch into L2 before the PDL wait (0: none).
-    Paired modes read two weight rows per output: SILU_MUL gate row n and up row N + n; ROPE_STORE (a
-    fused [q; k; v] weight, N row pairs) rows d and d + HALF of a head, whose outputs rotary mixes."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -83,29 +66,16 @@ def _skinny_gemm_kernel(
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     offs_k = k_start + tl.arange(0, BLOCK_K)
-    if ROPE_STORE:  # pair n: rows d and d + HALF of head n // HALF, d = n % HALF
-        rows_a = (offs_n // HALF) * (2 * HALF) + offs_n % HALF
-    else:
-        rows_a = offs_n
-    w_ptrs = w_ptr + rows_a.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
-    if SILU_MUL:
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+    if SILU_MUL:  # up row N + n beside gate row n
         u_ptrs = w_ptrs + N * stride_w
-    if ROPE_STORE:
-        u_ptrs = w_ptrs + HALF * stride_w
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
-    if PREFETCH_LINES > 0:  # the weights do not depend on the kernel before: ask for them first
-        rows = tl.where(n_mask, rows_a, 0)
-        _prefetch_l2(w_ptr, rows, stride_w, k_start, k_end, PREFETCH_LINES)
-        if SILU_MUL:
-            _prefetch_l2(w_ptr, rows + N, stride_w, k_start, k_end, PREFETCH_LINES)
-        if ROPE_STORE:
-            _prefetch_l2(w_ptr, rows + HALF, stride_w, k_start, k_end, PREFETCH_LINES)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if SILU_MUL or ROPE_STORE:
+    if SILU_MUL:
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k_mask = (k0 + tl.arange(0, BLOCK_K)) < k_end
@@ -115,7 +85,7 @@ def _skinny_gemm_kernel(
             x = (x.to(tl.float32) * W_ONLY_X_SCALE).to(tl.float16)
             w = w.to(tl.float16)
         acc = _dot(w, x, acc, HAS_SCALES, DOT_PREC, IMPRECISE_K)
-        if SILU_MUL or ROPE_STORE:
+        if SILU_MUL:
             u = tl.load(u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             if W_ONLY:
                 u = u.to(tl.float16)
@@ -129,49 +99,26 @@ def _skinny_gemm_kernel(
         p_ptrs = part_ptr + (pid_s * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None]
         tl.store(p_ptrs, acc, mask=mask)
     else:
-        dt = out_ptr.dtype.element_ty
-        y = _dequantized(acc, rows_a, offs_m, n_mask, m_mask, x_scale_ptr, w_scale_ptr, HAS_SCALES, W_ONLY)
+        y = acc
+        if HAS_SCALES:
+            y = y * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+            y = y * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+        if W_ONLY:
+            y = y * (tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0) / W_ONLY_X_SCALE)[:, None]
         if HAS_BIAS:
-            y += tl.load(bias_ptr + rows_a, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        if ROPE_STORE:  # rounded as the projection's output, then rotated and stored as kernels.gemv does
-            y_b = _dequantized(acc_u, rows_a + HALF, offs_m, n_mask, m_mask, x_scale_ptr, w_scale_ptr, HAS_SCALES,
-                               W_ONLY)
-            if HAS_BIAS:
-                y_b += tl.load(bias_ptr + rows_a + HALF, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            tokens = tl.minimum(offs_m, M - 1).to(tl.int64)[None, :]  # padding rows load row M - 1, store nothing
-            _rope_store_epilogue(y.to(dt).to(tl.float32), y_b.to(dt).to(tl.float32), rows_a[:, None],
-                                 (rows_a + HALF)[:, None], (offs_n % HALF)[:, None], mask, tokens,
-                                 out_ptr + offs_m.to(tl.int64)[None, :] * stride_o, pos_ptr, cos_sin_ptr, stride_cs,
-                                 slot_ptr, k_cache_ptr, v_cache_ptr, Q_SIZE, KV_SIZE, HALF)
-        else:
-            if SILU_MUL:  # rounded as the unfused path rounds (kernels/activation.py)
-                up = _dequantized(acc_u, N + offs_n, offs_m, n_mask, m_mask, x_scale_ptr, w_scale_ptr, HAS_SCALES,
-                                  W_ONLY)
-                gate = y.to(dt).to(tl.float32)
-                y = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
-            o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
-            tl.store(o_ptrs, y.to(dt), mask=mask)
-
-
-@triton.jit
-def _dequantized(acc, rows, offs_m, n_mask, m_mask, x_scale_ptr, w_scale_ptr, HAS_SCALES: tl.constexpr,
-                 W_ONLY: tl.constexpr):
-    """acc [rows, tokens] times the FP8 scales of its weight rows (and, W8A8, of its tokens)."""
-    if HAS_SCALES:
-        acc = acc * tl.load(w_scale_ptr + rows, mask=n_mask, other=0.0)[:, None]
-        acc = acc * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
-    if W_ONLY:
-        acc = acc * (tl.load(w_scale_ptr + rows, mask=n_mask, other=0.0) / W_ONLY_X_SCALE)[:, None]
-    return acc
-
-
-@triton.jit
-def _prefetch_l2(w_ptr, rows, stride_w, k_start, k_end, LINES: tl.constexpr):
-    """Ask L2 for the first LINES 128-byte lines of each row's weights from k_start (addresses clamped
-    to the rows' last element)."""
-    per_line = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
-    offs = tl.minimum(k_start + tl.arange(0, LINES) * per_line, k_end - 1)
-    prefetch_l2(w_ptr + rows.to(tl.int64)[:, None] * stride_w + offs[None, :])
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        dt = out_ptr.dtype.element_ty
+        if SILU_MUL:  # rounded as the unfused path rounds (kernels/activation.py)
+            up = acc_u
+            if HAS_SCALES:
+                up = up * tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[:, None]
+                up = up * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+            if W_ONLY:
+                up = up * (tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0) / W_ONLY_X_SCALE)[:, None]
+            gate = y.to(dt).to(tl.float32)
+            y = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
+        o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
+        tl.store(o_ptrs, y.to(dt), mask=mask)
 
 
 @triton.jit
@@ -257,88 +204,6 @@ def default_skinny_gemm_tile(m: int, n: int, k: int, num_sms: int, weight_bytes:
     return tile
 
 
-def _check_operands(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor | None,
-                    weight_scale: torch.Tensor | None) -> tuple[bool, bool, torch.Tensor | None]:
-    """(W8A8, weight-only FP8, x_scale as [M]) after checking the operands."""
-    w_only = weight.dtype == FP8 and x.dtype in (torch.bfloat16, torch.float16)
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or (x.dtype != weight.dtype and not w_only):
-        raise ValueError(f"expected x [M, K] and weight [N, K] of one dtype (or an FP8 weight with bf16 / fp16 x), "
-                         f"got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("x and weight need contiguous rows")
-    fp8 = x.dtype == FP8
-    if fp8 or w_only:
-        if weight_scale is None or (fp8 and x_scale is None) or (w_only and x_scale is not None):
-            raise ValueError("an FP8 weight needs weight_scale, and FP8 x (only) x_scale")
-        if weight_scale.shape != (weight.shape[0],) or weight_scale.dtype != torch.float32 \
-                or not weight_scale.is_contiguous():
-            raise ValueError(f"weight_scale must be float32 [{weight.shape[0]}], contiguous")
-    if fp8:
-        x_scale = x_scale.reshape(-1)
-        if x_scale.shape != (x.shape[0],) or x_scale.dtype != torch.float32 or not x_scale.is_contiguous():
-            raise ValueError(f"x_scale must be float32 [{x.shape[0]}], contiguous")
-    elif not w_only and (x_scale is not None or weight_scale is not None):
-        raise ValueError("scales go with FP8 operands only")
-    return fp8, w_only, x_scale
-
-
-def _launch(x, weight, bias, x_scale, weight_scale, out, n, tile, fp8, w_only, silu_mul=False, rope=None) -> None:
-    """rope: (positions, cos_sin, slot_mapping, k_cache, v_cache, q_size, kv_size, head_dim) or None;
-    silu_mul and rope read weight rows in pairs and never split K."""
-    m, k = x.shape
-    split = 1 if silu_mul or rope else max(1, tile.split)
-    # each split a whole number of K tiles
-    k_per_split = triton.cdiv(triton.cdiv(k, split), tile.block_k) * tile.block_k
-    split = triton.cdiv(k, k_per_split)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    pdl = use_pdl(x.device)
-    # the lines of the tiles the pipeline's prologue loads (num_stages - 1 of them), a power of two
-    prologue_lines = (tile.num_stages - 1) * tile.block_k * weight.element_size() // 128
-    prefetch_lines = 1 << (prologue_lines.bit_length() - 1) if pdl and PREFETCH_BEFORE_WAIT and prologue_lines else 0
-    scale_args = (x_scale if fp8 else out, weight_scale if fp8 or w_only else out)
-    bias_arg = bias if bias is not None else out
-    positions, cos_sin, slots, k_cache, v_cache, q_size, kv_size, head_dim = rope or (out, out, out, out, out, 0, 0, 2)
-    _skinny_gemm_kernel[(triton.cdiv(n, tile.block_n), split, triton.cdiv(m, tile.block_m))](
-        x, scale_args[0], weight, scale_args[1], bias_arg, out, part,
-        positions, cos_sin, slots, k_cache, v_cache,
-        m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), out.stride(0), cos_sin.stride(0) if rope else 0,
-        HAS_BIAS=bias is not None,
-        HAS_SCALES=fp8,
-        W_ONLY=w_only,
-        SILU_MUL=silu_mul,
-        ROPE_STORE=rope is not None,
-        Q_SIZE=q_size,
-        KV_SIZE=kv_size,
-        HALF=head_dim // 2,
-        SPLIT=split,
-        PDL=pdl,
-        DOT_PREC=dot_precision(x.dtype),
-        BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k,
-        IMPRECISE_K=min(128, tile.block_k),  # as DeepSeek-V3 does (and cuBLAS without fast accumulation)
-        PREFETCH_LINES=prefetch_lines,
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
-        launch_pdl=pdl,
-    )
-    if split > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _skinny_gemm_reduce_kernel[(m, triton.cdiv(n, block))](
-            part, scale_args[0], scale_args[1], bias_arg, out,
-            m, n, out.stride(0),
-            HAS_BIAS=bias is not None,
-            HAS_SCALES=fp8,
-            W_ONLY=w_only,
-            SPLIT=split,
-            PDL=pdl,
-            BLOCK=block,
-            num_warps=4,
-            launch_pdl=pdl,
-        )
-
-
 def skinny_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -357,55 +222,76 @@ def skinny_gemm(
     (weight * weight_scale).T, and weight-only x @ (weight * weight_scale).T. silu_mul: weight is
     a fused [gate; up] of 2I rows (no bias) and the result silu(x @ gate.T) * (x @ up.T), [M, I];
     K is never split then. tile overrides the launch shape (benchmark sweeps)."""
-    fp8, w_only, x_scale = _check_operands(x, weight, x_scale, weight_scale)
+    w_only = weight.dtype == FP8 and x.dtype in (torch.bfloat16, torch.float16)
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or (x.dtype != weight.dtype and not w_only):
+        raise ValueError(f"expected x [M, K] and weight [N, K] of one dtype (or an FP8 weight with bf16 / fp16 x), "
+                         f"got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight need contiguous rows")
     if silu_mul and (weight.shape[0] % 2 or bias is not None):
         raise ValueError("silu_mul needs an even number of weight rows and no bias")
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    fp8 = x.dtype == FP8
+    if fp8 or w_only:
+        if weight_scale is None or (fp8 and x_scale is None) or (w_only and x_scale is not None):
+            raise ValueError("an FP8 weight needs weight_scale, and FP8 x (only) x_scale")
+        if weight_scale.shape != (weight.shape[0],) or weight_scale.dtype != torch.float32 \
+                or not weight_scale.is_contiguous():
+            raise ValueError(f"weight_scale must be float32 [{weight.shape[0]}], contiguous")
+    if fp8:
+        x_scale = x_scale.reshape(-1)
+        if x_scale.shape != (m,) or x_scale.dtype != torch.float32 or not x_scale.is_contiguous():
+            raise ValueError(f"x_scale must be float32 [{m}], contiguous")
+    elif not w_only and (x_scale is not None or weight_scale is not None):
+        raise ValueError("scales go with FP8 operands only")
     out = torch.empty((m, n), dtype=out_dtype or (torch.bfloat16 if fp8 else x.dtype), device=x.device)
     if m == 0:
         return out
     tile = tile or default_skinny_gemm_tile(m, n, k, sm_count(x.device), weight.element_size(), silu_mul,
                                             x.element_size())
-    _launch(x, weight, bias, x_scale, weight_scale, out, n, tile, fp8, w_only, silu_mul=silu_mul)
+    split = 1 if silu_mul else max(1, tile.split)
+    # each split a whole number of K tiles
+    k_per_split = triton.cdiv(triton.cdiv(k, split), tile.block_k) * tile.block_k
+    split = triton.cdiv(k, k_per_split)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    pdl = use_pdl(x.device)
+    scale_args = (x_scale if fp8 else out, weight_scale if fp8 or w_only else out)
+    bias_arg = bias if bias is not None else out
+    _skinny_gemm_kernel[(triton.cdiv(n, tile.block_n), split, triton.cdiv(m, tile.block_m))](
+        x, scale_args[0], weight, scale_args[1], bias_arg, out, part,
+        m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None,
+        HAS_SCALES=fp8,
+        W_ONLY=w_only,
+        SILU_MUL=silu_mul,
+        SPLIT=split,
+        PDL=pdl,
+        DOT_PREC=dot_precision(x.dtype),
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        IMPRECISE_K=min(128, tile.block_k),  # as DeepSeek-V3 does (and cuBLAS without fast accumulation)
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+        launch_pdl=pdl,
+    )
+    if split > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _skinny_gemm_reduce_kernel[(m, triton.cdiv(n, block))](
+            part, scale_args[0], scale_args[1], bias_arg, out,
+            m, n, out.stride(0),
+            HAS_BIAS=bias is not None,
+            HAS_SCALES=fp8,
+            W_ONLY=w_only,
+            SPLIT=split,
+            PDL=pdl,
+            BLOCK=block,
+            num_warps=4,
+            launch_pdl=pdl,
+        )
     return out
-
-
-def skinny_gemm_rope_store(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    num_heads: int,
-    *,
-    x_scale: torch.Tensor | None = None,
-    weight_scale: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
-    tile: SkinnyGemmTile | None = None,
-) -> torch.Tensor:
-    """The input side of decode attention in one kernel for 2 to ~64 rows, as kernels.gemv's
-    gemv_rope_store is for one: qkv = x @ weight.T (+ bias) for a fused [q; k; v] weight (operands
-    as skinny_gemm takes them), rotary of q and k at `positions`, rotated k and v written into the
-    paged caches at slot_mapping [M] (-1: skipped). Returns the rotated q [M, Hq, D] in out_dtype
-    (x's dtype unless x is FP8). Equals skinny_gemm + kernels.rope_kv_store.rope_and_store_kv."""
-    fp8, w_only, x_scale = _check_operands(x, weight, x_scale, weight_scale)
-    q_size, kv_size, head_dim = rope_store_shapes(x, weight, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
-                                                  num_heads)
-    m, k = x.shape
-    out_dtype = x.dtype if not fp8 else out_dtype
-    q = torch.empty((m, num_heads, head_dim), dtype=out_dtype, device=x.device)
-    if m == 0:
-        return q
-    pairs = weight.shape[0] // 2
-    tile = tile or default_skinny_gemm_tile(m, pairs, k, sm_count(x.device), weight.element_size(), True,
-                                            x.element_size())
-    rope = (positions, cos_sin_cache, slot_mapping, k_cache, v_cache, q_size, kv_size, head_dim)
-    _launch(x, weight, bias, x_scale, weight_scale, q.view(m, q_size), pairs, tile, fp8, w_only, rope=rope)
-    return q
 
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

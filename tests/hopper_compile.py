@@ -79,29 +79,14 @@ def cases() -> dict[str, dict]:
     from kernels.skinny_gemm import _skinny_gemm_kernel
 
     out = {}
-    skinny = dict(HAS_BIAS=False, HAS_SCALES=False, W_ONLY=False, SILU_MUL=False, ROPE_STORE=False, Q_SIZE=0,
-                  KV_SIZE=0, HALF=1, SPLIT=1, PDL=True, DOT_PREC="tf32",
-                  BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, IMPRECISE_K=128, PREFETCH_LINES=4)
+    skinny = dict(HAS_BIAS=False, HAS_SCALES=False, W_ONLY=False, SILU_MUL=False, SPLIT=1, PDL=True, DOT_PREC="tf32",
+                  BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, IMPRECISE_K=128)
     fp32_scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "part_ptr": "*fp32"}
-    # as shipped (no prefetch, no rotary), bf16 and W8A8 with the SiLU: the paths every decode batch of 2-64 rows takes
-    out["skinny_bf16"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, PREFETCH_LINES=0), fp32_scales, num_warps=4,
-                                     num_stages=5)
-    out["skinny_w8a8_silu"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, PREFETCH_LINES=0, HAS_SCALES=True,
-                                                                    SILU_MUL=True, BLOCK_K=128),
+    # the skinny GEMM as shipped, bf16 and W8A8 with the SiLU: the paths every decode batch of 2-64 rows takes
+    out["skinny_bf16"] = compile_ptx(_skinny_gemm_kernel, skinny, fp32_scales, num_warps=4, num_stages=5)
+    out["skinny_w8a8_silu"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, SILU_MUL=True),
                                           dict(fp32_scales, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv"), num_warps=4,
                                           num_stages=3)
-    out["skinny_bf16_prefetch"] = compile_ptx(_skinny_gemm_kernel, skinny, fp32_scales, num_warps=4, num_stages=3)
-    out["skinny_bf16_silu_prefetch"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, SILU_MUL=True), fp32_scales,
-                                                   num_warps=4, num_stages=3)
-    fp8 = dict(fp32_scales, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv")
-    rope = dict(skinny, ROPE_STORE=True, Q_SIZE=14 * 64, KV_SIZE=2 * 64, HALF=32)
-    rope_ptrs = dict(fp32_scales, pos_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32")
-    out["skinny_bf16_rope_prefetch"] = compile_ptx(_skinny_gemm_kernel, rope, rope_ptrs, num_warps=4, num_stages=3)
-    out["skinny_w8a8_rope_prefetch"] = compile_ptx(_skinny_gemm_kernel, dict(rope, HAS_SCALES=True, BLOCK_K=256),
-                                                   dict(rope_ptrs, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv"),
-                                                   num_warps=4, num_stages=3)
-    out["skinny_w8a8_silu_prefetch"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, SILU_MUL=True,
-                                                                             BLOCK_K=256), fp8, num_warps=4, num_stages=3)
     norm = dict(HAS_RESIDUAL=True, BLOCK=1024, QUANT_FP8=False, SCALE_BY_RECIPROCAL=True, PDL=True)
     out["rms_norm"] = compile_ptx(_rms_norm_kernel, norm, {"scale_ptr": "*fp32"}, num_warps=4)
     out["rms_norm_fp8"] = compile_ptx(_rms_norm_kernel, dict(norm, QUANT_FP8=True),
@@ -115,13 +100,14 @@ def cases() -> dict[str, dict]:
                                            {"q_ptr": "*u8", "scale_ptr": "*fp32"}, num_warps=4)
     from kernels.gemv import _gemv_kernel
 
-    gemv = dict(HAS_NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, HAS_W_SCALE=True, SILU_MUL=False, ROPE_STORE=False,
-                Q_SIZE=0, KV_SIZE=0, HALF=1, PDL=True, BLOCK_N=4, BLOCK_K=2048, SUM_GROUP=1)
-    gemv_ptrs = {"w_ptr": "*i8", "w_scale_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32"}
+    gemv = dict(HAS_NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, HAS_W_SCALE=False, SILU_MUL=False, ROPE_STORE=False,
+                Q_SIZE=0, KV_SIZE=0, HALF=1, PDL=True, BLOCK_N=1, BLOCK_K=1024)
+    gemv_ptrs = {"w_scale_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32"}
     sizes = ("N", "K", "stride_x", "stride_r", "stride_ro", "stride_w", "stride_o")
-    for group in (1, 16):  # Llama-3.1-8B's FP8 down_proj tile at one row, with and without GROUPED_SUM
-        out[f"gemv_fp8_down_group{group}"] = compile_kernel(_gemv_kernel, dict(gemv, SUM_GROUP=group), gemv_ptrs, sizes,
-                                                            num_warps=4)
+    # bf16 down_proj's one-row tile: 1024-wide K as shipped, 2048 (kernels/gemv.LONG_K_BLOCK_K, to be measured)
+    for block_k in (1024, 2048):
+        out[f"gemv_down_k{block_k}"] = compile_kernel(_gemv_kernel, dict(gemv, BLOCK_K=block_k), gemv_ptrs, sizes,
+                                                      num_warps=8)
     from kernels.decode_attention import _decode_attention_kernel
 
     attention_ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_m_ptr": "*fp32",

@@ -451,8 +451,6 @@ def test_gemv(rows, n, k, bias):
 def test_gemv_long_k_default_tile(long_k_block, monkeypatch):
     """A down_proj-like K past 4096 takes one row a program with LONG_K_BLOCK_K-wide tiles (the last
     one masked); a register cap only matters on a GPU and leaves the result alone."""
-    import importlib
-
     gemv_module = importlib.import_module("kernels.gemv")
     monkeypatch.setattr(gemv_module, "LONG_K_BLOCK_K", long_k_block)
     assert gemv_module.default_gemv_tile(1, 8, 4864, 132) == gemv_module.GemvTile(1, long_k_block, 8)
@@ -495,13 +493,10 @@ def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale
 
 
-@pytest.mark.parametrize("grouped_sum", [False, True])
 @pytest.mark.parametrize("silu_mul", [False, True])
-def test_gemv_fp8_weights_dequantized_in_registers(silu_mul, grouped_sum, monkeypatch):
+def test_gemv_fp8_weights_dequantized_in_registers(silu_mul):
     """FP8 rows times their scale: the dequantized weight's product, over several K tiles (the next
-    tile read ahead of its use), with the fused norm and SiLU-and-mul; also with the products summed
-    in groups of 16 before the accumulator (kernels/gemv.GROUPED_SUM)."""
-    monkeypatch.setattr(importlib.import_module("kernels.gemv"), "GROUPED_SUM", grouped_sum)
+    tile read ahead of its use), with the fused norm and SiLU-and-mul."""
     gen, x, w = _gemv_case(2, 2 * 40 if silu_mul else 40, 300, seed=28)
     w = w * torch.logspace(-2, 1, w.shape[0])[:, None]  # rows of different sizes: the scales matter
     q, scale = _fp8(w)
@@ -518,9 +513,7 @@ def test_gemv_fp8_weights_dequantized_in_registers(silu_mul, grouped_sum, monkey
         gemv(x, q, weight_scale=scale[:-1])
 
 
-@pytest.mark.parametrize("grouped_sum", [False, True])
-def test_gemv_rope_store_fp8_weights(grouped_sum, monkeypatch):
-    monkeypatch.setattr(importlib.import_module("kernels.gemv"), "GROUPED_SUM", grouped_sum)
+def test_gemv_rope_store_fp8_weights():
     gen = torch.Generator().manual_seed(32)
     hq, hkv, head_dim, hidden, rows = 4, 2, 16, 40, 2
     n = (hq + 2 * hkv) * head_dim

@@ -407,15 +407,12 @@ def test_gemv_rope_store_real_shapes(shape, hidden, bias, poisoned_outputs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("grouped_sum", [False, True])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("name", [n for n in sorted(GEMV_SHAPES) if "lm_head" not in n])
-def test_gemv_fp8_weights_real_shapes(name, rows, grouped_sum, poisoned_outputs, monkeypatch):
+def test_gemv_fp8_weights_real_shapes(name, rows, poisoned_outputs):
     """FP8 weights (e4m3, a float32 scale per row) dequantized in registers: the float32 product
-    with the dequantized weight (also with kernels/gemv.GROUPED_SUM)."""
+    with the dequantized weight."""
     from engine.models.fp8 import quantize_per_channel
-
-    monkeypatch.setattr(importlib.import_module("kernels.gemv"), "GROUPED_SUM", grouped_sum)
 
     n, k, norm, bias, silu = GEMV_SHAPES[name]
     gen = torch.Generator(device=DEV).manual_seed(rows + 100)
@@ -499,19 +496,16 @@ def assert_graph_replays_give(chain, expected: torch.Tensor) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused_rope", [False, True], ids=["rope-kernel", "rope-in-qkv"])
-def test_programmatic_dependent_launch_of_the_kernels_between_projections(monkeypatch, fused_rope):
+def test_programmatic_dependent_launch_of_the_kernels_between_projections(monkeypatch):
     """kernels/_common.PDL_ELEMENTWISE: a decoder-like chain at 8 rows (skinny GEMMs, W8A8 among
     them, with the RMSNorm, FP8 quantization, rotary + KV store and SiLU-and-mul kernels between
-    them) captured in a CUDA graph with every kernel launched with PDL, and the skinny GEMM
-    prefetching its weights before it waits (PREFETCH_BEFORE_WAIT), gives bit for bit what it
-    gives launched one by one without: each waits for the kernel before it. fused_rope: qkv, rotary and
-    the cache write as one kernel (skinny_gemm_rope_store)."""
+    them, and decode attention asking L2 for its KV before it waits) captured in a CUDA graph with
+    every kernel launched with PDL gives bit for bit what it gives launched one by one without: each
+    waits for the kernel before it."""
     from kernels import _common
-    skinny_gemm_module = importlib.import_module("kernels.skinny_gemm")  # the package exports a function of that name
     from kernels.fp8_quant import quantize_rows_fp8
     from kernels.rmsnorm import rms_norm_fp8
-    from kernels.skinny_gemm import skinny_gemm, skinny_gemm_rope_store
+    from kernels.skinny_gemm import skinny_gemm
 
     from engine.models.fp8 import quantize_per_channel
 
@@ -537,12 +531,9 @@ def test_programmatic_dependent_launch_of_the_kernels_between_projections(monkey
         x, res = x0, torch.zeros_like(x0)
         for w in layers:
             h, res = fused_add_rms_norm(x, res, w["g1"], 1e-6)
-            if fused_rope:
-                q = skinny_gemm_rope_store(h, w["qkv"], None, positions, cos_sin, slots, k_cache, v_cache, hq)
-            else:
-                qkv = skinny_gemm(h, w["qkv"]).view(rows, hq + 2 * hkv, head_dim)
-                q, k, v = qkv.split([hq, hkv, hkv], dim=1)
-                rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+            qkv = skinny_gemm(h, w["qkv"]).view(rows, hq + 2 * hkv, head_dim)
+            q, k, v = qkv.split([hq, hkv, hkv], dim=1)
+            rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
             attn = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, num_splits=2)
             x = skinny_gemm(attn.reshape(rows, -1), w["o"])
             hq8, hs, res = rms_norm_fp8(x, w["g2"], 1e-6, res)
@@ -557,6 +548,6 @@ def test_programmatic_dependent_launch_of_the_kernels_between_projections(monkey
     expected = chain()  # (each layer writes the one slot it then reads: a rerun finds the caches as it needs)
     monkeypatch.setattr(_common, "PDL", True)
     monkeypatch.setattr(_common, "PDL_ELEMENTWISE", True)
-    monkeypatch.setattr(skinny_gemm_module, "PREFETCH_BEFORE_WAIT", True)
+    use_attention_prefetch(monkeypatch, 2)
     assert _common.use_pdl(torch.device(DEV), elementwise=True) == (torch.cuda.get_device_capability()[0] >= 9)
     assert_graph_replays_give(chain, expected)

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import cpu_linear, cpu_ops
-from engine.models import fp8 as fp8_weights
 from engine.models.fp8 import FP8, fp8_gemm, fp8_linear, quantize_per_channel, quantizes_activations
 
 
@@ -43,13 +42,6 @@ FP8_GATE_UP_GEMV_MAX_ROWS = 0
 SKINNY_GEMM_MAX_ROWS = 64
 # the norm before an FP8 projection hands it its input quantized (kernels/rmsnorm.py rms_norm_fp8)
 FP8_NORM_QUANT = True
-# Decode batches the skinny GEMM takes (2 rows and up) run qkv with rotary and the KV-cache write in
-# its epilogue (kernels/skinny_gemm.py skinny_gemm_rope_store, as the GEMV does at one row): one kernel
-# fewer a layer. Off: slower on the H200, 2026-12-02 (decode_latency.py --skinny-rope-store on|off):
-# 0.5B batch 64 57,579 / 58,772 vs 59,759 / 59,853 tok/s, 8B FP8 batch 64 14,191 vs 14,865, batch 8
-# 2,359 vs 2,433; only 8B bf16 batch 8 gained (1,772 vs 1,755). The epilogue's per-tile rotary costs
-# more than the kernel it saves.
-SKINNY_ROPE_STORE = False
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -167,40 +159,17 @@ def fused_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_we
                          qkv_proj: Linear, num_heads: int, positions: torch.Tensor, cos_sin: torch.Tensor,
                          slot_mapping: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Decode attention's input side fused where a kernel does it: norm, qkv projection, rotary of q
-    and k, K/V written into the cache, in one kernel (the GEMV, one row) or two (the norm, then the
-    skinny GEMM with rotary and the store in its epilogue, with SKINNY_ROPE_STORE). Returns (rotated
-    q [M, Hq, D], x + residual), or None elsewhere (the caller runs norm_linear and the backend's
-    rotary + store)."""
-    weight, scale = qkv_proj.weight, qkv_proj.weight_scale
-    rope = (positions, cos_sin, slot_mapping, k_cache, v_cache, num_heads)
-    if _gemv_applies(x, weight):
-        from kernels.gemv import gemv_rope_store
-
-        q, new_residual = gemv_rope_store(x, weight, qkv_proj.bias, *rope, norm_weight=norm_weight, residual=residual,
-                                          eps=eps, weight_scale=scale)
-        return q, x if residual is None else new_residual
-    if not SKINNY_ROPE_STORE or not _skinny_applies(x, lm_head=False):
+    """Decode attention's input side in one kernel where the fused GEMV applies: norm, qkv
+    projection, rotary of q and k, K/V written into the cache. Returns (rotated q [M, Hq, D],
+    x + residual), or None elsewhere (the caller runs norm_linear and the backend's rotary + store)."""
+    if not _gemv_applies(x, qkv_proj.weight):
         return None
-    fp8 = weight.dtype == FP8
-    rows_fit = x.shape[0] <= (fp8_weights.FP8_GEMM_MAX_ROWS if fp8 else SKINNY_GEMM_MAX_ROWS)
-    w8a8 = fp8 and FP8_NORM_QUANT and quantizes_activations(x.shape[0])  # the path norm_linear takes then
-    if not rows_fit or (fp8 and not w8a8):
-        return None
-    from kernels.skinny_gemm import skinny_gemm_rope_store
+    from kernels.gemv import gemv_rope_store
 
-    if fp8:
-        from kernels.rmsnorm import rms_norm_fp8
-
-        xq, x_scale, new_residual = rms_norm_fp8(x, norm_weight, eps, residual)
-        q = skinny_gemm_rope_store(xq, weight, qkv_proj.bias, *rope, x_scale=x_scale, weight_scale=scale,
-                                   out_dtype=x.dtype)
-        return q, x if residual is None else new_residual
-    if residual is None:
-        h, residual = rms_norm(x, norm_weight, eps), x
-    else:
-        h, residual = add_rms_norm(x, residual, norm_weight, eps)
-    return skinny_gemm_rope_store(h, weight, qkv_proj.bias, *rope), residual
+    q, new_residual = gemv_rope_store(x, qkv_proj.weight, qkv_proj.bias, positions, cos_sin, slot_mapping, k_cache,
+                                      v_cache, num_heads, norm_weight=norm_weight, residual=residual, eps=eps,
+                                      weight_scale=qkv_proj.weight_scale)
+    return q, x if residual is None else new_residual
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
