@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only|fp8-norm-ab|skinny-final|fp8-8b|targets|gemv-tiles
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only|fp8-norm-ab|skinny-final|fp8-8b|targets|gemv-tiles|fp8-b1-sweep
 set -u
 PART=${1:-tests}
 . benchmarks/gpu_env.sh
@@ -139,6 +139,13 @@ gemv-tiles)  # bf16 one-row GEMV tiles the sweep had not tried (2048-wide K for 
       --skip-transformers --max-num-seqs 8 --load-format dummy --gemv-long-k-block $b \
       --out "$OUT/decode_8b_down_$b.json" 2>&1 | grep -E " graphs"
   done
+  ;;
+fp8-b1-sweep)  # batch 1's FP8 qkv / o / down: the GEMV (shipped) against the skinny W8A8 GEMM with swept tiles
+  # (split K up to 8), the latter never swept at one row; a win would route that projection at batch 1
+  timeout 120 python3 benchmarks/gemv_bench.py --models llama-3.1-8b --rows 1 --weights fp8 --projections qkv o down \
+    --out "$OUT/gemv_bench_fp8_b1.json" 2>&1 | grep -E "best" | quiet
+  timeout 400 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights fp8 --rows 1 \
+    --projections qkv o down --sweep --sweep-rows 1 --out "$OUT/skinny_gemm_bench_fp8_b1.json" 2>&1 | quiet | tail -5
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

@@ -32,7 +32,7 @@ def sweep_tiles(rows: int, weight_bytes: int) -> list:
 
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     return [SkinnyGemmTile(bn, tile_bytes // weight_bytes, block_m, split, 4, stages)
-            for bn, tile_bytes, split, stages in itertools.product((64, 128), (128, 256), (1, 2, 4), (3, 5))]
+            for bn, tile_bytes, split, stages in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (3, 5))]
 
 
 def bench(model: str, proj: tuple, rows: int, copy_gbs: float, weights: str, tiles: list) -> list[dict]:
