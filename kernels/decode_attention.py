@@ -34,7 +34,7 @@ _MAX_SPLITS = 64
 # before it waits for the kernel before it (the qkv projection): those rows were written in earlier
 # steps, and at short contexts the DRAM latency of the first tile is most of the kernel's time.
 # Batches up to PREFETCH_MAX_BATCH only. H200, 2026-12-02 (decode_latency.py --attention-prefetch 2|0,
-# interleaved): Qwen2.5-0.5B batch 1 1,790-1,801 vs 1,751-1,761 tok/s, batch 8 10,359 / 10,440 vs
+# interleaved): Qwen2.5-0.5B batch 1 1,798-1,801 vs 1,751-1,760 tok/s, batch 8 10,359 / 10,440 vs
 # 10,268 / 10,256, but batch 64 58,797 / 59,034 vs 59,965 / 60,115; Llama-3.1-8B batch 1 246.7 vs
 # 245.4, batch 8 1,790 vs 1,788.
 PREFETCH_TILES = 2
