@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|pdl-ab|curve|accuracy|profile|profile-b64|skinny|skinny-check|split-ab|fp8-w-only|fp8-norm-ab|skinny-final|fp8-8b|targets|gemv-tiles|fp8-b1-sweep
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep
+# (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
 . benchmarks/gpu_env.sh
@@ -26,12 +27,6 @@ decode)
       --skip-transformers --max-num-seqs 64 --quantization none fp8 --out "$OUT/decode_$m.json" 2>&1 | quiet
   done
   ;;
-pdl-ab)
-  for pdl in off on; do
-    timeout 200 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b llama-3.1-8b --batches 1 --chunks 8 \
-      --no-eager --skip-transformers --max-num-seqs 8 --pdl $pdl --out "$OUT/decode_pdl_$pdl.json" 2>&1 | quiet
-  done
-  ;;
 curve)
   timeout 560 python3 benchmarks/decode_latency.py --models ${MODELS:-qwen2.5-0.5b llama-3.1-8b} \
     --batches 1 2 4 8 16 32 64 128 256 --chunks 8 --no-eager --skip-transformers --max-num-seqs 256 \
@@ -53,75 +48,11 @@ skinny-check)  # the skinny GEMM's and FP8's GPU tests (FP8 accuracy included), 
   timeout 100 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 8 16 64 --chunks 8 --no-eager \
     --skip-transformers --max-num-seqs 64 --gemv-ab --out "$OUT/decode_qwen.json" 2>&1 | grep -E " graphs"
   ;;
-skinny)  # kernels/skinny_gemm.py: GPU tests, the bf16 tile sweep, decode with it against cuBLAS (A/B)
-  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py tests/test_fp8.py 2>&1 \
-    | grep -E "passed|failed|Error|assert" | head -20
-  timeout 200 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights bf16 --rows 2 8 16 32 64 \
-    --sweep --sweep-rows 8 64 --out "$OUT/skinny_gemm_bench_bf16.json" 2>&1 | grep -E "cuBLAS|skinny|best" | quiet
-  timeout 60 python3 benchmarks/skinny_gemm_bench.py --models qwen2.5-0.5b --weights bf16 fp8 --rows 8 64 \
-    --out "$OUT/skinny_gemm_bench_qwen.json" 2>&1 | grep -E "cuBLAS|skinny|scaled" | quiet
-  timeout 150 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 8 64 --chunks 8 --no-eager \
-    --skip-transformers --max-num-seqs 64 --load-format dummy --gemv-ab --out "$OUT/decode_8b_skinny_ab.json" 2>&1 | grep -E "graphs"
-  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  timeout 100 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 8 64 --chunks 8 --no-eager \
-    --skip-transformers --max-num-seqs 64 --gemv-ab --out "$OUT/decode_qwen_skinny_ab.json" 2>&1 | grep -E "graphs"
-  ;;
 profile-b64)  # where a batch-64 step goes: 0.5B bf16, 8B bf16 and fp8 (random weights made on the GPU)
   timeout 100 python3 benchmarks/profile_decode.py --model qwen2.5-0.5b --batch 64 --out "$OUT/profile_qwen_b64.json" 2>&1 | quiet
   for q in none fp8; do
     timeout 150 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch 64 --load-format dummy \
       --quantization $q --out "$OUT/profile_llama_b64_$q.json" 2>&1 | quiet
-  done
-  ;;
-fp8-w-only)  # FP8 weight-only skinny GEMM: GPU tests, per projection against W8A8, decode A/B (8B FP8 at 1 / 8 / 16)
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py tests/test_fp8.py \
-    > "$OUT/gpu_tests.log" 2>&1; tail -3 "$OUT/gpu_tests.log"
-  timeout 100 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights fp8 --rows 2 8 16 \
-    --out "$OUT/skinny_gemm_bench_w_only.json" 2>&1 | grep -E "skinny|scaled" | quiet
-  for w in 0 16; do
-    timeout 130 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 8 16 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 16 --load-format dummy --quantization fp8 --fp8-weight-only-max-rows $w \
-      --out "$OUT/decode_8b_fp8_w_only_$w.json" 2>&1 | grep -E " graphs"
-  done
-  ;;
-fp8-norm-ab)  # the FP8 GPU tests (the fused norm + quantization included), then 8B FP8 decode with and without it
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_fp8.py tests/test_fp8_quant.py \
-    tests/test_skinny_gemm.py > "$OUT/gpu_tests.log" 2>&1; tail -3 "$OUT/gpu_tests.log"
-  for run in off-1 on-1 off-2 on-2; do  # interleaved, twice
-    timeout 90 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 8 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --fp8-norm-quant ${run%-*} \
-      --out "$OUT/decode_8b_fp8_norm_quant_$run.json" 2>&1 | grep -E " graphs"
-  done
-  ;;
-split-ab)  # graph vs eager on the GPU, then decode at batch 1 and 8 with the attention's split floor at 512 / 128 / 64 KV tokens
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu_engine.py \
-    tests/test_kernels_gpu.py -k "graph_path or teacher or constrained or decode_attention" > "$OUT/gpu_engine_tests.log" 2>&1
-  tail -3 "$OUT/gpu_engine_tests.log"
-  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  for s in 512 128 64; do
-    timeout 100 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 8 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 8 --attention-min-split-tokens $s --out "$OUT/decode_qwen_split$s.json" 2>&1 | grep -E " graphs"
-  done
-  for s in 512 128; do
-    timeout 140 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 8 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 8 --load-format dummy --attention-min-split-tokens $s \
-      --out "$OUT/decode_8b_split$s.json" 2>&1 | grep -E " graphs"
-  done
-  ;;
-skinny-final)  # after SKINNY_GEMM_MAX_ROWS = 64: GPU tests, then the in-between batches 16 / 32 / 64 against 16 (A/B)
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py \
-    tests/test_gpu_engine.py -k "not llama and not teacher" > "$OUT/gpu_tests.log" 2>&1
-  tail -3 "$OUT/gpu_tests.log"
-  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  for rows in 64 16; do
-    timeout 60 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 32 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --skinny-gemm-max-rows $rows --out "$OUT/decode_qwen_skinny_$rows.json" \
-      2>&1 | grep -E " graphs"
-  done
-  for rows in 64 16; do
-    timeout 100 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 32 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --skinny-gemm-max-rows $rows \
-      --out "$OUT/decode_8b_skinny_$rows.json" 2>&1 | grep -E " graphs"
   done
   ;;
 gemv-tiles)  # bf16 one-row GEMV tiles the sweep had not tried (2048-wide K for one or two rows, register caps),
@@ -161,16 +92,6 @@ targets)  # issue 13's target table in one call: graph vs eager on the GPU (the 
   timeout 100 python3 benchmarks/profile_decode.py --model qwen2.5-0.5b --batch 64 --out "$OUT/profile_qwen_b64.json" 2>&1 | quiet
   timeout 150 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch 64 --load-format dummy \
     --quantization fp8 --out "$OUT/profile_llama_b64_fp8.json" 2>&1 | quiet
-  ;;
-fp8-8b)  # Llama-3.1-8B: the FP8 gate_up through W8A8 at batch 1 (A/B, interleaved), bf16 for reference
-  for run in w8a8-1 gemv-1 w8a8-2 gemv-2; do
-    timeout 100 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 \
-      --fp8-gate-up-gemv-max-rows $([ ${run%-*} = gemv ] && echo 1 || echo 0) \
-      --out "$OUT/decode_8b_fp8_gate_up_$run.json" 2>&1 | grep -E " graphs"
-  done
-  timeout 100 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 64 --chunks 8 --no-eager \
-    --skip-transformers --max-num-seqs 64 --load-format dummy --out "$OUT/decode_8b_bf16.json" 2>&1 | grep -E " graphs"
   ;;
 esac
 # the device returns at most 8 files from $OUT: past 5 JSON files, they come back as one tar
