@@ -191,6 +191,9 @@ def main() -> None:
                              "asks L2 for before its PDL wait; 0: none; A/B)")
     parser.add_argument("--attention-min-split-tokens", type=int, default=None,
                         help="override kernels/decode_attention.py's fewest KV tokens per split (A/B)")
+    parser.add_argument("--attention-fused-merge", choices=["on", "off"], default=None,
+                        help="override kernels/decode_attention.py's FUSED_MERGE (the last split merges the "
+                             "partials; off: the merge kernel; A/B)")
     parser.add_argument("--tp-only", action="store_true",
                         help="only the --tp rows (a model one device cannot hold)")
     args = parser.parse_args()
@@ -220,6 +223,8 @@ def main() -> None:
         decode_attention._MIN_TOKENS_PER_SPLIT = args.attention_min_split_tokens
     if args.attention_prefetch is not None:
         decode_attention.PREFETCH_TILES = args.attention_prefetch
+    if args.attention_fused_merge is not None:
+        decode_attention.FUSED_MERGE = args.attention_fused_merge == "on"
 
     cuda = args.device != "cpu"
     bandwidth = copy_bandwidth()["gb_per_s"] * 1e9 if cuda else None

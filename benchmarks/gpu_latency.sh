@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fused-merge|batch1-ab
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -77,6 +77,42 @@ fp8-b1-sweep)  # batch 1's FP8 qkv / o / down: the GEMV (shipped) against the sk
     --out "$OUT/gemv_bench_fp8_b1.json" 2>&1 | grep -E "best" | quiet
   timeout 400 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights fp8 --rows 1 \
     --projections qkv o down --sweep --sweep-rows 1 --out "$OUT/skinny_gemm_bench_fp8_b1.json" 2>&1 | quiet | tail -5
+  ;;
+fused-merge)  # decode attention's splits merged by the last one to finish (FUSED_MERGE) against the merge
+  # kernel: its GPU tests, then decode at 1 / 8 / 64, interleaved (0.5B twice, 8B once)
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py \
+    -k "decode_attention or programmatic" > "$OUT/gpu_tests.log" 2>&1
+  tail -3 "$OUT/gpu_tests.log"
+  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
+  for run in on-1 off-1 on-2 off-2; do
+    timeout 80 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 8 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --attention-fused-merge ${run%-*} --out "$OUT/decode_qwen_$run.json" \
+      2>&1 | grep -E " graphs"
+  done
+  for m in on off; do
+    timeout 110 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 8 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --attention-fused-merge $m \
+      --out "$OUT/decode_8b_$m.json" 2>&1 | grep -E " graphs"
+  done
+  ;;
+batch1-ab)  # batch 1: bf16 down_proj's K tile 2048 against 1024 (0.5B twice, 8B once), and FP8 qkv / o / down
+  # through the skinny W8A8 GEMM (--fp8-gemv-max-rows 0) against the GEMV, interleaved
+  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
+  for run in 2048-1 1024-1 2048-2 1024-2; do
+    timeout 45 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 8 --gemv-long-k-block ${run%-*} --out "$OUT/decode_qwen_down_$run.json" \
+      2>&1 | grep -E " graphs"
+  done
+  for b in 2048 1024; do
+    timeout 70 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 8 --load-format dummy --gemv-long-k-block $b \
+      --out "$OUT/decode_8b_down_$b.json" 2>&1 | grep -E " graphs"
+  done
+  for r in 0 1; do
+    timeout 80 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 8 --load-format dummy --quantization fp8 --fp8-gemv-max-rows $r \
+      --out "$OUT/decode_8b_fp8_gemv_rows_$r.json" 2>&1 | grep -E " graphs"
+  done
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

@@ -3,9 +3,9 @@
 GQA: one program handles every query head of one KV head (the group is packed into the rows of
 the tile), so each KV tile is read once per group. Split-K (flash-decoding): when there are too
 few (sequence, KV head) pairs to fill the GPU, each sequence's KV range is cut into `num_splits`
-parts computed in parallel; each writes a partial (max, sum, unnormalised acc) and a second
-kernel merges them. All launch parameters depend on shapes only, so the wrapper is CUDA-graph
-capturable.
+parts computed in parallel; each writes a partial (max, sum, unnormalised acc), and either the
+last split of each (sequence, KV head) to finish merges them (FUSED_MERGE) or a second kernel does.
+All launch parameters depend on shapes only, so the wrapper is CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -39,12 +39,19 @@ _MAX_SPLITS = 64
 # 245.4, batch 8 1,790 vs 1,788.
 PREFETCH_TILES = 2
 PREFETCH_MAX_BATCH = 8
+# The splits of one (sequence, KV head) count themselves done on a counter in global memory; the last
+# one merges their partials, so no second kernel (and no second launch and grid-completion wait
+# between attention and o_proj) is needed. Off: _decode_reduce_kernel merges.
+FUSED_MERGE = False
+_MERGE_CHUNK = 8  # splits merged per load
+_COUNTERS_MIN = 1 << 16  # int32 counters allocated at once per device, zero and reset by their users
+_split_counters: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr,
     scale_log2,
     stride_qb, stride_qh,
     stride_cb, stride_ct,  # cache strides of a block and of a token (same for k and v)
@@ -61,8 +68,14 @@ def _decode_attention_kernel(
     DOT_PREC: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH_TILES: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
+    MERGE_GROUP: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
 ):
-    """PREFETCH_TILES: tiles of K and V rows to prefetch into L2 before the PDL wait (0: none)."""
+    """PREFETCH_TILES: tiles of K and V rows to prefetch into L2 before the PDL wait (0: none).
+    FUSED_MERGE (with WRITE_PARTIAL): the last split of this (sequence, KV head) to finish merges
+    the partials of all its splits into out; counter_ptr[pid] counts the finished ones (0 on entry,
+    reset to 0 by the merging split)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // NUM_KV_HEADS
@@ -120,10 +133,67 @@ def _decode_attention_kernel(
         tl.store(part_m_ptr + part, m_i, mask=g_mask)
         tl.store(part_l_ptr + part, l_i, mask=g_mask)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+        if FUSED_MERGE:
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            done = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if done == num_splits - 1:
+                tl.store(counter_ptr + pid, 0)
+                _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh,
+                              tl.cdiv(num_tiles, tiles_per_split), num_splits, stride_ob, stride_oh,
+                              NUM_KV_HEADS, GROUP, HEAD_DIM, MERGE_GROUP, MERGE_CHUNK)
     else:
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh, active, num_splits, stride_ob, stride_oh,
+                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+    """out for the GROUP query heads of (b, kvh) from the partials of its first `active` splits (the
+    ones holding tokens; the rest are empty), in one pass with a running maximum. The partials were
+    written by other programs: loaded through L2 (.cg), never a stale L1 line."""
+    offs_g = tl.arange(0, MERGE_GROUP)
+    offs_c = tl.arange(0, MERGE_CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_mask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    base = (b.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * num_splits
+    m_run = tl.full([MERGE_GROUP], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([MERGE_GROUP], dtype=tl.float32)
+    num = tl.zeros([MERGE_GROUP, HEAD_DIM], dtype=tl.float32)
+    for s0 in range(0, active, MERGE_CHUNK):
+        offs_s = s0 + offs_c
+        mask = g_mask[:, None] & (offs_s < active)[None, :]
+        part = base[:, None] + offs_s[None, :]
+        # every active split holds a token, so its m is finite; padded entries weigh exp2(-inf) = 0
+        m = tl.load(part_m_ptr + part, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(part_l_ptr + part, mask=mask, other=0.0, cache_modifier=".cg")
+        acc = tl.load(part_acc_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=mask[:, :, None],
+                      other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(m, 1))
+        m_new = tl.where(g_mask, m_new, 0.0)  # padded heads: no -inf - -inf
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.exp2(m - m_new[:, None])
+        den = den * alpha + tl.sum(l * w, 1)
+        num = num * alpha[:, None] + tl.sum(acc * w[:, :, None], 1)
+        m_run = m_new
+    out = num / tl.where(den > 0, den, 1.0)[:, None]
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """The split counters of `device` (at least n), or None while a CUDA graph is being captured and
+    none that large exist yet (allocating one there would put it in the graph's pool)."""
+    counters = _split_counters.get(device)
+    if counters is None or counters.numel() < n:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = torch.zeros(max(n, _COUNTERS_MIN), dtype=torch.int32, device=device)
+        _split_counters[device] = counters
+    return counters
 
 
 @triton.jit
@@ -249,6 +319,7 @@ def paged_decode_attention(
         num_splits = pick_num_splits(batch, num_kv_heads, max_context, sm_count(q.device))
     num_splits = max(1, int(num_splits))
 
+    counters = _counters(q.device, batch * num_kv_heads) if num_splits > 1 and FUSED_MERGE else None
     if num_splits == 1:
         part_m = part_l = part_acc = out  # unused
     else:
@@ -259,7 +330,7 @@ def paged_decode_attention(
     pdl = use_pdl(q.device)
     _decode_attention_kernel[(batch * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
-        out, part_m, part_l, part_acc,
+        out, part_m, part_l, part_acc, out if counters is None else counters,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
@@ -276,11 +347,14 @@ def paged_decode_attention(
         DOT_PREC=dot_precision(q.dtype),
         PDL=pdl,
         PREFETCH_TILES=PREFETCH_TILES if pdl and batch <= PREFETCH_MAX_BATCH else 0,
+        FUSED_MERGE=counters is not None,
+        MERGE_GROUP=triton.next_power_of_2(group),
+        MERGE_CHUNK=_MERGE_CHUNK,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         launch_pdl=pdl,
     )
-    if num_splits > 1:
+    if num_splits > 1 and counters is None:
         _decode_reduce_kernel[(batch * num_heads,)](
             part_m, part_l, part_acc, out,
             out.stride(0), out.stride(1),

@@ -63,11 +63,22 @@ def registers(cubin: bytes) -> int:
 
 
 def summary(kernel) -> dict:
-    lines = [line.strip() for line in kernel.asm["ptx"].splitlines()]
-    first = {key: next((i for i, line in enumerate(lines) if line.startswith(key)), None)
-             for key in ("prefetch.global.L2", "griddepcontrol.wait", "griddepcontrol.launch_dependents")}
+    # PTX lines, a guard predicate ("@%p1 ") dropped
+    lines = [re.sub(r"^@!?%p\d+\s+", "", line.strip()) for line in kernel.asm["ptx"].splitlines()]
+    keys = ("prefetch.global.L2", "griddepcontrol.wait", "griddepcontrol.launch_dependents", "bar.sync", "atom.",
+            "ld.global.cg")
+    first = {key: next((i for i, line in enumerate(lines) if line.startswith(key)), None) for key in keys}
+    last = {key: max((i for i, line in enumerate(lines) if line.startswith(key)), default=None) for key in keys}
+    atomics = [i for i, line in enumerate(lines) if line.startswith("atom.")]
+    # a CTA barrier between the last global store and the first atomic after it (all threads' writes
+    # happen before the one thread's release)
+    stores = [i for i in range(atomics[0]) if lines[i].startswith("st.global")] if atomics else []
+    barrier = bool(stores) and any(lines[i].startswith("bar.sync") for i in range(stores[-1], atomics[0]))
     return dict(prefetches=sum(line.startswith("prefetch.global.L2") for line in lines),
-                waits=sum(line.startswith("griddepcontrol.wait") for line in lines), first_line=first,
+                first_line=first, last_line=last, atomics=[lines[i].split()[0] for i in atomics],
+                barrier_before_atomic=barrier,
+                cg_loads=sum(line.startswith("ld.global.cg") for line in lines),
+                waits=sum(line.startswith("griddepcontrol.wait") for line in lines),
                 registers=registers(kernel.asm["cubin"]))
 
 
@@ -111,16 +122,21 @@ def cases() -> dict[str, dict]:
     from kernels.decode_attention import _decode_attention_kernel
 
     attention_ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_m_ptr": "*fp32",
-                      "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}
+                      "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "counter_ptr": "*i32"}
     strides = ("stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_bt", "stride_ob", "stride_oh")
     # Qwen2.5-0.5B's (7 q heads a KV head, D 64, 128-token tiles) and Llama-3.1-8B's (4, D 128, 64-token tiles)
     for name, group, head_dim, block_n, stages in (("qwen", 7, 64, 128, 2), ("llama", 4, 128, 64, 3)):
         attention = dict(NUM_KV_HEADS=2 if name == "qwen" else 8, GROUP=group, GROUP_PAD=16, HEAD_DIM=head_dim,
-                         BLOCK_SIZE=16, BLOCK_N=block_n, WRITE_PARTIAL=True, DOT_PREC="tf32", PDL=True)
+                         BLOCK_SIZE=16, BLOCK_N=block_n, WRITE_PARTIAL=True, DOT_PREC="tf32", PDL=True,
+                         FUSED_MERGE=False, MERGE_GROUP=triton.next_power_of_2(group), MERGE_CHUNK=8)
         for tiles in (0, 2):
             out[f"attention_{name}_prefetch{tiles}"] = compile_kernel(
                 _decode_attention_kernel, dict(attention, PREFETCH_TILES=tiles), attention_ptrs, strides,
                 num_warps=4, num_stages=stages)
+        # the last split to finish merges (kernels/decode_attention.FUSED_MERGE)
+        out[f"attention_{name}_fused_merge"] = compile_kernel(
+            _decode_attention_kernel, dict(attention, PREFETCH_TILES=2, FUSED_MERGE=True), attention_ptrs, strides,
+            num_warps=4, num_stages=stages)
     return {name: summary(kernel) for name, kernel in out.items()}
 
 

@@ -1,7 +1,8 @@
 """The GPU-only code paths of our kernels compile for an H100/H200 (sm_90) on this CPU machine:
 programmatic dependent launch of the kernels between the projections (kernels/_common.PDL_ELEMENTWISE)
 and of the skinny GEMM, decode attention's KV prefetch before its wait
-(kernels/decode_attention.PREFETCH_TILES), and the GEMV's register use.
+(kernels/decode_attention.PREFETCH_TILES), its merge by the last split (FUSED_MERGE), and the GEMV's
+register use.
 The interpreter never runs them, and CI has no GPU; Triton's own compiler and ptxas do, in a
 process without TRITON_INTERPRET (tests/hopper_compile.py)."""
 
@@ -49,3 +50,17 @@ def test_decode_attention_prefetches_its_first_kv_tiles_before_it_waits(compiled
     kernel = compiled[f"attention_{model}_prefetch2"]
     assert kernel["prefetches"] == 2 * 2
     assert kernel["first_line"]["prefetch.global.L2"] < kernel["first_line"]["griddepcontrol.wait"]
+
+
+@pytest.mark.parametrize("model", ["qwen", "llama"])
+def test_decode_attention_merges_in_the_last_split_after_a_release(compiled, model):
+    """kernels/decode_attention.FUSED_MERGE: every thread's partial is stored before a CTA barrier, one
+    acquire-release atomic at GPU scope counts the split done, and the merge reads the other splits'
+    partials through L2 (ld.global.cg), never L1. The unfused kernel has no atomic."""
+    assert compiled[f"attention_{model}_prefetch2"]["atomics"] == []
+    kernel = compiled[f"attention_{model}_fused_merge"]
+    assert kernel["atomics"] == ["atom.global.gpu.acq_rel.add.u32"]
+    assert kernel["barrier_before_atomic"]
+    assert kernel["cg_loads"] > 0
+    assert kernel["first_line"]["atom."] < kernel["first_line"]["ld.global.cg"]
+    assert kernel["first_line"]["griddepcontrol.wait"] < kernel["first_line"]["atom."]

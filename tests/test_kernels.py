@@ -108,8 +108,16 @@ def test_decode_ref_matches_dense():
         assert rel_err(ref[b], dense) < 1e-5
 
 
+@pytest.fixture(params=[False, True], ids=["merge_kernel", "fused_merge"])
+def fused_merge(request, monkeypatch) -> bool:
+    """Decode attention's splits merged by the merge kernel or by the last split to finish
+    (kernels/decode_attention.FUSED_MERGE)."""
+    monkeypatch.setattr(importlib.import_module("kernels.decode_attention"), "FUSED_MERGE", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, None])
-def test_decode_attention(num_splits, monkeypatch):
+def test_decode_attention(num_splits, fused_merge, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     q, k_cache, v_cache, bt, cl = decode_case(gen)
     if num_splits is None:  # the automatic choice, made to split this small cache
@@ -122,7 +130,7 @@ def test_decode_attention(num_splits, monkeypatch):
 
 
 @pytest.mark.parametrize("num_splits", [8, 20])
-def test_decode_attention_more_splits_than_tiles(num_splits):
+def test_decode_attention_more_splits_than_tiles(num_splits, fused_merge):
     # more splits than KV tiles: most partitions are empty and must be neutral; 20 > one merge chunk
     gen = torch.Generator().manual_seed(2)
     q, k_cache, v_cache, bt, cl = decode_case(gen, batch=2, ctx=(70, 5))
@@ -141,12 +149,12 @@ def test_decode_attention_gqa8_head128_block32_strided_q():
     assert rel_err(out, paged_decode_attention_ref(q, k_cache, v_cache, bt, cl, 128**-0.5)) < TOL
 
 
-def test_decode_attention_padded_rows():
+def test_decode_attention_padded_rows(fused_merge):
     # CUDA-graph padding: rows with context_len 1 pointing at block 0 must not crash or leak NaN
     gen = torch.Generator().manual_seed(4)
     q, k_cache, v_cache, bt, cl = decode_case(gen, ctx=(50, 1, 1))
     bt[1:] = 0
-    for splits in (1, 4):
+    for splits in (1, 4, 4):  # twice with 4 splits: the fused merge's counters are back at 0
         out = paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=splits)
         assert torch.isfinite(out).all()
         assert rel_err(out, paged_decode_attention_ref(q, k_cache, v_cache, bt, cl, 0.125)) < TOL

@@ -81,6 +81,11 @@ def use_attention_prefetch(monkeypatch, tiles: int) -> None:
     monkeypatch.setattr(module, "PREFETCH_MAX_BATCH", 1 << 30)
 
 
+def use_fused_merge(monkeypatch, on: bool) -> None:
+    """Decode attention's splits are merged by the last one to finish (on) or by the merge kernel."""
+    monkeypatch.setattr(importlib.import_module("kernels.decode_attention"), "FUSED_MERGE", on)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "batch,max_ctx,shape,num_splits",
@@ -94,10 +99,12 @@ def use_attention_prefetch(monkeypatch, tiles: int) -> None:
     ],
 )
 @pytest.mark.parametrize("prefetch_tiles", [0, 2])
-def test_decode_attention_real_shapes(batch, max_ctx, shape, num_splits, prefetch_tiles, monkeypatch):
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_decode_attention_real_shapes(batch, max_ctx, shape, num_splits, prefetch_tiles, fused_merge, monkeypatch):
     """prefetch_tiles: kernels/decode_attention.PREFETCH_TILES (the KV rows asked of L2 before the PDL
-    wait), at every batch here."""
+    wait), at every batch here; fused_merge: FUSED_MERGE."""
     use_attention_prefetch(monkeypatch, prefetch_tiles)
+    use_fused_merge(monkeypatch, fused_merge)
     q, k_cache, v_cache, bt, cl = decode_case(batch, max_ctx, **shape)
     out = nan_like(q)
     paged_decode_attention(q, k_cache, v_cache, bt, cl, q.shape[-1] ** -0.5, num_splits=num_splits, out=out)
@@ -115,7 +122,11 @@ def test_decode_attention_block_sizes(block_size):
 
 
 @pytest.mark.gpu
-def test_decode_attention_cuda_graph_replay():
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_decode_attention_cuda_graph_replay(fused_merge, monkeypatch):
+    """fused_merge: the split counters (kernels/decode_attention.FUSED_MERGE) return to 0 after each
+    launch, so every replay merges again."""
+    use_fused_merge(monkeypatch, fused_merge)
     batch, max_ctx = 8, 4096
     q, k_cache, v_cache, bt, cl = decode_case(batch, max_ctx, **LLAMA_8B, seed=1)
     cl[4:] = 1  # padded rows of a bucket: context 1 at dummy block 0
@@ -143,6 +154,25 @@ def test_decode_attention_cuda_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, decode_ref(q, k_cache, v_cache, bt, cl)) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [LLAMA_8B, QWEN_05B])
+def test_decode_attention_fused_merge_under_repeated_launches(shape, monkeypatch):
+    """Many splits finishing at nearly the same time, launch after launch with PDL: the last split
+    merges every partial (a stale or missing one would show as an error), 50 launches in a row, each
+    equal to the merge kernel's result within float32 reordering."""
+    batch, max_ctx = 3, 8192
+    q, k_cache, v_cache, bt, cl = decode_case(batch, max_ctx, **shape, seed=4)
+    scale = q.shape[-1] ** -0.5
+    use_fused_merge(monkeypatch, False)
+    expected = paged_decode_attention(q, k_cache, v_cache, bt, cl, scale, num_splits=64).float()
+    use_fused_merge(monkeypatch, True)
+    outs = [paged_decode_attention(q, k_cache, v_cache, bt, cl, scale, num_splits=64, out=nan_like(q))
+            for _ in range(50)]
+    for out in outs:
+        assert (out.float() - expected).abs().max().item() <= 1e-2 * expected.abs().max().item()
+        assert torch.equal(out, outs[0])
 
 
 @pytest.mark.gpu
@@ -431,17 +461,19 @@ def test_gemv_fp8_weights_real_shapes(name, rows, poisoned_outputs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch_tiles", [0, 2])
-def test_programmatic_dependent_launch_keeps_a_chain_of_kernels_in_order(prefetch_tiles, monkeypatch):
+@pytest.mark.parametrize("prefetch_tiles,fused_merge", [(0, False), (2, False), (2, True)])
+def test_programmatic_dependent_launch_keeps_a_chain_of_kernels_in_order(prefetch_tiles, fused_merge, monkeypatch):
     """A decoder-like chain (GEMVs that read what the one before wrote, attention between them)
     captured in a CUDA graph with programmatic dependent launch gives bit for bit what it gives
     launched one by one without it: no kernel reads its input before the kernel before wrote it.
     Every layer writes the same cache slot, which the attention after it reads: with prefetch_tiles
     (decode_attention.PREFETCH_TILES) it asks L2 for that row before its wait, and must still see the
-    value the qkv kernel before it wrote."""
+    value the qkv kernel before it wrote. fused_merge: the attention's two splits merge in the last
+    one to finish (decode_attention.FUSED_MERGE), before the o_proj GEMV reads the result."""
     from kernels import _common
 
     use_attention_prefetch(monkeypatch, prefetch_tiles)
+    use_fused_merge(monkeypatch, fused_merge)
 
     gen = torch.Generator(device=DEV).manual_seed(7)
     hidden, hq, hkv, head_dim, inter = 896, 14, 2, 64, 4864
