@@ -81,7 +81,7 @@ fp8-b1-sweep)  # batch 1's FP8 qkv / o / down: the GEMV (shipped) against the sk
 fused-merge)  # decode attention's splits merged by the last one to finish (FUSED_MERGE) against the merge
   # kernel: its GPU tests, then decode at 1 / 8 / 64, interleaved (0.5B twice, 8B once)
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py \
-    -k "decode_attention or programmatic" > "$OUT/gpu_tests.log" 2>&1
+    -k "decode_attention or programmatic or gemv_real" > "$OUT/gpu_tests.log" 2>&1
   tail -3 "$OUT/gpu_tests.log"
   python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
   for run in on-1 off-1 on-2 off-2; do

@@ -73,9 +73,9 @@ def _decode_attention_kernel(
     MERGE_CHUNK: tl.constexpr,
 ):
     """PREFETCH_TILES: tiles of K and V rows to prefetch into L2 before the PDL wait (0: none).
-    FUSED_MERGE (with WRITE_PARTIAL): the last split of this (sequence, KV head) to finish merges
-    the partials of all its splits into out; counter_ptr[pid] counts the finished ones (0 on entry,
-    reset to 0 by the merging split)."""
+    FUSED_MERGE (with WRITE_PARTIAL): the splits holding tokens count themselves finished on
+    counter_ptr[pid] (0 on entry), and the last one merges their partials into out and resets the
+    counter; empty splits return at once."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // NUM_KV_HEADS
@@ -88,6 +88,9 @@ def _decode_attention_kernel(
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     t_start = split * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, num_tiles)
+    if FUSED_MERGE and WRITE_PARTIAL:
+        if t_start >= t_end:  # an empty split (past the context): the merge reads only the others
+            return
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     head_off = kvh * HEAD_DIM
     for i in tl.static_range(PREFETCH_TILES):
@@ -135,12 +138,12 @@ def _decode_attention_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
         if FUSED_MERGE:
             tl.debug_barrier()  # every thread's partial is written before the release below
+            active = tl.cdiv(num_tiles, tiles_per_split)  # the splits holding tokens
             done = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if done == num_splits - 1:
+            if done == active - 1:
                 tl.store(counter_ptr + pid, 0)
-                _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh,
-                              tl.cdiv(num_tiles, tiles_per_split), num_splits, stride_ob, stride_oh,
-                              NUM_KV_HEADS, GROUP, HEAD_DIM, MERGE_GROUP, MERGE_CHUNK)
+                _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh, active, num_splits,
+                              stride_ob, stride_oh, NUM_KV_HEADS, GROUP, HEAD_DIM, MERGE_GROUP, MERGE_CHUNK)
     else:
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
