@@ -185,8 +185,7 @@ def main() -> None:
     parser.add_argument("--fp8-norm-quant", choices=["on", "off"], default="on",
                         help="the RMSNorm before an FP8 projection quantizes its input (off: a separate kernel; A/B)")
     parser.add_argument("--gemv-long-k-block", type=int, default=None,
-                        help="override kernels/gemv.py's LONG_K_BLOCK_K and WIDE_K_BLOCK_K (bf16 down_proj's K tile "
-                             "at batch 1, whatever K; A/B)")
+                        help="override kernels/gemv.py's LONG_K_BLOCK_K (bf16 down_proj's K tile at batch 1; A/B)")
     parser.add_argument("--attention-prefetch", type=int, default=None,
                         help="override kernels/decode_attention.py's PREFETCH_TILES (tiles of KV rows each program "
                              "asks L2 for before its PDL wait; 0: none; A/B)")
@@ -212,8 +211,7 @@ def main() -> None:
     if args.fp8_gemv_max_rows is not None:
         layers.FP8_GEMV_MAX_ROWS = args.fp8_gemv_max_rows
     if args.gemv_long_k_block is not None:  # the modules: the package exports functions of their names
-        gemv_module = importlib.import_module("kernels.gemv")
-        gemv_module.LONG_K_BLOCK_K = gemv_module.WIDE_K_BLOCK_K = args.gemv_long_k_block
+        importlib.import_module("kernels.gemv").LONG_K_BLOCK_K = args.gemv_long_k_block
     if args.skinny_gemm_max_rows is not None:
         layers.SKINNY_GEMM_MAX_ROWS = args.skinny_gemm_max_rows
     if args.fp8_gate_up_gemv_max_rows is not None:

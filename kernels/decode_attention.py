@@ -41,8 +41,12 @@ PREFETCH_TILES = 2
 PREFETCH_MAX_BATCH = 8
 # The splits of one (sequence, KV head) count themselves done on a counter in global memory; the last
 # one merges their partials, so no second kernel (and no second launch and grid-completion wait
-# between attention and o_proj) is needed. Off: _decode_reduce_kernel merges.
-FUSED_MERGE = False
+# between attention and o_proj) is needed. Off: _decode_reduce_kernel merges. H200, 2026-12-02,
+# interleaved (decode_latency.py --attention-fused-merge on|off): Qwen2.5-0.5B batch 64 63,651 /
+# 63,205 vs 60,702 / 59,808 tok/s, batches 1 and 8 within noise (1,792-1,798 vs 1,792-1,800;
+# 10,466 / 10,484 vs 10,468 / 10,417); Llama-3.1-8B batch 8 1,793 vs 1,766 (1,792 vs 1,766 in an
+# earlier run), batches 1 and 64 within noise.
+FUSED_MERGE = True
 _MERGE_CHUNK = 8  # splits merged per load
 _COUNTERS_MIN = 1 << 16  # int32 counters allocated at once per device, zero and reset by their users
 _split_counters: dict[torch.device, torch.Tensor] = {}

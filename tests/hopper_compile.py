@@ -115,7 +115,7 @@ def cases() -> dict[str, dict]:
                 Q_SIZE=0, KV_SIZE=0, HALF=1, PDL=True, BLOCK_N=1, BLOCK_K=1024)
     gemv_ptrs = {"w_scale_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32"}
     sizes = ("N", "K", "stride_x", "stride_r", "stride_ro", "stride_w", "stride_o")
-    # bf16 down_proj's one-row tiles: 1024-wide K (kernels/gemv.LONG_K_BLOCK_K), 2048 (WIDE_K_BLOCK_K, from K 8192)
+    # bf16 down_proj's one-row tile: 1024-wide K as shipped, 2048 (kernels/gemv.LONG_K_BLOCK_K, to be measured)
     for block_k in (1024, 2048):
         out[f"gemv_down_k{block_k}"] = compile_kernel(_gemv_kernel, dict(gemv, BLOCK_K=block_k), gemv_ptrs, sizes,
                                                       num_warps=8)

@@ -37,7 +37,7 @@ def test_the_pdl_variant_compiles_and_waits_for_the_kernel_before(compiled, kern
 
 
 def test_the_wider_down_proj_tile_takes_no_more_registers(compiled):
-    """kernels/gemv.WIDE_K_BLOCK_K: the one-row bf16 down_proj tile with 2048-wide K tiles holds twice
+    """kernels/gemv.LONG_K_BLOCK_K: the one-row bf16 down_proj tile with 2048-wide K tiles holds twice
     the weight bytes in flight in no more registers than the 1024-wide one (as many programs an SM)."""
     assert compiled["gemv_down_k2048"]["registers"] <= compiled["gemv_down_k1024"]["registers"]
 

@@ -455,21 +455,15 @@ def test_gemv(rows, n, k, bias):
     assert rel_err(out, gemv_ref(x, w, b)[0]) < TOL
 
 
-def test_gemv_long_k_default_tile():
-    """A down_proj K past 4096 takes one row a program: LONG_K_BLOCK_K-wide tiles (Qwen2.5-0.5B's 4,864),
-    WIDE_K_BLOCK_K-wide from 8192 (Llama-3.1-8B's 14,336)."""
+@pytest.mark.parametrize("long_k_block", [1024, 2048])
+def test_gemv_long_k_default_tile(long_k_block, monkeypatch):
+    """A down_proj-like K past 4096 takes one row a program with LONG_K_BLOCK_K-wide tiles (the last
+    one masked); a register cap only matters on a GPU and leaves the result alone."""
     gemv_module = importlib.import_module("kernels.gemv")
-    assert default_gemv_tile(1, 896, 4864, 132) == GemvTile(1, gemv_module.LONG_K_BLOCK_K, 8)
-    assert default_gemv_tile(1, 4096, 14336, 132) == GemvTile(1, gemv_module.WIDE_K_BLOCK_K, 8)
-    assert (gemv_module.LONG_K_BLOCK_K, gemv_module.WIDE_K_BLOCK_K) == (1024, 2048)
-
-
-@pytest.mark.parametrize("block_k", [1024, 2048])
-def test_gemv_long_k_tiles(block_k):
-    """Both long-K tiles (the last one masked); a register cap only matters on a GPU and leaves the
-    result alone."""
+    monkeypatch.setattr(gemv_module, "LONG_K_BLOCK_K", long_k_block)
+    assert gemv_module.default_gemv_tile(1, 8, 4864, 132) == gemv_module.GemvTile(1, long_k_block, 8)
     _, x, w = _gemv_case(1, 8, 4864, seed=27)
-    for tile in (GemvTile(1, block_k, 8), GemvTile(1, block_k, 8, max_registers=32)):
+    for tile in (None, gemv_module.GemvTile(1, long_k_block, 8, max_registers=32)):
         out, _ = gemv(x, w, tile=tile)
         assert rel_err(out, gemv_ref(x, w)[0]) < TOL
 

@@ -327,15 +327,12 @@ GEMV_SHAPES = {
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("name", sorted(GEMV_SHAPES) + ["qwen-down-2048", "llama-down-1024"])
+@pytest.mark.parametrize("name", sorted(GEMV_SHAPES) + ["qwen-down-2048", "llama-down-2048"])
 def test_gemv_real_shapes(name, rows, poisoned_outputs, monkeypatch):
-    """*-2048 / *-1024: down_proj with the K tile the shipped choice gives the other model
-    (kernels/gemv.LONG_K_BLOCK_K / WIDE_K_BLOCK_K)."""
-    if name.endswith(("-2048", "-1024")):
-        name, block_k = name.rsplit("-", 1)
-        gemv_module = importlib.import_module("kernels.gemv")
-        monkeypatch.setattr(gemv_module, "LONG_K_BLOCK_K", int(block_k))
-        monkeypatch.setattr(gemv_module, "WIDE_K_BLOCK_K", int(block_k))
+    """*-2048: down_proj with 2048-wide K tiles (kernels/gemv.LONG_K_BLOCK_K)."""
+    if name.endswith("-2048"):
+        monkeypatch.setattr(importlib.import_module("kernels.gemv"), "LONG_K_BLOCK_K", 2048)
+        name = name.removesuffix("-2048")
     n, k, norm, bias, silu = GEMV_SHAPES[name]
     gen = torch.Generator(device=DEV).manual_seed(rows)
     x = torch.randn(rows, k, device=DEV, dtype=BF16, generator=gen)
