@@ -49,6 +49,9 @@ PREFETCH_MAX_BATCH = 8
 FUSED_MERGE = True
 _MERGE_CHUNK = 8  # splits merged per load
 _COUNTERS_MIN = 1 << 16  # int32 counters allocated at once per device, zero and reset by their users
+# One set of counters per device, shared by every launch on it: decode attention launches on one device
+# must run one after another (they do: decode steps run on one stream; prefill, also on the overtaking
+# prefill stream, uses kernels/prefill_attention.py). Two at once would count on the same counters.
 _split_counters: dict[torch.device, torch.Tensor] = {}
 
 
