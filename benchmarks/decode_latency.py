@@ -194,6 +194,9 @@ def main() -> None:
     parser.add_argument("--attention-fused-merge", choices=["on", "off"], default=None,
                         help="override kernels/decode_attention.py's FUSED_MERGE (the last split merges the "
                              "partials; off: the merge kernel; A/B)")
+    parser.add_argument("--skinny-fused-reduce", choices=["on", "off"], default=None,
+                        help="override kernels/skinny_gemm.py's FUSED_SPLIT_REDUCE (the last split of each tile "
+                             "sums split K; off: the reduce kernel; A/B)")
     parser.add_argument("--tp-only", action="store_true",
                         help="only the --tp rows (a model one device cannot hold)")
     args = parser.parse_args()
@@ -225,6 +228,8 @@ def main() -> None:
         decode_attention.PREFETCH_TILES = args.attention_prefetch
     if args.attention_fused_merge is not None:
         decode_attention.FUSED_MERGE = args.attention_fused_merge == "on"
+    if args.skinny_fused_reduce is not None:  # the module: the package exports a function of its name
+        importlib.import_module("kernels.skinny_gemm").FUSED_SPLIT_REDUCE = args.skinny_fused_reduce == "on"
 
     cuda = args.device != "cpu"
     bandwidth = copy_bandwidth()["gb_per_s"] * 1e9 if cuda else None

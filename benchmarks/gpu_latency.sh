@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fused-merge|batch1-ab
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-fused-reduce
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -55,21 +55,10 @@ profile-b64)  # where a batch-64 step goes: 0.5B bf16, 8B bf16 and fp8 (random w
       --quantization $q --out "$OUT/profile_llama_b64_$q.json" 2>&1 | quiet
   done
   ;;
-gemv-tiles)  # bf16 one-row GEMV tiles the sweep had not tried (2048-wide K for one or two rows, register caps),
-  # then decode at batch 1 with down_proj's K tile 2048 against 1024, interleaved (0.5B twice, 8B once)
+gemv-tiles)  # bf16 one-row GEMV tiles the sweep had not tried (2048-wide K for one or two rows, register caps;
+  # down_proj's 2048-wide tile was measured in decode: decode_latency-h200-batch1-down-tile-fp8-gemv-ab-2026-12-02.json)
   timeout 200 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 \
     --projections down gate_up --sweep --max-registers 80 --out "$OUT/gemv_bench_tiles.json" 2>&1 | grep -E "best" | quiet
-  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  for run in 2048-1 1024-1 2048-2 1024-2; do
-    timeout 45 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 8 --gemv-long-k-block ${run%-*} --out "$OUT/decode_qwen_down_$run.json" \
-      2>&1 | grep -E " graphs"
-  done
-  for b in 2048 1024; do
-    timeout 70 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 8 --load-format dummy --gemv-long-k-block $b \
-      --out "$OUT/decode_8b_down_$b.json" 2>&1 | grep -E " graphs"
-  done
   ;;
 fp8-b1-sweep)  # batch 1's FP8 qkv / o / down: the GEMV (shipped) against the skinny W8A8 GEMM with swept tiles
   # (split K up to 8), the latter never swept at one row; a win would route that projection at batch 1
@@ -78,40 +67,21 @@ fp8-b1-sweep)  # batch 1's FP8 qkv / o / down: the GEMV (shipped) against the sk
   timeout 400 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights fp8 --rows 1 \
     --projections qkv o down --sweep --sweep-rows 1 --out "$OUT/skinny_gemm_bench_fp8_b1.json" 2>&1 | quiet | tail -5
   ;;
-fused-merge)  # decode attention's splits merged by the last one to finish (FUSED_MERGE) against the merge
-  # kernel: its GPU tests, then decode at 1 / 8 / 64, interleaved (0.5B twice, 8B once)
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py \
-    -k "decode_attention or programmatic or gemv_real" > "$OUT/gpu_tests.log" 2>&1
+skinny-fused-reduce)  # the skinny GEMM's split K summed by the last split of each tile (FUSED_SPLIT_REDUCE)
+  # against the reduce kernel: its GPU tests, then decode at 8 / 64, interleaved (0.5B twice; 8B bf16 and FP8 once)
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py \
+    > "$OUT/gpu_tests.log" 2>&1
   tail -3 "$OUT/gpu_tests.log"
   python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
   for run in on-1 off-1 on-2 off-2; do
-    timeout 80 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 8 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --attention-fused-merge ${run%-*} --out "$OUT/decode_qwen_$run.json" \
+    timeout 70 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 8 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --skinny-fused-reduce ${run%-*} --out "$OUT/decode_qwen_$run.json" \
       2>&1 | grep -E " graphs"
   done
   for m in on off; do
-    timeout 110 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 8 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --attention-fused-merge $m \
+    timeout 150 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 --skinny-fused-reduce $m \
       --out "$OUT/decode_8b_$m.json" 2>&1 | grep -E " graphs"
-  done
-  ;;
-batch1-ab)  # batch 1: bf16 down_proj's K tile 2048 against 1024 (0.5B twice, 8B once), and FP8 qkv / o / down
-  # through the skinny W8A8 GEMM (--fp8-gemv-max-rows 0) against the GEMV, interleaved
-  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  for run in 2048-1 1024-1 2048-2 1024-2; do
-    timeout 45 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 8 --gemv-long-k-block ${run%-*} --out "$OUT/decode_qwen_down_$run.json" \
-      2>&1 | grep -E " graphs"
-  done
-  for b in 2048 1024; do
-    timeout 70 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 8 --load-format dummy --gemv-long-k-block $b \
-      --out "$OUT/decode_8b_down_$b.json" 2>&1 | grep -E " graphs"
-  done
-  for r in 0 1; do
-    timeout 80 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 8 --load-format dummy --quantization fp8 --fp8-gemv-max-rows $r \
-      --out "$OUT/decode_8b_fp8_gemv_rows_$r.json" 2>&1 | grep -E " graphs"
   done
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at

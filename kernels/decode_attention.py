@@ -19,6 +19,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._common import attention_output, check_kv_cache, dot_precision, sm_count, use_pdl
 from kernels._prefetch import prefetch_l2
+from kernels._split_counters import last_to_arrive, split_counters
 
 _LOG2E = 1.4426950408889634
 # Split-count heuristic, tuned on an H200 (benchmarks/kernel_bench.py --sweep): aim for about
@@ -48,11 +49,6 @@ PREFETCH_MAX_BATCH = 8
 # earlier run), batches 1 and 64 within noise.
 FUSED_MERGE = True
 _MERGE_CHUNK = 8  # splits merged per load
-_COUNTERS_MIN = 1 << 16  # int32 counters allocated at once per device, zero and reset by their users
-# One set of counters per device, shared by every launch on it: decode attention launches on one device
-# must run one after another (they do: decode steps run on one stream; prefill, also on the overtaking
-# prefill stream, uses kernels/prefill_attention.py). Two at once would count on the same counters.
-_split_counters: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -81,8 +77,8 @@ def _decode_attention_kernel(
 ):
     """PREFETCH_TILES: tiles of K and V rows to prefetch into L2 before the PDL wait (0: none).
     FUSED_MERGE (with WRITE_PARTIAL): the splits holding tokens count themselves finished on
-    counter_ptr[pid] (0 on entry), and the last one merges their partials into out and resets the
-    counter; empty splits return at once."""
+    counter_ptr[pid] (kernels/_split_counters.py), and the last one merges their partials into out;
+    empty splits return at once."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // NUM_KV_HEADS
@@ -144,11 +140,8 @@ def _decode_attention_kernel(
         tl.store(part_l_ptr + part, l_i, mask=g_mask)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
         if FUSED_MERGE:
-            tl.debug_barrier()  # every thread's partial is written before the release below
             active = tl.cdiv(num_tiles, tiles_per_split)  # the splits holding tokens
-            done = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if done == active - 1:
-                tl.store(counter_ptr + pid, 0)
+            if last_to_arrive(counter_ptr + pid, active):
                 _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh, active, num_splits,
                               stride_ob, stride_oh, NUM_KV_HEADS, GROUP, HEAD_DIM, MERGE_GROUP, MERGE_CHUNK)
     else:
@@ -192,18 +185,6 @@ def _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh, active,
     out = num / tl.where(den > 0, den, 1.0)[:, None]
     o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """The split counters of `device` (at least n), or None while a CUDA graph is being captured and
-    none that large exist yet (allocating one there would put it in the graph's pool)."""
-    counters = _split_counters.get(device)
-    if counters is None or counters.numel() < n:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = torch.zeros(max(n, _COUNTERS_MIN), dtype=torch.int32, device=device)
-        _split_counters[device] = counters
-    return counters
 
 
 @triton.jit
@@ -329,7 +310,8 @@ def paged_decode_attention(
         num_splits = pick_num_splits(batch, num_kv_heads, max_context, sm_count(q.device))
     num_splits = max(1, int(num_splits))
 
-    counters = _counters(q.device, batch * num_kv_heads) if num_splits > 1 and FUSED_MERGE else None
+    counters = split_counters(q.device, "decode_attention", batch * num_kv_heads) \
+        if num_splits > 1 and FUSED_MERGE else None
     if num_splits == 1:
         part_m = part_l = part_acc = out  # unused
     else:
