@@ -106,25 +106,27 @@ def _skinny_gemm_kernel(
 
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT > 1:  # partials [SPLIT, M, N], float32, unscaled
-        p_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
-        tl.store(p_ptrs + pid_s * M * N, acc, mask=mask)
+        p_ptrs = part_ptr + (pid_s * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None]
+        tl.store(p_ptrs, acc, mask=mask)
         if FUSED_REDUCE:
             if last_to_arrive(counter_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT):
                 total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
                 for s in tl.static_range(SPLIT):  # the reduce kernel's order: the same sum
-                    total += tl.load(p_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                    total += tl.load(part_ptr + (s * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None],
+                                     mask=mask, other=0.0, cache_modifier=".cg")
                 _epilogue(total, total, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, n_mask, m_mask,
-                          N, stride_o, HAS_BIAS, HAS_SCALES, W_ONLY, False)
+                          mask, N, stride_o, HAS_BIAS, HAS_SCALES, W_ONLY, False)
     else:
         _epilogue(acc, acc_u if SILU_MUL else acc, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, offs_n, offs_m,
-                  n_mask, m_mask, N, stride_o, HAS_BIAS, HAS_SCALES, W_ONLY, SILU_MUL)
+                  n_mask, m_mask, mask, N, stride_o, HAS_BIAS, HAS_SCALES, W_ONLY, SILU_MUL)
 
 
 @triton.jit
-def _epilogue(acc, acc_u, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, n_mask, m_mask, N, stride_o,
-              HAS_BIAS: tl.constexpr, HAS_SCALES: tl.constexpr, W_ONLY: tl.constexpr, SILU_MUL: tl.constexpr):
+def _epilogue(acc, acc_u, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, n_mask, m_mask, mask, N,
+              stride_o, HAS_BIAS: tl.constexpr, HAS_SCALES: tl.constexpr, W_ONLY: tl.constexpr, SILU_MUL: tl.constexpr):
     """The output tile [BLOCK_N, BLOCK_M] from its float32 sums: scaled, biased, rounded (SILU_MUL:
-    acc the gate, acc_u the up sums, then silu(gate) * up), stored transposed into out [M, N]."""
+    acc the gate, acc_u the up sums, then silu(gate) * up), stored transposed into out [M, N] where
+    mask (n_mask x m_mask) holds."""
     y = acc
     if HAS_SCALES:
         y = y * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
@@ -144,7 +146,7 @@ def _epilogue(acc, acc_u, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, offs_n, o
         gate = y.to(dt).to(tl.float32)
         y = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
     o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
-    tl.store(o_ptrs, y.to(dt), mask=n_mask[:, None] & m_mask[None, :])
+    tl.store(o_ptrs, y.to(dt), mask=mask)
 
 
 @triton.jit
