@@ -197,6 +197,9 @@ def main() -> None:
     parser.add_argument("--skinny-fused-reduce", choices=["on", "off"], default=None,
                         help="override kernels/skinny_gemm.py's FUSED_SPLIT_REDUCE (the last split of each tile "
                              "sums split K; off: the reduce kernel; A/B)")
+    parser.add_argument("--fused-step-bookkeeping", choices=["on", "off"], default=None,
+                        help="override engine/runner.py's FUSED_STEP_BOOKKEEPING (a step's input rows and token "
+                             "records in kernels/decode_step.py's two kernels; off: seven torch ops; A/B)")
     parser.add_argument("--tp-only", action="store_true",
                         help="only the --tp rows (a model one device cannot hold)")
     args = parser.parse_args()
@@ -228,6 +231,10 @@ def main() -> None:
         decode_attention.PREFETCH_TILES = args.attention_prefetch
     if args.attention_fused_merge is not None:
         decode_attention.FUSED_MERGE = args.attention_fused_merge == "on"
+    if args.fused_step_bookkeeping is not None:
+        from engine import runner
+
+        runner.FUSED_STEP_BOOKKEEPING = args.fused_step_bookkeeping == "on"
     if args.skinny_fused_reduce is not None:  # the module: the package exports a function of its name
         importlib.import_module("kernels.skinny_gemm").FUSED_SPLIT_REDUCE = args.skinny_fused_reduce == "on"
 

@@ -23,6 +23,12 @@ from engine.scheduler import DecodeRound, PrefillBatch
 from engine.structured import StructuredOutputs
 
 
+# On CUDA, a decode step's bookkeeping (reading its row of the round's positions, slots and context
+# lengths; recording the sampled tokens and advancing) runs as kernels/decode_step.py's two kernels
+# instead of seven torch ops. Off until measured on the GPU (decode_latency.py --fused-step-bookkeeping).
+FUSED_STEP_BOOKKEEPING = False
+
+
 @dataclass
 class StepTokens:
     """What a step produced for one sequence: new tokens and, when asked, their logprobs."""
@@ -265,18 +271,32 @@ class ModelRunner:
 
     def decode_forward(self, state: DecodeState) -> torch.Tensor:
         """The model part of a decode step: the logits [B, V] in the model's dtype."""
-        step = state.step[None]
-        pos = state.step_positions.index_select(0, step)[0]
-        meta = AttentionMetadata(is_prefill=False, slot_mapping=state.step_slots.index_select(0, step)[0],
-                                 block_tables=state.block_tables,
-                                 context_lens=state.step_context_lens.index_select(0, step)[0])
+        if FUSED_STEP_BOOKKEEPING and state.step.is_cuda:
+            from kernels.decode_step import step_inputs
+
+            pos, slots, context_lens = step_inputs(state.step, state.step_positions, state.step_slots,
+                                                   state.step_context_lens)
+        else:
+            step = state.step[None]
+            pos = state.step_positions.index_select(0, step)[0]
+            slots = state.step_slots.index_select(0, step)[0]
+            context_lens = state.step_context_lens.index_select(0, step)[0]
+        meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, block_tables=state.block_tables,
+                                 context_lens=context_lens)
         hidden = self.model(state.input_ids, pos, meta, self.kv_caches)
         return self.model.compute_logits(hidden, dtype=None)  # sample() upcasts if it must
 
     def decode_sample(self, state: DecodeState, logits: torch.Tensor) -> None:
         """The sampling part of a decode step: the tokens, fed into the next step."""
-        step = state.step[None]
         out = sample(logits, state.sampling)
+        if (FUSED_STEP_BOOKKEEPING and state.step.is_cuda and state.out_top_ids is None
+                and state.sampling.output_counts is None and out.tokens.is_contiguous() and out.logprobs.is_contiguous()):
+            from kernels.decode_step import record_step
+
+            record_step(state.step, out.tokens, out.logprobs, state.out_tokens, state.out_logprobs, state.input_ids,
+                        state.sampling.output_pos)
+            return
+        step = state.step[None]
         state.out_tokens.index_copy_(0, step, out.tokens[None])
         state.out_logprobs.index_copy_(0, step, out.logprobs[None])
         if state.out_top_ids is not None:

@@ -66,7 +66,7 @@ def summary(kernel) -> dict:
     # PTX lines, a guard predicate ("@%p1 ") dropped
     lines = [re.sub(r"^@!?%p\d+\s+", "", line.strip()) for line in kernel.asm["ptx"].splitlines()]
     keys = ("prefetch.global.L2", "griddepcontrol.wait", "griddepcontrol.launch_dependents", "bar.sync", "atom.",
-            "ld.global.cg")
+            "ld.global.cg", "st.global")
     first = {key: next((i for i, line in enumerate(lines) if line.startswith(key)), None) for key in keys}
     last = {key: max((i for i, line in enumerate(lines) if line.startswith(key)), default=None) for key in keys}
     atomics = [i for i, line in enumerate(lines) if line.startswith("atom.")]
@@ -115,6 +115,14 @@ def cases() -> dict[str, dict]:
     out["quantize_rows_fp8"] = compile_ptx(_quantize_rows_fp8_kernel, dict(BLOCK_K=1024, SINGLE_BLOCK=True,
                                                                            SCALE_BY_RECIPROCAL=True, PDL=True),
                                            {"q_ptr": "*u8", "scale_ptr": "*fp32"}, num_warps=4)
+    from kernels.decode_step import _record_step_kernel, _step_inputs_kernel
+
+    step_ptrs = {"step_ptr": "*i64", "positions_ptr": "*i64", "slots_ptr": "*i64", "context_lens_ptr": "*i32",
+                 "pos_out_ptr": "*i64", "slot_out_ptr": "*i64", "ctx_out_ptr": "*i32", "tokens_ptr": "*i64",
+                 "logprobs_ptr": "*fp32", "out_tokens_ptr": "*i64", "out_logprobs_ptr": "*fp32",
+                 "input_ids_ptr": "*i64", "output_pos_ptr": "*i64"}
+    out["step_inputs"] = compile_ptx(_step_inputs_kernel, dict(BLOCK=256, PDL=True), step_ptrs, num_warps=4)
+    out["record_step"] = compile_ptx(_record_step_kernel, dict(BLOCK=1024, PDL=True), step_ptrs, num_warps=4)
     from kernels.gemv import _gemv_kernel
 
     gemv = dict(HAS_NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, HAS_W_SCALE=False, SILU_MUL=False, ROPE_STORE=False,

@@ -120,6 +120,33 @@ def test_serving_compiles_no_kernels_after_start_up(llm):
     assert after == before, {name: (before.get(name), n) for name, n in after.items() if before.get(name) != n}
 
 
+@pytest.mark.parametrize("batch", [1, 17])
+def test_fused_step_bookkeeping_matches_the_torch_ops(llm, batch, monkeypatch):
+    """engine/runner.FUSED_STEP_BOOKKEEPING: decode rounds whose steps read their inputs and record
+    their tokens through kernels/decode_step.py give the greedy tokens and logprobs of the same
+    rounds through the torch ops (both eager: only the bookkeeping differs)."""
+    from engine import SamplingParams, runner
+
+    engine = llm.engine.core
+    gen = torch.Generator().manual_seed(100 + batch)
+    prompts = [torch.randint(100, 30000, (int(n),), generator=gen).tolist()
+               for n in torch.randint(8, 200, (batch,), generator=gen)]
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=0)
+    caching, engine.block_manager.prefix_caching = engine.block_manager.prefix_caching, False
+    graphs, engine.graphs = engine.graphs, None
+    try:
+        runs = []
+        for fused in (False, True):
+            monkeypatch.setattr(runner, "FUSED_STEP_BOOKKEEPING", fused)
+            outs = llm.generate(prompts, params)
+            runs.append(([o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]))
+    finally:
+        engine.graphs = graphs
+        engine.block_manager.prefix_caching = caching
+    assert runs[1] == runs[0]
+    assert all(len(tokens) == 64 for tokens in runs[0][0])
+
+
 @pytest.mark.parametrize("batch", [1, 3, 17, 64])
 def test_graph_path_matches_eager_path(llm, batch):
     """Decode rounds through the CUDA graphs give the greedy tokens of eager decode steps.

@@ -29,7 +29,8 @@ def compiled() -> dict[str, dict]:
 
 @pytest.mark.parametrize("kernel", ["rms_norm", "rms_norm_fp8", "rope_kv_store", "silu_and_mul", "quantize_rows_fp8",
                                     "skinny_bf16", "skinny_w8a8_silu", "attention_qwen_prefetch0",
-                                    "attention_qwen_prefetch2", "attention_llama_prefetch2"])
+                                    "attention_qwen_prefetch2", "attention_llama_prefetch2", "step_inputs",
+                                    "record_step"])
 def test_the_pdl_variant_compiles_and_waits_for_the_kernel_before(compiled, kernel):
     assert compiled[kernel]["waits"] >= 1
     first = compiled[kernel]["first_line"]
@@ -67,3 +68,10 @@ def test_the_last_split_finishes_after_a_release(compiled, fused, unfused):
     assert kernel["cg_loads"] > 0
     assert kernel["first_line"]["atom."] < kernel["first_line"]["ld.global.cg"]
     assert kernel["first_line"]["griddepcontrol.wait"] < kernel["first_line"]["atom."]
+
+
+def test_record_step_advances_the_step_after_every_thread_read_it(compiled):
+    """kernels/decode_step._record_step_kernel: the step counter is the last store, after a CTA barrier
+    (a warp still to read the old step must not see the new one)."""
+    kernel = compiled["record_step"]
+    assert kernel["last_line"]["bar.sync"] < kernel["last_line"]["st.global"]
