@@ -6,11 +6,14 @@ counter of its output, and the one that completes the count reads every partial 
 output. That saves a launch and, under programmatic dependent launch, the wait for one grid to
 complete before the next starts.
 
-The counters of one owner (a kernel) on one device are a single zeroed buffer, allocated once
-outside CUDA-graph capture and reset to 0 by the programs that use them, so they are 0 again after
-every launch, eager or replayed. Launches of one owner on one device must therefore run one after
-another. They do: decode steps run on one stream, and the kernels after them read the counters
-only after their PDL wait, when the launch before them has completed.
+The counters of one owner (a kernel) on one device and stream priority are a single zeroed buffer,
+allocated once outside CUDA-graph capture (the warm-up run before a capture, on the capture's
+stream priority, allocates them) and reset to 0 by the programs that use them, so they are 0 again
+after every launch, eager or replayed. Launches that share them must run one after another. They
+do: the engine launches on one stream per priority, decode rounds and eager work on default-priority
+streams, the prefill graphs that overtake decode rounds on a high-priority one
+(engine/prefill_graphs.py), which may run beside a round and so get counters of their own; on one
+stream, a kernel reads the counters only after its PDL wait, when the launch before it completed.
 """
 
 from __future__ import annotations
@@ -20,19 +23,21 @@ import triton
 import triton.language as tl
 
 _MIN_COUNTERS = 1 << 16  # int32 counters allocated at once (256 KB), enough for any decode batch
-_counters: dict[tuple[torch.device, str], torch.Tensor] = {}
+_counters: dict[tuple[torch.device, str, int], torch.Tensor] = {}
 
 
 def split_counters(device: torch.device, owner: str, n: int) -> torch.Tensor | None:
-    """At least n zeroed int32 counters of `owner` on `device`, or None while a CUDA graph is being
-    captured and none that many exist yet (allocated there, they would live in the graph's pool):
-    the caller then finishes the split with a second kernel."""
-    counters = _counters.get((device, owner))
+    """At least n zeroed int32 counters of `owner` on `device` for the current stream's priority, or
+    None while a CUDA graph is being captured and none that many exist yet (allocated there, they
+    would live in the graph's pool): the caller then finishes the split with a second kernel."""
+    cuda = device.type == "cuda"
+    key = (device, owner, torch.cuda.current_stream(device).priority if cuda else 0)
+    counters = _counters.get(key)
     if counters is None or counters.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if cuda and torch.cuda.is_current_stream_capturing():
             return None
         counters = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device)
-        _counters[(device, owner)] = counters
+        _counters[key] = counters
     return counters
 
 

@@ -245,6 +245,32 @@ def test_gpu_fused_split_reduce_under_repeated_launches(fp8, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_fused_split_reduce_beside_a_high_priority_stream(monkeypatch):
+    """An overtaking prefill graph runs its projections on a high-priority stream beside a decode
+    round (engine/prefill_graphs.py): split-K GEMMs launched on both streams at once, 30 each, must
+    not count on each other's counters (kernels/_split_counters.py keys them by stream priority)."""
+    use_fused_reduce(monkeypatch, True)
+    m, n, k = 64, 4096, 14336
+    xq, x_scale, wq, w_scale, _ = fp8_operands(m, n, k, device="cuda", seed=4)
+    xb, wb, _ = float_operands(16, n, k, torch.bfloat16, device="cuda", seed=5)
+    low = torch.cuda.current_stream()
+    high = torch.cuda.Stream(priority=-1)
+    expected_fp8 = skinny_gemm(xq, wq, x_scale=x_scale, weight_scale=w_scale)
+    with torch.cuda.stream(high):
+        expected_bf16 = skinny_gemm(xb, wb)  # allocates the high-priority stream's counters
+    torch.cuda.synchronize()
+    high.wait_stream(low)
+    outs_fp8, outs_bf16 = [], []
+    for _ in range(30):
+        outs_fp8.append(skinny_gemm(xq, wq, x_scale=x_scale, weight_scale=w_scale))
+        with torch.cuda.stream(high):
+            outs_bf16.append(skinny_gemm(xb, wb))
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, expected_fp8) for out in outs_fp8)
+    assert all(torch.equal(out, expected_bf16) for out in outs_bf16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [True, False])
 def test_gpu_graph_capture_replays_new_inputs(fp8, fused_reduce):
     m, n, k = 64, 4096, 14336  # a split-K shape
