@@ -18,14 +18,16 @@ from engine.models.llama import LlamaModel
 from engine.prefill_graphs import PrefillGraphs
 from engine.prefill_inputs import PrefillInputs, prefill_inputs
 from engine.request import Sequence, TokenLogprob
-from engine.sampler import SamplingTensors, advance, build_sampling_tensors, sample
+from engine.sampler import SamplingTensors, build_sampling_tensors, count_output_tokens, sample
 from engine.scheduler import DecodeRound, PrefillBatch
 from engine.structured import StructuredOutputs
+from kernels.decode_step import record_step, record_step_ref, step_inputs, step_inputs_ref
 
 
 # On CUDA, a decode step's bookkeeping (reading its row of the round's positions, slots and context
 # lengths; recording the sampled tokens and advancing) runs as kernels/decode_step.py's two kernels
-# instead of seven torch ops. Off until measured on the GPU (decode_latency.py --fused-step-bookkeeping).
+# instead of their seven torch ops (step_inputs_ref, record_step_ref). Off until measured on the GPU
+# (decode_latency.py --fused-step-bookkeeping).
 FUSED_STEP_BOOKKEEPING = False
 
 
@@ -271,16 +273,8 @@ class ModelRunner:
 
     def decode_forward(self, state: DecodeState) -> torch.Tensor:
         """The model part of a decode step: the logits [B, V] in the model's dtype."""
-        if FUSED_STEP_BOOKKEEPING and state.step.is_cuda:
-            from kernels.decode_step import step_inputs
-
-            pos, slots, context_lens = step_inputs(state.step, state.step_positions, state.step_slots,
-                                                   state.step_context_lens)
-        else:
-            step = state.step[None]
-            pos = state.step_positions.index_select(0, step)[0]
-            slots = state.step_slots.index_select(0, step)[0]
-            context_lens = state.step_context_lens.index_select(0, step)[0]
+        read = step_inputs if FUSED_STEP_BOOKKEEPING and state.step.is_cuda else step_inputs_ref
+        pos, slots, context_lens = read(state.step, state.step_positions, state.step_slots, state.step_context_lens)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, block_tables=state.block_tables,
                                  context_lens=context_lens)
         hidden = self.model(state.input_ids, pos, meta, self.kv_caches)
@@ -289,22 +283,16 @@ class ModelRunner:
     def decode_sample(self, state: DecodeState, logits: torch.Tensor) -> None:
         """The sampling part of a decode step: the tokens, fed into the next step."""
         out = sample(logits, state.sampling)
-        if (FUSED_STEP_BOOKKEEPING and state.step.is_cuda and state.out_top_ids is None
-                and state.sampling.output_counts is None and out.tokens.is_contiguous() and out.logprobs.is_contiguous()):
-            from kernels.decode_step import record_step
-
-            record_step(state.step, out.tokens, out.logprobs, state.out_tokens, state.out_logprobs, state.input_ids,
-                        state.sampling.output_pos)
-            return
-        step = state.step[None]
-        state.out_tokens.index_copy_(0, step, out.tokens[None])
-        state.out_logprobs.index_copy_(0, step, out.logprobs[None])
-        if state.out_top_ids is not None:
+        if state.out_top_ids is not None:  # at this step's row: before record advances the step
+            step = state.step[None]
             state.out_top_ids.index_copy_(0, step, out.top_ids[None])
             state.out_top_logprobs.index_copy_(0, step, out.top_logprobs[None])
-        state.input_ids.copy_(out.tokens)
-        state.step += 1
-        advance(state.sampling, out.tokens)
+        fused = (FUSED_STEP_BOOKKEEPING and state.step.is_cuda and out.tokens.is_contiguous()
+                 and out.logprobs.is_contiguous())
+        record = record_step if fused else record_step_ref
+        record(state.step, out.tokens, out.logprobs, state.out_tokens, state.out_logprobs, state.input_ids,
+               state.sampling.output_pos)
+        count_output_tokens(state.sampling, out.tokens)
 
     @torch.inference_mode()
     def decode(self, rnd: DecodeRound) -> dict[str, StepTokens]:

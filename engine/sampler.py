@@ -193,8 +193,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     return SamplerOutput(tokens=tokens, logprobs=chosen)
 
 
-def advance(st: SamplingTensors, tokens: torch.Tensor) -> None:
-    """Update per-row state after a step sampled `tokens` (in place, on the device)."""
-    st.output_pos += 1
+def count_output_tokens(st: SamplingTensors, tokens: torch.Tensor) -> None:
+    """Count a step's sampled `tokens` for the penalties, where asked (in place, on the device; the
+    output position advances with the step's record, kernels/decode_step.py)."""
     if st.output_counts is not None:
         st.output_counts.scatter_add_(1, tokens[:, None], torch.ones_like(tokens[:, None], dtype=torch.float32))

@@ -5,7 +5,8 @@ context lengths, and after sampling writes the tokens and their logprobs into ro
 round's outputs, feeds the tokens back in and advances `step` and each row's output position. In
 torch that is three index_selects before and two index_copies, a copy and two adds after: seven
 small launches a step, none of which can overlap its neighbours. Here it is two, both launched with
-programmatic dependent launch (kernels/_common.PDL_ELEMENTWISE).
+programmatic dependent launch (kernels/_common.PDL_ELEMENTWISE). step_inputs_ref and record_step_ref
+are those torch ops, which the engine runs where the kernels do not apply.
 """
 
 from __future__ import annotations
@@ -85,3 +86,22 @@ def record_step(step: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor
         step, tokens, logprobs, out_tokens, out_logprobs, input_ids, output_pos, batch, out_tokens.stride(0),
         out_logprobs.stride(0), BLOCK=min(4 * _BLOCK, triton.next_power_of_2(max(batch, 32))), PDL=pdl,
         num_warps=4, launch_pdl=pdl)
+
+
+def step_inputs_ref(step: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """step_inputs in torch: three index_selects."""
+    index = step[None]
+    return (positions.index_select(0, index)[0], slots.index_select(0, index)[0],
+            context_lens.index_select(0, index)[0])
+
+
+def record_step_ref(step: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, out_tokens: torch.Tensor,
+                    out_logprobs: torch.Tensor, input_ids: torch.Tensor, output_pos: torch.Tensor) -> None:
+    """record_step in torch: two index_copies, a copy and two adds."""
+    index = step[None]
+    out_tokens.index_copy_(0, index, tokens[None])
+    out_logprobs.index_copy_(0, index, logprobs[None])
+    input_ids.copy_(tokens)
+    output_pos += 1
+    step += 1

@@ -1,14 +1,15 @@
 """kernels/decode_step.py: a decode step's bookkeeping in two kernels (engine/runner.py's
-FUSED_STEP_BOOKKEEPING) against the torch ops it replaces, on the strided [K, B] views the CUDA
-graphs hand it (a batch bucket's columns of buffers sized for the largest one). In Triton's
-interpreter here; on CUDA in tests/test_gpu_engine.py."""
+FUSED_STEP_BOOKKEEPING) against what it must do and against the torch ops it replaces (its refs,
+the engine's path elsewhere), on the strided [K, B] views the CUDA graphs hand it (a batch bucket's
+columns of buffers sized for the largest one). In Triton's interpreter here; on CUDA in
+tests/test_gpu_engine.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.decode_step import record_step, step_inputs
+from kernels.decode_step import record_step, record_step_ref, step_inputs, step_inputs_ref
 
 
 def bucket_views(k: int, batch: int, width: int, seed: int):
@@ -51,6 +52,24 @@ def test_record_step_writes_the_steps_row_and_advances(batch):
         assert torch.equal(output_pos, start_pos + s + 1)
     assert torch.equal(out_tokens, expected_tokens) and torch.equal(out_logprobs, expected_logprobs)
     assert token_buffer[:, batch:].eq(0).all()  # the other buckets' columns untouched
+
+
+def test_kernels_and_torch_ops_leave_the_same_state():
+    """Three steps of a round through the kernels and through the refs, from equal states."""
+    positions, slots, context_lens, gen = bucket_views(3, 7, 16, seed=3)
+    states = []
+    for read, record in ((step_inputs, record_step), (step_inputs_ref, record_step_ref)):
+        step, out_tokens, out_logprobs = torch.tensor(0), torch.zeros(3, 16, dtype=torch.int64)[:, :7], torch.zeros(3, 7)
+        input_ids, output_pos = torch.zeros(7, dtype=torch.int64), torch.arange(7)
+        inputs = []
+        for s in range(3):
+            inputs.append(read(step, positions, slots, context_lens))
+            tokens = torch.arange(7) * 10 + s
+            record(step, tokens, -tokens.float() / 100, out_tokens, out_logprobs, input_ids, output_pos)
+        states.append((inputs, step, out_tokens, out_logprobs, input_ids, output_pos))
+    (inputs_k, *state_k), (inputs_r, *state_r) = states
+    assert all(torch.equal(a, b) for ka, ra in zip(inputs_k, inputs_r) for a, b in zip(ka, ra))
+    assert all(torch.equal(a, b) for a, b in zip(state_k, state_r))
 
 
 def test_rejects_rows_that_are_not_contiguous():
