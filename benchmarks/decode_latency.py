@@ -194,12 +194,6 @@ def main() -> None:
     parser.add_argument("--attention-fused-merge", choices=["on", "off"], default=None,
                         help="override kernels/decode_attention.py's FUSED_MERGE (the last split merges the "
                              "partials; off: the merge kernel; A/B)")
-    parser.add_argument("--skinny-fused-reduce", choices=["on", "off"], default=None,
-                        help="override kernels/skinny_gemm.py's FUSED_SPLIT_REDUCE (the last split of each tile "
-                             "sums split K; off: the reduce kernel; A/B)")
-    parser.add_argument("--round-graph-max-bucket", type=int, default=None,
-                        help="override engine/cuda_graphs.py's ROUND_GRAPH_MAX_BUCKET (buckets up to it replay a "
-                             "whole round as one graph; 0: a graph per step; A/B)")
     parser.add_argument("--fused-step-bookkeeping", choices=["on", "off"], default=None,
                         help="override engine/runner.py's FUSED_STEP_BOOKKEEPING (a step's input rows and token "
                              "records in kernels/decode_step.py's two kernels; off: seven torch ops; A/B)")
@@ -234,16 +228,10 @@ def main() -> None:
         decode_attention.PREFETCH_TILES = args.attention_prefetch
     if args.attention_fused_merge is not None:
         decode_attention.FUSED_MERGE = args.attention_fused_merge == "on"
-    if args.round_graph_max_bucket is not None:
-        from engine import cuda_graphs
-
-        cuda_graphs.ROUND_GRAPH_MAX_BUCKET = args.round_graph_max_bucket
     if args.fused_step_bookkeeping is not None:
         from engine import runner
 
         runner.FUSED_STEP_BOOKKEEPING = args.fused_step_bookkeeping == "on"
-    if args.skinny_fused_reduce is not None:  # the module: the package exports a function of its name
-        importlib.import_module("kernels.skinny_gemm").FUSED_SPLIT_REDUCE = args.skinny_fused_reduce == "on"
 
     cuda = args.device != "cpu"
     bandwidth = copy_bandwidth()["gb_per_s"] * 1e9 if cuda else None
@@ -310,11 +298,9 @@ def main() -> None:
                 captures.append(dict(model=name, quantization=quant, prefix_caching=caching,
                                      engine_start_s=time.perf_counter() - started,
                                      buckets=len(engine.graphs.buckets), largest_bucket=engine.graphs.max_bucket,
-                                     round_graphs=len(engine.graphs.round_graphs),
                                      capture_s=engine.graphs.capture_seconds, capture_gib=engine.graphs.capture_gib))
                 print(f"{name} ({quant}): engine start {captures[-1]['engine_start_s']:.1f}s, of which capturing "
-                      f"{len(engine.graphs.graphs) + len(engine.graphs.round_graphs)} CUDA graphs (buckets up to "
-                      f"{engine.graphs.max_bucket}, {len(engine.graphs.round_graphs)} of whole rounds) "
+                      f"{len(engine.graphs.graphs)} CUDA graphs (buckets up to {engine.graphs.max_bucket}) "
                       f"{engine.graphs.capture_seconds:.1f}s, {engine.graphs.capture_gib:.2f} GiB", flush=True)
             shape = (weight_bytes(engine.model), engine.model.args)
             for batch in args.batches:
@@ -349,12 +335,11 @@ def main() -> None:
                 engine.config.decode_chunk = k
                 record(name, "graphs", 1, k, time_engine(llm, prompts, args.new_tokens), shape, quant, caching)
             stats = engine.stats()
-            round_replays = engine.graphs.round_replays if engine.graphs is not None else 0
             del llm, engine, graphs
             gc.collect()
             torch.cuda.empty_cache()
-            print(f"{name} ({quant}): graph replays per bucket {stats.graph_replays} ({round_replays} rounds as "
-                  f"one graph), eager rounds {stats.eager_rounds}")
+            print(f"{name} ({quant}): graph replays per bucket {stats.graph_replays}, eager rounds "
+                  f"{stats.eager_rounds}")
             return shape
 
         quant = quantization_label(quant_setting, torch.bfloat16 if cuda else torch.float32)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|round-graphs
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -66,23 +66,6 @@ fp8-b1-sweep)  # batch 1's FP8 qkv / o / down: the GEMV (shipped) against the sk
     --out "$OUT/gemv_bench_fp8_b1.json" 2>&1 | grep -E "best" | quiet
   timeout 400 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights fp8 --rows 1 \
     --projections qkv o down --sweep --sweep-rows 1 --out "$OUT/skinny_gemm_bench_fp8_b1.json" 2>&1 | quiet | tail -5
-  ;;
-round-graphs)  # a whole round (K steps) as one CUDA graph (ROUND_GRAPH_MAX_BUCKET) against a graph per step:
-  # its GPU test and the graph-vs-eager test, then decode at 1 / 8 / 64, interleaved (0.5B twice; 8B bf16 and FP8 once)
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu_engine.py \
-    -k "round_graphs or graph_path" > "$OUT/gpu_tests.log" 2>&1
-  tail -3 "$OUT/gpu_tests.log"
-  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  for run in on-1 off-1 on-2 off-2; do
-    timeout 70 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 8 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --round-graph-max-bucket $([ ${run%-*} = on ] && echo 64 || echo 0) \
-      --out "$OUT/decode_qwen_$run.json" 2>&1 | grep -E " graphs|rounds as"
-  done
-  for m in on off; do
-    timeout 110 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 \
-      --round-graph-max-bucket $([ $m = on ] && echo 64 || echo 0) --out "$OUT/decode_8b_$m.json" 2>&1 | grep -E " graphs"
-  done
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

@@ -5,10 +5,6 @@ A round with B sequences is padded to the smallest bucket >= B; padded rows read
 (the dummy block) and write their K/V only there. Each replay is one whole decode step,
 sampling included, and feeds the sampled token into the next step on the device.
 
-Small buckets also get a graph of a whole round (ROUND_GRAPH_MAX_BUCKET): a round of the
-configured K steps then replays once, so the GPU does not idle between one step's graph and the
-next, and PDL overlaps the steps' boundaries as it does the kernels inside a step.
-
 A round with grammar-constrained rows replays, per step, a forward graph (the logits into
 a static buffer) and a masked sampling graph, with the step's masks fed in between while
 the round runs (engine/mask_feed.py), so those rows keep K-step rounds, launched ahead too.
@@ -43,10 +39,6 @@ logger = logging.getLogger("graphserve.engine")
 # all-greedy batches skip the sort and the noise; "masked" ones apply grammar bitmasks and
 # sample only: they follow the "forward" graph, which leaves the logits in a static buffer
 VARIANTS = ("greedy", "sample", "forward", "greedy_masked", "sample_masked")
-ROUND_VARIANTS = ("greedy", "sample")
-# Buckets up to this one get a round graph per ROUND_VARIANTS entry too: max_steps whole steps in
-# one graph. Off until measured on the GPU (decode_latency.py --round-graph-max-bucket).
-ROUND_GRAPH_MAX_BUCKET = 0
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -153,8 +145,6 @@ class GraphDecoder:
         self.out_tokens = torch.zeros(max_steps, n, dtype=torch.int64, device=dev)
         self.out_logprobs = torch.zeros(max_steps, n, dtype=torch.float32, device=dev)
         self.graphs: dict[tuple[int, str], _Graph] = {}
-        self.round_graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}  # K steps in one replay
-        self.round_replays = 0  # rounds that replayed a round graph
         self.capture_seconds = 0.0  # of the last capture(), and the GPU memory it took
         self.capture_gib = 0.0
         self.pool = None
@@ -194,7 +184,6 @@ class GraphDecoder:
         self.logits = torch.empty(self.max_bucket, self.runner.vocab_size, device=self.device,
                                   dtype=self.runner.model.lm_head_weight.dtype)
         todo = [(b, v) for b in reversed(self.buckets) for v in VARIANTS]
-        self.round_graphs = {}
         for bucket, variant in tqdm(todo, desc="capturing CUDA graphs", disable=not progress):
             state = self._state(bucket, variant)
             run = self._graph_body(bucket, variant, state)
@@ -210,18 +199,11 @@ class GraphDecoder:
             with torch.cuda.graph(graph, pool=self.pool):
                 run()
             self.graphs[(bucket, variant)] = _Graph(graph, state)
-            if variant in ROUND_VARIANTS and bucket <= ROUND_GRAPH_MAX_BUCKET and self.max_steps > 1:
-                round_graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(round_graph, pool=self.pool):
-                    for _ in range(self.max_steps):
-                        run()
-                self.round_graphs[(bucket, variant)] = round_graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
         self.capture_gib = (torch.cuda.memory_reserved(self.device) - mem_before) / 1024**3
-        logger.info("captured %d CUDA graphs (%d buckets up to %d, %d of whole rounds) in %.1fs using %.2f GiB",
-                    len(todo) + len(self.round_graphs), len(self.buckets), self.max_bucket, len(self.round_graphs),
-                    self.capture_seconds, self.capture_gib)
+        logger.info("captured %d CUDA graphs (%d buckets up to %d) in %.1fs using %.2f GiB",
+                    len(todo), len(self.buckets), self.max_bucket, self.capture_seconds, self.capture_gib)
 
     def _graph_body(self, bucket: int, variant: str, state: DecodeState):
         """What the graph of (bucket, variant) runs: a whole step, the forward pass alone, or
@@ -350,18 +332,13 @@ class GraphDecoder:
                 entry = self.graphs[(bucket, variant)]
                 if rows and not self.use_cuda_graphs:  # CPU: served while the steps run here
                     job = self._submit(seqs, rows, lead_from, k)
-                round_graph = self.round_graphs.get((bucket, variant)) if k == self.max_steps else None
-                if round_graph is not None:
-                    round_graph.replay()
-                    self.round_replays += 1
-                else:
-                    for i in range(k):
-                        if rows:
-                            self._masked_step(i, bucket, entry, len(rows))
-                        elif entry.graph is not None:
-                            entry.graph.replay()
-                        else:
-                            self.runner.decode_step(entry.state)
+                for i in range(k):
+                    if rows:
+                        self._masked_step(i, bucket, entry, len(rows))
+                    elif entry.graph is not None:
+                        entry.graph.replay()
+                    else:
+                        self.runner.decode_step(entry.state)
                 if rows and self.use_cuda_graphs:  # CUDA: once its waits, copies and events are queued
                     job = self._submit(seqs, rows, lead_from, k)
             except BaseException:

@@ -1,7 +1,7 @@
 """Counters that let the last program of a split computation finish it, instead of a second kernel.
 
-A kernel that splits one output over several programs (decode attention over the KV range, the
-skinny GEMM over K) writes float32 partials; each program then counts itself in on an int32
+A kernel that splits one output over several programs (decode attention over the KV range) writes
+float32 partials; each program then counts itself in on an int32
 counter of its output, and the one that completes the count reads every partial and writes the
 output. That saves a launch and, under programmatic dependent launch, the wait for one grid to
 complete before the next starts.

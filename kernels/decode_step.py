@@ -19,9 +19,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kernels._common import use_pdl
 
 _BLOCK = 256
+# Batch sizes and strides differ between the graphs' buckets and eager rounds (any batch): not
+# specializing on them keeps one compiled variant per kernel, all compiled while the engine starts.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "stride_p", "stride_s", "stride_c"])
 def _step_inputs_kernel(step_ptr, positions_ptr, slots_ptr, context_lens_ptr, pos_out_ptr, slot_out_ptr, ctx_out_ptr,
                         B, stride_p, stride_s, stride_c, BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:
@@ -35,7 +37,7 @@ def _step_inputs_kernel(step_ptr, positions_ptr, slots_ptr, context_lens_ptr, po
     tl.store(ctx_out_ptr + offs, tl.load(context_lens_ptr + step * stride_c + offs, mask=mask), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "stride_ot", "stride_ol"])
 def _record_step_kernel(step_ptr, tokens_ptr, logprobs_ptr, out_tokens_ptr, out_logprobs_ptr, input_ids_ptr,
                         output_pos_ptr, B, stride_ot, stride_ol, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program: it alone advances the step, after every thread has read the old one."""
@@ -84,7 +86,7 @@ def record_step(step: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor
     pdl = use_pdl(step.device, elementwise=True)
     _record_step_kernel[(1,)](
         step, tokens, logprobs, out_tokens, out_logprobs, input_ids, output_pos, batch, out_tokens.stride(0),
-        out_logprobs.stride(0), BLOCK=min(4 * _BLOCK, triton.next_power_of_2(max(batch, 32))), PDL=pdl,
+        out_logprobs.stride(0), BLOCK=_BLOCK, PDL=pdl,
         num_warps=4, launch_pdl=pdl)
 
 

@@ -14,9 +14,11 @@ weights are all the traffic, so the kernel is built around reading them:
   (tl.dot(w, x.T)), so the weights fill the tensor cores' 64-row side and the rows (8 to 64) the
   narrow side;
 - split K: a projection with few output tiles (Llama-3.1-8B's down_proj: 32 tiles of 128 outputs)
-  cuts K into SPLIT parts, each written as float32 partials that are summed in a fixed order (so
-  results never depend on timing), then scaled, biased and rounded: by the last split of the tile
-  to finish (FUSED_SPLIT_REDUCE, kernels/_split_counters.py) or by a second kernel;
+  cuts K into SPLIT parts, each written as float32 partials that a second kernel sums in a fixed
+  order (so results never depend on timing), then scales, adds the bias and rounds. (Summing them in
+  the last split of each tile to finish, as decode attention merges its splits, was measured slower
+  on an H200: Qwen2.5-0.5B batch 64 60,549 / 60,885 against 62,469 / 63,051 tok/s,
+  decode_latency-h200-skinny-fused-reduce-ab-2026-12-02.json);
 - the K loop is software-pipelined through shared memory (num_stages).
 
 Launch parameters depend on shapes only (CUDA-graph capturable). skinny_gemm_ref is the float32
@@ -33,22 +35,16 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._common import dot_precision, sm_count, use_pdl
-from kernels._split_counters import last_to_arrive, split_counters
 
 FP8 = torch.float8_e4m3fn
 # weight-only FP8: x * 2^-8 in fp16 overflows only past 16.7M, and loses bits only below 2^-16
 # (absolute error < 2^-17 there), far finer than x's own bf16 rounding; the result is scaled back
 W_ONLY_X_SCALE = tl.constexpr(2.0**-8)
-# Split K: the last split of each output tile to finish sums the partials (in split order, as the
-# reduce kernel does: the same result bit for bit) and writes the tile, so no second kernel runs.
-# The same step for decode attention's splits (decode_attention.FUSED_MERGE) made Qwen2.5-0.5B
-# batch 64 5% faster on an H200. Off until measured here (decode_latency.py --skinny-fused-reduce).
-FUSED_SPLIT_REDUCE = False
 
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, K, k_per_split,
     stride_x, stride_w, stride_o,
     HAS_BIAS: tl.constexpr,
@@ -62,10 +58,7 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IMPRECISE_K: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
 ):
-    """FUSED_REDUCE (SPLIT > 1): the last split of each output tile to finish sums the partials and
-    writes the tile; counter_ptr holds a counter per tile (kernels/_split_counters.py)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -108,45 +101,27 @@ def _skinny_gemm_kernel(
     if SPLIT > 1:  # partials [SPLIT, M, N], float32, unscaled
         p_ptrs = part_ptr + (pid_s * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None]
         tl.store(p_ptrs, acc, mask=mask)
-        if FUSED_REDUCE:
-            if last_to_arrive(counter_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT):
-                total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-                for s in tl.static_range(SPLIT):  # the reduce kernel's order: the same sum
-                    total += tl.load(part_ptr + (s * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None],
-                                     mask=mask, other=0.0, cache_modifier=".cg")
-                _epilogue(total, total, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, n_mask, m_mask,
-                          mask, N, stride_o, HAS_BIAS, HAS_SCALES, W_ONLY, False)
     else:
-        _epilogue(acc, acc_u if SILU_MUL else acc, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, offs_n, offs_m,
-                  n_mask, m_mask, mask, N, stride_o, HAS_BIAS, HAS_SCALES, W_ONLY, SILU_MUL)
-
-
-@triton.jit
-def _epilogue(acc, acc_u, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, n_mask, m_mask, mask, N,
-              stride_o, HAS_BIAS: tl.constexpr, HAS_SCALES: tl.constexpr, W_ONLY: tl.constexpr, SILU_MUL: tl.constexpr):
-    """The output tile [BLOCK_N, BLOCK_M] from its float32 sums: scaled, biased, rounded (SILU_MUL:
-    acc the gate, acc_u the up sums, then silu(gate) * up), stored transposed into out [M, N] where
-    mask (n_mask x m_mask) holds."""
-    y = acc
-    if HAS_SCALES:
-        y = y * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
-        y = y * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
-    if W_ONLY:
-        y = y * (tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0) / W_ONLY_X_SCALE)[:, None]
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    dt = out_ptr.dtype.element_ty
-    if SILU_MUL:  # rounded as the unfused path rounds (kernels/activation.py)
-        up = acc_u
+        y = acc
         if HAS_SCALES:
-            up = up * tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[:, None]
-            up = up * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+            y = y * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+            y = y * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
         if W_ONLY:
-            up = up * (tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0) / W_ONLY_X_SCALE)[:, None]
-        gate = y.to(dt).to(tl.float32)
-        y = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
-    o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
-    tl.store(o_ptrs, y.to(dt), mask=mask)
+            y = y * (tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0) / W_ONLY_X_SCALE)[:, None]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        dt = out_ptr.dtype.element_ty
+        if SILU_MUL:  # rounded as the unfused path rounds (kernels/activation.py)
+            up = acc_u
+            if HAS_SCALES:
+                up = up * tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[:, None]
+                up = up * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+            if W_ONLY:
+                up = up * (tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0) / W_ONLY_X_SCALE)[:, None]
+            gate = y.to(dt).to(tl.float32)
+            y = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
+        o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
+        tl.store(o_ptrs, y.to(dt), mask=mask)
 
 
 @triton.jit
@@ -283,14 +258,11 @@ def skinny_gemm(
     k_per_split = triton.cdiv(triton.cdiv(k, split), tile.block_k) * tile.block_k
     split = triton.cdiv(k, k_per_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    grid = (triton.cdiv(n, tile.block_n), split, triton.cdiv(m, tile.block_m))
-    counters = split_counters(x.device, "skinny_gemm", grid[0] * grid[2]) \
-        if split > 1 and FUSED_SPLIT_REDUCE else None
     pdl = use_pdl(x.device)
     scale_args = (x_scale if fp8 else out, weight_scale if fp8 or w_only else out)
     bias_arg = bias if bias is not None else out
-    _skinny_gemm_kernel[grid](
-        x, scale_args[0], weight, scale_args[1], bias_arg, out, part, out if counters is None else counters,
+    _skinny_gemm_kernel[(triton.cdiv(n, tile.block_n), split, triton.cdiv(m, tile.block_m))](
+        x, scale_args[0], weight, scale_args[1], bias_arg, out, part,
         m, n, k, k_per_split,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
@@ -304,12 +276,11 @@ def skinny_gemm(
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         IMPRECISE_K=min(128, tile.block_k),  # as DeepSeek-V3 does (and cuBLAS without fast accumulation)
-        FUSED_REDUCE=counters is not None,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         launch_pdl=pdl,
     )
-    if split > 1 and counters is None:
+    if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _skinny_gemm_reduce_kernel[(m, triton.cdiv(n, block))](
             part, scale_args[0], scale_args[1], bias_arg, out,

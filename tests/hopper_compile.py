@@ -91,19 +91,13 @@ def cases() -> dict[str, dict]:
 
     out = {}
     skinny = dict(HAS_BIAS=False, HAS_SCALES=False, W_ONLY=False, SILU_MUL=False, SPLIT=1, PDL=True, DOT_PREC="tf32",
-                  BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, IMPRECISE_K=128, FUSED_REDUCE=False)
-    fp32_scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "part_ptr": "*fp32", "counter_ptr": "*i32"}
+                  BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, IMPRECISE_K=128)
+    fp32_scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "part_ptr": "*fp32"}
     # the skinny GEMM as shipped, bf16 and W8A8 with the SiLU: the paths every decode batch of 2-64 rows takes
     out["skinny_bf16"] = compile_ptx(_skinny_gemm_kernel, skinny, fp32_scales, num_warps=4, num_stages=5)
     out["skinny_w8a8_silu"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, SILU_MUL=True),
                                           dict(fp32_scales, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv"), num_warps=4,
                                           num_stages=3)
-    # W8A8 with K split in two (o_proj, down_proj): partials summed by the reduce kernel, or by the
-    # last split of each tile (kernels/skinny_gemm.FUSED_SPLIT_REDUCE)
-    for fused in (False, True):
-        out[f"skinny_w8a8_split_fused{int(fused)}"] = compile_ptx(
-            _skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, SPLIT=2, FUSED_REDUCE=fused),
-            dict(fp32_scales, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv"), num_warps=4, num_stages=5)
     norm = dict(HAS_RESIDUAL=True, BLOCK=1024, QUANT_FP8=False, SCALE_BY_RECIPROCAL=True, PDL=True)
     out["rms_norm"] = compile_ptx(_rms_norm_kernel, norm, {"scale_ptr": "*fp32"}, num_warps=4)
     out["rms_norm_fp8"] = compile_ptx(_rms_norm_kernel, dict(norm, QUANT_FP8=True),
@@ -122,7 +116,7 @@ def cases() -> dict[str, dict]:
                  "logprobs_ptr": "*fp32", "out_tokens_ptr": "*i64", "out_logprobs_ptr": "*fp32",
                  "input_ids_ptr": "*i64", "output_pos_ptr": "*i64"}
     out["step_inputs"] = compile_ptx(_step_inputs_kernel, dict(BLOCK=256, PDL=True), step_ptrs, num_warps=4)
-    out["record_step"] = compile_ptx(_record_step_kernel, dict(BLOCK=1024, PDL=True), step_ptrs, num_warps=4)
+    out["record_step"] = compile_ptx(_record_step_kernel, dict(BLOCK=256, PDL=True), step_ptrs, num_warps=4)
     from kernels.gemv import _gemv_kernel
 
     gemv = dict(HAS_NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, HAS_W_SCALE=False, SILU_MUL=False, ROPE_STORE=False,

@@ -147,37 +147,6 @@ def test_fused_step_bookkeeping_matches_the_torch_ops(llm, batch, monkeypatch):
     assert all(len(tokens) == 64 for tokens in runs[0][0])
 
 
-def test_round_graphs_match_step_graphs(llm, monkeypatch):
-    """engine/cuda_graphs.ROUND_GRAPH_MAX_BUCKET: rounds replayed as one graph of K steps give the
-    tokens of the same rounds replayed a step at a time, greedy and seeded sampling, at batches
-    1 and 3 (buckets 1 and 4); the last, shorter round of each request replays step graphs."""
-    from engine import SamplingParams, cuda_graphs
-
-    engine = llm.engine.core
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(100, 30000, (int(n),), generator=gen).tolist()
-               for n in torch.randint(8, 200, (3,), generator=gen)]
-    params = [SamplingParams(max_tokens=64, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=64, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)]
-    runs, round_replays = {}, {}
-    caching, engine.block_manager.prefix_caching = engine.block_manager.prefix_caching, False
-    try:
-        for max_bucket in (0, 8):
-            monkeypatch.setattr(cuda_graphs, "ROUND_GRAPH_MAX_BUCKET", max_bucket)
-            engine.graphs.capture(progress=False)
-            before = engine.graphs.round_replays
-            runs[max_bucket] = [[o.token_ids for o in llm.generate(batch, p)]
-                                for batch in (prompts[:1], prompts) for p in params]
-            round_replays[max_bucket] = engine.graphs.round_replays - before
-    finally:
-        monkeypatch.undo()
-        engine.graphs.capture(progress=False)
-        engine.block_manager.prefix_caching = caching
-    assert round_replays[0] == 0 and round_replays[8] >= 4  # each of the 4 runs has 63 decode steps, K = 8
-    assert runs[8] == runs[0]
-    assert all(len(tokens) == 64 for run in runs[0] for tokens in run)
-
-
 @pytest.mark.parametrize("batch", [1, 3, 17, 64])
 def test_graph_path_matches_eager_path(llm, batch):
     """Decode rounds through the CUDA graphs give the greedy tokens of eager decode steps.

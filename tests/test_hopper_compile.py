@@ -1,8 +1,8 @@
 """The GPU-only code paths of our kernels compile for an H100/H200 (sm_90) on this CPU machine:
 programmatic dependent launch of the kernels between the projections (kernels/_common.PDL_ELEMENTWISE)
 and of the skinny GEMM, decode attention's KV prefetch before its wait
-(kernels/decode_attention.PREFETCH_TILES), the last split finishing decode attention (FUSED_MERGE)
-and the skinny GEMM's split K (FUSED_SPLIT_REDUCE), and the GEMV's register use.
+(kernels/decode_attention.PREFETCH_TILES), the last split finishing decode attention (FUSED_MERGE),
+and the GEMV's register use.
 The interpreter never runs them, and CI has no GPU; Triton's own compiler and ptxas do, in a
 process without TRITON_INTERPRET (tests/hopper_compile.py)."""
 
@@ -54,13 +54,12 @@ def test_decode_attention_prefetches_its_first_kv_tiles_before_it_waits(compiled
 
 
 @pytest.mark.parametrize("fused,unfused", [("attention_qwen_fused_merge", "attention_qwen_prefetch2"),
-                                           ("attention_llama_fused_merge", "attention_llama_prefetch2"),
-                                           ("skinny_w8a8_split_fused1", "skinny_w8a8_split_fused0")])
+                                           ("attention_llama_fused_merge", "attention_llama_prefetch2")])
 def test_the_last_split_finishes_after_a_release(compiled, fused, unfused):
-    """kernels/_split_counters.last_to_arrive, in decode attention (FUSED_MERGE) and the skinny GEMM
-    (FUSED_SPLIT_REDUCE): every thread's partial is stored before a CTA barrier, one acquire-release
-    atomic at GPU scope counts the split done, after the PDL wait, and the last split reads the
-    others' partials through L2 (ld.global.cg), never L1. The unfused kernels have no atomic."""
+    """kernels/_split_counters.last_to_arrive, in decode attention (FUSED_MERGE): every thread's partial
+    is stored before a CTA barrier, one acquire-release atomic at GPU scope counts the split done,
+    after the PDL wait, and the last split reads the others' partials through L2 (ld.global.cg),
+    never L1. The unfused kernel has no atomic."""
     assert compiled[unfused]["atomics"] == [] and compiled[unfused]["cg_loads"] == 0
     kernel = compiled[fused]
     assert kernel["atomics"] == ["atom.global.gpu.acq_rel.add.u32"]

@@ -6,8 +6,6 @@ shapes on CUDA, against cuBLAS as well, and inside a captured CUDA graph."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,18 +50,6 @@ def fp8_magnitude(xq, x_scale, wq, w_scale) -> torch.Tensor:
     return (xq.float().abs() * x_scale.reshape(-1, 1)) @ (wq.float().abs() * w_scale[:, None]).T
 
 
-def use_fused_reduce(monkeypatch, on: bool) -> None:
-    """Split K summed by the last split of each tile (kernels/skinny_gemm.FUSED_SPLIT_REDUCE) or by
-    the reduce kernel (the package exports a function of the module's name: look the module up)."""
-    monkeypatch.setattr(importlib.import_module("kernels.skinny_gemm"), "FUSED_SPLIT_REDUCE", on)
-
-
-@pytest.fixture(params=[False, True], ids=["reduce_kernel", "fused_reduce"])
-def fused_reduce(request, monkeypatch) -> bool:
-    use_fused_reduce(monkeypatch, request.param)
-    return request.param
-
-
 # (m, n, k, tile): one program column; ragged N / M / K edges; split K (exact and ragged)
 CASES = [
     pytest.param(4, 32, 64, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="plain"),
@@ -76,7 +62,7 @@ CASES = [
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("m,n,k,tile", CASES)
-def test_fp8_matches_ref(m, n, k, tile, bias, out_dtype, poisoned_outputs, fused_reduce):
+def test_fp8_matches_ref(m, n, k, tile, bias, out_dtype, poisoned_outputs):
     xq, x_scale, wq, w_scale, b = fp8_operands(m, n, k, seed=m * n + k, bias=bias)
     out = skinny_gemm(xq, wq, b, x_scale=x_scale, weight_scale=w_scale, out_dtype=out_dtype, tile=tile)
     ref = skinny_gemm_ref(xq, wq, b, x_scale=x_scale, weight_scale=w_scale, out_dtype=out_dtype)
@@ -85,7 +71,7 @@ def test_fp8_matches_ref(m, n, k, tile, bias, out_dtype, poisoned_outputs, fused
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("m,n,k,tile", CASES)
-def test_float_matches_ref(m, n, k, tile, bias, poisoned_outputs, fused_reduce):
+def test_float_matches_ref(m, n, k, tile, bias, poisoned_outputs):
     x, w, b = float_operands(m, n, k, torch.float32, seed=m + n + k, bias=bias)
     out = skinny_gemm(x, w, b, tile=tile)
     assert_close(out, skinny_gemm_ref(x, w, b), x.abs() @ w.abs().T, 2.0 ** -20)
@@ -102,7 +88,7 @@ def w_only_operands(m: int, n: int, k: int, device: str = "cpu", seed: int = 0, 
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("m,n,k,tile", CASES)
-def test_fp8_weight_only_matches_ref(m, n, k, tile, bias, poisoned_outputs, fused_reduce):
+def test_fp8_weight_only_matches_ref(m, n, k, tile, bias, poisoned_outputs):
     """bf16 x with an e4m3 weight: the weight exact in fp16, x scaled by 2^-8 into fp16 (exact for
     bf16 values from 2^-16 up), the products summed in float32."""
     x, wq, w_scale, b = w_only_operands(m, n, k, seed=m * n + k, bias=bias)
@@ -119,28 +105,6 @@ def test_split_results_do_not_depend_on_the_split_count():
     one = run(1)
     for split in (2, 4):
         torch.testing.assert_close(run(split), one, rtol=1e-5, atol=1e-5 * one.abs().max().item())
-
-
-@pytest.mark.parametrize("kind", ["fp8", "float", "weight-only"])
-def test_fused_split_reduce_gives_the_reduce_kernels_result(kind, monkeypatch):
-    """The last split of each tile sums the partials in the reduce kernel's order and scales, biases
-    and rounds them as it does: the same bits, on every call (its counters are back at 0 after each)."""
-    m, n, k, tile = 18, 40, 100, SkinnyGemmTile(16, 32, 16, 3, 4, 2)  # ragged edges, two row blocks
-    if kind == "fp8":
-        xq, x_scale, wq, w_scale, b = fp8_operands(m, n, k, seed=8, bias=True)
-        run = lambda: skinny_gemm(xq, wq, b, x_scale=x_scale, weight_scale=w_scale, tile=tile)  # noqa: E731
-    elif kind == "float":
-        x, w, b = float_operands(m, n, k, torch.float32, seed=8, bias=True)
-        run = lambda: skinny_gemm(x, w, b, tile=tile)  # noqa: E731
-    else:
-        x, _, _ = float_operands(m, n, k, torch.bfloat16, seed=8)
-        _, _, wq, w_scale, b = fp8_operands(m, n, k, seed=8, bias=True)
-        run = lambda: skinny_gemm(x, wq, b, weight_scale=w_scale, out_dtype=torch.float32, tile=tile)  # noqa: E731
-    use_fused_reduce(monkeypatch, False)
-    expected = run()
-    use_fused_reduce(monkeypatch, True)
-    for _ in range(2):
-        assert torch.equal(run(), expected)
 
 
 def test_default_tile_splits_narrow_projections_only():
@@ -183,7 +147,7 @@ SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1152, 896),
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [2, 8, 16])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_gpu_fp8_weight_only_model_shapes(m, n, k, poisoned_outputs, fused_reduce):
+def test_gpu_fp8_weight_only_model_shapes(m, n, k, poisoned_outputs):
     """The tensor cores' fp16 products are exact and their sums float32: within 2^-16 of the
     products' magnitudes, and no worse than cuBLAS on the dequantized bf16 weight."""
     x, wq, w_scale, b = w_only_operands(m, n, k, device="cuda", seed=m + n + k, bias=n == 1152)
@@ -198,7 +162,7 @@ def test_gpu_fp8_weight_only_model_shapes(m, n, k, poisoned_outputs, fused_reduc
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [2, 8, 16, 64])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_gpu_fp8_model_shapes(m, n, k, poisoned_outputs, fused_reduce):
+def test_gpu_fp8_model_shapes(m, n, k, poisoned_outputs):
     """Hopper's FP8 dot adds at ~2^-13 within each 128-deep chunk (promoted to float32 between
     chunks): the bound allows 2^-11 of the products' magnitudes, and the error must not exceed
     twice cuBLAS's (torch._scaled_mm, exact accumulation) by more than that."""
@@ -213,7 +177,7 @@ def test_gpu_fp8_model_shapes(m, n, k, poisoned_outputs, fused_reduce):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [2, 8, 16, 40, 64])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_gpu_bf16_model_shapes(m, n, k, poisoned_outputs, fused_reduce):
+def test_gpu_bf16_model_shapes(m, n, k, poisoned_outputs):
     x, w, b = float_operands(m, n, k, torch.bfloat16, device="cuda", seed=m * k + n, bias=n == 1152)
     out = skinny_gemm(x, w, b)
     ref = skinny_gemm_ref(x, w, b)
@@ -223,56 +187,7 @@ def test_gpu_bf16_model_shapes(m, n, k, poisoned_outputs, fused_reduce):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [True, False])
-def test_gpu_fused_split_reduce_under_repeated_launches(fp8, monkeypatch):
-    """Llama-3.1-8B's down_proj at 64 rows (split K): 50 launches back to back with PDL, the last
-    split of each tile summing the others' partials. Every launch gives the first one's bits, and
-    those match the reduce kernel's result (the same sums in the same order)."""
-    m, n, k = 64, 4096, 14336
-    if fp8:
-        xq, x_scale, wq, w_scale, _ = fp8_operands(m, n, k, device="cuda", seed=3)
-        run = lambda: skinny_gemm(xq, wq, x_scale=x_scale, weight_scale=w_scale)  # noqa: E731
-    else:
-        xq, wq, _ = float_operands(m, n, k, torch.bfloat16, device="cuda", seed=3)
-        run = lambda: skinny_gemm(xq, wq)  # noqa: E731
-    assert default_skinny_gemm_tile(m, n, k, 132, wq.element_size()).split > 1
-    use_fused_reduce(monkeypatch, False)
-    expected = run()
-    use_fused_reduce(monkeypatch, True)
-    outs = [run() for _ in range(50)]
-    for out in outs:
-        assert torch.equal(out, outs[0])
-    torch.testing.assert_close(outs[0], expected, rtol=2.0 ** -7, atol=0)
-
-
-@pytest.mark.gpu
-def test_gpu_fused_split_reduce_beside_a_high_priority_stream(monkeypatch):
-    """An overtaking prefill graph runs its projections on a high-priority stream beside a decode
-    round (engine/prefill_graphs.py): split-K GEMMs launched on both streams at once, 30 each, must
-    not count on each other's counters (kernels/_split_counters.py keys them by stream priority)."""
-    use_fused_reduce(monkeypatch, True)
-    m, n, k = 64, 4096, 14336
-    xq, x_scale, wq, w_scale, _ = fp8_operands(m, n, k, device="cuda", seed=4)
-    xb, wb, _ = float_operands(16, n, k, torch.bfloat16, device="cuda", seed=5)
-    low = torch.cuda.current_stream()
-    high = torch.cuda.Stream(priority=-1)
-    expected_fp8 = skinny_gemm(xq, wq, x_scale=x_scale, weight_scale=w_scale)
-    with torch.cuda.stream(high):
-        expected_bf16 = skinny_gemm(xb, wb)  # allocates the high-priority stream's counters
-    torch.cuda.synchronize()
-    high.wait_stream(low)
-    outs_fp8, outs_bf16 = [], []
-    for _ in range(30):
-        outs_fp8.append(skinny_gemm(xq, wq, x_scale=x_scale, weight_scale=w_scale))
-        with torch.cuda.stream(high):
-            outs_bf16.append(skinny_gemm(xb, wb))
-    torch.cuda.synchronize()
-    assert all(torch.equal(out, expected_fp8) for out in outs_fp8)
-    assert all(torch.equal(out, expected_bf16) for out in outs_bf16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [True, False])
-def test_gpu_graph_capture_replays_new_inputs(fp8, fused_reduce):
+def test_gpu_graph_capture_replays_new_inputs(fp8):
     m, n, k = 64, 4096, 14336  # a split-K shape
     if fp8:
         xq, x_scale, wq, w_scale, _ = fp8_operands(m, n, k, device="cuda", seed=1)
