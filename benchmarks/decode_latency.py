@@ -194,6 +194,9 @@ def main() -> None:
     parser.add_argument("--attention-fused-merge", choices=["on", "off"], default=None,
                         help="override kernels/decode_attention.py's FUSED_MERGE (the last split merges the "
                              "partials; off: the merge kernel; A/B)")
+    parser.add_argument("--fp8-quant-row-chunks", choices=["on", "off"], default=None,
+                        help="override kernels/fp8_quant.py's ROW_CHUNKS (fewer rows than SMs: a program per chunk "
+                             "of a row; off: one program a row; A/B)")
     parser.add_argument("--fused-step-bookkeeping", choices=["on", "off"], default=None,
                         help="override engine/runner.py's FUSED_STEP_BOOKKEEPING (a step's input rows and token "
                              "records in kernels/decode_step.py's two kernels; off: seven torch ops; A/B)")
@@ -228,6 +231,8 @@ def main() -> None:
         decode_attention.PREFETCH_TILES = args.attention_prefetch
     if args.attention_fused_merge is not None:
         decode_attention.FUSED_MERGE = args.attention_fused_merge == "on"
+    if args.fp8_quant_row_chunks is not None:
+        importlib.import_module("kernels.fp8_quant").ROW_CHUNKS = args.fp8_quant_row_chunks == "on"
     if args.fused_step_bookkeeping is not None:
         from engine import runner
 

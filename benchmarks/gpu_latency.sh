@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fp8-quant-row-chunks
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -66,6 +66,18 @@ fp8-b1-sweep)  # batch 1's FP8 qkv / o / down: the GEMV (shipped) against the sk
     --out "$OUT/gemv_bench_fp8_b1.json" 2>&1 | grep -E "best" | quiet
   timeout 400 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights fp8 --rows 1 \
     --projections qkv o down --sweep --sweep-rows 1 --out "$OUT/skinny_gemm_bench_fp8_b1.json" 2>&1 | quiet | tail -5
+  ;;
+fp8-quant-row-chunks)  # FP8 activation quantization at decode rows: a program per chunk of a row (ROW_CHUNKS)
+  # against one a row: the quantization's and the step kernels' GPU tests, the kernel alone, then 8B FP8 decode
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_fp8_quant.py tests/test_gpu_engine.py \
+    -k "quant or model_shapes or strided or compiles_no_kernels or fused_step" > "$OUT/gpu_tests.log" 2>&1
+  tail -3 "$OUT/gpu_tests.log"
+  timeout 60 python3 benchmarks/fp8_quant_bench.py --out "$OUT/fp8_quant_bench.json" 2>&1 | grep "M="
+  for m in on off; do
+    timeout 60 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --fp8-quant-row-chunks $m \
+      --out "$OUT/decode_8b_$m.json" 2>&1 | grep -E "B="
+  done
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

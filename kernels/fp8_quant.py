@@ -4,7 +4,10 @@ engine/models/fp8.py's quantize_rows does it in torch: a float32 copy of the act
 amax, clamp, two divisions, a clamp and the cast: about eight kernels and several [M, K] float32
 temporaries per projection. Here one program per row reads the row once, held in registers, or, for
 a long row or one that fills its power-of-two block badly, twice in chunks (amax, then quantize;
-the second read mostly from L2), and writes one byte per element and the row's scale.
+the second read mostly from L2), and writes one byte per element and the row's scale. Rows fewer
+than the GPU has SMs (decode batches) may be cut into chunks instead, one program each
+(ROW_CHUNKS): each reads the whole row for its amax, mostly from L2, and quantizes its chunk only,
+so the per-element arithmetic, which is what takes the time at a few rows, spreads over the GPU.
 
 The result is bit-identical to the torch version on the same device: scale = max(amax|x_row|,
 1e-12) / 448 in float32, q = round_to_e4m3(clamp(x / scale, ±448)). torch computes `/ 448` (a
@@ -31,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels._common import use_pdl
+from kernels._common import sm_count, use_pdl
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -40,6 +43,13 @@ _TINY = 1e-12  # an all-zero row still gets a usable scale
 _MAX_SINGLE_BLOCK = 8192  # rows up to this long may be loaded once and kept in registers
 _CHUNKS = (4096, 2048, 1024)  # the two-pass path's chunk sizes
 _INV_FP8_MAX = float(torch.tensor(1.0) / FP8_MAX)  # 1/448 rounded to float32, as torch's CUDA division has it
+# Fewer rows than SMs: several programs a row, each quantizing one chunk (default_row_chunk). At 64
+# rows a step of Llama-3.1-8B FP8 spent 450 us of 4,051 in 64 one-program-a-row launches (7 us each,
+# profile_decode-llama-3.1-8b-fp8-b64-h200-2026-12-02-fused-merge.json). Off until measured on the
+# GPU (decode_latency.py --fp8-quant-row-chunks).
+ROW_CHUNKS = False
+_MIN_ROW_CHUNK = 1024
+_MAX_AMAX_BLOCK = 8192
 
 
 @triton.jit
@@ -106,6 +116,47 @@ def _quantize_rows_fp8_kernel(
     tl.store(scale_ptr + row, scale)
 
 
+@triton.jit
+def _quantize_row_chunks_fp8_kernel(
+    x_ptr, q_ptr, scale_ptr,
+    K, stride_x, stride_q, inv_max,
+    CHUNK: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr,
+    SCALE_BY_RECIPROCAL: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (row, c): the whole row's amax, then chunk c of the row quantized; chunk 0 also
+    writes the row's scale. The same amax and arithmetic as _quantize_rows_fp8_kernel: the same bits."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    x_row = x_ptr + row * stride_x
+    offs_a = tl.arange(0, AMAX_BLOCK)
+    running = tl.zeros([AMAX_BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, AMAX_BLOCK):
+        x = tl.load(x_row + k0 + offs_a, mask=k0 + offs_a < K, other=0.0).to(tl.float32)
+        running = tl.maximum(running, tl.abs(x))
+    scale = _row_scale(tl.max(running, 0), inv_max, SCALE_BY_RECIPROCAL)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < K
+    x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+    tl.store(q_ptr + row * stride_q + offs, _e4m3_bits(v).to(tl.uint8), mask=mask)
+    if chunk == 0:
+        tl.store(scale_ptr + row, scale)
+
+
+def default_row_chunk(rows: int, k: int, sms: int) -> int | None:
+    """The chunk (a power of two, at least 1024) each program quantizes when `rows` are fewer than
+    the `sms`: enough chunks a row for about two programs an SM, or None (one program a row)."""
+    if not ROW_CHUNKS or rows >= sms or k < 2 * _MIN_ROW_CHUNK:
+        return None
+    chunks = min(k // _MIN_ROW_CHUNK, -(-2 * sms // rows))
+    return triton.next_power_of_2(-(-k // chunks))
+
+
 def default_block_k(k: int) -> int:
     """The block for rows of k: the whole row (its next power of two, if <= 8192: one pass) or a
     chunk of 4096, 2048 or 1024 (two passes): the first of these, largest first, whose masked tail
@@ -121,22 +172,25 @@ def default_block_k(k: int) -> int:
     return next((b for b in candidates if tail(b) <= k // 8), min(candidates, key=tail))
 
 
-def quantize_rows_fp8(x: torch.Tensor, *, block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_fp8(x: torch.Tensor, *, block_k: int | None = None,
+                      row_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations x [M, K] (bf16, fp16 or fp32; rows may be strided, last dim contiguous) ->
     (q [M, K] float8_e4m3fn, contiguous; scale [M, 1] float32), one scale per row:
     x[m] ≈ q[m].float() * scale[m]. Bit-identical to quantize_rows_fp8_ref (and so to
     engine.models.fp8.quantize_rows) on the same device.
 
     block_k: a power of two; chunks of block_k, two passes (unless block_k covers K: one pass).
-    Default: default_block_k(K).
+    row_chunk: a power of two; a program for each row_chunk of each row. Default: default_row_chunk
+    (none where block_k is given), else default_block_k(K).
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"expected x [M, K] with a contiguous last dim, got shape {tuple(x.shape)} "
                          f"strides {x.stride()}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
-    if block_k is not None and (block_k < 1 or block_k & (block_k - 1)):
-        raise ValueError(f"block_k must be a power of two, got {block_k}")
+    for name, value in (("block_k", block_k), ("row_chunk", row_chunk)):
+        if value is not None and (value < 1 or value & (value - 1)):
+            raise ValueError(f"{name} must be a power of two, got {value}")
     rows, k = x.shape
     q = torch.empty((rows, k), dtype=FP8, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
@@ -144,8 +198,23 @@ def quantize_rows_fp8(x: torch.Tensor, *, block_k: int | None = None) -> tuple[t
         return q, scale
     if k == 0:
         raise ValueError("x has rows of length 0: no scale is defined")
-    block = default_block_k(k) if block_k is None else min(block_k, triton.next_power_of_2(k))
     pdl = use_pdl(x.device, elementwise=True)
+    if row_chunk is None and block_k is None:
+        row_chunk = default_row_chunk(rows, k, sm_count(x.device))
+    if row_chunk is not None:
+        chunk = min(row_chunk, triton.next_power_of_2(k))
+        _quantize_row_chunks_fp8_kernel[(rows, triton.cdiv(k, chunk))](
+            x, q.view(torch.uint8), scale,
+            k, x.stride(0), q.stride(0), _INV_FP8_MAX,
+            CHUNK=chunk,
+            AMAX_BLOCK=min(_MAX_AMAX_BLOCK, triton.next_power_of_2(k)),
+            SCALE_BY_RECIPROCAL=x.is_cuda,
+            PDL=pdl,
+            num_warps=8,
+            launch_pdl=pdl,
+        )
+        return q, scale
+    block = default_block_k(k) if block_k is None else min(block_k, triton.next_power_of_2(k))
     _quantize_rows_fp8_kernel[(rows,)](
         x, q.view(torch.uint8), scale,
         k, x.stride(0), q.stride(0), _INV_FP8_MAX,

@@ -84,7 +84,7 @@ def summary(kernel) -> dict:
 
 def cases() -> dict[str, dict]:
     from kernels.activation import _silu_and_mul_kernel
-    from kernels.fp8_quant import _quantize_rows_fp8_kernel
+    from kernels.fp8_quant import _quantize_row_chunks_fp8_kernel, _quantize_rows_fp8_kernel
     from kernels.rmsnorm import _rms_norm_kernel
     from kernels.rope_kv_store import _rope_kv_store_kernel
     from kernels.skinny_gemm import _skinny_gemm_kernel
@@ -109,6 +109,9 @@ def cases() -> dict[str, dict]:
     out["quantize_rows_fp8"] = compile_ptx(_quantize_rows_fp8_kernel, dict(BLOCK_K=1024, SINGLE_BLOCK=True,
                                                                            SCALE_BY_RECIPROCAL=True, PDL=True),
                                            {"q_ptr": "*u8", "scale_ptr": "*fp32"}, num_warps=4)
+    out["quantize_row_chunks_fp8"] = compile_ptx(_quantize_row_chunks_fp8_kernel,
+                                                 dict(CHUNK=4096, AMAX_BLOCK=8192, SCALE_BY_RECIPROCAL=True, PDL=True),
+                                                 {"q_ptr": "*u8", "scale_ptr": "*fp32"}, num_warps=8)
     from kernels.decode_step import _record_step_kernel, _step_inputs_kernel
 
     step_ptrs = {"step_ptr": "*i64", "positions_ptr": "*i64", "slots_ptr": "*i64", "context_lens_ptr": "*i32",

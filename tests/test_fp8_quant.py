@@ -4,20 +4,25 @@ the `gpu` ones at model shapes on CUDA."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from kernels.fp8_quant import quantize_rows_fp8, quantize_rows_fp8_ref
 
 FP8 = torch.float8_e4m3fn
-# K=100 in one block (128 wide, masked tail); block_k=32: four chunks, the last one partial;
-# K=64 with block_k=16: chunks that tile the row exactly
-PATHS = [pytest.param(100, None, id="one-block"), pytest.param(100, 32, id="chunks-tail"),
-         pytest.param(64, 16, id="chunks-exact")]
+# (K, block_k, row_chunk): K=100 in one block (128 wide, masked tail); block_k=32: four chunks, the
+# last one partial; K=64 with block_k=16: chunks that tile the row exactly; the same two with a
+# program per chunk (row_chunk)
+PATHS = [pytest.param(100, 128, None, id="one-block"), pytest.param(100, 32, None, id="chunks-tail"),
+         pytest.param(64, 16, None, id="chunks-exact"), pytest.param(100, None, 32, id="row-chunks-tail"),
+         pytest.param(64, None, 16, id="row-chunks-exact")]
 
 
-def assert_same(x: torch.Tensor, block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale = quantize_rows_fp8(x, block_k=block_k)
+def assert_same(x: torch.Tensor, block_k: int | None = None,
+                row_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = quantize_rows_fp8(x, block_k=block_k, row_chunk=row_chunk)
     q_ref, scale_ref = quantize_rows_fp8_ref(x)
     assert q.dtype == FP8 and q.shape == x.shape and q.is_contiguous()
     assert scale.dtype == torch.float32 and scale.shape == (x.shape[0], 1)
@@ -29,29 +34,59 @@ def assert_same(x: torch.Tensor, block_k: int | None = None) -> tuple[torch.Tens
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-@pytest.mark.parametrize("k,block_k", PATHS)
-def test_matches_ref(dtype, k, block_k, poisoned_outputs):
+@pytest.mark.parametrize("k,block_k,row_chunk", PATHS)
+def test_matches_ref(dtype, k, block_k, row_chunk, poisoned_outputs):
     gen = torch.Generator().manual_seed(k)
     x = (torch.randn(5, k, generator=gen) * 3).to(dtype)
-    assert_same(x, block_k)
+    assert_same(x, block_k, row_chunk)
 
 
-@pytest.mark.parametrize("k,block_k", PATHS)
-def test_strided_rows(k, block_k, poisoned_outputs):
+def test_row_chunks_read_the_whole_row_for_the_amax(monkeypatch, poisoned_outputs):
+    """A program per chunk, the amax read in pieces smaller than the row: each chunk's scale is its
+    row's, wherever in the row the largest value is."""
+    monkeypatch.setattr(importlib.import_module("kernels.fp8_quant"), "_MAX_AMAX_BLOCK", 32)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 100, generator=gen, dtype=torch.bfloat16)
+    for row, col in enumerate((3, 40, 70, 99)):  # the amax in each chunk of 32 in turn, the last partial
+        x[row, col] = 50.0
+    assert_same(x, row_chunk=32)
+
+
+def test_default_row_chunk(monkeypatch):
+    """With ROW_CHUNKS: fewer rows than SMs get chunks of at least 1024, about two programs an SM
+    (Llama-3.1-8B's down_proj input at 64 rows: 4 chunks of 4096); more rows, one program each."""
+    module = importlib.import_module("kernels.fp8_quant")
+    monkeypatch.setattr(module, "ROW_CHUNKS", True)
+    assert module.default_row_chunk(64, 14336, 132) == 4096
+    assert module.default_row_chunk(64, 4096, 132) == 1024
+    assert module.default_row_chunk(8, 14336, 132) == 1024
+    assert module.default_row_chunk(132, 14336, 132) is None
+    assert module.default_row_chunk(8, 1536, 132) is None  # too short to cut
+    for rows in (1, 2, 8, 16, 64, 100):
+        for k in (896, 2048, 4096, 4864, 14336, 28672):
+            chunk = module.default_row_chunk(rows, k, 132)
+            if chunk is not None:
+                assert chunk >= 1024 and chunk & (chunk - 1) == 0 and -(-k // chunk) >= 2
+    monkeypatch.setattr(module, "ROW_CHUNKS", False)
+    assert module.default_row_chunk(64, 14336, 132) is None
+
+
+@pytest.mark.parametrize("k,block_k,row_chunk", PATHS)
+def test_strided_rows(k, block_k, row_chunk, poisoned_outputs):
     gen = torch.Generator().manual_seed(1)
     big = torch.randn(6, k + 37, generator=gen, dtype=torch.bfloat16)
     x = big[:, 5:5 + k]  # row stride k + 37, offset start
     assert x.stride() == (k + 37, 1)
-    assert_same(x, block_k)
+    assert_same(x, block_k, row_chunk)
 
 
-@pytest.mark.parametrize("k,block_k", PATHS)
-def test_zero_row_and_magnitudes(k, block_k, poisoned_outputs):
+@pytest.mark.parametrize("k,block_k,row_chunk", PATHS)
+def test_zero_row_and_magnitudes(k, block_k, row_chunk, poisoned_outputs):
     gen = torch.Generator().manual_seed(2)
     mags = torch.tensor([1e-3, 1e-2, 1.0, 1e2, 1e3, 1.0])[:, None]
     x = (torch.randn(6, k, generator=gen) * mags).to(torch.bfloat16)
     x[5] = 0
-    q, scale = assert_same(x, block_k)
+    q, scale = assert_same(x, block_k, row_chunk)
     assert scale[5].item() == (torch.tensor(1e-12, dtype=torch.float32) / 448).item()  # float32 division
     assert torch.equal(q[5].view(torch.uint8), torch.zeros(k, dtype=torch.uint8))
     # the scale follows each row's amax: dequantized rows are close to x at every magnitude
@@ -61,8 +96,8 @@ def test_zero_row_and_magnitudes(k, block_k, poisoned_outputs):
         assert err < 0.05, (m, err)  # half an e4m3 ulp at the top binade: 16 / 448
 
 
-@pytest.mark.parametrize("block_k", [None, 256])
-def test_rounding_to_e4m3(block_k):
+@pytest.mark.parametrize("block_k,row_chunk", [(None, None), (256, None), (None, 256)])
+def test_rounding_to_e4m3(block_k, row_chunk):
     """A row whose amax is 448 has scale 1, so q = round_e4m3(x): every finite e4m3 magnitude, every
     midpoint between neighbours (ties: to even), the float32 values either side of each midpoint,
     subnormals and values below the smallest one, both signs."""
@@ -73,24 +108,28 @@ def test_rounding_to_e4m3(block_k):
     tiny = torch.tensor([2.0**-10, 2.0**-11, 3 * 2.0**-11, 1e-30, 1e-40, 0.0])
     row = torch.cat([vals, mids, above, below, tiny])
     x = torch.cat([row, -row])[None, :]
-    q, scale = assert_same(x, block_k)
+    q, scale = assert_same(x, block_k, row_chunk)
     assert scale.item() == 1.0
     assert torch.equal(q[0, :127].view(torch.uint8), torch.arange(0, 0x7F, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("k,block_k", PATHS)
-def test_cuda_scale_rounding_in_interpreter(k, block_k):
+@pytest.mark.parametrize("k,block_k,row_chunk", PATHS)
+def test_cuda_scale_rounding_in_interpreter(k, block_k, row_chunk):
     """The CUDA scale (amax times 1/448 rounded to float32, as torch's CUDA division by a Python
     scalar computes it), run in the interpreter by launching the kernel with that flag."""
-    from kernels.fp8_quant import _INV_FP8_MAX, _quantize_rows_fp8_kernel
+    from kernels.fp8_quant import _INV_FP8_MAX, _quantize_row_chunks_fp8_kernel, _quantize_rows_fp8_kernel
 
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(64, k, generator=gen, dtype=torch.bfloat16) * 3
     q = torch.full(x.shape, 0x7F, dtype=torch.uint8)  # NaN bytes
     scale = torch.full((64, 1), float("nan"))
-    block = block_k or 128
-    _quantize_rows_fp8_kernel[(64,)](x, q, scale, k, x.stride(0), q.stride(0), _INV_FP8_MAX,
-                                     BLOCK_K=block, SINGLE_BLOCK=block >= k, SCALE_BY_RECIPROCAL=True, PDL=False)
+    args = (x, q, scale, k, x.stride(0), q.stride(0), _INV_FP8_MAX)
+    if row_chunk:
+        _quantize_row_chunks_fp8_kernel[(64, -(-k // row_chunk))](*args, CHUNK=row_chunk, AMAX_BLOCK=128,
+                                                                    SCALE_BY_RECIPROCAL=True, PDL=False)
+    else:
+        _quantize_rows_fp8_kernel[(64,)](*args, BLOCK_K=block_k, SINGLE_BLOCK=block_k >= k, SCALE_BY_RECIPROCAL=True,
+                                         PDL=False)
     xf = x.float()
     scale_ref = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) * torch.tensor(1.0 / 448, dtype=torch.float32)
     assert not torch.equal(scale_ref, quantize_rows_fp8_ref(x)[1])  # the two roundings do differ here
@@ -122,6 +161,8 @@ def test_rejects_bad_inputs():
         quantize_rows_fp8(torch.randn(4, 8, dtype=torch.float64))
     with pytest.raises(ValueError):
         quantize_rows_fp8(torch.randn(4, 8), block_k=24)
+    with pytest.raises(ValueError):
+        quantize_rows_fp8(torch.randn(4, 8), row_chunk=12)
 
 
 @pytest.mark.gpu
@@ -138,6 +179,8 @@ def test_gpu_model_shapes(m, k, dtype, poisoned_outputs):
     assert_same(x)
     if k > 1024:  # the two-pass path at a shape that would otherwise fit one block
         assert_same(x, block_k=1024)
+    for chunk in (1024, 4096):  # a program per chunk (ROW_CHUNKS' path), whatever the default
+        assert_same(x, row_chunk=chunk)
 
 
 @pytest.mark.gpu
