@@ -70,7 +70,7 @@ fp8-b1-sweep)  # batch 1's FP8 qkv / o / down: the GEMV (shipped) against the sk
 fp8-quant-row-chunks)  # FP8 activation quantization at decode rows: a program per chunk of a row (ROW_CHUNKS)
   # against one a row: the quantization's and the step kernels' GPU tests, the kernel alone, then 8B FP8 decode
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_fp8_quant.py tests/test_gpu_engine.py \
-    -k "quant or model_shapes or strided or compiles_no_kernels or fused_step" > "$OUT/gpu_tests.log" 2>&1
+    -k "quant or model_shapes or strided or (qwen and (compiles_no_kernels or fused_step))" > "$OUT/gpu_tests.log" 2>&1
   tail -3 "$OUT/gpu_tests.log"
   timeout 60 python3 benchmarks/fp8_quant_bench.py --out "$OUT/fp8_quant_bench.json" 2>&1 | grep "M="
   for m in on off; do
