@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fp8-quant-row-chunks
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fp8-quant-row-chunks|skinny-deep
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -78,6 +78,11 @@ fp8-quant-row-chunks)  # FP8 activation quantization at decode rows: a program p
       --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --fp8-quant-row-chunks $m \
       --out "$OUT/decode_8b_$m.json" 2>&1 | grep -E "B="
   done
+  ;;
+skinny-deep)  # 8B qkv / o at 64 rows (69% / 64% of copy bandwidth in the last sweep, the lead for bf16 batch 64):
+  # pipelines 4-12 stages deep and 8 warps (WEIGHTS=fp8 for the W8A8 kernel)
+  timeout 560 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights ${WEIGHTS:-bf16} --rows 64 \
+    --projections qkv o --sweep --sweep-rows 64 --deep --out "$OUT/skinny_deep_${WEIGHTS:-bf16}.json" 2>&1 | quiet | tail -12
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

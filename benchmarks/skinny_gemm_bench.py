@@ -27,12 +27,19 @@ from measure import copy_bandwidth, graph_ms, run_info, write_json  # noqa: E402
 BF16 = torch.bfloat16
 
 
-def sweep_tiles(rows: int, weight_bytes: int) -> list:
-    from kernels.skinny_gemm import SkinnyGemmTile
+def sweep_tiles(rows: int, weight_bytes: int, deep: bool = False) -> list:
+    """The sweep's tiles; deep: pipelines 4 to 12 stages deep and 8 warps too, where the stages fit
+    the kernel's shared-memory budget (more weight bytes in flight a program)."""
+    from kernels.skinny_gemm import SHARED_MEMORY_BUDGET, SkinnyGemmTile, stage_bytes
 
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-    return [SkinnyGemmTile(bn, tile_bytes // weight_bytes, block_m, split, 4, stages)
-            for bn, tile_bytes, split, stages in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (3, 5))]
+    if not deep:
+        return [SkinnyGemmTile(bn, tile_bytes // weight_bytes, block_m, split, 4, stages)
+                for bn, tile_bytes, split, stages in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (3, 5))]
+    tiles = [SkinnyGemmTile(bn, tile_bytes // weight_bytes, block_m, split, warps, stages)
+             for bn, tile_bytes, split, warps, stages in itertools.product((64, 128), (128, 256), (1, 2, 4), (4, 8),
+                                                                          (4, 6, 8, 12))]
+    return [t for t in tiles if t.num_stages * stage_bytes(t, weight_bytes) <= SHARED_MEMORY_BUDGET]
 
 
 def bench(model: str, proj: tuple, rows: int, copy_gbs: float, weights: str, tiles: list) -> list[dict]:
@@ -108,6 +115,7 @@ def main() -> int:
     parser.add_argument("--weights", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tiles at --sweep-rows")
     parser.add_argument("--sweep-rows", nargs="+", type=int, default=[8, 64])
+    parser.add_argument("--deep", action="store_true", help="sweep deeper pipelines and 8 warps instead")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     copy = copy_bandwidth()
@@ -118,7 +126,7 @@ def main() -> int:
                 continue
             for weights in args.weights:
                 for m in args.rows:
-                    tiles = sweep_tiles(m, 1 if weights == "fp8" else 2) if args.sweep and m in args.sweep_rows else []
+                    tiles = sweep_tiles(m, 1 if weights == "fp8" else 2, args.deep) if args.sweep and m in args.sweep_rows else []
                     rows += bench(model, proj, m, copy["gb_per_s"], weights, tiles)
     write_json(args.out, dict(**run_info("skinny_gemm_bench"), copy=copy, rows=rows))
     return 0
