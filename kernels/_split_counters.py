@@ -1,10 +1,10 @@
 """Counters that let the last program of a split computation finish it, instead of a second kernel.
 
 A kernel that splits one output over several programs (decode attention over the KV range) writes
-float32 partials; each program then counts itself in on an int32
-counter of its output, and the one that completes the count reads every partial and writes the
-output. That saves a launch and, under programmatic dependent launch, the wait for one grid to
-complete before the next starts.
+float32 partials; each program then counts itself in on an int32 counter of its output, and the one
+that completes the count reads every partial and writes the output. That saves a launch and, under
+programmatic dependent launch, the wait for one grid to complete before the next starts. (The skinny
+GEMM's split K summed the same way measured slower: kernels/skinny_gemm.py.)
 
 The counters of one owner (a kernel) on one device and stream priority are a single zeroed buffer,
 allocated once outside CUDA-graph capture (the warm-up run before a capture, on the capture's

@@ -18,11 +18,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._common import use_pdl
 
-_BLOCK = 256
+_BLOCK = 256  # rows a program covers at once (the record kernel's one program loops past it)
+
+
 # Batch sizes and strides differ between the graphs' buckets and eager rounds (any batch): not
 # specializing on them keeps one compiled variant per kernel, all compiled while the engine starts.
-
-
 @triton.jit(do_not_specialize=["B", "stride_p", "stride_s", "stride_c"])
 def _step_inputs_kernel(step_ptr, positions_ptr, slots_ptr, context_lens_ptr, pos_out_ptr, slot_out_ptr, ctx_out_ptr,
                         B, stride_p, stride_s, stride_c, BLOCK: tl.constexpr, PDL: tl.constexpr):
