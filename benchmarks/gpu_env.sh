@@ -4,6 +4,11 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
+  # one wheel a package, the newest: pip refuses two versions of one package, and fetch-wheels may
+  # leave an older one beside a newer
+  wheels=$(ls .whl/*.whl | sort -V | awk -F/ '{split($NF, part, "-"); newest[part[1]] = $0} END {for (p in newest) print newest[p]}')
+  # shellcheck disable=SC2086
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site $wheels 2>/tmp/pip.log \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} \
+    || { echo "gpu_env.sh: error installing .whl/:" >&2; tail -3 /tmp/pip.log >&2; exit 1; }
 fi
