@@ -5,7 +5,7 @@ amax, clamp, two divisions, a clamp and the cast: about eight kernels and severa
 temporaries per projection. Here one program per row reads the row once, held in registers, or, for
 a long row or one that fills its power-of-two block badly, twice in chunks (amax, then quantize;
 the second read mostly from L2), and writes one byte per element and the row's scale. Rows fewer
-than the GPU has SMs (decode batches) may be cut into chunks instead, one program each
+than half the GPU's SMs (decode batches) are cut into chunks instead, one program each
 (ROW_CHUNKS): each reads the whole row for its amax, mostly from L2, and quantizes its chunk only,
 so the per-element arithmetic, which is what takes the time at a few rows, spreads over the GPU.
 
@@ -43,11 +43,14 @@ _TINY = 1e-12  # an all-zero row still gets a usable scale
 _MAX_SINGLE_BLOCK = 8192  # rows up to this long may be loaded once and kept in registers
 _CHUNKS = (4096, 2048, 1024)  # the two-pass path's chunk sizes
 _INV_FP8_MAX = float(torch.tensor(1.0) / FP8_MAX)  # 1/448 rounded to float32, as torch's CUDA division has it
-# Fewer rows than SMs: several programs a row, each quantizing one chunk (default_row_chunk). At 64
-# rows a step of Llama-3.1-8B FP8 spent 450 us of 4,051 in 64 one-program-a-row launches (7 us each,
-# profile_decode-llama-3.1-8b-fp8-b64-h200-2026-12-02-fused-merge.json). Off until measured on the
-# GPU (decode_latency.py --fp8-quant-row-chunks).
-ROW_CHUNKS = False
+# At most half as many rows as SMs: several programs a row, each quantizing one chunk
+# (default_row_chunk). At 64 rows a step of Llama-3.1-8B FP8 spent 450 us of 4,051 in 64
+# one-program-a-row launches (profile_decode-llama-3.1-8b-fp8-b64-h200-2026-12-02-fused-merge.json).
+# H200 (decode_latency.py --fp8-quant-row-chunks on|off): 8B FP8 batch 64 15,477 against 14,929
+# tok/s, batch 8 2,592 against 2,501. Alone (benchmarks/fp8_quant_bench.py), at 128 rows one
+# program a row is faster (K 14336: 5.7 us against 7.4 for chunks of 4096), hence half the SMs;
+# at 64 rows chunks of 2048 beat the 4096 chosen here (4.3 against 5.2 us), not yet A/B'd in decode.
+ROW_CHUNKS = True
 _MIN_ROW_CHUNK = 1024
 _MAX_AMAX_BLOCK = 8192
 
@@ -149,9 +152,9 @@ def _quantize_row_chunks_fp8_kernel(
 
 
 def default_row_chunk(rows: int, k: int, sms: int) -> int | None:
-    """The chunk (a power of two, at least 1024) each program quantizes when `rows` are fewer than
+    """The chunk (a power of two, at least 1024) each program quantizes when `rows` are at most half
     the `sms`: enough chunks a row for about two programs an SM, or None (one program a row)."""
-    if not ROW_CHUNKS or rows >= sms or k < 2 * _MIN_ROW_CHUNK:
+    if not ROW_CHUNKS or 2 * rows > sms or k < 2 * _MIN_ROW_CHUNK:
         return None
     chunks = min(k // _MIN_ROW_CHUNK, -(-2 * sms // rows))
     return triton.next_power_of_2(-(-k // chunks))
