@@ -131,10 +131,8 @@ def main() -> int:
     p.add_argument("--weights", nargs="+", choices=["bf16", "fp8"], default=["bf16"])
     p.add_argument("--pdl", choices=["on", "off", "both"], default="on")
     p.add_argument("--projections", nargs="+", help="only these (qkv o gate_up down lm_head)")
-    p.add_argument("--max-registers", nargs="+", type=int, default=[],
-                   help="also time the default tile with each of these register caps (GemvTile.max_registers)")
     p.add_argument("--tiles", nargs="+", default=[],
-                   help="also time these tiles: block_n,block_k,num_warps[,max_registers] each")
+                   help="also time these tiles: block_n,block_k,num_warps each")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results" / f"gemv_bench-{dt.date.today()}.json")
     args = p.parse_args()
 
@@ -154,8 +152,7 @@ def main() -> int:
             for rows in args.rows:
                 default = default_gemv_tile(rows, n // 2 if silu else n, k, sm_count(torch.device("cuda")), silu,
                                             1 if fp8 else 2)
-                tiles = [default] + [default._replace(max_registers=r) for r in args.max_registers]
-                tiles += [GemvTile(*map(int, spec.split(","))) for spec in args.tiles]
+                tiles = [default] + [GemvTile(*map(int, spec.split(","))) for spec in args.tiles]
                 if args.sweep:
                     tiles += [t for t in sweep_tiles(fp8) if t != default
                               and t.block_n * t.block_k * (2 if silu else 1) <= t.num_warps * 32 * 64]

@@ -32,6 +32,13 @@ from kernels.decode_step import record_step, record_step_ref, step_inputs, step_
 FUSED_STEP_BOOKKEEPING = True
 
 
+def _bookkeeping(step: torch.Tensor):
+    """(read the step's inputs, record its tokens): the kernels on CUDA, their torch refs elsewhere."""
+    if FUSED_STEP_BOOKKEEPING and step.is_cuda:
+        return step_inputs, record_step
+    return step_inputs_ref, record_step_ref
+
+
 @dataclass
 class StepTokens:
     """What a step produced for one sequence: new tokens and, when asked, their logprobs."""
@@ -274,7 +281,7 @@ class ModelRunner:
 
     def decode_forward(self, state: DecodeState) -> torch.Tensor:
         """The model part of a decode step: the logits [B, V] in the model's dtype."""
-        read = step_inputs if FUSED_STEP_BOOKKEEPING and state.step.is_cuda else step_inputs_ref
+        read, _ = _bookkeeping(state.step)
         pos, slots, context_lens = read(state.step, state.step_positions, state.step_slots, state.step_context_lens)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, block_tables=state.block_tables,
                                  context_lens=context_lens)
@@ -288,9 +295,7 @@ class ModelRunner:
             step = state.step[None]
             state.out_top_ids.index_copy_(0, step, out.top_ids[None])
             state.out_top_logprobs.index_copy_(0, step, out.top_logprobs[None])
-        fused = (FUSED_STEP_BOOKKEEPING and state.step.is_cuda and out.tokens.is_contiguous()
-                 and out.logprobs.is_contiguous())
-        record = record_step if fused else record_step_ref
+        _, record = _bookkeeping(state.step)
         record(state.step, out.tokens, out.logprobs, state.out_tokens, state.out_logprobs, state.input_ids,
                state.sampling.output_pos)
         count_output_tokens(state.sampling, out.tokens)

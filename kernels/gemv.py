@@ -204,13 +204,11 @@ def _rope_store_epilogue(y_a, y_b, rows_a, rows_b, d, n_mask, m, q_out_row, pos_
 
 
 class GemvTile(NamedTuple):
-    """Outputs (SiLU-and-mul: row pairs) and K elements per program, warps; max_registers caps the
-    registers a thread may take (ptxas maxnreg), so more programs fit an SM (None: the compiler's pick)."""
+    """Outputs (SiLU-and-mul: row pairs) and K elements per program, warps."""
 
     block_n: int
     block_k: int
     num_warps: int
-    max_registers: int | None = None
 
 
 # Tile choice from benchmarks/gemv_bench.py --sweep on an H200 with programmatic dependent launch
@@ -295,7 +293,6 @@ def _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, out, n, t
         BLOCK_K=tile.block_k,
         num_warps=tile.num_warps,
         launch_pdl=pdl,
-        **({"maxnreg": tile.max_registers} if tile.max_registers and x.is_cuda else {}),
     )
     return new_residual
 
