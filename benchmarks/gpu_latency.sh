@@ -80,9 +80,11 @@ fp8-quant-row-chunks)  # FP8 activation quantization at decode rows: a program p
   done
   ;;
 skinny-deep)  # 8B qkv / o at 64 rows (69% / 64% of copy bandwidth in the last sweep, the lead for bf16 batch 64):
-  # pipelines 4-12 stages deep and 8 warps (WEIGHTS=fp8 for the W8A8 kernel)
-  timeout 560 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights ${WEIGHTS:-bf16} --rows 64 \
-    --projections qkv o --sweep --sweep-rows 64 --deep --out "$OUT/skinny_deep_${WEIGHTS:-bf16}.json" 2>&1 | quiet | tail -12
+  # pipelines 4-12 stages deep and 8 warps, bf16 weights and W8A8 (WEIGHTS= one of them)
+  for w in ${WEIGHTS:-bf16 fp8}; do
+    timeout 280 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights $w --rows 64 \
+      --projections qkv o --sweep --sweep-rows 64 --deep --out "$OUT/skinny_deep_$w.json" 2>&1 | quiet | tail -4
+  done
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

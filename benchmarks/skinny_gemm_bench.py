@@ -128,7 +128,8 @@ def main() -> int:
                 for m in args.rows:
                     tiles = sweep_tiles(m, 1 if weights == "fp8" else 2, args.deep) if args.sweep and m in args.sweep_rows else []
                     rows += bench(model, proj, m, copy["gb_per_s"], weights, tiles)
-    write_json(args.out, dict(**run_info("skinny_gemm_bench"), copy=copy, rows=rows))
+                    # after each shape, so a sweep cut short by its time limit still leaves what it measured
+                    write_json(args.out, dict(**run_info("skinny_gemm_bench"), copy=copy, rows=rows))
     return 0
 
 
