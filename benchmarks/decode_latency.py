@@ -197,6 +197,8 @@ def main() -> None:
     parser.add_argument("--fp8-quant-row-chunks", choices=["on", "off"], default=None,
                         help="override kernels/fp8_quant.py's ROW_CHUNKS (fewer rows than SMs: a program per chunk "
                              "of a row; off: one program a row; A/B)")
+    parser.add_argument("--fp8-quant-programs-per-sm", type=int, default=None,
+                        help="override kernels/fp8_quant.py's ROW_CHUNK_PROGRAMS_PER_SM (A/B)")
     parser.add_argument("--fused-step-bookkeeping", choices=["on", "off"], default=None,
                         help="override engine/runner.py's FUSED_STEP_BOOKKEEPING (a step's input rows and token "
                              "records in kernels/decode_step.py's two kernels; off: seven torch ops; A/B)")
@@ -233,6 +235,8 @@ def main() -> None:
         decode_attention.FUSED_MERGE = args.attention_fused_merge == "on"
     if args.fp8_quant_row_chunks is not None:
         importlib.import_module("kernels.fp8_quant").ROW_CHUNKS = args.fp8_quant_row_chunks == "on"
+    if args.fp8_quant_programs_per_sm is not None:
+        importlib.import_module("kernels.fp8_quant").ROW_CHUNK_PROGRAMS_PER_SM = args.fp8_quant_programs_per_sm
     if args.fused_step_bookkeeping is not None:
         from engine import runner
 

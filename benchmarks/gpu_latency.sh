@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fp8-quant-row-chunks|skinny-deep
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fp8-quant-row-chunks|skinny-deep|fp8-b64
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -85,6 +85,20 @@ skinny-deep)  # 8B qkv / o at 64 rows (69% / 64% of copy bandwidth in the last s
     timeout 280 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights $w --rows 64 \
       --projections qkv o --sweep --sweep-rows 64 --deep --out "$OUT/skinny_deep_$w.json" 2>&1 | quiet | tail -4
   done
+  ;;
+fp8-b64)  # 8B FP8 batch 64: the W8A8 gate_up / down tiles with deep pipelines; row-chunk quantization
+  # aiming at 4 programs an SM (chunks of 2048 at 64 rows) against 2 (4096), interleaved; where a bf16
+  # batch-64 step goes
+  timeout 150 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights fp8 --rows 64 \
+    --projections gate_up down --sweep --sweep-rows 64 --deep --out "$OUT/skinny_deep_fp8_mlp.json" 2>&1 | quiet | tail -4
+  for p in 4 2 4 2; do
+    timeout 70 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --fp8-quant-programs-per-sm $p \
+      --out "$OUT/decode_8b_ppsm$p.json" 2>&1 | grep -E "B="
+    [ -f "$OUT/decode_8b_ppsm$p.json" ] && mv "$OUT/decode_8b_ppsm$p.json" "$OUT/decode_8b_ppsm${p}_$(date +%s).json"
+  done
+  timeout 120 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch 64 --load-format dummy \
+    --quantization none --out "$OUT/profile_llama_b64_bf16.json" 2>&1 | quiet | tail -3
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

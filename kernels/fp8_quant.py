@@ -51,6 +51,7 @@ _INV_FP8_MAX = float(torch.tensor(1.0) / FP8_MAX)  # 1/448 rounded to float32, a
 # program a row is faster (K 14336: 5.7 us against 7.4 for chunks of 4096), hence half the SMs;
 # at 64 rows chunks of 2048 beat the 4096 chosen here (4.3 against 5.2 us), not yet A/B'd in decode.
 ROW_CHUNKS = True
+ROW_CHUNK_PROGRAMS_PER_SM = 2  # the chunks aim at about this many programs an SM
 _MIN_ROW_CHUNK = 1024
 _MAX_AMAX_BLOCK = 8192
 
@@ -153,10 +154,11 @@ def _quantize_row_chunks_fp8_kernel(
 
 def default_row_chunk(rows: int, k: int, sms: int) -> int | None:
     """The chunk (a power of two, at least 1024) each program quantizes when `rows` are at most half
-    the `sms`: enough chunks a row for about two programs an SM, or None (one program a row)."""
+    the `sms`: enough chunks a row for about ROW_CHUNK_PROGRAMS_PER_SM programs an SM, or None (one
+    program a row)."""
     if not ROW_CHUNKS or 2 * rows > sms or k < 2 * _MIN_ROW_CHUNK:
         return None
-    chunks = min(k // _MIN_ROW_CHUNK, -(-2 * sms // rows))
+    chunks = min(k // _MIN_ROW_CHUNK, -(-ROW_CHUNK_PROGRAMS_PER_SM * sms // rows))
     return triton.next_power_of_2(-(-k // chunks))
 
 
