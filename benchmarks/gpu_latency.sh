@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fp8-quant-row-chunks|skinny-deep|fp8-b64
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fp8-quant-row-chunks|skinny-deep|fp8-b64|w8a8-deep
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -99,6 +99,25 @@ fp8-b64)  # 8B FP8 batch 64: the W8A8 gate_up / down tiles with deep pipelines; 
   done
   timeout 120 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch 64 --load-format dummy \
     --quantization none --out "$OUT/profile_llama_b64_bf16.json" 2>&1 | quiet | tail -3
+  ;;
+w8a8-deep)  # the W8A8 skinny GEMM's deeper pipelines (W8A8_DEEP_PIPELINE): GPU tests at model shapes, then 8B
+  # FP8 decode on / off interleaved; then whether a sustained load makes the bf16 batch-64 step slower
+  # (profile_decode's long replay run, with the clocks sampled)
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py \
+    tests/test_fp8_quant.py > "$OUT/gpu_tests.log" 2>&1
+  tail -3 "$OUT/gpu_tests.log"
+  for m in on off on off; do
+    timeout 80 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --skinny-w8a8-deep $m \
+      --out "$OUT/decode_8b_$m.json" 2>&1 | grep -E "B="
+    [ -f "$OUT/decode_8b_$m.json" ] && mv "$OUT/decode_8b_$m.json" "$OUT/decode_8b_${m}_$(date +%s).json"
+  done
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+    --format=csv -lms 100 > "$OUT/clocks.csv" 2>&1 &
+  smi=$!
+  timeout 150 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch 64 --load-format dummy \
+    --quantization none --out "$OUT/profile_llama_b64_bf16.json" 2>&1 | grep -E "graph|rounds"
+  kill $smi
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

@@ -105,12 +105,21 @@ def main() -> None:
     path = critical_path([(e.name[:120], e.time_range.start, e.time_range.end) for e in graph_kernels])
     path_top = sorted(path.items(), key=lambda kv: -(kv[1]["exposed"] + kv[1]["idle_before"]))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(replays):
-        replay(i)
-    end.record()
-    end.synchronize()
-    replay_us = start.elapsed_time(end) * 1e3 / replays
+
+    def replays_us(n: int) -> float:
+        start.record()
+        for i in range(n):
+            replay(i)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / n
+
+    replay_us = replays_us(replays)
+    # the same replays for about as long as graph_ms_per_step's rounds ran (does a sustained load
+    # run slower, e.g. lower clocks?), then those rounds again
+    long_replays = max(replays, int(21 * K * graph_step * 1e6 / replay_us))
+    replay_long_us = replays_us(long_replays)
+    graph_step_again = timed(lambda: engine.graphs.collect(engine.graphs.launch(rnd)))
 
     kernels = {}
     for evt in prof.key_averages():
@@ -122,7 +131,8 @@ def main() -> None:
     result = dict(model=args.model, batch=args.batch, quantization=args.quantization, graph_ms_per_step=graph_step * 1e3,
                   eager_ms_per_step=eager_step * 1e3, kernel_time_us_per_step=total, kernels_per_step=launches,
                   top_kernels=[dict(name=k[:120], **v) for k, v in top],
-                  graph_replay_us=replay_us, graph_kernel_us=graph_kernel_us,
+                  graph_replay_us=replay_us, graph_replay_long_us=replay_long_us, long_replays=long_replays,
+                  graph_ms_per_step_again=graph_step_again * 1e3, graph_kernel_us=graph_kernel_us,
                   graph_kernels_per_step=len(graph_kernels) / replays,
                   graph_top_kernels=[dict(name=k, per_step=c, device_us=t) for k, c, t in graph_top[:30]],
                   graph_critical_path=[dict(name=k, per_step=v["count"] / replays, exposed_us=v["exposed"] / replays,
@@ -132,6 +142,8 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{args.model} {args.quantization} B={args.batch}: graph {graph_step * 1e3:.3f} ms/step, eager {eager_step * 1e3:.3f} ms/step, "
           f"sum of kernel times {total / 1e3:.3f} ms/step over ~{launches:.0f} kernel launches")
+    print(f"graph replay over {long_replays} replays {replay_long_us:.1f} us/step; rounds again "
+          f"{graph_step_again * 1e3:.3f} ms/step")
     print(f"graph replay {replay_us:.1f} us/step: kernels {graph_kernel_us:.1f} us over {len(graph_kernels) / replays:.0f} "
           f"kernels, so {replay_us - graph_kernel_us:.1f} us between kernels")
     for name, count, t in graph_top[:20]:

@@ -49,9 +49,12 @@ _INV_FP8_MAX = float(torch.tensor(1.0) / FP8_MAX)  # 1/448 rounded to float32, a
 # H200 (decode_latency.py --fp8-quant-row-chunks on|off): 8B FP8 batch 64 15,477 against 14,929
 # tok/s, batch 8 2,592 against 2,501. Alone (benchmarks/fp8_quant_bench.py), at 128 rows one
 # program a row is faster (K 14336: 5.7 us against 7.4 for chunks of 4096), hence half the SMs;
-# at 64 rows chunks of 2048 beat the 4096 chosen here (4.3 against 5.2 us), not yet A/B'd in decode.
+# at 64 rows chunks of 2048 beat 4096 (4.3 against 5.2 us). So the chunks aim at about
+# ROW_CHUNK_PROGRAMS_PER_SM = 4 programs an SM, not 2 (chunks of 2048 at 64 rows, not 4096): 8B FP8
+# batch 64 15,746 / 15,788 against 15,366 / 15,393 tok/s, interleaved (decode_latency.py
+# --fp8-quant-programs-per-sm 4|2, decode_latency-h200-fp8-quant-programs-per-sm-ab-2026-12-02.json).
 ROW_CHUNKS = True
-ROW_CHUNK_PROGRAMS_PER_SM = 2  # the chunks aim at about this many programs an SM
+ROW_CHUNK_PROGRAMS_PER_SM = 4
 _MIN_ROW_CHUNK = 1024
 _MAX_AMAX_BLOCK = 8192
 

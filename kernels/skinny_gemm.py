@@ -185,18 +185,33 @@ def stage_bytes(tile: SkinnyGemmTile, weight_bytes: int, silu_mul: bool = False,
     return (2 if silu_mul else 1) * tile.block_n * tile.block_k * weight_bytes + tile.block_m * tile.block_k * x_bytes
 
 
+# W8A8 (FP8 x and weights) without SiLU-and-mul: 128-byte K tiles 8 stages deep instead of 256 x 5.
+# H200, Llama-3.1-8B at 64 rows (skinny_gemm_bench.py --deep, skinny_gemm_bench-h200-llama-3.1-8b-
+# fp8-deep-2026-12-02.json and ...-fp8-mlp-deep-...): qkv 13.27 against 15.35 us, o_proj 10.59
+# against 11.38, down_proj 26.32 against 28.13; gate_up's 128 x 3 stays the fastest. bf16 weights
+# gained nothing from deeper pipelines (qkv 16.89 against 16.95, o_proj 11.86 against 12.13).
+W8A8_DEEP_PIPELINE = True
+
+
 def default_skinny_gemm_tile(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 1,
                              silu_mul: bool = False, x_bytes: int | None = None) -> SkinnyGemmTile:
     """From benchmarks/skinny_gemm_bench.py --sweep on an H200 (Llama-3.1-8B projections, 8 and
     64 rows): 64 outputs a program, all rows (16 to 64) in one; 256-byte K tiles 5 stages deep, or
-    128 bytes x 3 when the weight tiles already give every SM two programs (gate_up); K split in
-    two while that still fits the grid in one wave (o_proj and down_proj: 64 output tiles). Fewer
-    stages where they would not fit in shared memory (SiLU-and-mul reads two weight tiles)."""
+    128 bytes x 3 when the weight tiles already give every SM two programs (gate_up), or 128 x 8
+    for W8A8 (W8A8_DEEP_PIPELINE); K split in two while that still fits the grid in one wave (o_proj
+    and down_proj: 64 output tiles). Fewer stages where they would not fit in shared memory
+    (SiLU-and-mul reads two weight tiles)."""
     block_n = 64
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     weight_tiles = tiles * (2 if silu_mul else 1)
-    tile_bytes, stages = (128, 3) if weight_tiles >= 2 * num_sms else (256, 5)
+    w8a8 = weight_bytes == 1 and x_bytes in (None, 1)
+    if weight_tiles >= 2 * num_sms:
+        tile_bytes, stages = 128, 3
+    elif W8A8_DEEP_PIPELINE and w8a8 and not silu_mul:
+        tile_bytes, stages = 128, 8
+    else:
+        tile_bytes, stages = 256, 5
     split = 1
     while not silu_mul and tiles * split * 2 <= num_sms and k // (split * 2) >= 1024:
         split *= 2

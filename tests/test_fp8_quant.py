@@ -53,15 +53,21 @@ def test_row_chunks_read_the_whole_row_for_the_amax(monkeypatch, poisoned_output
 
 
 def test_default_row_chunk(monkeypatch):
-    """With ROW_CHUNKS: up to half as many rows as SMs get chunks of at least 1024, about two
-    programs an SM (Llama-3.1-8B's down_proj input at 64 rows: 4 chunks of 4096); more rows, one
+    """With ROW_CHUNKS: up to half as many rows as SMs get chunks of at least 1024, about four
+    programs an SM (Llama-3.1-8B's down_proj input at 64 rows: 7 chunks of 2048); more rows, one
     program each."""
     module = importlib.import_module("kernels.fp8_quant")
     monkeypatch.setattr(module, "ROW_CHUNKS", True)
-    assert module.default_row_chunk(64, 14336, 132) == 4096
+    monkeypatch.setattr(module, "ROW_CHUNK_PROGRAMS_PER_SM", 4)
+    assert module.default_row_chunk(64, 14336, 132) == 2048
     assert module.default_row_chunk(64, 4096, 132) == 1024
     assert module.default_row_chunk(8, 14336, 132) == 1024
-    assert module.default_row_chunk(66, 14336, 132) == 4096
+    assert module.default_row_chunk(40, 14336, 132) == 1024
+    assert module.default_row_chunk(41, 14336, 132) == 2048
+    assert module.default_row_chunk(66, 14336, 132) == 2048
+    monkeypatch.setattr(module, "ROW_CHUNK_PROGRAMS_PER_SM", 2)
+    assert module.default_row_chunk(64, 14336, 132) == 4096
+    monkeypatch.setattr(module, "ROW_CHUNK_PROGRAMS_PER_SM", 4)
     assert module.default_row_chunk(67, 14336, 132) is None
     assert module.default_row_chunk(128, 14336, 132) is None
     assert module.default_row_chunk(8, 1536, 132) is None  # too short to cut

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.skinny_gemm import SkinnyGemmTile, default_skinny_gemm_tile, skinny_gemm, skinny_gemm_ref
+from kernels.skinny_gemm import (SHARED_MEMORY_BUDGET, SkinnyGemmTile, default_skinny_gemm_tile, skinny_gemm,
+                                 skinny_gemm_ref, stage_bytes)
 from tensor_checks import rel_err
 
 FP8 = torch.float8_e4m3fn
@@ -115,9 +116,23 @@ def test_default_tile_splits_narrow_projections_only():
     assert gate_up.split == 1
     assert default_skinny_gemm_tile(8, 4096, 4096, sms).block_m == 16
     assert default_skinny_gemm_tile(64, 4096, 4096, sms).block_m == 64
-    # the same tile bytes for bf16 weights: half the K elements
+    # the same tile bytes for bf16 weights as for weight-only FP8: half the K elements
     assert default_skinny_gemm_tile(8, 4096, 4096, sms, weight_bytes=2).block_k * 2 == \
-        default_skinny_gemm_tile(8, 4096, 4096, sms).block_k
+        default_skinny_gemm_tile(8, 4096, 4096, sms, x_bytes=2).block_k
+
+
+def test_default_tile_pipelines_w8a8_deeper_in_smaller_k_tiles():
+    """W8A8 qkv / o / down (not gate_up's SiLU-and-mul): 128-byte K tiles 8 stages deep, within
+    the shared-memory budget."""
+    sms = 132
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):
+        w8a8 = default_skinny_gemm_tile(64, n, k, sms)
+        assert (w8a8.block_k, w8a8.num_stages) == (128, 8)
+        assert w8a8.num_stages * stage_bytes(w8a8, 1) <= SHARED_MEMORY_BUDGET
+        bf16 = default_skinny_gemm_tile(64, n, k, sms, weight_bytes=2)
+        assert (bf16.block_k * 2, bf16.num_stages) == (256, 5)
+    gate_up = default_skinny_gemm_tile(64, 14336, 4096, sms, silu_mul=True)
+    assert (gate_up.block_k, gate_up.num_stages) == (128, 3)
 
 
 def test_rejects_bad_operands():
