@@ -66,22 +66,31 @@ def kv_bytes(args, batch: int, avg_context: int) -> int:
     return batch * avg_context * 2 * args.num_layers * args.num_kv_heads * args.head_dim * 2
 
 
-def time_engine(llm, prompts, new_tokens: int, repeats: int = 2) -> float:
-    """prompts: a function giving fresh prompts for each run (no prefix-cache hits)."""
+def time_engine(llm, prompts, new_tokens: int, repeats: int = 2) -> tuple[float, float, float]:
+    """prompts: a function giving fresh prompts for each run (no prefix-cache hits). Returns seconds
+    per decode step and, from the engine's DeviceTimeline (fastest runs), the seconds per step the
+    device computed and sat idle between batches while requests ran (the host kept no work queued).
+    Wall time past busy + idle is host time before the first batch and after the last."""
     from engine import SamplingParams
+
+    timeline = llm.engine.core.timeline
 
     def run(n):
         batch = prompts()
         _sync()
+        timeline.poll()
+        busy, idle = timeline.busy_seconds, timeline.idle_seconds
         t = time.perf_counter()
         llm.generate(batch, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         _sync()
-        return time.perf_counter() - t
+        elapsed = time.perf_counter() - t
+        timeline.poll()
+        return elapsed, timeline.busy_seconds - busy, timeline.idle_seconds - idle
 
     run(17)  # warm-up: compiles, allocator
-    t_prefill = min(run(1) for _ in range(repeats))
-    t_full = min(run(new_tokens + 1) for _ in range(repeats))
-    return (t_full - t_prefill) / new_tokens
+    prefill = min(run(1) for _ in range(repeats))
+    full = min(run(new_tokens + 1) for _ in range(repeats))
+    return tuple((f - p) / new_tokens for f, p in zip(full, prefill))
 
 
 def _tp_rank(rank: int, size: int, init_method: str, path: str | None, device: str, batches: list[int], k: int,
@@ -94,7 +103,7 @@ def _tp_rank(rank: int, size: int, init_method: str, path: str | None, device: s
     llm.engine.core.config.decode_chunk = k
     gen = torch.Generator().manual_seed(1)
     return {batch: time_engine(llm, lambda b=batch: torch.randint(100, 30000, (b, prompt_len), generator=gen).tolist(),
-                               new_tokens) for batch in batches}
+                               new_tokens)[0] for batch in batches}
 
 
 def time_tensor_parallel(size: int, path: str | None, device: str, batches: list[int], k: int, prompt_len: int,
@@ -253,16 +262,21 @@ def main() -> None:
     avg_context = args.prompt_len + args.new_tokens // 2
 
     def record(model_name, engine_kind, batch, k, step_s, shape, quant, caching=None, ranks=1):
-        """shape: (weight bytes, ModelArgs) of the model timed; quant: its weights ("bf16", "fp8");
+        """step_s: seconds a step, or (that, seconds a step the device computed and sat idle) from
+        time_engine;
+        shape: (weight bytes, ModelArgs) of the model timed; quant: its weights ("bf16", "fp8");
         caching: prefix caching (engine rows); ranks: devices the model is sharded over (each reads
         1/ranks of the bytes)."""
+        step_s, busy_s, idle_s = step_s if isinstance(step_s, tuple) else (step_s, None, None)
         tok_s = batch / step_s
         roof = ((shape[0] + kv_bytes(shape[1], batch, avg_context)) / ranks / bandwidth if bandwidth
                 else float("nan"))
         rows.append(dict(model=model_name, engine=engine_kind, quantization=quant, batch=batch, decode_chunk=k,
                          ms_per_step=step_s * 1e3, tokens_per_s=tok_s,
                          roofline_fraction=roof / step_s if bandwidth else None,
-                         prefix_caching=caching, tensor_parallel_size=ranks))
+                         prefix_caching=caching, tensor_parallel_size=ranks,
+                         device_busy_us_per_step=None if busy_s is None else busy_s * 1e6,
+                         device_idle_us_per_step=None if idle_s is None else idle_s * 1e6))
         if ranks > 1:
             # on CPU the "graphs" rows run eagerly too: the eager row, or that one with --no-eager
             single = next((r["tokens_per_s"] for kind in (["graphs"] if cuda else ["eager", "graphs"])
@@ -272,7 +286,9 @@ def main() -> None:
             rows[-1]["tp_speedup"] = tok_s / single if single else None
         label = f"{quant} {engine_kind}" + ("" if caching is None else " pc-" + ("on" if caching else "off"))
         print(f"{model_name:14s} {label:25s} B={batch:<3d} K={k if k else '-':<3} "
-              f"{step_s * 1e3:8.3f} ms/step {tok_s:10.1f} tok/s  {roof / step_s:6.1%} of roofline", flush=True)
+              f"{step_s * 1e3:8.3f} ms/step {tok_s:10.1f} tok/s  {roof / step_s:6.1%} of roofline"
+              + ("" if idle_s is None else f"  device busy {busy_s * 1e6:.1f} idle {idle_s * 1e6:.1f} us/step"),
+              flush=True)
 
     settings = {"on": [True], "off": [False], "both": [True, False]}[args.prefix_caching]
     quantizations = [None if q == "none" else q for q in dict.fromkeys(args.quantization)]
