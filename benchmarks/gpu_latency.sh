@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fp8-quant-row-chunks|skinny-deep|fp8-b64|w8a8-deep
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fp8-quant-row-chunks|skinny-deep|fp8-b64|w8a8-deep|round-gap
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -118,6 +118,14 @@ w8a8-deep)  # the W8A8 skinny GEMM's deeper pipelines (W8A8_DEEP_PIPELINE): GPU 
   timeout 150 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch 64 --load-format dummy \
     --quantization none --out "$OUT/profile_llama_b64_bf16.json" 2>&1 | grep -E "graph|rounds"
   kill $smi
+  ;;
+round-gap)  # where decode_latency's step goes past the graph replay: the device's busy and idle time a step
+  # (DeviceTimeline), with and without overlapped rounds, bf16 batch 64 on both models
+  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
+  timeout 120 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 64 --chunks 8 --no-eager \
+    --skip-transformers --max-num-seqs 64 --load-format dummy --overlap-ab --out "$OUT/decode_8b_gap.json" 2>&1 | grep -E "B="
+  timeout 90 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 64 --chunks 8 --no-eager \
+    --skip-transformers --max-num-seqs 64 --overlap-ab --out "$OUT/decode_qwen_gap.json" 2>&1 | grep -E "B="
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes
