@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib
 import sys
 from pathlib import Path
 
@@ -134,16 +133,11 @@ def main() -> int:
     p.add_argument("--projections", nargs="+", help="only these (qkv o gate_up down lm_head)")
     p.add_argument("--tiles", nargs="+", default=[],
                    help="also time these tiles: block_n,block_k,num_warps each")
-    p.add_argument("--l2-ahead", nargs="+", type=int, default=None,
-                   help="time each tile with kernels/gemv.py's L2_PREFETCH_AHEAD at each of these (default: as shipped)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results" / f"gemv_bench-{dt.date.today()}.json")
     args = p.parse_args()
 
     from kernels._common import sm_count
     from kernels.gemv import GemvTile, default_gemv_tile
-
-    gemv_module = importlib.import_module("kernels.gemv")  # the package exports a function of that name
-    aheads = args.l2_ahead or [gemv_module.L2_PREFETCH_AHEAD]
 
     copy = copy_bandwidth(2048, 100)
     print(f"device-to-device copy: {copy['gb_per_s']:.0f} GB/s")
@@ -162,28 +156,21 @@ def main() -> int:
                 if args.sweep:
                     tiles += [t for t in sweep_tiles(fp8) if t != default
                               and t.block_n * t.block_k * (2 if silu else 1) <= t.num_warps * 32 * 64]
-                for ahead in aheads:
-                    gemv_module.L2_PREFETCH_AHEAD = ahead
-                    got = bench_projection(model, proj, rows, copy["gb_per_s"], tiles, fp8, pdl_settings)
-                    for r in got:
-                        r["default"] = r["tile"] == list(default)
-                        r["l2_ahead"] = ahead
-                    results += got
-                    report(model, weights, name, rows, got, pdl_settings, ahead)
+                got = bench_projection(model, proj, rows, copy["gb_per_s"], tiles, fp8, pdl_settings)
+                for r in got:
+                    r["default"] = r["tile"] == list(default)
+                results += got
+                for pdl in pdl_settings:
+                    mine_rows = [r for r in got if r["pdl"] == pdl]
+                    base = next(r for r in mine_rows if r["kind"].startswith("unfused"))
+                    mine = next(r for r in mine_rows if r["default"])
+                    best = min((r for r in mine_rows if not r["kind"].startswith("unfused")), key=lambda r: r["us"])
+                    print(f"{model:13s} {weights} {name:8s} M={rows} pdl={int(pdl)}  {base['kind'][9:-1]} "
+                          f"{base['us']:7.2f} us ({base['fraction_of_copy']:5.1%})  gemv {mine['us']:7.2f} us "
+                          f"({mine['fraction_of_copy']:5.1%}) {mine['kind']} {mine['tile']}  best {best['us']:7.2f} us "
+                          f"{best['tile']}", flush=True)
     write_json(args.out, dict(**run_info("gemv_bench"), copy=copy, rows=results))
     return 0
-
-
-def report(model: str, weights: str, name: str, rows: int, got: list[dict], pdl_settings: tuple, ahead: int) -> None:
-    for pdl in pdl_settings:
-        mine_rows = [r for r in got if r["pdl"] == pdl]
-        base = next(r for r in mine_rows if r["kind"].startswith("unfused"))
-        mine = next(r for r in mine_rows if r["default"])
-        best = min((r for r in mine_rows if not r["kind"].startswith("unfused")), key=lambda r: r["us"])
-        print(f"{model:13s} {weights} {name:8s} M={rows} pdl={int(pdl)} l2+{ahead}  {base['kind'][9:-1]} "
-              f"{base['us']:7.2f} us ({base['fraction_of_copy']:5.1%})  gemv {mine['us']:7.2f} us "
-              f"({mine['fraction_of_copy']:5.1%}) {mine['kind']} {mine['tile']}  best {best['us']:7.2f} us "
-              f"{best['tile']}", flush=True)
 
 
 if __name__ == "__main__":

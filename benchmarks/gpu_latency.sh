@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fp8-quant-row-chunks|skinny-deep|fp8-b64|w8a8-deep|round-gap|gemv-l2
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fp8-quant-row-chunks|skinny-deep|fp8-b64|w8a8-deep|round-gap
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -126,25 +126,6 @@ round-gap)  # where decode_latency's step goes past the graph replay: the device
     --skip-transformers --max-num-seqs 64 --load-format dummy --overlap-ab --out "$OUT/decode_8b_gap.json" 2>&1 | grep -E "B="
   timeout 90 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 64 --chunks 8 --no-eager \
     --skip-transformers --max-num-seqs 64 --overlap-ab --out "$OUT/decode_qwen_gap.json" 2>&1 | grep -E "B="
-  ;;
-gemv-l2)  # the GEMV's L2 prefetch of the weight tile d ahead (kernels/gemv.L2_PREFETCH_AHEAD): GPU tests (no
-  # result changes, valid addresses), the projections at one row, then batch-1 decode interleaved
-  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py \
-    -k "l2_prefetch or rope_store or gemv_fp8 or gemv_real" > "$OUT/gpu_tests.log" 2>&1
-  tail -3 "$OUT/gpu_tests.log"
-  timeout 100 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 fp8 \
-    --projections qkv o gate_up down --l2-ahead 0 2 4 --out "$OUT/gemv_l2.json" 2>&1 | grep "M=1"
-  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  for a in 0 2 4 0 2 4; do
-    timeout 45 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --gemv-l2-ahead $a --out "$OUT/q$a.json" 2>&1 | grep -E "B=" | tail -1
-    [ -f "$OUT/q$a.json" ] && mv "$OUT/q$a.json" "$OUT/decode_qwen_ahead${a}_$(date +%s).json"
-  done
-  for a in 0 4; do
-    timeout 80 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 --gemv-l2-ahead $a \
-      --out "$OUT/decode_8b_ahead$a.json" 2>&1 | grep -E "B=1 .*K=8"
-  done
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

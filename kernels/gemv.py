@@ -29,7 +29,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._common import rope_store_shapes, sm_count, use_pdl
-from kernels._prefetch import prefetch_l2
 
 
 # FP8 weights arrive as int8 bytes. The hardware path from e4m3 to float32 (two conversions per
@@ -40,31 +39,14 @@ from kernels._prefetch import prefetch_l2
 # inside float32's normal range; powers of two, so the products equal q * x exactly as before.
 _X_PRESCALE = tl.constexpr(2.0**64)
 _Y_RESCALE = tl.constexpr(2.0**56)
-
-# A program keeps one K tile of weights in flight (registers: the next tile is loaded while this
-# one is used). With L2_PREFETCH_AHEAD = d > 1 it also asks L2 for the tile d ahead (the tiles 1 to
-# d - 1 before its PDL wait), so more weight bytes are on their way from DRAM without more
-# registers. Only under PDL (on the GPU: the interpreter has no L2 prefetch). 0: off.
-L2_PREFETCH_AHEAD = 0
-
-
-@triton.jit
-def _prefetch_tile(w_ptr, pid_n, N, K, stride_w, k_start, SECOND: tl.constexpr, ROPE_STORE: tl.constexpr,
-                   HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Ask L2 for every 128-byte line of the K tile at k_start of the program's weight rows (its
-    second row set when SECOND, as the kernel maps them); nothing past K, rows past N clamped.
-    The addresses are computed here, from scalars, one line a thread: nothing stays live across
-    the K loop (pointer tiles held there cost ~18 registers and an SM's fourth program)."""
-    per_line: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
-    lines: tl.constexpr = (BLOCK_K + per_line - 1) // per_line
-    i = tl.arange(0, BLOCK_N * lines)
-    n = tl.minimum(pid_n * BLOCK_N + i // lines, N - 1)
-    if ROPE_STORE:
-        row = (n // HALF) * (2 * HALF) + n % HALF + (HALF if SECOND else 0)
-    else:
-        row = n + (N if SECOND else 0)
-    k = tl.minimum(k_start + (i % lines) * per_line, K - 1)
-    prefetch_l2(w_ptr + row.to(tl.int64) * stride_w + k)
+# Measured slower and removed (the code is at fe79b3e): asking L2 (prefetch.global.L2) for the weight
+# tile 2 or 4 K tiles ahead of the one loaded into registers. H200, one row, 0 / 2 / 4 ahead
+# (gemv_bench-h200-l2-prefetch-ahead-2026-12-02.json): Llama-3.1-8B bf16 down_proj 30.3 / 80.3 / 82.1
+# us, FP8 gate_up 44.8 / 55.8 / 59.2; batch-1 decode Qwen2.5-0.5B 1,829-1,834 / 1,453-1,459 /
+# 1,426-1,429 tok/s, 8B bf16 247.2-247.6 / - / 142.0, FP8 359.3-359.6 / - / 320.5-320.7
+# (decode_latency-h200-gemv-l2-prefetch-ab-2026-12-02.json). A likely cause, not verified: a tile of
+# BLOCK_N x (lines a row) addresses is spread over every thread of the program, so most lines are
+# requested several times (16 times for down_proj's 1 x 1024 tile on 8 warps).
 
 
 @triton.jit
@@ -111,7 +93,6 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    L2_AHEAD: tl.constexpr,
 ):
     """N: outputs (SiLU-and-mul: gate rows; rotary: row pairs). Paired modes read two row sets.
     HAS_W_SCALE: FP8 weights, each row's dot product times its scale."""
@@ -142,10 +123,6 @@ def _gemv_kernel(
     w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
     if SILU_MUL or ROPE_STORE:
         u = tl.load(b_rows + offs_k[None, :], mask=wk_mask, other=0.0)
-    for i in tl.static_range(1, L2_AHEAD):
-        _prefetch_tile(w_ptr, pid_n, N, K, stride_w, i * BLOCK_K, False, ROPE_STORE, HALF, BLOCK_N, BLOCK_K)
-        if SILU_MUL or ROPE_STORE:
-            _prefetch_tile(w_ptr, pid_n, N, K, stride_w, i * BLOCK_K, True, ROPE_STORE, HALF, BLOCK_N, BLOCK_K)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -176,11 +153,6 @@ def _gemv_kernel(
         acc += _weight_f32(w, HAS_W_SCALE) * xk[None, :]
         if SILU_MUL or ROPE_STORE:
             acc_b += _weight_f32(u, HAS_W_SCALE) * xk[None, :]
-        if L2_AHEAD > 1:
-            ahead = k0 + L2_AHEAD * BLOCK_K
-            _prefetch_tile(w_ptr, pid_n, N, K, stride_w, ahead, False, ROPE_STORE, HALF, BLOCK_N, BLOCK_K)
-            if SILU_MUL or ROPE_STORE:
-                _prefetch_tile(w_ptr, pid_n, N, K, stride_w, ahead, True, ROPE_STORE, HALF, BLOCK_N, BLOCK_K)
         next_k = offs_k + BLOCK_K
         wk_mask = n_mask[:, None] & (next_k < K)[None, :]
         w = tl.load(w_rows + next_k[None, :], mask=wk_mask, other=0.0)
@@ -327,7 +299,6 @@ def _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, out, n, t
         PDL=pdl,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
-        L2_AHEAD=L2_PREFETCH_AHEAD if pdl else 0,
         num_warps=tile.num_warps,
         launch_pdl=pdl,
     )

@@ -123,19 +123,13 @@ def cases() -> dict[str, dict]:
     from kernels.gemv import _gemv_kernel
 
     gemv = dict(HAS_NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, HAS_W_SCALE=False, SILU_MUL=False, ROPE_STORE=False,
-                Q_SIZE=0, KV_SIZE=0, HALF=1, PDL=True, BLOCK_N=1, BLOCK_K=1024, L2_AHEAD=0)
+                Q_SIZE=0, KV_SIZE=0, HALF=1, PDL=True, BLOCK_N=1, BLOCK_K=1024)
     gemv_ptrs = {"w_scale_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32"}
     sizes = ("N", "K", "stride_x", "stride_r", "stride_ro", "stride_w", "stride_o")
     # bf16 down_proj's one-row tile: 1024-wide K as shipped, 2048 (kernels/gemv.LONG_K_BLOCK_K, to be measured)
     for block_k in (1024, 2048):
         out[f"gemv_down_k{block_k}"] = compile_kernel(_gemv_kernel, dict(gemv, BLOCK_K=block_k), gemv_ptrs, sizes,
                                                       num_warps=8)
-    # Llama-3.1-8B's FP8 gate_up at one row (the norm before it fused): the L2 prefetch of the tile d ahead
-    # (kernels/gemv.L2_PREFETCH_AHEAD), off and 4 ahead
-    fp8_gate_up = dict(gemv, HAS_NORM=True, HAS_W_SCALE=True, SILU_MUL=True, BLOCK_N=8, BLOCK_K=512)
-    for ahead in (0, 4):
-        out[f"gemv_fp8_gate_up_ahead{ahead}"] = compile_kernel(_gemv_kernel, dict(fp8_gate_up, L2_AHEAD=ahead),
-                                                               dict(gemv_ptrs, w_ptr="*i8"), sizes, num_warps=4)
     from kernels.decode_attention import _decode_attention_kernel
 
     attention_ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_m_ptr": "*fp32",

@@ -43,16 +43,6 @@ def test_the_wider_down_proj_tile_takes_no_more_registers(compiled):
     assert compiled["gemv_down_k2048"]["registers"] <= compiled["gemv_down_k1024"]["registers"]
 
 
-def test_the_gemv_prefetches_weight_tiles_ahead_into_l2(compiled):
-    """kernels/gemv.L2_PREFETCH_AHEAD: with 4, the FP8 gate_up GEMV asks L2 for tiles 1-3 of its gate
-    and up rows before its PDL wait and for the tile 4 ahead in its K loop; with 0, for nothing."""
-    assert compiled["gemv_fp8_gate_up_ahead0"]["prefetches"] == 0
-    ahead = compiled["gemv_fp8_gate_up_ahead4"]
-    assert ahead["prefetches"] > 0
-    assert ahead["first_line"]["prefetch.global.L2"] < ahead["first_line"]["griddepcontrol.wait"]
-    assert ahead["last_line"]["prefetch.global.L2"] > ahead["first_line"]["griddepcontrol.wait"]
-
-
 @pytest.mark.parametrize("model", ["qwen", "llama"])
 def test_decode_attention_prefetches_its_first_kv_tiles_before_it_waits(compiled, model):
     """Two tiles of K and V rows (128 tokens of 128 bytes, or 64 of 256), one line a thread each: 4

@@ -410,11 +410,8 @@ def test_greedy_sample_masked_real_vocab(vocab, poisoned_outputs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("l2_ahead", [0, 4])
 @pytest.mark.parametrize("shape,hidden,bias", [(QWEN_05B, 896, True), (LLAMA_8B, 4096, False)], ids=["qwen", "llama"])
-def test_gemv_rope_store_real_shapes(shape, hidden, bias, l2_ahead, poisoned_outputs, monkeypatch):
-    """l2_ahead: kernels/gemv.L2_PREFETCH_AHEAD (its rotary row pairs map as the kernel's rows do)."""
-    monkeypatch.setattr(importlib.import_module("kernels.gemv"), "L2_PREFETCH_AHEAD", l2_ahead)
+def test_gemv_rope_store_real_shapes(shape, hidden, bias, poisoned_outputs):
     hq, hkv, head_dim = shape["hq"], shape["hkv"], shape["head_dim"]
     gen = torch.Generator(device=DEV).manual_seed(hidden)
     n = (hq + 2 * hkv) * head_dim
@@ -461,35 +458,6 @@ def test_gemv_fp8_weights_real_shapes(name, rows, poisoned_outputs):
     assert rel_err(out, ref) < TOL
     if norm:
         assert torch.equal(new_res, (x.float() + res.float()).to(BF16))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("name", [n for n in sorted(GEMV_SHAPES) if "lm_head" not in n] + ["ragged"])
-def test_gemv_l2_prefetch_ahead_changes_no_result(name, fp8, poisoned_outputs, monkeypatch):
-    """kernels/gemv.L2_PREFETCH_AHEAD asks L2 for weight tiles ahead: the outputs are bit for bit those
-    without it, and a tile past the last weight row (ragged: 1000 rows in tiles of 8 and 16, K not a
-    multiple of the K tile) prefetches only valid addresses (a fault would fail the launch)."""
-    from engine.models.fp8 import quantize_per_channel
-
-    n, k, norm, bias, silu = GEMV_SHAPES.get(name, (1000, 1000, True, True, False))
-    gen = torch.Generator(device=DEV).manual_seed(n + k)
-    x = torch.randn(3, k, device=DEV, dtype=BF16, generator=gen)
-    w = torch.randn(n, k, device=DEV, generator=gen) / k**0.5
-    w, scale = quantize_per_channel(w) if fp8 else (w.to(BF16), None)
-    b = torch.randn(n, device=DEV, dtype=BF16, generator=gen) if bias else None
-    res = torch.randn(3, k, device=DEV, dtype=BF16, generator=gen) if norm else None
-    g = torch.rand(k, device=DEV, dtype=BF16, generator=gen) + 0.5 if norm else None
-    module = importlib.import_module("kernels.gemv")
-    outs = []
-    for ahead in (0, 2, 4):
-        monkeypatch.setattr(module, "L2_PREFETCH_AHEAD", ahead)
-        tiles = [None] + ([module.GemvTile(8, 256, 4), module.GemvTile(16, 512, 4)] if name == "ragged" else [])
-        outs.append([gemv(x, w, b, norm_weight=g, residual=res, silu_mul=silu, weight_scale=scale, tile=t)[0]
-                     for t in tiles])
-    for got in outs[1:]:
-        for a, ref in zip(got, outs[0]):
-            assert torch.equal(a, ref)
 
 
 @pytest.mark.gpu
