@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fp8-quant-row-chunks|skinny-deep|fp8-b64|w8a8-deep|round-gap
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fp8-quant-row-chunks|skinny-deep|fp8-b64|w8a8-deep|round-gap|final
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -126,6 +126,17 @@ round-gap)  # where decode_latency's step goes past the graph replay: the device
     --skip-transformers --max-num-seqs 64 --load-format dummy --overlap-ab --out "$OUT/decode_8b_gap.json" 2>&1 | grep -E "B="
   timeout 90 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 64 --chunks 8 --no-eager \
     --skip-transformers --max-num-seqs 64 --overlap-ab --out "$OUT/decode_qwen_gap.json" 2>&1 | grep -E "B="
+  ;;
+final)  # the stop's shipped state, in one short call: the 0.5B engine's graph / eager, compile-free serving and
+  # step-bookkeeping tests, the FP8 suite (projections at 1 / 7 / 64 rows, an FP8 engine through the graphs,
+  # argmax agreement), then 8B bf16 batch 8 against its batch 1
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu_engine.py \
+    -k "qwen2.5 and (graph_path or compiles_no_kernels or fused_step)" > "$OUT/gpu_tests_engine.log" 2>&1
+  tail -2 "$OUT/gpu_tests_engine.log"
+  timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_fp8.py > "$OUT/gpu_tests_fp8.log" 2>&1
+  tail -2 "$OUT/gpu_tests_fp8.log"
+  timeout 70 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 --chunks 8 --no-eager \
+    --skip-transformers --max-num-seqs 64 --load-format dummy --out "$OUT/decode_8b_b8.json" 2>&1 | grep -E "B="
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes
