@@ -128,12 +128,15 @@ round-gap)  # where decode_latency's step goes past the graph replay: the device
     --skip-transformers --max-num-seqs 64 --overlap-ab --out "$OUT/decode_qwen_gap.json" 2>&1 | grep -E "B="
   ;;
 gemv-stages)  # the GEMV's K loop pipelined through shared memory (kernels/gemv.PIPELINE_STAGES): GPU tests of
-  # both loops at model shapes, the projections at one row with 1 / 3 / 4 / 6 stages, then batch-1 decode
+  # both loops at model shapes, the projections at one row (0.5B bf16, 8B FP8) with 1 and 4 stages, then
+  # batch-1 decode interleaved
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py \
     -k "rope_store or gemv_fp8 or gemv_real" > "$OUT/gpu_tests.log" 2>&1
   tail -3 "$OUT/gpu_tests.log"
-  timeout 120 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 fp8 \
-    --projections qkv o gate_up down --stages 3 4 6 --out "$OUT/gemv_stages.json" 2>&1 | grep "M=1"
+  timeout 60 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b --rows 1 --weights bf16 \
+    --projections qkv o gate_up down --stages ${BENCH_STAGES:-4} --out "$OUT/gemv_stages_qwen.json" 2>&1 | grep "M=1"
+  timeout 60 python3 benchmarks/gemv_bench.py --models llama-3.1-8b --rows 1 --weights fp8 \
+    --projections qkv o gate_up down --stages ${BENCH_STAGES:-4} --out "$OUT/gemv_stages_8b.json" 2>&1 | grep "M=1"
   python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
   for s in ${STAGES:-1 4 1 4}; do
     timeout 45 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 --chunks 8 --no-eager \
@@ -142,7 +145,7 @@ gemv-stages)  # the GEMV's K loop pipelined through shared memory (kernels/gemv.
   done
   for s in 1 4; do
     timeout 80 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 --gemv-stages $s \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization ${QUANT:-fp8} --gemv-stages $s \
       --out "$OUT/decode_8b_stages$s.json" 2>&1 | grep -E "B=1 .*K=8"
   done
   ;;
