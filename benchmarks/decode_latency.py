@@ -211,9 +211,6 @@ def main() -> None:
     parser.add_argument("--skinny-w8a8-deep", choices=["on", "off"], default=None,
                         help="override kernels/skinny_gemm.py's W8A8_DEEP_PIPELINE (128-byte K tiles 8 stages deep; "
                              "off: 256 x 5; A/B)")
-    parser.add_argument("--gemv-stages", type=int, default=None,
-                        help="override kernels/gemv.py's PIPELINE_STAGES (the GEMV's K loop through shared memory, "
-                             "this many stages; 1: the next tile in registers; A/B)")
     parser.add_argument("--fused-step-bookkeeping", choices=["on", "off"], default=None,
                         help="override engine/runner.py's FUSED_STEP_BOOKKEEPING (a step's input rows and token "
                              "records in kernels/decode_step.py's two kernels; off: seven torch ops; A/B)")
@@ -252,8 +249,6 @@ def main() -> None:
         importlib.import_module("kernels.fp8_quant").ROW_CHUNKS = args.fp8_quant_row_chunks == "on"
     if args.fp8_quant_programs_per_sm is not None:
         importlib.import_module("kernels.fp8_quant").ROW_CHUNK_PROGRAMS_PER_SM = args.fp8_quant_programs_per_sm
-    if args.gemv_stages is not None:
-        importlib.import_module("kernels.gemv").PIPELINE_STAGES = args.gemv_stages
     if args.skinny_w8a8_deep is not None:
         importlib.import_module("kernels.skinny_gemm").W8A8_DEEP_PIPELINE = args.skinny_w8a8_deep == "on"
     if args.fused_step_bookkeeping is not None:

@@ -132,9 +132,7 @@ def main() -> int:
     p.add_argument("--pdl", choices=["on", "off", "both"], default="on")
     p.add_argument("--projections", nargs="+", help="only these (qkv o gate_up down lm_head)")
     p.add_argument("--tiles", nargs="+", default=[],
-                   help="also time these tiles: block_n,block_k,num_warps[,num_stages] each")
-    p.add_argument("--stages", nargs="+", type=int, default=[],
-                   help="also time every tile with its K loop pipelined this many stages deep (GemvTile.num_stages)")
+                   help="also time these tiles: block_n,block_k,num_warps each")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results" / f"gemv_bench-{dt.date.today()}.json")
     args = p.parse_args()
 
@@ -158,7 +156,6 @@ def main() -> int:
                 if args.sweep:
                     tiles += [t for t in sweep_tiles(fp8) if t != default
                               and t.block_n * t.block_k * (2 if silu else 1) <= t.num_warps * 32 * 64]
-                tiles += [t._replace(num_stages=s) for t in tiles for s in args.stages if s != t.num_stages]
                 got = bench_projection(model, proj, rows, copy["gb_per_s"], tiles, fp8, pdl_settings)
                 for r in got:
                     r["default"] = r["tile"] == list(default)

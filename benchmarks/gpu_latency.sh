@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fp8-quant-row-chunks|skinny-deep|fp8-b64|w8a8-deep|round-gap|final|gemv-stages
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fp8-quant-row-chunks|skinny-deep|fp8-b64|w8a8-deep|round-gap|engine-tests
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -127,29 +127,7 @@ round-gap)  # where decode_latency's step goes past the graph replay: the device
   timeout 90 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 64 --chunks 8 --no-eager \
     --skip-transformers --max-num-seqs 64 --overlap-ab --out "$OUT/decode_qwen_gap.json" 2>&1 | grep -E "B="
   ;;
-gemv-stages)  # the GEMV's K loop pipelined through shared memory (kernels/gemv.PIPELINE_STAGES): GPU tests of
-  # both loops at model shapes, the projections at one row (0.5B bf16, 8B FP8) with 1 and 4 stages, then
-  # batch-1 decode, 8B FP8 and the 0.5B, 1 and 4 stages each
-  timeout 70 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py \
-    -k "(rope_store or gemv_fp8 or gemv_real) and not lm_head" > "$OUT/gpu_tests.log" 2>&1
-  tail -2 "$OUT/gpu_tests.log"
-  timeout 40 python3 benchmarks/gemv_bench.py --models llama-3.1-8b --rows 1 --weights fp8 \
-    --projections qkv o gate_up down --stages 4 --out "$OUT/gemv_stages_8b.json" 2>&1 | grep "M=1"
-  timeout 30 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b --rows 1 --weights bf16 \
-    --projections qkv o gate_up down --stages 4 --out "$OUT/gemv_stages_qwen.json" 2>&1 | grep "M=1"
-  for s in 1 4; do
-    timeout 60 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 8 --load-format dummy --quantization fp8 --gemv-stages $s \
-      --out "$OUT/decode_8b_stages$s.json" 2>&1 | grep -E "B=1 .*K=8" | tail -1
-  done
-  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  for s in 1 4; do
-    timeout 35 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 8 --gemv-stages $s --out "$OUT/decode_qwen_stages$s.json" 2>&1 \
-      | grep -E "B=" | tail -1
-  done
-  ;;
-final)  # the stop's shipped state, in one short call: the 0.5B engine's graph / eager, compile-free serving and
+engine-tests)  # in one short call: the 0.5B engine's graph / eager, compile-free serving and
   # step-bookkeeping tests, the FP8 suite (projections at 1 / 7 / 64 rows, an FP8 engine through the graphs,
   # argmax agreement), then 8B bf16 batch 8 against its batch 1
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu_engine.py \

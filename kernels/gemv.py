@@ -47,6 +47,13 @@ _Y_RESCALE = tl.constexpr(2.0**56)
 # (decode_latency-h200-gemv-l2-prefetch-ab-2026-12-02.json). A likely cause, not verified: a tile of
 # BLOCK_N x (lines a row) addresses is spread over every thread of the program, so most lines are
 # requested several times (16 times for down_proj's 1 x 1024 tile on 8 warps).
+# Also measured and removed (the code is at ceabb1e): the K loop software-pipelined 4 stages deep through
+# shared memory (Triton's cp.async, after the PDL wait) instead of the next tile in registers loaded
+# before it. One row (gemv_bench-h200-pipelined-stages-2026-12-02.json): FP8 qkv 14.05 against 11.83
+# us, o_proj 7.14 against 6.83, down_proj 18.90 against 18.94; Qwen2.5-0.5B bf16 qkv 3.10 against
+# 2.39, down_proj 6.01 against 3.63. Batch-1 decode, one run each
+# (decode_latency-h200-gemv-stages-ab-2026-12-02.json): 0.5B 1,442 against 1,822-1,830 tok/s; 8B FP8
+# 363.0-363.5 against 359.4-359.7, a gain the per-projection times do not explain.
 
 
 @triton.jit
@@ -93,12 +100,9 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     """N: outputs (SiLU-and-mul: gate rows; rotary: row pairs). Paired modes read two row sets.
-    HAS_W_SCALE: FP8 weights, each row's dot product times its scale. STAGES: 1, the weights one K
-    tile ahead in registers; more, the K loop software-pipelined through shared memory (Triton
-    copies STAGES - 1 tiles ahead with cp.async), all after the PDL wait."""
+    HAS_W_SCALE: FP8 weights, each row's dot product times its scale."""
     m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     dt = x_ptr.dtype.element_ty
@@ -119,14 +123,13 @@ def _gemv_kernel(
     if SILU_MUL or ROPE_STORE:
         b_rows = w_ptr + rows_b.to(tl.int64)[:, None] * stride_w
 
-    if STAGES == 1:
-        # The weights do not depend on the kernels before this one: the first K tile is read before
-        # waiting for them (PDL), and every later tile one iteration ahead of its use.
-        offs_k = tl.arange(0, BLOCK_K)
-        wk_mask = n_mask[:, None] & (offs_k < K)[None, :]
-        w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
-        if SILU_MUL or ROPE_STORE:
-            u = tl.load(b_rows + offs_k[None, :], mask=wk_mask, other=0.0)
+    # The weights do not depend on the kernels before this one: the first K tile is read before
+    # waiting for them (PDL), and every later tile one iteration ahead of its use.
+    offs_k = tl.arange(0, BLOCK_K)
+    wk_mask = n_mask[:, None] & (offs_k < K)[None, :]
+    w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
+    if SILU_MUL or ROPE_STORE:
+        u = tl.load(b_rows + offs_k[None, :], mask=wk_mask, other=0.0)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -148,35 +151,20 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if SILU_MUL or ROPE_STORE:
         acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if STAGES == 1:
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xk = _x_tile(x_row, r_row, res_out_row, norm_w_ptr, offs_k, offs_k < K, inv_rms, res_store_end,
-                         HAS_NORM, HAS_RESIDUAL)
-            if HAS_W_SCALE:
-                xk = xk * _X_PRESCALE
-            acc += _weight_f32(w, HAS_W_SCALE) * xk[None, :]
-            if SILU_MUL or ROPE_STORE:
-                acc_b += _weight_f32(u, HAS_W_SCALE) * xk[None, :]
-            next_k = offs_k + BLOCK_K
-            wk_mask = n_mask[:, None] & (next_k < K)[None, :]
-            w = tl.load(w_rows + next_k[None, :], mask=wk_mask, other=0.0)
-            if SILU_MUL or ROPE_STORE:
-                u = tl.load(b_rows + next_k[None, :], mask=wk_mask, other=0.0)
-    else:
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            wk_mask = n_mask[:, None] & (offs_k < K)[None, :]
-            w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
-            if SILU_MUL or ROPE_STORE:
-                u = tl.load(b_rows + offs_k[None, :], mask=wk_mask, other=0.0)
-            xk = _x_tile(x_row, r_row, res_out_row, norm_w_ptr, offs_k, offs_k < K, inv_rms, res_store_end,
-                         HAS_NORM, HAS_RESIDUAL)
-            if HAS_W_SCALE:
-                xk = xk * _X_PRESCALE
-            acc += _weight_f32(w, HAS_W_SCALE) * xk[None, :]
-            if SILU_MUL or ROPE_STORE:
-                acc_b += _weight_f32(u, HAS_W_SCALE) * xk[None, :]
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xk = _x_tile(x_row, r_row, res_out_row, norm_w_ptr, offs_k, offs_k < K, inv_rms, res_store_end,
+                     HAS_NORM, HAS_RESIDUAL)
+        if HAS_W_SCALE:
+            xk = xk * _X_PRESCALE
+        acc += _weight_f32(w, HAS_W_SCALE) * xk[None, :]
+        if SILU_MUL or ROPE_STORE:
+            acc_b += _weight_f32(u, HAS_W_SCALE) * xk[None, :]
+        next_k = offs_k + BLOCK_K
+        wk_mask = n_mask[:, None] & (next_k < K)[None, :]
+        w = tl.load(w_rows + next_k[None, :], mask=wk_mask, other=0.0)
+        if SILU_MUL or ROPE_STORE:
+            u = tl.load(b_rows + next_k[None, :], mask=wk_mask, other=0.0)
 
     y = tl.sum(acc, 1)
     if HAS_W_SCALE:
@@ -231,13 +219,11 @@ def _rope_store_epilogue(y_a, y_b, rows_a, rows_b, d, n_mask, m, q_out_row, pos_
 
 
 class GemvTile(NamedTuple):
-    """Outputs (SiLU-and-mul: row pairs) and K elements per program, warps, and the K loop's
-    pipeline stages (1: the next weight tile in registers)."""
+    """Outputs (SiLU-and-mul: row pairs) and K elements per program, warps."""
 
     block_n: int
     block_k: int
     num_warps: int
-    num_stages: int = 1
 
 
 # Tile choice from benchmarks/gemv_bench.py --sweep on an H200 with programmatic dependent launch
@@ -262,20 +248,9 @@ _MAX_BLOCK_N = 8
 LONG_K_BLOCK_K = 1024
 
 
-# The K loop's pipeline stages in every default tile (GemvTile.num_stages): 1, the next weight tile in
-# registers, loaded before the PDL wait for the first; more, Triton's cp.async pipeline through shared
-# memory, which keeps more weight bytes in flight a program (the one-row FP8 GEMVs run at 49-72% of
-# bandwidth, gemv_bench-h200-llama-3.1-8b-fp8-b1-2026-12-02.json). Not yet measured on a GPU: 1.
-PIPELINE_STAGES = 1
-
-
 def default_gemv_tile(rows: int, n: int, k: int, num_sms: int, silu_mul: bool = False,
                       weight_bytes: int = 2) -> GemvTile:
     """weight_bytes: bytes per weight element (1: FP8)."""
-    return _default_tile(rows, n, k, num_sms, silu_mul, weight_bytes)._replace(num_stages=PIPELINE_STAGES)
-
-
-def _default_tile(rows: int, n: int, k: int, num_sms: int, silu_mul: bool, weight_bytes: int) -> GemvTile:
     fp8 = weight_bytes == 1
     if silu_mul:
         if k >= _LONG_K and not fp8:
@@ -331,7 +306,6 @@ def _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, out, n, t
         PDL=pdl,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
-        STAGES=tile.num_stages,
         num_warps=tile.num_warps,
         launch_pdl=pdl,
     )

@@ -66,7 +66,7 @@ def summary(kernel) -> dict:
     # PTX lines, a guard predicate ("@%p1 ") dropped
     lines = [re.sub(r"^@!?%p\d+\s+", "", line.strip()) for line in kernel.asm["ptx"].splitlines()]
     keys = ("prefetch.global.L2", "griddepcontrol.wait", "griddepcontrol.launch_dependents", "bar.sync", "atom.",
-            "ld.global.cg", "ld.global", "st.global", "cp.async")
+            "ld.global.cg", "st.global")
     first = {key: next((i for i, line in enumerate(lines) if line.startswith(key)), None) for key in keys}
     last = {key: max((i for i, line in enumerate(lines) if line.startswith(key)), default=None) for key in keys}
     atomics = [i for i, line in enumerate(lines) if line.startswith("atom.")]
@@ -78,9 +78,6 @@ def summary(kernel) -> dict:
                 first_line=first, last_line=last, atomics=[lines[i].split()[0] for i in atomics],
                 barrier_before_atomic=barrier,
                 cg_loads=sum(line.startswith("ld.global.cg") for line in lines),
-                async_copies=sum(line.startswith("cp.async.") and "commit" not in line and "wait" not in line
-                                 for line in lines),
-                shared_bytes=kernel.metadata.shared,
                 waits=sum(line.startswith("griddepcontrol.wait") for line in lines),
                 registers=registers(kernel.asm["cubin"]))
 
@@ -126,19 +123,13 @@ def cases() -> dict[str, dict]:
     from kernels.gemv import _gemv_kernel
 
     gemv = dict(HAS_NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, HAS_W_SCALE=False, SILU_MUL=False, ROPE_STORE=False,
-                Q_SIZE=0, KV_SIZE=0, HALF=1, PDL=True, BLOCK_N=1, BLOCK_K=1024, STAGES=1)
+                Q_SIZE=0, KV_SIZE=0, HALF=1, PDL=True, BLOCK_N=1, BLOCK_K=1024)
     gemv_ptrs = {"w_scale_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32"}
     sizes = ("N", "K", "stride_x", "stride_r", "stride_ro", "stride_w", "stride_o")
     # bf16 down_proj's one-row tile: 1024-wide K as shipped, 2048 (kernels/gemv.LONG_K_BLOCK_K, to be measured)
     for block_k in (1024, 2048):
         out[f"gemv_down_k{block_k}"] = compile_kernel(_gemv_kernel, dict(gemv, BLOCK_K=block_k), gemv_ptrs, sizes,
                                                       num_warps=8)
-    # Llama-3.1-8B's FP8 gate_up at one row with the norm before it: the K loop as shipped (the next
-    # tile in registers) and pipelined 4 stages deep through shared memory (kernels/gemv.PIPELINE_STAGES)
-    fp8_gate_up = dict(gemv, HAS_NORM=True, HAS_W_SCALE=True, SILU_MUL=True, BLOCK_N=8, BLOCK_K=512)
-    for stages in (1, 4):
-        out[f"gemv_fp8_gate_up_stages{stages}"] = compile_kernel(
-            _gemv_kernel, dict(fp8_gate_up, STAGES=stages), dict(gemv_ptrs, w_ptr="*i8"), sizes, num_warps=4)
     from kernels.decode_attention import _decode_attention_kernel
 
     attention_ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_m_ptr": "*fp32",

@@ -43,17 +43,6 @@ def test_the_wider_down_proj_tile_takes_no_more_registers(compiled):
     assert compiled["gemv_down_k2048"]["registers"] <= compiled["gemv_down_k1024"]["registers"]
 
 
-def test_the_pipelined_gemv_copies_weights_ahead_after_its_wait(compiled):
-    """kernels/gemv.PIPELINE_STAGES: with 4 stages the GEMV's K loop copies its weight tiles into shared
-    memory asynchronously (cp.async), every copy after the PDL wait (its x tiles come from the kernel
-    before); with 1, none, and the first weight tile is loaded before the wait."""
-    shipped, piped = compiled["gemv_fp8_gate_up_stages1"], compiled["gemv_fp8_gate_up_stages4"]
-    assert shipped["async_copies"] == 0
-    assert shipped["first_line"]["ld.global"] < shipped["first_line"]["griddepcontrol.wait"]
-    assert piped["async_copies"] > 0 and piped["shared_bytes"] >= 3 * 2 * 8 * 512
-    assert piped["first_line"]["griddepcontrol.wait"] < piped["first_line"]["cp.async"]
-
-
 @pytest.mark.parametrize("model", ["qwen", "llama"])
 def test_decode_attention_prefetches_its_first_kv_tiles_before_it_waits(compiled, model):
     """Two tiles of K and V rows (128 tokens of 128 bytes, or 64 of 256), one line a thread each: 4

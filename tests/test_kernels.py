@@ -447,10 +447,7 @@ def test_gemv_ref_matches_unfused_decoder_path():
 
 @pytest.mark.parametrize("rows,n,k", [(1, 37, 200), (3, 64, 96), (4, 130, 1100)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("stages", [1, 3])
-def test_gemv(rows, n, k, bias, stages, monkeypatch):
-    """stages: kernels/gemv.PIPELINE_STAGES, the default tiles' K loop (3: pipelined through shared memory)."""
-    monkeypatch.setattr(importlib.import_module("kernels.gemv"), "PIPELINE_STAGES", stages)
+def test_gemv(rows, n, k, bias):
     gen, x, w = _gemv_case(rows, n, k, seed=21 + rows, strided=rows == 3)
     b = torch.randn(n, generator=gen) if bias else None
     out, new_res = gemv(x, w, b)
@@ -471,13 +468,12 @@ def test_gemv_long_k_default_tile(long_k_block, monkeypatch):
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("stages", [1, 3])
-def test_gemv_fused_norm(with_residual, stages):
+def test_gemv_fused_norm(with_residual):
     gen, x, w = _gemv_case(2, 48, 300, seed=25)  # K not a power of two, several K tiles below
     res = torch.randn(2, 300, generator=gen) if with_residual else None
     g = torch.randn(300, generator=gen)
     x0 = x.clone()
-    out, new_res = gemv(x, w, norm_weight=g, residual=res, eps=1e-6, tile=GemvTile(16, 64, 4, stages))
+    out, new_res = gemv(x, w, norm_weight=g, residual=res, eps=1e-6, tile=GemvTile(16, 64, 4))
     ref, ref_res = gemv_ref(x, w, norm_weight=g, residual=res, eps=1e-6)
     assert torch.equal(x, x0)
     assert rel_err(out, ref) < TOL
@@ -505,17 +501,16 @@ def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("silu_mul", [False, True])
-@pytest.mark.parametrize("stages", [1, 3])
-def test_gemv_fp8_weights_dequantized_in_registers(silu_mul, stages):
+def test_gemv_fp8_weights_dequantized_in_registers(silu_mul):
     """FP8 rows times their scale: the dequantized weight's product, over several K tiles (the next
-    tile read ahead of its use, or a pipelined loop), with the fused norm and SiLU-and-mul."""
+    tile read ahead of its use), with the fused norm and SiLU-and-mul."""
     gen, x, w = _gemv_case(2, 2 * 40 if silu_mul else 40, 300, seed=28)
     w = w * torch.logspace(-2, 1, w.shape[0])[:, None]  # rows of different sizes: the scales matter
     q, scale = _fp8(w)
     res = torch.randn(2, 300, generator=gen)
     g = torch.randn(300, generator=gen)
     out, new_res = gemv(x, q, norm_weight=g, residual=res, silu_mul=silu_mul, weight_scale=scale,
-                        tile=GemvTile(8, 64, 4, stages))
+                        tile=GemvTile(8, 64, 4))
     ref, ref_res = gemv_ref(x, q, norm_weight=g, residual=res, silu_mul=silu_mul, weight_scale=scale)
     assert torch.equal(new_res, ref_res)
     assert rel_err(out, ref) < TOL
@@ -525,8 +520,7 @@ def test_gemv_fp8_weights_dequantized_in_registers(silu_mul, stages):
         gemv(x, q, weight_scale=scale[:-1])
 
 
-@pytest.mark.parametrize("stages", [1, 3])
-def test_gemv_rope_store_fp8_weights(stages):
+def test_gemv_rope_store_fp8_weights():
     gen = torch.Generator().manual_seed(32)
     hq, hkv, head_dim, hidden, rows = 4, 2, 16, 40, 2
     n = (hq + 2 * hkv) * head_dim
@@ -538,7 +532,7 @@ def test_gemv_rope_store_fp8_weights(stages):
     caches = [torch.zeros(4, 8, hkv, head_dim) for _ in range(2)]
     ref_caches = [c.clone() for c in caches]
     q, new_res = gemv_rope_store(x, q8, b, positions, cos_sin, slots, *caches, hq, norm_weight=g, residual=res,
-                                 weight_scale=scale, tile=GemvTile(4, 16, 2, stages))
+                                 weight_scale=scale, tile=GemvTile(4, 16, 2))
     ref_q, ref_res = gemv_rope_store_ref(x, q8, b, positions, cos_sin, slots, *ref_caches, hq, norm_weight=g,
                                          residual=res, weight_scale=scale)
     assert torch.equal(new_res, ref_res)

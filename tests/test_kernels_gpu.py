@@ -326,13 +326,10 @@ GEMV_SHAPES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [1, 4])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("name", sorted(GEMV_SHAPES) + ["qwen-down-2048", "llama-down-2048"])
-def test_gemv_real_shapes(name, rows, stages, poisoned_outputs, monkeypatch):
-    """*-2048: down_proj with 2048-wide K tiles (kernels/gemv.LONG_K_BLOCK_K). stages: the K loop's
-    (kernels/gemv.PIPELINE_STAGES; 4: pipelined through shared memory)."""
-    monkeypatch.setattr(importlib.import_module("kernels.gemv"), "PIPELINE_STAGES", stages)
+def test_gemv_real_shapes(name, rows, poisoned_outputs, monkeypatch):
+    """*-2048: down_proj with 2048-wide K tiles (kernels/gemv.LONG_K_BLOCK_K)."""
     if name.endswith("-2048"):
         monkeypatch.setattr(importlib.import_module("kernels.gemv"), "LONG_K_BLOCK_K", 2048)
         name = name.removesuffix("-2048")
@@ -413,11 +410,8 @@ def test_greedy_sample_masked_real_vocab(vocab, poisoned_outputs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [1, 4])
 @pytest.mark.parametrize("shape,hidden,bias", [(QWEN_05B, 896, True), (LLAMA_8B, 4096, False)], ids=["qwen", "llama"])
-def test_gemv_rope_store_real_shapes(shape, hidden, bias, stages, poisoned_outputs, monkeypatch):
-    """stages: kernels/gemv.PIPELINE_STAGES."""
-    monkeypatch.setattr(importlib.import_module("kernels.gemv"), "PIPELINE_STAGES", stages)
+def test_gemv_rope_store_real_shapes(shape, hidden, bias, poisoned_outputs):
     hq, hkv, head_dim = shape["hq"], shape["hkv"], shape["head_dim"]
     gen = torch.Generator(device=DEV).manual_seed(hidden)
     n = (hq + 2 * hkv) * head_dim
@@ -443,13 +437,11 @@ def test_gemv_rope_store_real_shapes(shape, hidden, bias, stages, poisoned_outpu
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [1, 4])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("name", [n for n in sorted(GEMV_SHAPES) if "lm_head" not in n])
-def test_gemv_fp8_weights_real_shapes(name, rows, stages, poisoned_outputs, monkeypatch):
+def test_gemv_fp8_weights_real_shapes(name, rows, poisoned_outputs):
     """FP8 weights (e4m3, a float32 scale per row) dequantized in registers: the float32 product
-    with the dequantized weight. stages: kernels/gemv.PIPELINE_STAGES."""
-    monkeypatch.setattr(importlib.import_module("kernels.gemv"), "PIPELINE_STAGES", stages)
+    with the dequantized weight."""
     from engine.models.fp8 import quantize_per_channel
 
     n, k, norm, bias, silu = GEMV_SHAPES[name]
