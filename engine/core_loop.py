@@ -57,6 +57,9 @@ class CoreLoop:
         self.frontends: set[bytes] = set()  # identities of the front ends that said Hello
         self.owner: dict[str, bytes] = {}  # request id -> the front end that sent it
         self._stopping = False
+        # SIGUSR1 handler calls (counted: the handler runs between any two bytecodes of the loop)
+        self._wake_requests = 0
+        self._wakes_sent = 0
         self._stats_sent_at = 0.0
         self._last_stats = None
 
@@ -72,8 +75,13 @@ class CoreLoop:
             while not self._stopping:
                 self._receive(wait=not core.has_unfinished())
                 self._check_workers()
-                if core.has_unfinished() and not self._stopping:
+                stepping = core.has_unfinished() and not self._stopping
+                wakes = self._wake_requests
+                if self.workers and (stepping or wakes != self._wakes_sent):
+                    self._inputs.wake_only = not stepping
                     self._send_step_inputs()
+                self._wakes_sent = wakes
+                if stepping:
                     self._send_outputs(core.step())
                 self._send_stats()
             if self.workers:
@@ -83,6 +91,12 @@ class CoreLoop:
             logger.exception("engine core loop died")
             self._broadcast(CoreDied(f"{type(exc).__name__}: {exc}"))
             raise
+
+    def wake_ranks(self) -> None:
+        """Have the other ranks leave their wait for this rank's next step (a step-less
+        StepInputs, from the loop within STATS_INTERVAL_S): from the SIGUSR1 handler, so that
+        theirs, which runs only once their main thread leaves the collective, dumps too."""
+        self._wake_requests += 1
 
     def _while_waiting(self, outputs: list[CoreOutput]) -> None:
         """EngineCore.on_wait: send what the step has made so far, take what has arrived."""

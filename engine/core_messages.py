@@ -97,13 +97,16 @@ class CoreDied(msgspec.Struct, tag=True, array_like=True):
 class StepInputs(msgspec.Struct, array_like=True):
     """What rank 0 took from its front ends since its last step, in order, for every other
     rank to apply before the same step (engine/tp_worker.py): so every rank's scheduler makes
-    the same decisions. seeds: each added request's sampling seed (rank 0 draws them)."""
+    the same decisions. seeds: each added request's sampling seed (rank 0 draws them).
+    wake_only: rank 0 does not step after this one; it is sent so that the ranks leave their
+    wait (CoreLoop.wake_ranks, on SIGUSR1)."""
 
     adds: list[AddRequest] = []
     seeds: list[int] = []
     aborts: list[str] = []
     faults: list[str] = []
     stop: bool = False
+    wake_only: bool = False
 
 
 ToCore = Hello | AddRequest | Abort | InjectFault | Shutdown

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 from engine import gc_stats
@@ -36,10 +37,23 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def dump_stacks_on_sigusr1() -> None:
+def dump_stacks_on_sigusr1(then: Callable[[], None] | None = None) -> None:
     """kill -USR1 PID: every thread's Python stack to stderr (the server's log); the process
-    goes on. Every process the server spawns takes it, so `pkill -USR1 -f spawn_main` is safe."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    goes on. Every process the server spawns takes it, so `pkill -USR1 -f spawn_main` is safe.
+
+    The dump runs as a Python signal handler: in the main thread, between two bytecodes, holding
+    the GIL, so no other thread can change its stack while it is read. (faulthandler's own
+    handler reads them from inside the signal, whatever runs: an engine core whose warm-up thread
+    was importing xgrammar died of it with SIGSEGV, 1 in ~100 signals sent 20 ms apart.) So a
+    main thread inside a long native call dumps when it returns: a tensor-parallel rank waiting
+    in a collective for rank 0's next step, which rank 0 sends on its own SIGUSR1 (`then`)."""
+
+    def dump(signum: int, frame: object) -> None:
+        faulthandler.dump_traceback(all_threads=True)
+        if then is not None:
+            then()
+
+    signal.signal(signal.SIGUSR1, dump)
 
 
 def freeze_startup_objects() -> None:
@@ -78,8 +92,10 @@ def run_core(config: EngineConfig, address: str, parent_pid: int, log_level: int
         logger.exception("the engine core failed to start")
         os._exit(1)
     freeze_startup_objects()
+    loop = CoreLoop(core, socket, workers)
+    dump_stacks_on_sigusr1(then=loop.wake_ranks)
     try:
-        CoreLoop(core, socket, workers).run()
+        loop.run()
     except BaseException:
         os._exit(1)  # CoreLoop logged it and told the front ends
     socket.close()

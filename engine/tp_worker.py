@@ -45,7 +45,8 @@ def run_worker(config: EngineConfig, rank: int, init_method: str, parent_pid: in
                 core.abort(request_id)
             for kind in inputs.faults:
                 core.inject_fault(kind)
-            core.step()
+            if not inputs.wake_only:  # rank 0 steps too
+                core.step()
     except BaseException:
         logger.exception("tensor-parallel rank %d stopped", rank)
         os._exit(1)
