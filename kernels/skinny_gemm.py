@@ -188,8 +188,11 @@ def stage_bytes(tile: SkinnyGemmTile, weight_bytes: int, silu_mul: bool = False,
 # W8A8 (FP8 x and weights) without SiLU-and-mul: 128-byte K tiles 8 stages deep instead of 256 x 5.
 # H200, Llama-3.1-8B at 64 rows (skinny_gemm_bench.py --deep, skinny_gemm_bench-h200-llama-3.1-8b-
 # fp8-deep-2026-12-02.json and ...-fp8-mlp-deep-...): qkv 13.27 against 15.35 us, o_proj 10.59
-# against 11.38, down_proj 26.32 against 28.13; gate_up's 128 x 3 stays the fastest. bf16 weights
-# gained nothing from deeper pipelines (qkv 16.89 against 16.95, o_proj 11.86 against 12.13).
+# against 11.38, down_proj 26.32 against 28.13; gate_up's 128 x 3 stays the fastest. 8B FP8 decode,
+# interleaved (decode_latency.py --skinny-w8a8-deep on|off): batch 64 16,310 / 16,289 against 15,879 /
+# 15,776 tok/s, batch 8 2,702 / 2,705 against 2,630 / 2,623 (decode_latency-h200-skinny-w8a8-deep-ab-
+# 2026-12-02.json). bf16 weights gained nothing from deeper pipelines (qkv 16.89 against 16.95,
+# o_proj 11.86 against 12.13).
 W8A8_DEEP_PIPELINE = True
 
 
