@@ -31,6 +31,7 @@ import importlib
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +41,46 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from measure import copy_bandwidth, run_info, write_json  # noqa: E402
 from workload import provenance, resolve_model  # noqa: E402
+
+
+# The A/B switches: --FLAG sets MODULE.NAME for the run (bool: on / off; int: the value); unset, the
+# shipped value stays.
+SWITCHES = {
+    "pdl-elementwise": ("kernels._common", "PDL_ELEMENTWISE", bool, "PDL for the kernels between the projections too"),
+    "fp8-weight-only-max-rows": ("engine.models.fp8", "FP8_WEIGHT_ONLY_MAX_ROWS", int, "0: W8A8 from 2 rows"),
+    "fp8-gemv-max-rows": ("engine.models.layers", "FP8_GEMV_MAX_ROWS", int,
+                          "0: batch 1 goes W8A8 through the norm's quantization and the skinny GEMM"),
+    "fp8-gate-up-gemv-max-rows": ("engine.models.layers", "FP8_GATE_UP_GEMV_MAX_ROWS", int,
+                                  "1: batch 1's gate_up takes the GEMV, as the other projections do"),
+    "skinny-gemm-max-rows": ("engine.models.layers", "SKINNY_GEMM_MAX_ROWS", int,
+                             "bf16 rows that take the skinny GEMM instead of cuBLAS"),
+    "fp8-norm-quant": ("engine.models.layers", "FP8_NORM_QUANT", bool,
+                       "the RMSNorm before an FP8 projection quantizes its input (off: a separate kernel)"),
+    "gemv-long-k-block": ("kernels.gemv", "LONG_K_BLOCK_K", int, "bf16 down_proj's K tile at batch 1"),
+    "attention-prefetch": ("kernels.decode_attention", "PREFETCH_TILES", int,
+                           "tiles of KV rows each program asks L2 for before its PDL wait; 0: none"),
+    "attention-min-split-tokens": ("kernels.decode_attention", "_MIN_TOKENS_PER_SPLIT", int,
+                                   "the fewest KV tokens per split"),
+    "attention-fused-merge": ("kernels.decode_attention", "FUSED_MERGE", bool,
+                              "the last split merges the partials; off: the merge kernel"),
+    "fp8-quant-row-chunks": ("kernels.fp8_quant", "ROW_CHUNKS", bool,
+                             "a program per chunk of a row at few rows; off: one program a row"),
+    "fp8-quant-programs-per-sm": ("kernels.fp8_quant", "ROW_CHUNK_PROGRAMS_PER_SM", int,
+                                  "the programs an SM the row chunks aim at"),
+    "skinny-w8a8-deep": ("kernels.skinny_gemm", "W8A8_DEEP_PIPELINE", bool,
+                         "W8A8 K tiles of 128 bytes 8 stages deep; off: 256 x 5"),
+    "fused-step-bookkeeping": ("engine.runner", "FUSED_STEP_BOOKKEEPING", bool,
+                               "a step's input rows and token records in two kernels; off: seven torch ops"),
+}
+
+
+class EngineTiming(NamedTuple):
+    """Seconds a decode step; of it, from the engine's DeviceTimeline, the seconds the device computed
+    and sat idle between batches while requests ran (None where not measured: tensor parallelism)."""
+
+    step_s: float
+    busy_s: float | None = None
+    idle_s: float | None = None
 
 
 def _sync() -> None:
@@ -66,11 +107,10 @@ def kv_bytes(args, batch: int, avg_context: int) -> int:
     return batch * avg_context * 2 * args.num_layers * args.num_kv_heads * args.head_dim * 2
 
 
-def time_engine(llm, prompts, new_tokens: int, repeats: int = 2) -> tuple[float, float, float]:
-    """prompts: a function giving fresh prompts for each run (no prefix-cache hits). Returns seconds
-    per decode step and, from the engine's DeviceTimeline (fastest runs), the seconds per step the
-    device computed and sat idle between batches while requests ran (the host kept no work queued).
-    Wall time past busy + idle is host time before the first batch and after the last."""
+def time_engine(llm, prompts, new_tokens: int, repeats: int = 2) -> EngineTiming:
+    """prompts: a function giving fresh prompts for each run (no prefix-cache hits). Busy and idle
+    come from the fastest runs; idle is time the host kept no work queued, and wall time past busy +
+    idle is host time before the first batch and after the last."""
     from engine import SamplingParams
 
     timeline = llm.engine.core.timeline
@@ -90,7 +130,7 @@ def time_engine(llm, prompts, new_tokens: int, repeats: int = 2) -> tuple[float,
     run(17)  # warm-up: compiles, allocator
     prefill = min(run(1) for _ in range(repeats))
     full = min(run(new_tokens + 1) for _ in range(repeats))
-    return tuple((f - p) / new_tokens for f, p in zip(full, prefill))
+    return EngineTiming(*((f - p) / new_tokens for f, p in zip(full, prefill)))
 
 
 def _tp_rank(rank: int, size: int, init_method: str, path: str | None, device: str, batches: list[int], k: int,
@@ -103,7 +143,7 @@ def _tp_rank(rank: int, size: int, init_method: str, path: str | None, device: s
     llm.engine.core.config.decode_chunk = k
     gen = torch.Generator().manual_seed(1)
     return {batch: time_engine(llm, lambda b=batch: torch.randint(100, 30000, (b, prompt_len), generator=gen).tolist(),
-                               new_tokens)[0] for batch in batches}
+                               new_tokens).step_s for batch in batches}
 
 
 def time_tensor_parallel(size: int, path: str | None, device: str, batches: list[int], k: int, prompt_len: int,
@@ -174,46 +214,14 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/decode_latency.json"))
     parser.add_argument("--pdl", choices=["on", "off"], default="on",
                         help="programmatic dependent launch of the Triton kernels (kernels/_common.py)")
-    parser.add_argument("--pdl-elementwise", choices=["on", "off"], default=None,
-                        help="PDL for the kernels between the projections too (kernels/_common.py PDL_ELEMENTWISE; A/B)")
     parser.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
                         help="dummy: random weights made on the GPUs, no files (e.g. llama-3.1-70b over --tp 2)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                         help="the engine's share of GPU memory (0.9 for a model that fills most of it)")
-    parser.add_argument("--fp8-weight-only-max-rows", type=int, default=None,
-                        help="override engine/models/fp8.py's FP8_WEIGHT_ONLY_MAX_ROWS (0: W8A8 from 2 rows; A/B)")
-    parser.add_argument("--fp8-gemv-max-rows", type=int, default=None,
-                        help="override engine/models/layers.py's FP8_GEMV_MAX_ROWS (0: batch 1 goes W8A8 through "
-                             "the norm's quantization and the skinny GEMM instead of the GEMV; A/B)")
-    parser.add_argument("--fp8-gate-up-gemv-max-rows", type=int, default=None,
-                        help="override engine/models/layers.py's FP8_GATE_UP_GEMV_MAX_ROWS (1: batch 1's gate_up takes "
-                             "the GEMV, as the other projections do; A/B)")
-    parser.add_argument("--skinny-gemm-max-rows", type=int, default=None,
-                        help="override engine/models/layers.py's SKINNY_GEMM_MAX_ROWS (bf16 rows that take the skinny "
-                             "GEMM instead of cuBLAS; A/B)")
-    parser.add_argument("--fp8-norm-quant", choices=["on", "off"], default="on",
-                        help="the RMSNorm before an FP8 projection quantizes its input (off: a separate kernel; A/B)")
-    parser.add_argument("--gemv-long-k-block", type=int, default=None,
-                        help="override kernels/gemv.py's LONG_K_BLOCK_K (bf16 down_proj's K tile at batch 1; A/B)")
-    parser.add_argument("--attention-prefetch", type=int, default=None,
-                        help="override kernels/decode_attention.py's PREFETCH_TILES (tiles of KV rows each program "
-                             "asks L2 for before its PDL wait; 0: none; A/B)")
-    parser.add_argument("--attention-min-split-tokens", type=int, default=None,
-                        help="override kernels/decode_attention.py's fewest KV tokens per split (A/B)")
-    parser.add_argument("--attention-fused-merge", choices=["on", "off"], default=None,
-                        help="override kernels/decode_attention.py's FUSED_MERGE (the last split merges the "
-                             "partials; off: the merge kernel; A/B)")
-    parser.add_argument("--fp8-quant-row-chunks", choices=["on", "off"], default=None,
-                        help="override kernels/fp8_quant.py's ROW_CHUNKS (fewer rows than SMs: a program per chunk "
-                             "of a row; off: one program a row; A/B)")
-    parser.add_argument("--fp8-quant-programs-per-sm", type=int, default=None,
-                        help="override kernels/fp8_quant.py's ROW_CHUNK_PROGRAMS_PER_SM (A/B)")
-    parser.add_argument("--skinny-w8a8-deep", choices=["on", "off"], default=None,
-                        help="override kernels/skinny_gemm.py's W8A8_DEEP_PIPELINE (128-byte K tiles 8 stages deep; "
-                             "off: 256 x 5; A/B)")
-    parser.add_argument("--fused-step-bookkeeping", choices=["on", "off"], default=None,
-                        help="override engine/runner.py's FUSED_STEP_BOOKKEEPING (a step's input rows and token "
-                             "records in kernels/decode_step.py's two kernels; off: seven torch ops; A/B)")
+    for flag, (module, name, kind, what) in SWITCHES.items():
+        parser.add_argument(f"--{flag}", type=int if kind is int else str, default=None,
+                            choices=["on", "off"] if kind is bool else None,
+                            help=f"override {module}.{name}: {what} (A/B)")
     parser.add_argument("--tp-only", action="store_true",
                         help="only the --tp rows (a model one device cannot hold)")
     args = parser.parse_args()
@@ -225,49 +233,21 @@ def main() -> None:
     from kernels import _common
 
     _common.PDL = args.pdl == "on"
-    if args.pdl_elementwise is not None:
-        _common.PDL_ELEMENTWISE = args.pdl_elementwise == "on"
-    layers.FP8_NORM_QUANT = args.fp8_norm_quant == "on"
-    if args.fp8_gemv_max_rows is not None:
-        layers.FP8_GEMV_MAX_ROWS = args.fp8_gemv_max_rows
-    if args.gemv_long_k_block is not None:  # the modules: the package exports functions of their names
-        importlib.import_module("kernels.gemv").LONG_K_BLOCK_K = args.gemv_long_k_block
-    if args.skinny_gemm_max_rows is not None:
-        layers.SKINNY_GEMM_MAX_ROWS = args.skinny_gemm_max_rows
-    if args.fp8_gate_up_gemv_max_rows is not None:
-        layers.FP8_GATE_UP_GEMV_MAX_ROWS = args.fp8_gate_up_gemv_max_rows
-    if args.fp8_weight_only_max_rows is not None:
-        fp8.FP8_WEIGHT_ONLY_MAX_ROWS = args.fp8_weight_only_max_rows
-    decode_attention = importlib.import_module("kernels.decode_attention")
-    if args.attention_min_split_tokens is not None:
-        decode_attention._MIN_TOKENS_PER_SPLIT = args.attention_min_split_tokens
-    if args.attention_prefetch is not None:
-        decode_attention.PREFETCH_TILES = args.attention_prefetch
-    if args.attention_fused_merge is not None:
-        decode_attention.FUSED_MERGE = args.attention_fused_merge == "on"
-    if args.fp8_quant_row_chunks is not None:
-        importlib.import_module("kernels.fp8_quant").ROW_CHUNKS = args.fp8_quant_row_chunks == "on"
-    if args.fp8_quant_programs_per_sm is not None:
-        importlib.import_module("kernels.fp8_quant").ROW_CHUNK_PROGRAMS_PER_SM = args.fp8_quant_programs_per_sm
-    if args.skinny_w8a8_deep is not None:
-        importlib.import_module("kernels.skinny_gemm").W8A8_DEEP_PIPELINE = args.skinny_w8a8_deep == "on"
-    if args.fused_step_bookkeeping is not None:
-        from engine import runner
-
-        runner.FUSED_STEP_BOOKKEEPING = args.fused_step_bookkeeping == "on"
+    for flag, (module, name, kind, _) in SWITCHES.items():
+        value = getattr(args, flag.replace("-", "_"))
+        if value is not None:
+            setattr(importlib.import_module(module), name, value == "on" if kind is bool else value)
 
     cuda = args.device != "cpu"
     bandwidth = copy_bandwidth()["gb_per_s"] * 1e9 if cuda else None
     rows, captures = [], []
     avg_context = args.prompt_len + args.new_tokens // 2
 
-    def record(model_name, engine_kind, batch, k, step_s, shape, quant, caching=None, ranks=1):
-        """step_s: seconds a step, or (that, seconds a step the device computed and sat idle) from
-        time_engine;
-        shape: (weight bytes, ModelArgs) of the model timed; quant: its weights ("bf16", "fp8");
+    def record(model_name, engine_kind, batch, k, timing: EngineTiming, shape, quant, caching=None, ranks=1):
+        """shape: (weight bytes, ModelArgs) of the model timed; quant: its weights ("bf16", "fp8");
         caching: prefix caching (engine rows); ranks: devices the model is sharded over (each reads
         1/ranks of the bytes)."""
-        step_s, busy_s, idle_s = step_s if isinstance(step_s, tuple) else (step_s, None, None)
+        step_s, busy_s, idle_s = timing
         tok_s = batch / step_s
         roof = ((shape[0] + kv_bytes(shape[1], batch, avg_context)) / ranks / bandwidth if bandwidth
                 else float("nan"))
@@ -378,16 +358,16 @@ def main() -> None:
             steps = time_tensor_parallel(args.tp, path and str(path), args.device, args.batches, args.k,
                                          args.prompt_len, args.new_tokens, tp_engine)
             for batch, step_s in steps.items():
-                record(name, f"graphs-tp{args.tp}" if cuda else f"eager-tp{args.tp}", batch, args.k, step_s, shape,
-                       quant, ranks=args.tp)
+                record(name, f"graphs-tp{args.tp}" if cuda else f"eager-tp{args.tp}", batch, args.k,
+                       EngineTiming(step_s), shape, quant, ranks=args.tp)
                 print(f"{'':14s} tensor parallel x{args.tp}: {rows[-1]['tp_speedup'] or float('nan'):.2f}x the "
                       f"one-device tok/s", flush=True)
         if not args.skip_transformers and last_of_setting and quant_setting is None:  # bf16 only
             hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
             for batch in args.batches:
                 prompts = torch.randint(100, 30000, (batch, args.prompt_len), generator=gen).tolist()
-                record(name, "transformers", batch, None, time_transformers(hf, prompts, args.new_tokens), shape,
-                       "bf16")
+                record(name, "transformers", batch, None, EngineTiming(time_transformers(hf, prompts, args.new_tokens)),
+                       shape, "bf16")
             del hf
             gc.collect()
             torch.cuda.empty_cache()

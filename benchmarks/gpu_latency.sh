@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|fp8-quant-row-chunks|skinny-deep|fp8-b64|w8a8-deep|round-gap|engine-tests
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -67,57 +67,12 @@ fp8-b1-sweep)  # batch 1's FP8 qkv / o / down: the GEMV (shipped) against the sk
   timeout 400 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights fp8 --rows 1 \
     --projections qkv o down --sweep --sweep-rows 1 --out "$OUT/skinny_gemm_bench_fp8_b1.json" 2>&1 | quiet | tail -5
   ;;
-fp8-quant-row-chunks)  # FP8 activation quantization at decode rows: a program per chunk of a row (ROW_CHUNKS)
-  # against one a row: the quantization's and the step kernels' GPU tests, the kernel alone, then 8B FP8 decode
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_fp8_quant.py tests/test_gpu_engine.py \
-    -k "quant or model_shapes or strided or (qwen and (compiles_no_kernels or fused_step))" > "$OUT/gpu_tests.log" 2>&1
-  tail -3 "$OUT/gpu_tests.log"
-  timeout 60 python3 benchmarks/fp8_quant_bench.py --out "$OUT/fp8_quant_bench.json" 2>&1 | grep "M="
-  for m in on off; do
-    timeout 60 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --fp8-quant-row-chunks $m \
-      --out "$OUT/decode_8b_$m.json" 2>&1 | grep -E "B="
-  done
-  ;;
-skinny-deep)  # 8B qkv / o at 64 rows (69% / 64% of copy bandwidth in the last sweep, the lead for bf16 batch 64):
-  # pipelines 4-12 stages deep and 8 warps, bf16 weights and W8A8 (WEIGHTS= one of them)
+skinny-deep)  # Llama-3.1-8B's projections at 64 rows through the skinny GEMM with pipelines 4-12 stages deep
+  # and 8 warps, bf16 weights and W8A8 (WEIGHTS= one of them; PROJ= the projections, default qkv o)
   for w in ${WEIGHTS:-bf16 fp8}; do
     timeout 280 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights $w --rows 64 \
-      --projections qkv o --sweep --sweep-rows 64 --deep --out "$OUT/skinny_deep_$w.json" 2>&1 | quiet | tail -4
+      --projections ${PROJ:-qkv o} --sweep --sweep-rows 64 --deep --out "$OUT/skinny_deep_$w.json" 2>&1 | quiet | tail -4
   done
-  ;;
-fp8-b64)  # 8B FP8 batch 64: the W8A8 gate_up / down tiles with deep pipelines; row-chunk quantization
-  # aiming at 4 programs an SM (chunks of 2048 at 64 rows) against 2 (4096), interleaved; where a bf16
-  # batch-64 step goes
-  timeout 150 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights fp8 --rows 64 \
-    --projections gate_up down --sweep --sweep-rows 64 --deep --out "$OUT/skinny_deep_fp8_mlp.json" 2>&1 | quiet | tail -4
-  for p in 4 2 4 2; do
-    timeout 70 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --fp8-quant-programs-per-sm $p \
-      --out "$OUT/decode_8b_ppsm$p.json" 2>&1 | grep -E "B="
-    [ -f "$OUT/decode_8b_ppsm$p.json" ] && mv "$OUT/decode_8b_ppsm$p.json" "$OUT/decode_8b_ppsm${p}_$(date +%s).json"
-  done
-  timeout 120 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch 64 --load-format dummy \
-    --quantization none --out "$OUT/profile_llama_b64_bf16.json" 2>&1 | quiet | tail -3
-  ;;
-w8a8-deep)  # the W8A8 skinny GEMM's deeper pipelines (W8A8_DEEP_PIPELINE): GPU tests at model shapes, then 8B
-  # FP8 decode on / off interleaved; then whether a sustained load makes the bf16 batch-64 step slower
-  # (profile_decode's long replay run, with the clocks sampled)
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py \
-    tests/test_fp8_quant.py > "$OUT/gpu_tests.log" 2>&1
-  tail -3 "$OUT/gpu_tests.log"
-  for m in on off on off; do
-    timeout 80 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --skinny-w8a8-deep $m \
-      --out "$OUT/decode_8b_$m.json" 2>&1 | grep -E "B="
-    [ -f "$OUT/decode_8b_$m.json" ] && mv "$OUT/decode_8b_$m.json" "$OUT/decode_8b_${m}_$(date +%s).json"
-  done
-  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
-    --format=csv -lms 100 > "$OUT/clocks.csv" 2>&1 &
-  smi=$!
-  timeout 150 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch 64 --load-format dummy \
-    --quantization none --out "$OUT/profile_llama_b64_bf16.json" 2>&1 | grep -E "graph|rounds"
-  kill $smi
   ;;
 round-gap)  # where decode_latency's step goes past the graph replay: the device's busy and idle time a step
   # (DeviceTimeline), with and without overlapped rounds, bf16 batch 64 on both models

@@ -65,9 +65,6 @@ def test_default_row_chunk(monkeypatch):
     assert module.default_row_chunk(40, 14336, 132) == 1024
     assert module.default_row_chunk(41, 14336, 132) == 2048
     assert module.default_row_chunk(66, 14336, 132) == 2048
-    monkeypatch.setattr(module, "ROW_CHUNK_PROGRAMS_PER_SM", 2)
-    assert module.default_row_chunk(64, 14336, 132) == 4096
-    monkeypatch.setattr(module, "ROW_CHUNK_PROGRAMS_PER_SM", 4)
     assert module.default_row_chunk(67, 14336, 132) is None
     assert module.default_row_chunk(128, 14336, 132) is None
     assert module.default_row_chunk(8, 1536, 132) is None  # too short to cut
@@ -76,6 +73,8 @@ def test_default_row_chunk(monkeypatch):
             chunk = module.default_row_chunk(rows, k, 132)
             if chunk is not None:
                 assert chunk >= 1024 and chunk & (chunk - 1) == 0 and -(-k // chunk) >= 2
+    monkeypatch.setattr(module, "ROW_CHUNK_PROGRAMS_PER_SM", 2)  # half as many programs: twice the chunk
+    assert module.default_row_chunk(64, 14336, 132) == 4096
     monkeypatch.setattr(module, "ROW_CHUNKS", False)
     assert module.default_row_chunk(64, 14336, 132) is None
 
