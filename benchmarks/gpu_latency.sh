@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|fp8-handoff
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -92,6 +92,27 @@ engine-tests)  # in one short call: the 0.5B engine's graph / eager, compile-fre
   tail -2 "$OUT/gpu_tests_fp8.log"
   timeout 70 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 --chunks 8 --no-eager \
     --skip-transformers --max-num-seqs 64 --load-format dummy --out "$OUT/decode_8b_b8.json" 2>&1 | grep -E "B="
+  ;;
+fp8-handoff)  # attention and gate_up hand o_proj / down_proj their inputs in FP8, a scale a group
+  # (engine/models/layers.FP8_HANDOFF): the new kernel paths' GPU tests, the FP8 engine and accuracy
+  # tests, then 8B FP8 decode interleaved on, off, on, off, and the 0.5B once each
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py \
+    tests/test_kernels_gpu.py -k "per_group or quantized_output" > "$OUT/gpu_tests_handoff.log" 2>&1
+  tail -2 "$OUT/gpu_tests_handoff.log"
+  timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_fp8.py >> "$OUT/gpu_tests_handoff.log" 2>&1
+  tail -2 "$OUT/gpu_tests_handoff.log"
+  i=0
+  for arm in on off on off; do
+    i=$((i + 1))
+    timeout 75 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --fp8-handoff $arm \
+      --out "$OUT/decode_8b_$arm-$i.json" 2>&1 | grep -E "B="
+  done
+  for arm in on off; do
+    timeout 45 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 8 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --quantization fp8 --fp8-handoff $arm --out "$OUT/decode_qwen_$arm.json" \
+      2>&1 | grep -E "B="
+  done
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

@@ -14,6 +14,7 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.distributed import SINGLE, TensorParallel, shard_for
 from engine.models.config import ModelArgs
+from engine.models.fp8 import FP8Activations
 from engine.models.layers import (
     Linear,
     add_rms_norm,
@@ -22,6 +23,7 @@ from engine.models.layers import (
     norm_linear,
     pack_weight_for_cpu,
     rms_norm,
+    takes_fp8_handoff,
 )
 
 
@@ -59,17 +61,24 @@ class Attention(nn.Module):
         if not meta.is_prefill and self.q_norm is None:
             fused = fused_qkv_rope_store(x, residual, norm.weight, norm.eps, self.qkv_proj, self.num_heads, positions,
                                          cos_sin, meta.slot_mapping, k_cache, v_cache)
+        handoff = not meta.is_prefill and takes_fp8_handoff(x, self.o_proj)
         if fused is not None:
             q, residual = fused
-            out = self.backend.attend_decode(q, k_cache, v_cache, meta, self.scale)
+            out = self.backend.attend_decode(q, k_cache, v_cache, meta, self.scale, quantize_out=handoff)
         else:
             qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, self.qkv_proj)
             heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
             q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            out = self.backend.forward(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale)
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size))), residual
+            out = self.backend.forward(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale,
+                                       quantize_out=handoff)
+        if handoff:  # in FP8, a scale a head
+            values, scales = out
+            o_input = FP8Activations(values.view(num_tokens, self.q_size), scales, x.dtype)
+        else:
+            o_input = out.reshape(num_tokens, self.q_size)
+        return self.tp.all_reduce(self.o_proj(o_input)), residual
 
 
 class MLP(nn.Module):
@@ -93,9 +102,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, cos_sin, meta, k_cache, v_cache):
         """x: the previous layer's output (the embeddings for the first, with residual None)."""
         h, residual = self.self_attn(x, residual, self.input_layernorm, positions, cos_sin, meta, k_cache, v_cache)
-        norm = self.post_attention_layernorm
-        act, residual = norm_linear(h, residual, norm.weight, norm.eps, self.mlp.gate_up_proj, silu_mul=True)
-        return self.tp.all_reduce(self.mlp.down_proj(act)), residual
+        norm, mlp = self.post_attention_layernorm, self.mlp
+        act, residual = norm_linear(h, residual, norm.weight, norm.eps, mlp.gate_up_proj, silu_mul=True,
+                                    quantize_out=takes_fp8_handoff(h, mlp.down_proj, producer=mlp.gate_up_proj))
+        return self.tp.all_reduce(mlp.down_proj(act)), residual
 
 
 class LlamaModel(nn.Module):
