@@ -71,6 +71,8 @@ SWITCHES = {
                          "W8A8 K tiles of 128 bytes 8 stages deep; off: 256 x 5"),
     "fused-step-bookkeeping": ("engine.runner", "FUSED_STEP_BOOKKEEPING", bool,
                                "a step's input rows and token records in two kernels; off: seven torch ops"),
+    "defer-split-reduce": ("engine.models.layers", "DEFER_SPLIT_REDUCE", bool,
+                           "the norm after o / down sums their split-K partials; off: a reduce kernel each"),
     "fp8-handoff": ("engine.models.layers", "FP8_HANDOFF", bool,
                     "attention and gate_up hand o_proj / down_proj their inputs in FP8 per group; off: "
                     "a quantization kernel before each"),

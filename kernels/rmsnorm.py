@@ -16,21 +16,30 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._common import use_pdl
 from kernels.fp8_quant import _INV_FP8_MAX, FP8, _e4m3_bits, _row_scale
+from kernels.skinny_gemm import SplitPartials, split_sum
 
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
+    part_w_scale_ptr, part_x_scale_ptr, part_bias_ptr,
     stride_x, stride_r, stride_o, stride_ro,
-    hidden, eps, inv_fp8_max,
+    rows, hidden, eps, inv_fp8_max,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     QUANT_FP8: tl.constexpr,
     SCALE_BY_RECIPROCAL: tl.constexpr,
     PDL: tl.constexpr,
+    X_SPLIT: tl.constexpr,
+    PART_W_SCALE: tl.constexpr,
+    PART_X_SCALE: tl.constexpr,
+    PART_BIAS: tl.constexpr,
 ):
     """QUANT_FP8: out_ptr is the e4m3 output viewed as uint8, the normed row is rounded to the
-    residual's dtype (res_out_ptr's, which is x's) before it is quantized."""
+    residual's dtype (res_out_ptr's, which is x's) before it is quantized. X_SPLIT: x is a split-K
+    product not summed yet (kernels/skinny_gemm.SplitPartials: x_ptr its [X_SPLIT, rows, hidden]
+    float32 partials, the part_* its scales and bias), summed here as its reduce kernel would, and
+    rounded to the residual's dtype."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -38,7 +47,12 @@ def _rms_norm_kernel(
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if X_SPLIT:
+        x = split_sum(x_ptr, part_x_scale_ptr, part_w_scale_ptr, part_bias_ptr, row, rows, hidden, offs, mask,
+                      PART_BIAS, PART_W_SCALE, PART_X_SCALE, False, X_SPLIT)
+        x = x.to(res_out_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
         # the stored residual is rounded to the input dtype, and that rounded value is normalised
@@ -59,7 +73,7 @@ def _rms_norm_kernel(
         tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def _launch(x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
             out: torch.Tensor, res_out: torch.Tensor | None, scale: torch.Tensor | None = None) -> None:
     """scale given: out is float8 e4m3 (written as uint8), scale [rows, 1] float32."""
     rows, hidden = x.shape
@@ -67,27 +81,48 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         return
     block = triton.next_power_of_2(hidden)
     quant = scale is not None
-    pdl = use_pdl(x.device, elementwise=True)
+    pdl = use_pdl(x.partials.device if isinstance(x, SplitPartials) else x.device, elementwise=True)
+    split = x.partials.shape[0] if isinstance(x, SplitPartials) else 0
+    if split:
+        data, part_w_scale, part_x_scale, part_bias = x.partials, x.weight_scale, x.x_scale, x.bias
+    else:
+        data, part_w_scale, part_x_scale, part_bias = x, None, None, None
     _rms_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out.view(torch.uint8) if quant else out,
-        res_out if res_out is not None else x, scale if quant else x,
-        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        data, residual if residual is not None else data, weight, out.view(torch.uint8) if quant else out,
+        res_out if res_out is not None else data, scale if quant else data,
+        *(t if t is not None else data for t in (part_w_scale, part_x_scale, part_bias)),
+        0 if split else data.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         res_out.stride(0) if res_out is not None else 0,
-        hidden, eps, _INV_FP8_MAX,
+        rows, hidden, eps, _INV_FP8_MAX,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         QUANT_FP8=quant,
-        SCALE_BY_RECIPROCAL=x.is_cuda,
+        SCALE_BY_RECIPROCAL=out.is_cuda,
         PDL=pdl,
+        X_SPLIT=split,
+        PART_W_SCALE=part_w_scale is not None,
+        PART_X_SCALE=part_x_scale is not None,
+        PART_BIAS=part_bias is not None,
         num_warps=min(16, max(1, block // 256)),
         launch_pdl=pdl,
     )
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
-    if x.dim() != 2 or x.stride(-1) != 1 or weight.shape != (x.shape[1],) or not weight.is_contiguous():
+def _check(x: torch.Tensor | SplitPartials, weight: torch.Tensor, residual: torch.Tensor | None = None,
+           needs_residual: bool = False) -> tuple[torch.dtype, torch.device]:
+    """x's dtype and device, once its shape, weight's and residual's check out. A split product
+    (SplitPartials) comes with a residual: it is rounded to the residual's dtype before it is added."""
+    split = isinstance(x, SplitPartials)
+    if len(x.shape) != 2 or (not split and x.stride(-1) != 1) or weight.shape != (x.shape[1],) \
+            or not weight.is_contiguous():
         raise ValueError(f"expected x [T, H] with contiguous rows and weight [H], got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    if residual is None and (needs_residual or split):
+        raise ValueError("a split-K product is normed only after a residual add")
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1
+                                 or (split and residual.dtype != x.dtype)):
+        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    return x.dtype, x.partials.device if split else x.device
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,33 +134,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor | SplitPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """new_residual = x + residual (fp32 add, stored in x's dtype); normed = rms_norm(new_residual).
+    x may be a split-K product not summed yet (kernels/skinny_gemm.SplitPartials): summed here, bit
+    for bit as its reduce kernel would.
 
     Returns (normed, new_residual), both new tensors; the inputs are not modified.
     """
-    _check(x, weight)
-    if residual.shape != x.shape or residual.stride(-1) != 1:
-        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dtype, device = _check(x, weight, residual, needs_residual=True)
+    out = torch.empty(x.shape, dtype=dtype, device=device)
+    new_residual = torch.empty(x.shape, dtype=dtype, device=device)
     _launch(x, residual, weight, eps, out, new_residual)
     return out, new_residual
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+def rms_norm_fp8(x: torch.Tensor | SplitPartials, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(q [T, H] float8 e4m3, scale [T, 1] float32, x + residual or None): rms_norm(x + residual)
-    in x's dtype, quantized per row as kernels/fp8_quant.quantize_rows_fp8 does, bit for bit."""
-    _check(x, weight)
-    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
-        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    in x's dtype, quantized per row as kernels/fp8_quant.quantize_rows_fp8 does, bit for bit. x may
+    be a split-K product not summed yet, as fused_add_rms_norm takes it."""
+    dtype, device = _check(x, weight, residual)
     if triton.next_power_of_2(x.shape[1]) > 16384:
         raise ValueError(f"rows of {x.shape[1]} are longer than the norm kernel holds")
-    q = torch.empty(x.shape, dtype=FP8, device=x.device)
-    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
-    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    q = torch.empty(x.shape, dtype=FP8, device=device)
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=device)
+    new_residual = torch.empty(x.shape, dtype=dtype, device=device) if residual is not None else None
     _launch(x, residual, weight, eps, q, new_residual, scale)
     return q, scale, new_residual
 

@@ -162,8 +162,8 @@ def _skinny_gemm_reduce_kernel(
     part_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
     M, N, stride_o,
     HAS_BIAS: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
-    X_GROUP: tl.constexpr,
+    HAS_W_SCALE: tl.constexpr,
+    HAS_X_SCALE: tl.constexpr,
     W_ONLY: tl.constexpr,
     SPLIT: tl.constexpr,
     PDL: tl.constexpr,
@@ -175,19 +175,57 @@ def _skinny_gemm_reduce_kernel(
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLIT):  # a fixed order: the same sum on every run
+    y = split_sum(part_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, m, M, N, offs_n, n_mask, HAS_BIAS, HAS_W_SCALE,
+                  HAS_X_SCALE, W_ONLY, SPLIT)
+    tl.store(out_ptr + m * stride_o + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def split_sum(part_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, m, M, N, offs_n, n_mask, HAS_BIAS: tl.constexpr,
+              HAS_W_SCALE: tl.constexpr, HAS_X_SCALE: tl.constexpr, W_ONLY: tl.constexpr, SPLIT: tl.constexpr):
+    """Row m's outputs offs_n of a split-K product (SplitPartials), float32 before the final
+    rounding: the partials summed in a fixed order (the same sum on every run), scaled, biased.
+    W_ONLY: the weight-only FP8 product, whose x was scaled by W_ONLY_X_SCALE."""
+    acc = tl.zeros(offs_n.shape, dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
         acc += tl.load(part_ptr + (s * M + m) * N + offs_n, mask=n_mask, other=0.0)
     y = acc
-    if HAS_SCALES:
-        y = y * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
-        if not X_GROUP:  # grouped x scales were applied to the partials
-            y = y * tl.load(x_scale_ptr + m)
-    if W_ONLY:
-        y = y * (tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0) / W_ONLY_X_SCALE)
+    if HAS_W_SCALE:
+        if W_ONLY:
+            y = y * (tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0) / W_ONLY_X_SCALE)
+        else:
+            y = y * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
+    if HAS_X_SCALE:
+        y = y * tl.load(x_scale_ptr + m)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_o + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+    return y
+
+
+class SplitPartials(NamedTuple):
+    """A split-K product not summed yet (skinny_gemm(defer_reduce=True)): the float32 partials [SPLIT,
+    M, N] and what the sum is then scaled by (weight_scale [N], x_scale [M]: None where not) and
+    offset by (bias [N] or None) before it is rounded to dtype. The kernel that consumes the product
+    (kernels/rmsnorm.py) finishes it as the reduce kernel would, bit for bit; finish_split() runs that
+    reduce where a consumer cannot."""
+
+    partials: torch.Tensor
+    weight_scale: torch.Tensor | None
+    x_scale: torch.Tensor | None
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.partials.shape[1:]
+
+    @property
+    def device(self) -> torch.device:
+        return self.partials.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.partials.is_cuda
 
 
 class SkinnyGemmTile(NamedTuple):
@@ -283,8 +321,9 @@ def skinny_gemm(
     out_dtype: torch.dtype | None = None,
     silu_mul: bool = False,
     quantize_out: bool = False,
+    defer_reduce: bool = False,
     tile: SkinnyGemmTile | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | SplitPartials:
     """x @ weight.T (+ bias) in float32, rounded to out_dtype (default x's dtype; bfloat16 for
     FP8 x): [M, N]. x [M, K] and weight [N, K] with contiguous rows, of one dtype, or (weight-only
     FP8) a float8 e4m3 weight with bf16 / fp16 x. FP8 weights need weight_scale float32 [N];
@@ -295,8 +334,9 @@ def skinny_gemm(
     never split then. quantize_out (with silu_mul): that result, rounded to out_dtype, is returned
     quantized for the next W8A8 projection, (e4m3 [M, I], float32 scales [M, I / 64]), one scale a
     row for each 64 outputs (each program's tile; I a multiple of it), bit for bit
-    kernels/fp8_quant.quantize_groups_fp8_ref of the unquantized result. tile overrides the launch
-    shape (benchmark sweeps)."""
+    kernels/fp8_quant.quantize_groups_fp8_ref of the unquantized result. defer_reduce: a product
+    whose K is split comes back as its SplitPartials, for the next kernel to sum (no reduce kernel;
+    not weight-only FP8). tile overrides the launch shape (benchmark sweeps)."""
     w_only = weight.dtype == FP8 and x.dtype in (torch.bfloat16, torch.float16)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or (x.dtype != weight.dtype and not w_only):
         raise ValueError(f"expected x [M, K] and weight [N, K] of one dtype (or an FP8 weight with bf16 / fp16 x), "
@@ -366,22 +406,41 @@ def skinny_gemm(
         num_stages=tile.num_stages,
         launch_pdl=pdl,
     )
-    if split > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _skinny_gemm_reduce_kernel[(m, triton.cdiv(n, block))](
-            part, scale_args[0], scale_args[1], bias_arg, out,
-            m, n, out.stride(0),
-            HAS_BIAS=bias is not None,
-            HAS_SCALES=fp8,
-            X_GROUP=x_group,
-            W_ONLY=w_only,
-            SPLIT=split,
-            PDL=pdl,
-            BLOCK=block,
-            num_warps=4,
-            launch_pdl=pdl,
-        )
-    return (out, out_scale) if quantize_out else out
+    if split == 1:
+        return (out, out_scale) if quantize_out else out
+    pending = SplitPartials(part, weight_scale if fp8 or w_only else None,
+                            x_scale if fp8 and not x_group else None, bias, out.dtype)
+    if defer_reduce and not w_only:
+        return pending
+    return finish_split(pending, out, w_only)
+
+
+def finish_split(pending: SplitPartials, out: torch.Tensor | None = None, w_only: bool = False) -> torch.Tensor:
+    """The product a SplitPartials stands for, [M, N] in its dtype (into `out` if given): the
+    partials summed in split order, scaled, offset by the bias and rounded (w_only: of a weight-only
+    FP8 product, skinny_gemm's own)."""
+    split, m, n = pending.partials.shape
+    out = torch.empty((m, n), dtype=pending.dtype, device=pending.partials.device) if out is None else out
+    if m == 0:
+        return out
+    pdl = use_pdl(out.device)
+    block = min(1024, triton.next_power_of_2(n))
+    _skinny_gemm_reduce_kernel[(m, triton.cdiv(n, block))](
+        pending.partials, pending.x_scale if pending.x_scale is not None else out,
+        pending.weight_scale if pending.weight_scale is not None else out,
+        pending.bias if pending.bias is not None else out, out,
+        m, n, out.stride(0),
+        HAS_BIAS=pending.bias is not None,
+        HAS_W_SCALE=pending.weight_scale is not None,
+        HAS_X_SCALE=pending.x_scale is not None,
+        W_ONLY=w_only,
+        SPLIT=split,
+        PDL=pdl,
+        BLOCK=block,
+        num_warps=4,
+        launch_pdl=pdl,
+    )
+    return out
 
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

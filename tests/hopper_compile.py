@@ -108,10 +108,18 @@ def cases() -> dict[str, dict]:
     out["skinny_w8a8_grouped_x"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, X_GROUP=64,
                                                                          BLOCK_K=64, IMPRECISE_K=64, SPLIT=2),
                                                fp8_operands, num_warps=4, num_stages=16)
-    norm = dict(HAS_RESIDUAL=True, BLOCK=1024, QUANT_FP8=False, SCALE_BY_RECIPROCAL=True, PDL=True)
-    out["rms_norm"] = compile_ptx(_rms_norm_kernel, norm, {"scale_ptr": "*fp32"}, num_warps=4)
-    out["rms_norm_fp8"] = compile_ptx(_rms_norm_kernel, dict(norm, QUANT_FP8=True),
-                                      {"scale_ptr": "*fp32", "out_ptr": "*u8"}, num_warps=4)
+    norm = dict(HAS_RESIDUAL=True, BLOCK=1024, QUANT_FP8=False, SCALE_BY_RECIPROCAL=True, PDL=True, X_SPLIT=0,
+                PART_W_SCALE=False, PART_X_SCALE=False, PART_BIAS=False)
+    norm_ptrs = {"scale_ptr": "*fp32", "part_w_scale_ptr": "*fp32", "part_x_scale_ptr": "*fp32"}
+    out["rms_norm"] = compile_ptx(_rms_norm_kernel, norm, norm_ptrs, num_warps=4)
+    out["rms_norm_fp8"] = compile_ptx(_rms_norm_kernel, dict(norm, QUANT_FP8=True), dict(norm_ptrs, out_ptr="*u8"),
+                                      num_warps=4)
+    # summing the split-K partials of the projection before it (engine/models/layers.DEFER_SPLIT_REDUCE)
+    out["rms_norm_split"] = compile_ptx(_rms_norm_kernel, dict(norm, X_SPLIT=2, BLOCK=4096),
+                                        dict(norm_ptrs, x_ptr="*fp32"), num_warps=16)
+    out["rms_norm_fp8_split"] = compile_ptx(
+        _rms_norm_kernel, dict(norm, QUANT_FP8=True, X_SPLIT=2, BLOCK=4096, PART_W_SCALE=True),
+        dict(norm_ptrs, x_ptr="*fp32", out_ptr="*u8"), num_warps=16)
     out["rope_kv_store"] = compile_ptx(_rope_kv_store_kernel, dict(NUM_Q_HEADS=14, Q_PAD=16, NUM_KV_HEADS=2, KV_PAD=2,
                                                                    HALF=32, PDL=True),
                                        {"pos_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32"}, num_warps=4)

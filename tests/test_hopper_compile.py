@@ -27,10 +27,12 @@ def compiled() -> dict[str, dict]:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kernel", ["rms_norm", "rms_norm_fp8", "rope_kv_store", "silu_and_mul", "quantize_rows_fp8",
+@pytest.mark.parametrize("kernel", ["rms_norm", "rms_norm_fp8", "rms_norm_split", "rms_norm_fp8_split", "rope_kv_store",
+                                    "silu_and_mul", "quantize_rows_fp8",
                                     "quantize_row_chunks_fp8", "skinny_bf16", "skinny_w8a8_silu",
                                     "skinny_w8a8_silu_quant", "skinny_w8a8_grouped_x", "attention_llama_quant",
-                                    "attention_qwen_quant", "attention_qwen_prefetch0", "attention_qwen_prefetch2", "attention_llama_prefetch2",
+                                    "attention_qwen_quant", "attention_qwen_prefetch0", "attention_qwen_prefetch2",
+                                    "attention_llama_prefetch2",
                                     "step_inputs", "record_step"])
 def test_the_pdl_variant_compiles_and_waits_for_the_kernel_before(compiled, kernel):
     assert compiled[kernel]["waits"] >= 1

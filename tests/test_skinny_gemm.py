@@ -147,6 +147,44 @@ def test_silu_mul_hands_the_next_projection_its_input_quantized_per_tile(m, n, k
         skinny_gemm(xq, wq[:2 * (n - 8)], quantize_out=True, **{**kw, "weight_scale": w_scale[:2 * (n - 8)]})
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("quant", [False, True], ids=["norm", "norm-fp8"])
+def test_the_norm_after_a_split_projection_sums_its_partials_bit_for_bit(fp8, quant, poisoned_outputs):
+    """defer_reduce: a product split over K comes back unsummed (SplitPartials), and the residual-add
+    + RMSNorm kernel after it (or its FP8-quantizing variant) sums it itself: bit for bit the reduce
+    kernel's product, then the norm; the product itself is skinny_gemm's without defer_reduce."""
+    from kernels.rmsnorm import fused_add_rms_norm, rms_norm_fp8
+    from kernels.skinny_gemm import SplitPartials, finish_split
+
+    m, n, k = 5, 64, 128
+    tile = SkinnyGemmTile(16, 32, 16, 2, 4, 2)
+    if fp8:
+        xq, x_scale, wq, w_scale, b = fp8_operands(m, n, k, seed=3, bias=True)
+        kw = dict(x_scale=x_scale, weight_scale=w_scale, out_dtype=torch.float32)
+    else:
+        xq, wq, b = float_operands(m, n, k, torch.float32, seed=3, bias=True)
+        kw = {}
+    pending = skinny_gemm(xq, wq, b, defer_reduce=True, tile=tile, **kw)
+    assert isinstance(pending, SplitPartials) and pending.partials.shape == (2, m, n) and pending.shape == (m, n)
+    summed = finish_split(pending)
+    assert torch.equal(summed, skinny_gemm(xq, wq, b, tile=tile, **kw))
+    residual = torch.randn(m, n, generator=torch.Generator().manual_seed(4))
+    norm_weight = torch.rand(n, generator=torch.Generator().manual_seed(5)) + 0.5
+    if quant:
+        got = rms_norm_fp8(pending, norm_weight, 1e-6, residual)
+        want = rms_norm_fp8(summed, norm_weight, 1e-6, residual)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    else:
+        got, want = fused_add_rms_norm(pending, residual, norm_weight, 1e-6), \
+            fused_add_rms_norm(summed, residual, norm_weight, 1e-6)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_fp8(pending, norm_weight, 1e-6)
+    # one split: nothing to defer, the product itself
+    assert isinstance(skinny_gemm(xq, wq, b, defer_reduce=True, tile=tile._replace(split=1), **kw), torch.Tensor)
+
+
 def test_split_results_do_not_depend_on_the_split_count():
     """Splitting K changes only the order of the float32 sums."""
     xq, x_scale, wq, w_scale, _ = fp8_operands(4, 32, 128, seed=7)
@@ -256,6 +294,39 @@ def test_gpu_fp8_x_scaled_per_group_model_shapes(m, n, k, group, poisoned_output
     ref = skinny_gemm_ref(xq, wq, x_scale=x_scale, weight_scale=w_scale)
     magnitude = (xq.float().abs() * x_scale.repeat_interleave(group, dim=1)) @ (wq.float().abs() * w_scale[:, None]).T
     assert_close(out, ref, magnitude, 2.0 ** -11)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 8, 64])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336), (896, 4864)], ids=["llama-o", "llama-down", "qwen-down"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_norm_sums_split_partials_model_shapes(m, n, k, fp8, poisoned_outputs):
+    """The o / down projection's split-K partials summed by the residual-add + RMSNorm after it (and
+    its FP8-quantizing variant; FP8 down_proj's input comes with a scale for each 64 values): bit for
+    bit the reduce kernel's product, then the norm, at default tiles."""
+    from kernels.rmsnorm import fused_add_rms_norm, rms_norm_fp8
+    from kernels.skinny_gemm import SplitPartials, finish_split
+
+    if fp8:
+        xq, x_scale, wq, w_scale, _ = fp8_operands(m, n, k, device="cuda", seed=m + k)
+        if k != 4096:
+            x_scale = grouped_x_scales(m, k, 64, seed=k).cuda()
+        kw = dict(x_scale=x_scale, weight_scale=w_scale)
+    else:
+        xq, wq, _ = float_operands(m, n, k, torch.bfloat16, device="cuda", seed=m + k)
+        kw = {}
+    pending = skinny_gemm(xq, wq, defer_reduce=True, **kw)
+    assert isinstance(pending, SplitPartials)
+    summed = finish_split(pending)
+    assert torch.equal(summed, skinny_gemm(xq, wq, **kw))
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    residual = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
+    norm_weight = (torch.rand(n, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
+    got, want = fused_add_rms_norm(pending, residual, norm_weight, 1e-5), fused_add_rms_norm(summed, residual,
+                                                                                               norm_weight, 1e-5)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got, want = rms_norm_fp8(pending, norm_weight, 1e-5, residual), rms_norm_fp8(summed, norm_weight, 1e-5, residual)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.gpu

@@ -61,9 +61,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-               silu_mul: bool = False) -> torch.Tensor:
+               silu_mul: bool = False, defer_reduce: bool = False) -> torch.Tensor:
     """x [..., in] @ (q * scale).T (+ bias), in x's dtype; silu_mul: q is a fused [gate; up] and
-    the result silu(gate) * up."""
+    the result silu(gate) * up; defer_reduce: see fp8_gemm (x [M, in] only)."""
     if not x.is_cuda:
         y = F.linear(x, dequantize(q, scale, x.dtype), bias)
         if silu_mul:
@@ -79,8 +79,8 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
         y = skinny_gemm(rows, q, bias, weight_scale=scale, out_dtype=x.dtype, silu_mul=silu_mul)
         return y.view(*x.shape[:-1], y.shape[-1])
     xq, x_scale = quantize_rows_fp8(rows)
-    y = fp8_gemm(xq, x_scale, q, scale, bias, x.dtype, silu_mul)
-    return y.view(*x.shape[:-1], y.shape[-1])
+    y = fp8_gemm(xq, x_scale, q, scale, bias, x.dtype, silu_mul, defer_reduce=defer_reduce and x.dim() == 2)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
 def quantizes_activations(rows: int) -> bool:
@@ -91,16 +91,17 @@ def quantizes_activations(rows: int) -> bool:
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
              bias: torch.Tensor | None, out_dtype: torch.dtype, silu_mul: bool = False,
-             quantize_out: bool = False) -> torch.Tensor | FP8Activations:
+             quantize_out: bool = False, defer_reduce: bool = False) -> torch.Tensor | FP8Activations:
     """W8A8 on CUDA: activations xq [M, in] e4m3 with scales x_scale [M, 1] (or, up to
     FP8_GEMM_MAX_ROWS rows, [M, G]: one for each group of in / G values), weight q with scale; the
     result in out_dtype (silu(gate) * up when silu_mul), or (quantize_out, with silu_mul, up to
-    FP8_GEMM_MAX_ROWS rows) that result quantized for the next W8A8 projection (kernels/skinny_gemm.py)."""
+    FP8_GEMM_MAX_ROWS rows) that result quantized for the next W8A8 projection (kernels/skinny_gemm.py).
+    defer_reduce: a product the skinny GEMM splits over K may come back unsummed (SplitPartials)."""
     from kernels.skinny_gemm import skinny_gemm
 
     if xq.shape[0] <= FP8_GEMM_MAX_ROWS:
         y = skinny_gemm(xq, q, bias, x_scale=x_scale, weight_scale=scale, out_dtype=out_dtype, silu_mul=silu_mul,
-                        quantize_out=quantize_out)
+                        quantize_out=quantize_out, defer_reduce=defer_reduce)
         return FP8Activations(*y, out_dtype) if quantize_out else y
     if quantize_out or x_scale.shape[-1] != 1:
         raise ValueError(f"beyond {FP8_GEMM_MAX_ROWS} rows FP8 activations take one scale a row, in and out")

@@ -11,6 +11,7 @@ from torch import nn
 from engine import cpu_linear, cpu_ops
 from engine.models.fp8 import (FP8, FP8_GEMM_MAX_ROWS, FP8Activations, fp8_gemm, fp8_linear, quantize_per_channel,
                                quantizes_activations)
+from kernels.skinny_gemm import BLOCK_N, SplitPartials, finish_split
 
 
 # A decoder projection on CUDA runs as our Triton GEMV (kernels/gemv.py), with the RMSNorm before
@@ -47,6 +48,10 @@ FP8_NORM_QUANT = True
 # each group of values with a scale of its own (a head; each 64 outputs of gate_up), quantized as
 # they are computed, instead of a quantization kernel (one scale a row) before each projection.
 FP8_HANDOFF = True
+# The o and down projections' split-K partials (the skinny GEMM splits K where its output tiles leave
+# SMs idle) are summed by the residual-add + RMSNorm kernel after them, not a reduce kernel of their
+# own: one kernel fewer each (one GPU: tensor parallelism all-reduces the summed output).
+DEFER_SPLIT_REDUCE = True
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -61,6 +66,16 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False)
     return _triton(x) and x.shape[0] <= max_rows
 
 
+def defers_split_reduce(tp_size: int) -> bool:
+    """Whether the o and down projections hand the norm after them their split-K partials unsummed."""
+    return DEFER_SPLIT_REDUCE and tp_size == 1
+
+
+def _summed(x: torch.Tensor | SplitPartials) -> torch.Tensor:
+    """x as a tensor, for a consumer that cannot sum split-K partials itself."""
+    return finish_split(x) if isinstance(x, SplitPartials) else x
+
+
 def takes_fp8_handoff(x: torch.Tensor, proj: Linear, producer: Linear | None = None) -> bool:
     """Whether proj, for input rows like x's, takes its input from the kernel that makes it already
     in FP8, quantized per group (FP8_HANDOFF): proj runs W8A8 in the skinny GEMM, and the producer
@@ -72,10 +87,8 @@ def takes_fp8_handoff(x: torch.Tensor, proj: Linear, producer: Linear | None = N
         return False
     if producer is None:
         return True
-    from kernels.skinny_gemm import BLOCK_N  # a scale for each program's outputs
-
     return (producer.weight.dtype == FP8 and not _gemv_applies(x, producer.weight, silu_mul=True)
-            and FP8_NORM_QUANT and proj.in_features % BLOCK_N == 0)
+            and FP8_NORM_QUANT and proj.in_features % BLOCK_N == 0)  # a scale for each program's outputs
 
 
 def _fused_projection(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False):
@@ -101,24 +114,29 @@ def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor | FP8Activations, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-           scale: torch.Tensor | None = None, lm_head: bool = False, silu_mul: bool = False) -> torch.Tensor:
+           scale: torch.Tensor | None = None, lm_head: bool = False, silu_mul: bool = False,
+           defer_reduce: bool = False) -> torch.Tensor | SplitPartials:
     """x @ weight.T (+ bias); out_dtype: the result (rounded to x's dtype first) in this dtype.
     An FP8 weight comes with its per-output-channel `scale` (engine/models/fp8.py), and may take x
     already quantized (FP8Activations, see takes_fp8_handoff).
     lm_head: the vocabulary projection (cuBLAS, never the GEMV). silu_mul: weight is a fused
-    [gate; up] and the result silu(gate) * up, fused into the projection where its kernel can."""
+    [gate; up] and the result silu(gate) * up, fused into the projection where its kernel can.
+    defer_reduce (see defers_split_reduce): a product the skinny GEMM splits over K comes back as
+    its SplitPartials, which norm_linear and add_rms_norm take."""
+    defer_reduce = defer_reduce and out_dtype is None
     if isinstance(x, FP8Activations):
-        return fp8_gemm(x.values, x.scales, weight, scale, bias, out_dtype or x.dtype, silu_mul)
+        return fp8_gemm(x.values, x.scales, weight, scale, bias, out_dtype or x.dtype, silu_mul,
+                        defer_reduce=defer_reduce)
     kernel = None if lm_head else _fused_projection(x, weight, silu_mul)
     if kernel is not None:
         return kernel(x, weight, bias, out_dtype=out_dtype, weight_scale=scale, silu_mul=silu_mul)[0]
     if weight.dtype == FP8:
-        y = fp8_linear(x, weight, scale, bias, silu_mul=silu_mul)
+        y = fp8_linear(x, weight, scale, bias, silu_mul=silu_mul, defer_reduce=defer_reduce)
         return y if out_dtype is None else y.to(out_dtype)
     if _skinny_applies(x, lm_head):
         from kernels.skinny_gemm import skinny_gemm
 
-        y = skinny_gemm(x, weight, bias, silu_mul=silu_mul)
+        y = skinny_gemm(x, weight, bias, silu_mul=silu_mul, defer_reduce=defer_reduce)
         return y if out_dtype is None else y.to(out_dtype)
     if cpu_linear.applies(x, packed):
         y = cpu_linear.panel_linear(x, packed, weight.shape[0], bias)
@@ -152,21 +170,22 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
 
-    def forward(self, x: torch.Tensor | FP8Activations) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, scale=self.weight_scale)
+    def forward(self, x: torch.Tensor | FP8Activations, defer_reduce: bool = False) -> torch.Tensor | SplitPartials:
+        return linear(x, self.weight, self.bias, self.packed, scale=self.weight_scale, defer_reduce=defer_reduce)
 
 
-def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+def norm_linear(x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                 proj: Linear, silu_mul: bool = False,
                 quantize_out: bool = False) -> tuple[torch.Tensor | FP8Activations, torch.Tensor]:
     """A decoder sub-block's input side: h = rmsnorm(x + residual) * norm_weight (rmsnorm(x) when
     residual is None), y = proj(h), then silu(gate) * up when silu_mul. Returns (y, x + residual).
     Decode-sized batches on CUDA do all of it in one kernel. quantize_out (silu_mul, where
-    takes_fp8_handoff(x, next projection, proj) says): y comes quantized for the next projection."""
+    takes_fp8_handoff(x, next projection, proj) says): y comes quantized for the next projection.
+    x may be the previous projection's split-K partials (defers_split_reduce), with a residual."""
     kernel = _fused_projection(x, proj.weight, silu_mul)
     if kernel is not None and not quantize_out:
-        y, new_residual = kernel(x, proj.weight, proj.bias, norm_weight=norm_weight, residual=residual, eps=eps,
-                                 silu_mul=silu_mul, weight_scale=proj.weight_scale)
+        y, new_residual = kernel(_summed(x), proj.weight, proj.bias, norm_weight=norm_weight, residual=residual,
+                                 eps=eps, silu_mul=silu_mul, weight_scale=proj.weight_scale)
         return y, x if residual is None else new_residual
     if _triton(x) and proj.weight.dtype == FP8 and FP8_NORM_QUANT and quantizes_activations(x.shape[0]):
         # the norm hands the projection its input already quantized: one kernel fewer
@@ -195,6 +214,7 @@ def fused_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_we
         return None
     from kernels.gemv import gemv_rope_store
 
+    x = _summed(x)
     q, new_residual = gemv_rope_store(x, qkv_proj.weight, qkv_proj.bias, positions, cos_sin, slot_mapping, k_cache,
                                       v_cache, num_heads, norm_weight=norm_weight, residual=residual, eps=eps,
                                       weight_scale=qkv_proj.weight_scale)
@@ -218,9 +238,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor | SplitPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(x + residual) * weight, x + residual)."""
+    """(rmsnorm(x + residual) * weight, x + residual); x may be split-K partials (on CUDA)."""
     if _triton(x):
         from kernels.rmsnorm import fused_add_rms_norm
 

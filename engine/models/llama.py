@@ -18,6 +18,7 @@ from engine.models.fp8 import FP8Activations
 from engine.models.layers import (
     Linear,
     add_rms_norm,
+    defers_split_reduce,
     fused_qkv_rope_store,
     linear,
     norm_linear,
@@ -78,7 +79,7 @@ class Attention(nn.Module):
             o_input = FP8Activations(values.view(num_tokens, self.q_size), scales, x.dtype)
         else:
             o_input = out.reshape(num_tokens, self.q_size)
-        return self.tp.all_reduce(self.o_proj(o_input)), residual
+        return self.tp.all_reduce(self.o_proj(o_input, defer_reduce=defers_split_reduce(self.tp.size))), residual
 
 
 class MLP(nn.Module):
@@ -100,12 +101,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x, residual, positions, cos_sin, meta, k_cache, v_cache):
-        """x: the previous layer's output (the embeddings for the first, with residual None)."""
+        """x: the previous layer's output (the embeddings for the first, with residual None), a
+        tensor or its down projection's split-K partials (layers.defers_split_reduce)."""
         h, residual = self.self_attn(x, residual, self.input_layernorm, positions, cos_sin, meta, k_cache, v_cache)
         norm, mlp = self.post_attention_layernorm, self.mlp
         act, residual = norm_linear(h, residual, norm.weight, norm.eps, mlp.gate_up_proj, silu_mul=True,
                                     quantize_out=takes_fp8_handoff(h, mlp.down_proj, producer=mlp.gate_up_proj))
-        return self.tp.all_reduce(mlp.down_proj(act)), residual
+        return self.tp.all_reduce(mlp.down_proj(act, defer_reduce=defers_split_reduce(self.tp.size))), residual
 
 
 class LlamaModel(nn.Module):
