@@ -93,25 +93,20 @@ engine-tests)  # in one short call: the 0.5B engine's graph / eager, compile-fre
   timeout 70 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 --chunks 8 --no-eager \
     --skip-transformers --max-num-seqs 64 --load-format dummy --out "$OUT/decode_8b_b8.json" 2>&1 | grep -E "B="
   ;;
-fp8-handoff)  # two switches in one call (engine/models/layers): FP8_HANDOFF (attention and gate_up hand
-  # o_proj / down_proj their inputs in FP8, a scale a group) and DEFER_SPLIT_REDUCE (the norm after o / down
-  # sums their split-K partials): the new kernel paths' GPU tests and the FP8 engine / accuracy tests, then
-  # 8B decode, bf16 and FP8: all on, split reduce off, FP8 handoff off, all on again
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py \
+fp8-handoff)  # the FP8 handoff (engine/models/layers.FP8_HANDOFF: attention and gate_up hand o_proj / down_proj
+  # their inputs in FP8, a scale a group) with its scales loaded a K tile ahead: its GPU tests, per-kernel times
+  # (fp8_handoff_bench.py), then 8B FP8 decode interleaved on, off, on, off (DEFER_SPLIT_REDUCE on)
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py \
     tests/test_kernels_gpu.py -k "per_group or quantized_output or split_partials" > "$OUT/gpu_tests_handoff.log" 2>&1
   tail -2 "$OUT/gpu_tests_handoff.log"
-  timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_fp8.py >> "$OUT/gpu_tests_handoff.log" 2>&1
-  tail -2 "$OUT/gpu_tests_handoff.log"
-  run8b() {  # name, quantizations, switches...
-    local name=$1 quant=$2; shift 2
-    timeout 110 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization $quant "$@" \
-      --out "$OUT/decode_8b_$name.json" 2>&1 | grep -E "B="
-  }
-  run8b on-1 "none fp8"
-  run8b defer-off "none fp8" --defer-split-reduce off
-  run8b handoff-off fp8 --fp8-handoff off
-  run8b on-2 "none fp8"
+  timeout 120 python3 benchmarks/fp8_handoff_bench.py --rows 8 64 --out "$OUT/fp8_handoff_bench.json" 2>&1 | quiet
+  i=0
+  for arm in on off on off; do
+    i=$((i + 1))
+    timeout 75 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --fp8-handoff $arm \
+      --out "$OUT/decode_8b_fp8_handoff_$arm-$i.json" 2>&1 | grep -E "B="
+  done
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

@@ -90,6 +90,11 @@ def _skinny_gemm_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if SILU_MUL:
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    # grouped x scales: each K tile's loaded one tile ahead of its use (the pipeliner streams only the
+    # dot's operands, and a scale loaded where it is used stalls every iteration on its latency; two
+    # ahead, carried through the loop, made Triton 3.6 give up pipelining the operands)
+    xs_ptrs = x_scale_ptr + offs_m * stride_xs
+    xs_next = _group_scales(xs_ptrs, k_start, k_end, m_mask, X_GROUP)
     for k0 in range(k_start, k_end, BLOCK_K):
         k_mask = (k0 + tl.arange(0, BLOCK_K)) < k_end
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
@@ -98,7 +103,8 @@ def _skinny_gemm_kernel(
             x = (x.to(tl.float32) * W_ONLY_X_SCALE).to(tl.float16)
             w = w.to(tl.float16)
         if X_GROUP:
-            xs = tl.load(x_scale_ptr + offs_m * stride_xs + k0 // X_GROUP, mask=m_mask, other=0.0)
+            xs = xs_next
+            xs_next = _group_scales(xs_ptrs, k0 + BLOCK_K, k_end, m_mask, X_GROUP)
             acc += tl.dot(w, tl.trans(x), max_num_imprecise_acc=IMPRECISE_K) * xs[None, :]
         else:
             acc = _dot(w, x, acc, HAS_SCALES, DOT_PREC, IMPRECISE_K)
@@ -146,6 +152,16 @@ def _skinny_gemm_kernel(
             tl.store(out_scale_ptr + offs_m * stride_os + pid_n, q_scale, mask=m_mask)
         else:
             tl.store(o_ptrs, y.to(dt), mask=mask)
+
+
+@triton.jit
+def _group_scales(xs_ptrs, k, k_end, m_mask, X_GROUP: tl.constexpr):
+    """The x scales of the rows' group holding K index k (k_end - 1's past the end; 0 without grouped
+    scales)."""
+    if X_GROUP:
+        return tl.load(xs_ptrs + tl.minimum(k, k_end - 1) // X_GROUP, mask=m_mask, other=0.0)
+    else:
+        return tl.zeros(m_mask.shape, dtype=tl.float32)
 
 
 @triton.jit

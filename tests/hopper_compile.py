@@ -80,6 +80,8 @@ def summary(kernel) -> dict:
                 barrier_before_atomic=barrier,
                 cg_loads=sum(line.startswith("ld.global.cg") for line in lines),
                 waits=sum(line.startswith("griddepcontrol.wait") for line in lines),
+                async_copies=sum(line.startswith("cp.async.cg") for line in lines),
+                shared_bytes=kernel.metadata.shared,
                 registers=registers(kernel.asm["cubin"]))
 
 
@@ -105,9 +107,13 @@ def cases() -> dict[str, dict]:
     out["skinny_w8a8_silu_quant"] = compile_ptx(
         _skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, SILU_MUL=True, QUANT_OUT=True, ACT_DTYPE=tl.bfloat16),
         dict(fp8_operands, out_ptr="*u8"), num_warps=4, num_stages=3)
-    out["skinny_w8a8_grouped_x"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, X_GROUP=64,
-                                                                         BLOCK_K=64, IMPRECISE_K=64, SPLIT=2),
-                                               fp8_operands, num_warps=4, num_stages=16)
+    # (sizes and strides multiples of 16, as at model shapes: what lets the loads go through the pipeline)
+    sizes = ("N", "K", "k_per_split", "stride_x", "stride_w", "stride_o", "stride_xs")
+    for name, group, stages in (("w8a8_row_x", 0, 8), ("w8a8_grouped_x", 64, 16)):
+        out[f"skinny_{name}"] = compile_kernel(
+            _skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, X_GROUP=group, BLOCK_K=128 if stages == 8 else 64,
+                                      IMPRECISE_K=128 if stages == 8 else 64, SPLIT=2),
+            fp8_operands, sizes, num_warps=4, num_stages=stages)
     norm = dict(HAS_RESIDUAL=True, BLOCK=1024, QUANT_FP8=False, SCALE_BY_RECIPROCAL=True, PDL=True, X_SPLIT=0,
                 PART_W_SCALE=False, PART_X_SCALE=False, PART_BIAS=False)
     norm_ptrs = {"scale_ptr": "*fp32", "part_w_scale_ptr": "*fp32", "part_x_scale_ptr": "*fp32"}

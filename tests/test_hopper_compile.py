@@ -40,6 +40,15 @@ def test_the_pdl_variant_compiles_and_waits_for_the_kernel_before(compiled, kern
     assert first["griddepcontrol.wait"] < first["griddepcontrol.launch_dependents"]
 
 
+def test_grouped_x_scales_keep_the_skinny_gemm_pipelined(compiled):
+    """W8A8 with a scale for each group of K (the FP8 handoff): the weight and x tiles still stream
+    through shared memory in cp.async stages as with one scale a row (a loop-carried scale loaded two
+    tiles ahead made Triton drop the pipeline: no cp.async, 16 KB of shared memory)."""
+    row, grouped = compiled["skinny_w8a8_row_x"], compiled["skinny_w8a8_grouped_x"]
+    assert row["async_copies"] > 0 and grouped["async_copies"] >= row["async_copies"]
+    assert grouped["shared_bytes"] >= 16 * 64 * (64 + 64)  # 16 stages of a 64 x 64 weight tile and 64 rows of x
+
+
 def test_the_wider_down_proj_tile_takes_no_more_registers(compiled):
     """kernels/gemv.LONG_K_BLOCK_K: the one-row bf16 down_proj tile with 2048-wide K tiles holds twice
     the weight bytes in flight in no more registers than the 1024-wide one (as many programs an SM)."""
