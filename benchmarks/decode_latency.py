@@ -73,9 +73,6 @@ SWITCHES = {
                                "a step's input rows and token records in two kernels; off: seven torch ops"),
     "defer-split-reduce": ("engine.models.layers", "DEFER_SPLIT_REDUCE", bool,
                            "the norm after o / down sums their split-K partials; off: a reduce kernel each"),
-    "fp8-handoff": ("engine.models.layers", "FP8_HANDOFF", bool,
-                    "attention and gate_up hand o_proj / down_proj their inputs in FP8 per group; off: "
-                    "a quantization kernel before each"),
 }
 
 

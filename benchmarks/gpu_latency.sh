@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|fp8-handoff
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -93,19 +93,27 @@ engine-tests)  # in one short call: the 0.5B engine's graph / eager, compile-fre
   timeout 70 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 --chunks 8 --no-eager \
     --skip-transformers --max-num-seqs 64 --load-format dummy --out "$OUT/decode_8b_b8.json" 2>&1 | grep -E "B="
   ;;
-fp8-handoff)  # the FP8 handoff (engine/models/layers.FP8_HANDOFF: attention and gate_up hand o_proj / down_proj
-  # their inputs in FP8, a scale a group) with its scales loaded a K tile ahead: its GPU tests, per-kernel times
-  # (fp8_handoff_bench.py), then 8B FP8 decode interleaved on, off, on, off (DEFER_SPLIT_REDUCE on)
-  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py \
-    tests/test_kernels_gpu.py -k "per_group or quantized_output or split_partials" > "$OUT/gpu_tests_handoff.log" 2>&1
-  tail -2 "$OUT/gpu_tests_handoff.log"
-  timeout 120 python3 benchmarks/fp8_handoff_bench.py --rows 8 64 --out "$OUT/fp8_handoff_bench.json" 2>&1 | quiet
+split-in-norm)  # engine/models/layers.DEFER_SPLIT_REDUCE: the norm after o / down sums their split-K partials.
+  # Its kernel tests, the engine-level GPU tests (0.5B graph / eager, FP8 engine and accuracy), then decode
+  # interleaved on, off, on, off: 8B bf16 and FP8 at 1 / 8 / 64, and the 0.5B bf16 once each
+  timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py \
+    -k "split_partials or fp8_model_shapes" > "$OUT/gpu_tests_split.log" 2>&1
+  tail -1 "$OUT/gpu_tests_split.log"
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu_engine.py \
+    -k "qwen2.5 and (graph_path or compiles_no_kernels or fused_step)" >> "$OUT/gpu_tests_split.log" 2>&1
+  tail -1 "$OUT/gpu_tests_split.log"
+  timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_fp8.py >> "$OUT/gpu_tests_split.log" 2>&1
+  tail -1 "$OUT/gpu_tests_split.log"
   i=0
   for arm in on off on off; do
     i=$((i + 1))
-    timeout 75 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 8 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --fp8-handoff $arm \
-      --out "$OUT/decode_8b_fp8_handoff_$arm-$i.json" 2>&1 | grep -E "B="
+    timeout 80 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 8 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 --defer-split-reduce $arm \
+      --out "$OUT/decode_8b_$arm-$i.json" 2>&1 | grep -E "B="
+  done
+  for arm in on off; do
+    timeout 40 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 8 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --defer-split-reduce $arm --out "$OUT/decode_qwen_$arm.json" 2>&1 | grep -E "B="
   done
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at

@@ -59,10 +59,8 @@ class TorchAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, quantize_out: bool = False) -> torch.Tensor:
-        """Rotate q and k, write k and v into the cache, attend. Returns [T, Hq, D].
-        (quantize_out: the CUDA backend's; the CPU path has no FP8 activations.)"""
-        _no_fp8_output(quantize_out)
+                scale: float) -> torch.Tensor:
+        """Rotate q and k, write k and v into the cache, attend. Returns [T, Hq, D]."""
         rope = meta.derived.get("rope")
         if rope is None or rope[0] is not positions:  # keyed by the positions tensor itself (held here)
             rope = meta.derived["rope"] = (positions, rotary_tables(positions, cos_sin, q.dtype))
@@ -73,9 +71,8 @@ class TorchAttention:
         return self._decode(q, k_cache, v_cache, meta, scale)
 
     def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, quantize_out: bool = False) -> torch.Tensor:
+                      scale: float) -> torch.Tensor:
         """Decode attention of rotated q over a cache that already holds this step's K/V."""
-        _no_fp8_output(quantize_out)
         return self._decode(q, k_cache, v_cache, meta, scale)
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -130,11 +127,6 @@ class TorchAttention:
         return out.view(batch, num_heads, head_dim)
 
 
-def _no_fp8_output(quantize_out: bool) -> None:
-    if quantize_out:
-        raise ValueError("the CPU attention backend hands over no FP8 output")
-
-
 class TritonAttention:
     """CUDA backend: fused rotary + KV store, paged prefill and paged (split-K) decode kernels."""
 
@@ -150,22 +142,17 @@ class TritonAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, quantize_out: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """quantize_out (decode only): the output in FP8 with a scale a head, as the W8A8 o projection
-        takes it (kernels/decode_attention.py)."""
+                scale: float) -> torch.Tensor:
         q = self._rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
-            if quantize_out:
-                raise ValueError("prefill attention hands over no FP8 output")
             return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                                  meta.max_seqlen_q, scale, tiles=meta.attention_tiles)
-        return self.attend_decode(q, k_cache, v_cache, meta, scale, quantize_out)
+        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 
     def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, quantize_out: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                      scale: float) -> torch.Tensor:
         """Decode attention of rotated q over a cache that already holds this step's K/V."""
-        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                            quantize_out=quantize_out)
+        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 
 
 def make_attention_backend(device: torch.device, block_size: int) -> TorchAttention | TritonAttention:

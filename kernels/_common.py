@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton.language as tl
 
 # H200 / H100 SXM; used when no CUDA device is present (interpreter mode on CPU).
 DEFAULT_SM_COUNT = 132
@@ -53,11 +52,6 @@ def _cuda_capability(index: int) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot input precision: full fp32 for fp32 models (Triton defaults to tf32), else irrelevant."""
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def triton_dtype(dtype: torch.dtype) -> tl.dtype:
-    """The Triton dtype a kernel rounds to for a float tensor dtype (a constexpr argument)."""
-    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
 
 def attention_output(q: torch.Tensor, num_kv_heads: int, head_dim: int, out: torch.Tensor | None) -> torch.Tensor:

@@ -17,13 +17,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels._common import attention_output, check_kv_cache, dot_precision, sm_count, triton_dtype, use_pdl
+from kernels._common import attention_output, check_kv_cache, dot_precision, sm_count, use_pdl
 from kernels._prefetch import prefetch_l2
 from kernels._split_counters import last_to_arrive, split_counters
-from kernels.fp8_quant import _INV_FP8_MAX, quantize_groups
 
 _LOG2E = 1.4426950408889634
-FP8 = torch.float8_e4m3fn
 # Split-count heuristic, tuned on an H200 (benchmarks/kernel_bench.py --sweep): aim for about
 # this many programs per SM, never fewer than this many KV tokens per split (with the longest
 # context the block table can hold), never more splits than _MAX_SPLITS. The floor was 512 until
@@ -56,8 +54,8 @@ _MERGE_CHUNK = 8  # splits merged per load
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr, out_scale_ptr,
-    scale_log2, inv_fp8_max,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr,
+    scale_log2,
     stride_qb, stride_qh,
     stride_cb, stride_ct,  # cache strides of a block and of a token (same for k and v)
     stride_bt,
@@ -76,14 +74,11 @@ def _decode_attention_kernel(
     FUSED_MERGE: tl.constexpr,
     MERGE_GROUP: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
-    DTYPE: tl.constexpr,
-    QUANT_OUT: tl.constexpr,
-    SCALE_BY_RECIPROCAL: tl.constexpr,
 ):
     """PREFETCH_TILES: tiles of K and V rows to prefetch into L2 before the PDL wait (0: none).
     FUSED_MERGE (with WRITE_PARTIAL): the splits holding tokens count themselves finished on
     counter_ptr[pid] (kernels/_split_counters.py), and the last one merges their partials into out;
-    empty splits return at once. QUANT_OUT: see _store_out."""
+    empty splits return at once."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // NUM_KV_HEADS
@@ -147,35 +142,18 @@ def _decode_attention_kernel(
         if FUSED_MERGE:
             active = tl.cdiv(num_tiles, tiles_per_split)  # the splits holding tokens
             if last_to_arrive(counter_ptr + pid, active):
-                _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, out_scale_ptr, inv_fp8_max, b, kvh,
-                              active, num_splits, stride_ob, stride_oh, NUM_KV_HEADS, GROUP, HEAD_DIM, MERGE_GROUP,
-                              MERGE_CHUNK, DTYPE, QUANT_OUT, SCALE_BY_RECIPROCAL)
+                _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh, active, num_splits,
+                              stride_ob, stride_oh, NUM_KV_HEADS, GROUP, HEAD_DIM, MERGE_GROUP, MERGE_CHUNK)
     else:
-        _store_out(acc / l_i[:, None], out_ptr, out_scale_ptr, inv_fp8_max, b, heads, g_mask, stride_ob, stride_oh,
-                   NUM_KV_HEADS * GROUP, HEAD_DIM, DTYPE, QUANT_OUT, SCALE_BY_RECIPROCAL)
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 @triton.jit
-def _store_out(out, out_ptr, out_scale_ptr, inv_fp8_max, b, heads, h_mask, stride_ob, stride_oh,
-               NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr,
-               SCALE_BY_RECIPROCAL: tl.constexpr):
-    """Heads `heads` of row b of the output ([rows, HEAD_DIM] float32) rounded to DTYPE, or with
-    QUANT_OUT those values in e4m3 (out_ptr viewed as uint8) with one scale a head (out_scale_ptr
-    [B, NUM_HEADS]): a head's values are a group of the o projection's W8A8 input."""
-    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + tl.arange(0, HEAD_DIM)[None, :]
-    if QUANT_OUT:
-        q, scale = quantize_groups(out.to(DTYPE).to(tl.float32), inv_fp8_max, 1, SCALE_BY_RECIPROCAL)
-        tl.store(o_ptrs, q, mask=h_mask[:, None])
-        tl.store(out_scale_ptr + b.to(tl.int64) * NUM_HEADS + heads, scale, mask=h_mask)
-    else:
-        tl.store(o_ptrs, out.to(DTYPE), mask=h_mask[:, None])
-
-
-@triton.jit
-def _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, out_scale_ptr, inv_fp8_max, b, kvh, active,
-                  num_splits, stride_ob, stride_oh, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr, DTYPE: tl.constexpr,
-                  QUANT_OUT: tl.constexpr, SCALE_BY_RECIPROCAL: tl.constexpr):
+def _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh, active, num_splits, stride_ob, stride_oh,
+                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr):
     """out for the GROUP query heads of (b, kvh) from the partials of its first `active` splits (the
     ones holding tokens; the rest are empty), in one pass with a running maximum. The partials were
     written by other programs: loaded through L2 (.cg), never a stale L1 line."""
@@ -205,8 +183,8 @@ def _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, out_scale_ptr, 
         num = num * alpha[:, None] + tl.sum(acc * w[:, :, None], 1)
         m_run = m_new
     out = num / tl.where(den > 0, den, 1.0)[:, None]
-    _store_out(out, out_ptr, out_scale_ptr, inv_fp8_max, b, heads, g_mask, stride_ob, stride_oh, NUM_KV_HEADS * GROUP,
-               HEAD_DIM, DTYPE, QUANT_OUT, SCALE_BY_RECIPROCAL)
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 @triton.jit
@@ -227,16 +205,13 @@ def _prefetch_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, t, t_end, ctx, head_off,
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, out_scale_ptr, inv_fp8_max,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
     stride_ob, stride_oh,
     num_splits,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     CHUNK: tl.constexpr,
     PDL: tl.constexpr,
-    DTYPE: tl.constexpr,
-    QUANT_OUT: tl.constexpr,
-    SCALE_BY_RECIPROCAL: tl.constexpr,
 ):
     if PDL:
         gdc_wait()
@@ -270,9 +245,8 @@ def _decode_reduce_kernel(
         den += l * w
     total = tl.sum(den, 0)
     out = num / tl.where(total > 0, total, 1.0)
-    heads = h + tl.arange(0, 1)
-    _store_out(out[None, :], out_ptr, out_scale_ptr, inv_fp8_max, b, heads, heads < NUM_HEADS, stride_ob, stride_oh,
-               NUM_HEADS, HEAD_DIM, DTYPE, QUANT_OUT, SCALE_BY_RECIPROCAL)
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
 class DecodeTile(NamedTuple):
@@ -315,8 +289,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     tile: DecodeTile | None = None,
-    quantize_out: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Attention of q [B, Hq, D] over each sequence's first context_lens[b] cached tokens.
 
     block_tables [B, max_blocks] int32, context_lens [B] int32 (>= 1; padded rows use 1 and block 0);
@@ -324,24 +297,12 @@ def paged_decode_attention(
     contiguous). Returns [B, Hq, D] in q's dtype, or writes `out` (same shape, last dim contiguous).
     num_splits=None picks the split count from (B, Hkv, max_blocks * block_size) and the SM count.
     tile overrides the launch shape (benchmark sweeps); None uses default_decode_tile.
-    quantize_out: returns (e4m3 [B, Hq, D], float32 scales [B, Hq]) instead, each head's output (in
-    q's dtype) quantized with a scale of its own, bit for bit kernels/fp8_quant.quantize_groups_fp8_ref
-    of the unquantized output in groups of D: the W8A8 o projection's input (out must be None).
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
     batch, num_heads, _ = q.shape
-    if quantize_out and out is not None:
-        raise ValueError("quantize_out writes an output of its own")
     out = attention_output(q, num_kv_heads, head_dim, out)
-    out_scale = None
-    if quantize_out:
-        out = torch.empty(q.shape, dtype=FP8, device=q.device)
-        out_scale = torch.empty((batch, num_heads), dtype=torch.float32, device=q.device)
-    dtype = triton_dtype(q.dtype if quantize_out else out.dtype)
-    out_arg = out.view(torch.uint8) if quantize_out else out
-    result = (out, out_scale) if quantize_out else out
     if batch == 0:
-        return result
+        return out
     group = num_heads // num_kv_heads
     tile = tile or default_decode_tile(head_dim)
     if num_splits is None:
@@ -352,7 +313,7 @@ def paged_decode_attention(
     counters = split_counters(q.device, "decode_attention", batch * num_kv_heads) \
         if num_splits > 1 and FUSED_MERGE else None
     if num_splits == 1:
-        part_m = part_l = part_acc = out_arg  # unused
+        part_m = part_l = part_acc = out  # unused
     else:
         part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -361,9 +322,8 @@ def paged_decode_attention(
     pdl = use_pdl(q.device)
     _decode_attention_kernel[(batch * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
-        out_arg, part_m, part_l, part_acc, out_arg if counters is None else counters,
-        out_scale if quantize_out else out_arg,
-        scale * _LOG2E, _INV_FP8_MAX,
+        out, part_m, part_l, part_acc, out if counters is None else counters,
+        scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
@@ -382,29 +342,23 @@ def paged_decode_attention(
         FUSED_MERGE=counters is not None,
         MERGE_GROUP=triton.next_power_of_2(group),
         MERGE_CHUNK=_MERGE_CHUNK,
-        DTYPE=dtype,
-        QUANT_OUT=quantize_out,
-        SCALE_BY_RECIPROCAL=q.is_cuda,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         launch_pdl=pdl,
     )
     if num_splits > 1 and counters is None:
         _decode_reduce_kernel[(batch * num_heads,)](
-            part_m, part_l, part_acc, out_arg, out_scale if quantize_out else out_arg, _INV_FP8_MAX,
+            part_m, part_l, part_acc, out,
             out.stride(0), out.stride(1),
             num_splits,
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             CHUNK=min(16, triton.next_power_of_2(num_splits)),
             PDL=pdl,
-            DTYPE=dtype,
-            QUANT_OUT=quantize_out,
-            SCALE_BY_RECIPROCAL=q.is_cuda,
             num_warps=4,
             launch_pdl=pdl,
         )
-    return result
+    return out
 
 
 def paged_decode_attention_ref(

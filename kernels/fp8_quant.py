@@ -86,18 +86,6 @@ def _row_scale(amax, inv_max, SCALE_BY_RECIPROCAL: tl.constexpr):
 
 
 @triton.jit
-def quantize_groups(y, inv_max, AXIS: tl.constexpr, SCALE_BY_RECIPROCAL: tl.constexpr):
-    """The e4m3 bytes (uint8) of a 2-D float32 block and one scale for each of its lines along AXIS
-    (the group of a token's values that one scale covers), for a kernel that quantizes what it has
-    just computed. y holds the values as they would be stored unquantized (rounded to the
-    activations' dtype), so the bytes are those quantize_rows_fp8 would make of each group read
-    back; entries past the block's edges must be 0."""
-    scale = _row_scale(tl.max(tl.abs(y), AXIS), inv_max, SCALE_BY_RECIPROCAL)
-    v = tl.minimum(tl.maximum(tl.div_rn(y, tl.expand_dims(scale, AXIS)), -448.0), 448.0)
-    return _e4m3_bits(v).to(tl.uint8), scale
-
-
-@triton.jit
 def _quantize_rows_fp8_kernel(
     x_ptr, q_ptr, scale_ptr,
     K, stride_x, stride_q, inv_max,
@@ -255,14 +243,3 @@ def quantize_rows_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / FP8_MAX
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def quantize_groups_fp8_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations x [M, K] in groups of `group` consecutive values of a row (K a multiple of it),
-    each quantized as quantize_rows_fp8_ref quantizes a row: (q [M, K] e4m3, scale [M, K // group]
-    float32), x[m, j] ≈ q[m, j] * scale[m, j // group]."""
-    rows, k = x.shape
-    if k % group:
-        raise ValueError(f"rows of {k} are not groups of {group}")
-    q, scale = quantize_rows_fp8_ref(x.reshape(rows * (k // group), group))
-    return q.view(rows, k), scale.view(rows, k // group)

@@ -15,7 +15,9 @@ weights are all the traffic, so the kernel is built around reading them:
   narrow side;
 - split K: a projection with few output tiles (Llama-3.1-8B's down_proj: 32 tiles of 128 outputs)
   cuts K into SPLIT parts, each written as float32 partials that a second kernel sums in a fixed
-  order (so results never depend on timing), then scales, adds the bias and rounds. (Summing them in
+  order (so results never depend on timing), then scales, adds the bias and rounds; or, with
+  defer_reduce, the kernel after the projection does that as it reads them (the decoder's residual-add
+  + RMSNorm, kernels/rmsnorm.py: one kernel fewer). (Summing them in
   the last split of each tile to finish, as decode attention merges its splits, was measured slower
   on an H200: Qwen2.5-0.5B batch 64 60,549 / 60,885 against 62,469 / 63,051 tok/s,
   decode_latency-h200-skinny-fused-reduce-ab-2026-12-02.json);
@@ -34,8 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels._common import dot_precision, sm_count, triton_dtype, use_pdl
-from kernels.fp8_quant import _INV_FP8_MAX, quantize_groups
+from kernels._common import dot_precision, sm_count, use_pdl
 
 FP8 = torch.float8_e4m3fn
 # weight-only FP8: x * 2^-8 in fp16 overflows only past 16.7M, and loses bits only below 2^-16
@@ -45,17 +46,13 @@ W_ONLY_X_SCALE = tl.constexpr(2.0**-8)
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, out_scale_ptr,
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, K, k_per_split,
-    stride_x, stride_w, stride_o, stride_xs, stride_os, inv_fp8_max,
+    stride_x, stride_w, stride_o,
     HAS_BIAS: tl.constexpr,
     HAS_SCALES: tl.constexpr,
-    X_GROUP: tl.constexpr,
     W_ONLY: tl.constexpr,
     SILU_MUL: tl.constexpr,
-    QUANT_OUT: tl.constexpr,
-    ACT_DTYPE: tl.constexpr,
-    SCALE_BY_RECIPROCAL: tl.constexpr,
     SPLIT: tl.constexpr,
     PDL: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -64,11 +61,6 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     IMPRECISE_K: tl.constexpr,
 ):
-    """X_GROUP (W8A8): 0, one x scale per row (applied to the sums), else one per X_GROUP
-    consecutive K of a row (x_scale [M, K / X_GROUP]: each K tile's product scaled as it is added;
-    BLOCK_K divides X_GROUP). QUANT_OUT (SILU_MUL): the result, rounded to ACT_DTYPE, is written in
-    e4m3 (out_ptr viewed as uint8) with one scale per row of each BLOCK_N outputs (out_scale_ptr
-    [M, N / BLOCK_N]), as the next W8A8 projection takes it."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -90,11 +82,6 @@ def _skinny_gemm_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if SILU_MUL:
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    # grouped x scales: each K tile's loaded one tile ahead of its use (the pipeliner streams only the
-    # dot's operands, and a scale loaded where it is used stalls every iteration on its latency; two
-    # ahead, carried through the loop, made Triton 3.6 give up pipelining the operands)
-    xs_ptrs = x_scale_ptr + offs_m * stride_xs
-    xs_next = _group_scales(xs_ptrs, k_start, k_end, m_mask, X_GROUP)
     for k0 in range(k_start, k_end, BLOCK_K):
         k_mask = (k0 + tl.arange(0, BLOCK_K)) < k_end
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
@@ -102,20 +89,12 @@ def _skinny_gemm_kernel(
         if W_ONLY:  # e4m3 weights are exact in fp16; x scaled into fp16's range (see W_ONLY_X_SCALE)
             x = (x.to(tl.float32) * W_ONLY_X_SCALE).to(tl.float16)
             w = w.to(tl.float16)
-        if X_GROUP:
-            xs = xs_next
-            xs_next = _group_scales(xs_ptrs, k0 + BLOCK_K, k_end, m_mask, X_GROUP)
-            acc += tl.dot(w, tl.trans(x), max_num_imprecise_acc=IMPRECISE_K) * xs[None, :]
-        else:
-            acc = _dot(w, x, acc, HAS_SCALES, DOT_PREC, IMPRECISE_K)
+        acc = _dot(w, x, acc, HAS_SCALES, DOT_PREC, IMPRECISE_K)
         if SILU_MUL:
             u = tl.load(u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             if W_ONLY:
                 u = u.to(tl.float16)
-            if X_GROUP:
-                acc_u += tl.dot(u, tl.trans(x), max_num_imprecise_acc=IMPRECISE_K) * xs[None, :]
-            else:
-                acc_u = _dot(u, x, acc_u, HAS_SCALES, DOT_PREC, IMPRECISE_K)
+            acc_u = _dot(u, x, acc_u, HAS_SCALES, DOT_PREC, IMPRECISE_K)
             u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -128,40 +107,23 @@ def _skinny_gemm_kernel(
         y = acc
         if HAS_SCALES:
             y = y * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
-            if not X_GROUP:
-                y = y * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+            y = y * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
         if W_ONLY:
             y = y * (tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0) / W_ONLY_X_SCALE)[:, None]
         if HAS_BIAS:
             y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        dt = ACT_DTYPE if QUANT_OUT else out_ptr.dtype.element_ty
+        dt = out_ptr.dtype.element_ty
         if SILU_MUL:  # rounded as the unfused path rounds (kernels/activation.py)
             up = acc_u
             if HAS_SCALES:
                 up = up * tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[:, None]
-                if not X_GROUP:
-                    up = up * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+                up = up * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
             if W_ONLY:
                 up = up * (tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0) / W_ONLY_X_SCALE)[:, None]
             gate = y.to(dt).to(tl.float32)
             y = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
         o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
-        if QUANT_OUT:  # a group of BLOCK_N values of each row, one scale (rows past N hold 0)
-            q, q_scale = quantize_groups(y.to(dt).to(tl.float32), inv_fp8_max, 0, SCALE_BY_RECIPROCAL)
-            tl.store(o_ptrs, q, mask=mask)
-            tl.store(out_scale_ptr + offs_m * stride_os + pid_n, q_scale, mask=m_mask)
-        else:
-            tl.store(o_ptrs, y.to(dt), mask=mask)
-
-
-@triton.jit
-def _group_scales(xs_ptrs, k, k_end, m_mask, X_GROUP: tl.constexpr):
-    """The x scales of the rows' group holding K index k (k_end - 1's past the end; 0 without grouped
-    scales)."""
-    if X_GROUP:
-        return tl.load(xs_ptrs + tl.minimum(k, k_end - 1) // X_GROUP, mask=m_mask, other=0.0)
-    else:
-        return tl.zeros(m_mask.shape, dtype=tl.float32)
+        tl.store(o_ptrs, y.to(dt), mask=mask)
 
 
 @triton.jit
@@ -255,7 +217,6 @@ class SkinnyGemmTile(NamedTuple):
     num_stages: int
 
 
-BLOCK_N = 64  # outputs a program (default tiles)
 # shared memory the pipeline stages may take (an H200 SM has 227 KB; the compiler adds a little)
 SHARED_MEMORY_BUDGET = 200 * 1024
 
@@ -279,15 +240,14 @@ W8A8_DEEP_PIPELINE = True
 
 
 def default_skinny_gemm_tile(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 1,
-                             silu_mul: bool = False, x_bytes: int | None = None, x_group: int = 0) -> SkinnyGemmTile:
+                             silu_mul: bool = False, x_bytes: int | None = None) -> SkinnyGemmTile:
     """From benchmarks/skinny_gemm_bench.py --sweep on an H200 (Llama-3.1-8B projections, 8 and
     64 rows): 64 outputs a program, all rows (16 to 64) in one; 256-byte K tiles 5 stages deep, or
     128 bytes x 3 when the weight tiles already give every SM two programs (gate_up), or 128 x 8
     for W8A8 (W8A8_DEEP_PIPELINE); K split in two while that still fits the grid in one wave (o_proj
-    and down_proj: 64 output tiles). x_group (x scaled per group of K, see skinny_gemm): K tiles
-    no wider than a group, in proportionally more stages. Fewer stages where they would not fit in
-    shared memory (SiLU-and-mul reads two weight tiles)."""
-    block_n = BLOCK_N
+    and down_proj: 64 output tiles). Fewer stages where they would not fit in shared memory
+    (SiLU-and-mul reads two weight tiles)."""
+    block_n = 64
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     weight_tiles = tiles * (2 if silu_mul else 1)
@@ -298,33 +258,14 @@ def default_skinny_gemm_tile(m: int, n: int, k: int, num_sms: int, weight_bytes:
         tile_bytes, stages = 128, 8
     else:
         tile_bytes, stages = 256, 5
-    block_k = tile_bytes // weight_bytes
-    if x_group:
-        fitting = x_group & -x_group  # the largest power of two that divides the group
-        if fitting < block_k:
-            stages, block_k = stages * block_k // fitting, fitting
     split = 1
     while not silu_mul and tiles * split * 2 <= num_sms and k // (split * 2) >= 1024:
         split *= 2
-    tile = SkinnyGemmTile(block_n, block_k, block_m, split, 4, stages)
+    tile = SkinnyGemmTile(block_n, tile_bytes // weight_bytes, block_m, split, 4, stages)
     while (tile.num_stages > 2
            and tile.num_stages * stage_bytes(tile, weight_bytes, silu_mul, x_bytes) > SHARED_MEMORY_BUDGET):
         tile = tile._replace(num_stages=tile.num_stages - 1)
     return tile
-
-
-def _x_scale_group(x_scale: torch.Tensor, m: int, k: int) -> int:
-    """0 for one scale per row (x_scale [M] or [M, 1]), else the K each scale of x_scale [M, G] covers."""
-    if x_scale.dtype != torch.float32 or not x_scale.is_contiguous() or x_scale.numel() % max(m, 1) \
-            or x_scale.dim() > 2 or x_scale.shape[0] != m:
-        raise ValueError(f"x_scale must be float32 [{m}], [{m}, 1] or [{m}, groups], contiguous, "
-                         f"got {x_scale.dtype} {tuple(x_scale.shape)}")
-    groups = 1 if x_scale.dim() == 1 else x_scale.shape[1]
-    if groups == 1:
-        return 0
-    if k % groups:
-        raise ValueError(f"x_scale's {groups} groups do not divide K = {k}")
-    return k // groups
 
 
 def skinny_gemm(
@@ -336,23 +277,18 @@ def skinny_gemm(
     weight_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     silu_mul: bool = False,
-    quantize_out: bool = False,
     defer_reduce: bool = False,
     tile: SkinnyGemmTile | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | SplitPartials:
+) -> torch.Tensor | SplitPartials:
     """x @ weight.T (+ bias) in float32, rounded to out_dtype (default x's dtype; bfloat16 for
     FP8 x): [M, N]. x [M, K] and weight [N, K] with contiguous rows, of one dtype, or (weight-only
     FP8) a float8 e4m3 weight with bf16 / fp16 x. FP8 weights need weight_scale float32 [N];
-    FP8 x (W8A8) also x_scale float32: [M] (or [M, 1]), one a row, or [M, G], one for each K / G
-    consecutive values of a row (a token group). The product is then (x * x_scale) @ (weight *
-    weight_scale).T, and weight-only x @ (weight * weight_scale).T. silu_mul: weight is a fused
-    [gate; up] of 2I rows (no bias) and the result silu(x @ gate.T) * (x @ up.T), [M, I]; K is
-    never split then. quantize_out (with silu_mul): that result, rounded to out_dtype, is returned
-    quantized for the next W8A8 projection, (e4m3 [M, I], float32 scales [M, I / 64]), one scale a
-    row for each 64 outputs (each program's tile; I a multiple of it), bit for bit
-    kernels/fp8_quant.quantize_groups_fp8_ref of the unquantized result. defer_reduce: a product
-    whose K is split comes back as its SplitPartials, for the next kernel to sum (no reduce kernel;
-    not weight-only FP8). tile overrides the launch shape (benchmark sweeps)."""
+    FP8 x (W8A8) also x_scale float32 [M] (or [M, 1]): the product is then (x * x_scale) @
+    (weight * weight_scale).T, and weight-only x @ (weight * weight_scale).T. silu_mul: weight is
+    a fused [gate; up] of 2I rows (no bias) and the result silu(x @ gate.T) * (x @ up.T), [M, I];
+    K is never split then. defer_reduce: a product whose K is split comes back as its SplitPartials,
+    for the next kernel to sum (no reduce kernel; not weight-only FP8). tile overrides the launch
+    shape (benchmark sweeps)."""
     w_only = weight.dtype == FP8 and x.dtype in (torch.bfloat16, torch.float16)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or (x.dtype != weight.dtype and not w_only):
         raise ValueError(f"expected x [M, K] and weight [N, K] of one dtype (or an FP8 weight with bf16 / fp16 x), "
@@ -364,7 +300,6 @@ def skinny_gemm(
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     fp8 = x.dtype == FP8
-    x_group = 0
     if fp8 or w_only:
         if weight_scale is None or (fp8 and x_scale is None) or (w_only and x_scale is not None):
             raise ValueError("an FP8 weight needs weight_scale, and FP8 x (only) x_scale")
@@ -372,22 +307,16 @@ def skinny_gemm(
                 or not weight_scale.is_contiguous():
             raise ValueError(f"weight_scale must be float32 [{weight.shape[0]}], contiguous")
     if fp8:
-        x_group = _x_scale_group(x_scale, m, k)
-        if not x_group:
-            x_scale = x_scale.reshape(-1)
+        x_scale = x_scale.reshape(-1)
+        if x_scale.shape != (m,) or x_scale.dtype != torch.float32 or not x_scale.is_contiguous():
+            raise ValueError(f"x_scale must be float32 [{m}], contiguous")
     elif not w_only and (x_scale is not None or weight_scale is not None):
         raise ValueError("scales go with FP8 operands only")
-    act_dtype = out_dtype or (torch.bfloat16 if fp8 else x.dtype)
-    tile = tile or default_skinny_gemm_tile(m, n, k, sm_count(x.device), weight.element_size(), silu_mul,
-                                            x.element_size(), x_group)
-    if x_group and x_group % tile.block_k:
-        raise ValueError(f"K tiles of {tile.block_k} straddle the x scales' groups of {x_group}")
-    if quantize_out and (not silu_mul or n % tile.block_n):
-        raise ValueError(f"quantize_out needs silu_mul and outputs a multiple of {tile.block_n}")
-    out = torch.empty((m, n), dtype=FP8 if quantize_out else act_dtype, device=x.device)
-    out_scale = torch.empty((m, n // tile.block_n), dtype=torch.float32, device=x.device) if quantize_out else None
+    out = torch.empty((m, n), dtype=out_dtype or (torch.bfloat16 if fp8 else x.dtype), device=x.device)
     if m == 0:
-        return (out, out_scale) if quantize_out else out
+        return out
+    tile = tile or default_skinny_gemm_tile(m, n, k, sm_count(x.device), weight.element_size(), silu_mul,
+                                            x.element_size())
     split = 1 if silu_mul else max(1, tile.split)
     # each split a whole number of K tiles
     k_per_split = triton.cdiv(triton.cdiv(k, split), tile.block_k) * tile.block_k
@@ -396,21 +325,14 @@ def skinny_gemm(
     pdl = use_pdl(x.device)
     scale_args = (x_scale if fp8 else out, weight_scale if fp8 or w_only else out)
     bias_arg = bias if bias is not None else out
-    out_arg = out.view(torch.uint8) if quantize_out else out
     _skinny_gemm_kernel[(triton.cdiv(n, tile.block_n), split, triton.cdiv(m, tile.block_m))](
-        x, scale_args[0], weight, scale_args[1], bias_arg, out_arg, part,
-        out_scale if quantize_out else out_arg,
+        x, scale_args[0], weight, scale_args[1], bias_arg, out, part,
         m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), out.stride(0), k // x_group if x_group else 0,
-        out_scale.stride(0) if quantize_out else 0, _INV_FP8_MAX,
+        x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
         HAS_SCALES=fp8,
-        X_GROUP=x_group,
         W_ONLY=w_only,
         SILU_MUL=silu_mul,
-        QUANT_OUT=quantize_out,
-        ACT_DTYPE=triton_dtype(act_dtype) if quantize_out else None,
-        SCALE_BY_RECIPROCAL=x.is_cuda,
         SPLIT=split,
         PDL=pdl,
         DOT_PREC=dot_precision(x.dtype),
@@ -423,9 +345,8 @@ def skinny_gemm(
         launch_pdl=pdl,
     )
     if split == 1:
-        return (out, out_scale) if quantize_out else out
-    pending = SplitPartials(part, weight_scale if fp8 or w_only else None,
-                            x_scale if fp8 and not x_group else None, bias, out.dtype)
+        return out
+    pending = SplitPartials(part, weight_scale if fp8 or w_only else None, x_scale if fp8 else None, bias, out.dtype)
     if defer_reduce and not w_only:
         return pending
     return finish_split(pending, out, w_only)
@@ -463,12 +384,10 @@ def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     x_scale: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
                     out_dtype: torch.dtype | None = None, silu_mul: bool = False) -> torch.Tensor:
     """float32 reference: the (dequantized) operands' product (+ bias), rounded to out_dtype;
-    silu_mul: then silu(gate) * up as kernels/activation.py rounds it. x_scale: [M], [M, 1] or
-    [M, G] (per group of K), as skinny_gemm takes it."""
+    silu_mul: then silu(gate) * up as kernels/activation.py rounds it."""
     xf, wf = x.float(), weight.float()
-    if x_scale is not None:  # one a row, or one for each group of K
-        groups = x_scale.float().reshape(x.shape[0], -1)
-        xf = xf * groups.repeat_interleave(x.shape[1] // groups.shape[1], dim=1)
+    if x_scale is not None:
+        xf = xf * x_scale.reshape(-1, 1).float()
     if weight_scale is not None:
         wf = wf * weight_scale.float()[:, None]
     y = xf @ wf.T

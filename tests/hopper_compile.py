@@ -15,7 +15,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -80,8 +79,6 @@ def summary(kernel) -> dict:
                 barrier_before_atomic=barrier,
                 cg_loads=sum(line.startswith("ld.global.cg") for line in lines),
                 waits=sum(line.startswith("griddepcontrol.wait") for line in lines),
-                async_copies=sum(line.startswith("cp.async.cg") for line in lines),
-                shared_bytes=kernel.metadata.shared,
                 registers=registers(kernel.asm["cubin"]))
 
 
@@ -93,27 +90,14 @@ def cases() -> dict[str, dict]:
     from kernels.skinny_gemm import _skinny_gemm_kernel
 
     out = {}
-    skinny = dict(HAS_BIAS=False, HAS_SCALES=False, X_GROUP=0, W_ONLY=False, SILU_MUL=False, QUANT_OUT=False,
-                  ACT_DTYPE=None, SCALE_BY_RECIPROCAL=True, SPLIT=1, PDL=True, DOT_PREC="tf32", BLOCK_M=64, BLOCK_N=64,
-                  BLOCK_K=128, IMPRECISE_K=128)
-    fp32_scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "part_ptr": "*fp32", "out_scale_ptr": "*fp32"}
-    fp8_operands = dict(fp32_scales, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv")
+    skinny = dict(HAS_BIAS=False, HAS_SCALES=False, W_ONLY=False, SILU_MUL=False, SPLIT=1, PDL=True, DOT_PREC="tf32",
+                  BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, IMPRECISE_K=128)
+    fp32_scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "part_ptr": "*fp32"}
     # the skinny GEMM as shipped, bf16 and W8A8 with the SiLU: the paths every decode batch of 2-64 rows takes
     out["skinny_bf16"] = compile_ptx(_skinny_gemm_kernel, skinny, fp32_scales, num_warps=4, num_stages=5)
     out["skinny_w8a8_silu"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, SILU_MUL=True),
-                                          fp8_operands, num_warps=4, num_stages=3)
-    # FP8 handed over (engine/models/layers.FP8_HANDOFF): gate_up quantizing its output, down_proj taking
-    # a scale for each 64 values of K (64-byte K tiles, 16 stages, split in two)
-    out["skinny_w8a8_silu_quant"] = compile_ptx(
-        _skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, SILU_MUL=True, QUANT_OUT=True, ACT_DTYPE=tl.bfloat16),
-        dict(fp8_operands, out_ptr="*u8"), num_warps=4, num_stages=3)
-    # (sizes and strides multiples of 16, as at model shapes: what lets the loads go through the pipeline)
-    sizes = ("N", "K", "k_per_split", "stride_x", "stride_w", "stride_o", "stride_xs")
-    for name, group, stages in (("w8a8_row_x", 0, 8), ("w8a8_grouped_x", 64, 16)):
-        out[f"skinny_{name}"] = compile_kernel(
-            _skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, X_GROUP=group, BLOCK_K=128 if stages == 8 else 64,
-                                      IMPRECISE_K=128 if stages == 8 else 64, SPLIT=2),
-            fp8_operands, sizes, num_warps=4, num_stages=stages)
+                                          dict(fp32_scales, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv"), num_warps=4,
+                                          num_stages=3)
     norm = dict(HAS_RESIDUAL=True, BLOCK=1024, QUANT_FP8=False, SCALE_BY_RECIPROCAL=True, PDL=True, X_SPLIT=0,
                 PART_W_SCALE=False, PART_X_SCALE=False, PART_BIAS=False)
     norm_ptrs = {"scale_ptr": "*fp32", "part_w_scale_ptr": "*fp32", "part_x_scale_ptr": "*fp32"}
@@ -124,7 +108,7 @@ def cases() -> dict[str, dict]:
     out["rms_norm_split"] = compile_ptx(_rms_norm_kernel, dict(norm, X_SPLIT=2, BLOCK=4096),
                                         dict(norm_ptrs, x_ptr="*fp32"), num_warps=16)
     out["rms_norm_fp8_split"] = compile_ptx(
-        _rms_norm_kernel, dict(norm, QUANT_FP8=True, X_SPLIT=2, BLOCK=4096, PART_W_SCALE=True),
+        _rms_norm_kernel, dict(norm, QUANT_FP8=True, X_SPLIT=2, BLOCK=4096, PART_W_SCALE=True, PART_X_SCALE=True),
         dict(norm_ptrs, x_ptr="*fp32", out_ptr="*u8"), num_warps=16)
     out["rope_kv_store"] = compile_ptx(_rope_kv_store_kernel, dict(NUM_Q_HEADS=14, Q_PAD=16, NUM_KV_HEADS=2, KV_PAD=2,
                                                                    HALF=32, PDL=True),
@@ -157,14 +141,13 @@ def cases() -> dict[str, dict]:
     from kernels.decode_attention import _decode_attention_kernel
 
     attention_ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_m_ptr": "*fp32",
-                      "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "counter_ptr": "*i32", "out_scale_ptr": "*fp32"}
+                      "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "counter_ptr": "*i32"}
     strides = ("stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_bt", "stride_ob", "stride_oh")
     # Qwen2.5-0.5B's (7 q heads a KV head, D 64, 128-token tiles) and Llama-3.1-8B's (4, D 128, 64-token tiles)
     for name, group, head_dim, block_n, stages in (("qwen", 7, 64, 128, 2), ("llama", 4, 128, 64, 3)):
         attention = dict(NUM_KV_HEADS=2 if name == "qwen" else 8, GROUP=group, GROUP_PAD=16, HEAD_DIM=head_dim,
                          BLOCK_SIZE=16, BLOCK_N=block_n, WRITE_PARTIAL=True, DOT_PREC="tf32", PDL=True,
-                         FUSED_MERGE=False, MERGE_GROUP=triton.next_power_of_2(group), MERGE_CHUNK=8,
-                         DTYPE=tl.bfloat16, QUANT_OUT=False, SCALE_BY_RECIPROCAL=True)
+                         FUSED_MERGE=False, MERGE_GROUP=triton.next_power_of_2(group), MERGE_CHUNK=8)
         for tiles in (0, 2):
             out[f"attention_{name}_prefetch{tiles}"] = compile_kernel(
                 _decode_attention_kernel, dict(attention, PREFETCH_TILES=tiles), attention_ptrs, strides,
@@ -173,10 +156,6 @@ def cases() -> dict[str, dict]:
         out[f"attention_{name}_fused_merge"] = compile_kernel(
             _decode_attention_kernel, dict(attention, PREFETCH_TILES=2, FUSED_MERGE=True), attention_ptrs, strides,
             num_warps=4, num_stages=stages)
-        # quantizing its output for the W8A8 o projection, merged by the last split
-        out[f"attention_{name}_quant"] = compile_kernel(
-            _decode_attention_kernel, dict(attention, PREFETCH_TILES=0, FUSED_MERGE=True, QUANT_OUT=True),
-            dict(attention_ptrs, out_ptr="*u8"), strides, num_warps=4, num_stages=stages)
     return {name: summary(kernel) for name, kernel in out.items()}
 
 

@@ -4,7 +4,6 @@ loading to the same weights as quantizing at load."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 
@@ -16,8 +15,7 @@ from safetensors.torch import load_file, save_file
 from engine import LLM, SamplingParams
 from engine.errors import UnsupportedModelError
 from engine.models.config import checkpoint_quantization
-from engine.models.fp8 import (FP8, FP8_MAX, FP8Activations, dequantize, fp8_linear, fp8_linear_ref,
-                               quantize_per_channel)
+from engine.models.fp8 import FP8, FP8_MAX, dequantize, fp8_linear, fp8_linear_ref, quantize_per_channel
 from tiny_models import make_tiny_model
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -80,112 +78,6 @@ def test_an_fp8_projection_after_a_norm_takes_its_input_quantized_by_the_norm(mo
     want = fp8_gemm(xq, x_scale, proj.weight, proj.weight_scale, None, torch.bfloat16, silu_mul)
     assert torch.equal(y, want)
     assert torch.equal(new_res, want_res)
-
-
-def one_layer_decode(monkeypatch, intermediate: int):
-    """A Llama decoder layer (hidden 128, two heads of 64, one KV head; float32, random weights) and
-    a function that runs decode of 4 rows through it on the Triton path (in the interpreter: the
-    interpreter's bf16 dot is not exact), on fresh copies of one paged KV cache each time."""
-    from engine.attention import AttentionMetadata, TritonAttention
-    from engine.models import layers
-    from engine.models.config import ModelArgs
-    from engine.models.llama import DecoderLayer
-    from kernels.rotary import build_cos_sin_cache
-
-    monkeypatch.setattr(layers, "_triton", lambda x: True)
-    args = ModelArgs("LlamaForCausalLM", vocab_size=256, hidden_size=128, intermediate_size=intermediate,
-                     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0,
-                     rope_scaling=None, max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=False,
-                     qk_norm=False, dtype="float32", eos_token_ids=(0,), bos_token_id=None)
-    torch.manual_seed(5)
-    layer = DecoderLayer(args, TritonAttention(block_size=16))
-    for module in layer.modules():
-        if isinstance(module, layers.Linear):
-            module.weight.data = torch.randn(module.weight.shape) / module.in_features**0.5
-    gen = torch.Generator().manual_seed(6)
-    rows, blocks = 4, 4
-    x, residual = (torch.randn(rows, 128, generator=gen) for _ in range(2))
-    context_lens = torch.tensor([5, 17, 33, 64], dtype=torch.int32)
-    block_tables = (torch.arange(rows * blocks, dtype=torch.int32).view(rows, blocks) + 1)
-    positions = context_lens.long() - 1
-    slot_mapping = block_tables.long().gather(1, (positions // 16)[:, None])[:, 0] * 16 + positions % 16
-    meta = AttentionMetadata(is_prefill=False, slot_mapping=slot_mapping, block_tables=block_tables,
-                             context_lens=context_lens)
-    caches = [torch.randn(rows * blocks + 1, 16, 1, 64, generator=gen) for _ in range(2)]
-    cos_sin = build_cos_sin_cache(64, 256, 10000.0)
-
-    def run():
-        k_cache, v_cache = (c.clone() for c in caches)
-        return layer(x, residual, positions, cos_sin, meta, k_cache, v_cache)
-
-    return layer, run
-
-
-def to_fp8(layer) -> None:
-    from engine.models.layers import Linear
-
-    for module in layer.modules():
-        if isinstance(module, Linear):
-            module.to_fp8()
-
-
-def test_a_decode_step_hands_o_proj_and_down_proj_their_inputs_in_fp8(monkeypatch):
-    """One FP8 decoder layer, decode of 4 rows on the Triton path (one_layer_decode): the attention
-    kernel and the gate_up projection quantize the o and down projections' inputs (a scale for each
-    head / each 64 values, layers.FP8_HANDOFF), so no quantization kernel runs, and the results stay
-    within FP8 error of the unquantized layer's. The GPU tests hold the whole model to the
-    fake-quantized reference."""
-    import kernels.fp8_quant as fp8_quant
-    from engine.models.layers import Linear
-
-    quantize_calls = []
-    real_quantize = fp8_quant.quantize_rows_fp8
-    monkeypatch.setattr(fp8_quant, "quantize_rows_fp8", lambda x, **kw: quantize_calls.append(x.shape) or
-                        real_quantize(x, **kw))
-    layer, run = one_layer_decode(monkeypatch, intermediate=192)
-    plain_out, plain_res = run()
-    to_fp8(layer)
-    handed = []
-    for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
-        monkeypatch.setattr(proj, "forward", lambda x, proj=proj, **kw: handed.append(x) or
-                            Linear.forward(proj, x, **kw))
-    out, new_res = run()
-    assert quantize_calls == []
-    o_input, down_input = handed
-    assert isinstance(o_input, FP8Activations) and o_input.scales.shape == (4, 2)  # a scale a head
-    assert isinstance(down_input, FP8Activations) and down_input.scales.shape == (4, 192 // 64)
-    for got, want in ((new_res, plain_res), (out, plain_out)):  # after attention, after the MLP
-        err = ((got - want).norm() / want.norm()).item()
-        assert 0 < err < 0.1, err  # 0.012 and 0.059 when written
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-def test_the_norm_after_a_split_projection_sums_it_and_changes_no_bit(monkeypatch, fp8):
-    """layers.DEFER_SPLIT_REDUCE: down_proj (K 2048, split in two by the skinny GEMM) hands its
-    partials to the residual-add + norm after it (here the model's final add_rms_norm) instead of
-    running its reduce kernel: the same bits as with the reduce kernel, unquantized and FP8 (whose
-    down_proj input comes with a scale for each 64 values)."""
-    from engine.models import layers
-
-    skinny = importlib.import_module("kernels.skinny_gemm")  # the package exports a function of that name
-    reduces = []
-    real_finish = skinny.finish_split
-    monkeypatch.setattr(skinny, "finish_split", lambda p, *a: reduces.append(p.shape) or real_finish(p, *a))
-    layer, run = one_layer_decode(monkeypatch, intermediate=2048)
-    if fp8:
-        to_fp8(layer)
-    else:  # the skinny GEMM with float32 operands (it takes bf16 / fp16 in the engine)
-        monkeypatch.setattr(layers, "_skinny_applies", lambda x, lm_head: not lm_head and 2 <= x.shape[0] <= 64)
-    norm_weight = torch.rand(128, generator=torch.Generator().manual_seed(7)) + 0.5
-    results = {}
-    for defer in (True, False):
-        monkeypatch.setattr(layers, "DEFER_SPLIT_REDUCE", defer)
-        reduces.clear()
-        out, residual = run()
-        assert isinstance(out, skinny.SplitPartials) == defer
-        results[defer] = layers.add_rms_norm(out, residual, norm_weight, 1e-6)
-        assert reduces == ([] if defer else [(4, 128)])  # down_proj's split; o_proj's K of 128 is not split
-    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
 
 
 def test_quantization_fp8_serves_close_to_the_unquantized_model(tiny):

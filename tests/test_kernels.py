@@ -129,26 +129,6 @@ def test_decode_attention(num_splits, fused_merge, monkeypatch):
     assert rel_err(out, ref) < TOL
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_attention_hands_o_proj_its_input_quantized_per_head(num_splits, dtype, fused_merge):
-    """quantize_out: each head's output in e4m3 with a scale of its own (the W8A8 o projection's
-    input in groups of a head), bit for bit the unquantized output quantized in groups of D, on
-    every merge path."""
-    from kernels.fp8_quant import quantize_groups_fp8_ref
-
-    gen = torch.Generator().manual_seed(4)
-    q, k_cache, v_cache, bt, cl = (t.to(dtype) if t.is_floating_point() else t for t in decode_case(gen))
-    plain = paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=num_splits)
-    values, scales = paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=num_splits,
-                                            quantize_out=True)
-    batch, heads, dim = q.shape
-    want_values, want_scales = quantize_groups_fp8_ref(plain.reshape(batch, heads * dim), dim)
-    assert values.dtype == torch.float8_e4m3fn and values.shape == q.shape and scales.shape == (batch, heads)
-    assert torch.equal(scales, want_scales)
-    assert torch.equal(values.view(torch.uint8).reshape(batch, -1), want_values.view(torch.uint8))
-
-
 @pytest.mark.parametrize("num_splits", [8, 20])
 def test_decode_attention_more_splits_than_tiles(num_splits, fused_merge):
     # more splits than KV tiles: most partitions are empty and must be neutral; 20 > one merge chunk

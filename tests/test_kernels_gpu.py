@@ -112,27 +112,6 @@ def test_decode_attention_real_shapes(batch, max_ctx, shape, num_splits, prefetc
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,max_ctx,shape,num_splits", [(64, 4096, LLAMA_8B, None), (64, 4096, LLAMA_8B, 4),
-                                                           (8, 2048, LLAMA_8B, None), (32, 2048, QWEN_05B, None)])
-@pytest.mark.parametrize("fused_merge", [False, True])
-def test_decode_attention_quantized_output_real_shapes(batch, max_ctx, shape, num_splits, fused_merge, monkeypatch,
-                                                       poisoned_outputs):
-    """quantize_out (the W8A8 o projection's input): bit for bit the bf16 output quantized a head
-    at a time, on every merge path."""
-    from kernels.fp8_quant import quantize_groups_fp8_ref
-
-    use_fused_merge(monkeypatch, fused_merge)
-    q, k_cache, v_cache, bt, cl = decode_case(batch, max_ctx, **shape)
-    scale = q.shape[-1] ** -0.5
-    values, scales = paged_decode_attention(q, k_cache, v_cache, bt, cl, scale, num_splits=num_splits,
-                                            quantize_out=True)
-    plain = paged_decode_attention(q, k_cache, v_cache, bt, cl, scale, num_splits=num_splits)
-    want_values, want_scales = quantize_groups_fp8_ref(plain.reshape(batch, -1), q.shape[-1])
-    assert torch.equal(scales, want_scales)
-    assert torch.equal(values.view(torch.uint8).reshape(batch, -1), want_values.view(torch.uint8))
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [32, 64])
 def test_decode_attention_block_sizes(block_size):
     k_cache, v_cache, bt, gen = paged_setup(8, 1000, 8, 128, block_size=block_size)

@@ -1,4 +1,7 @@
-"""Our decoder vs transformers' implementation on tiny random-weight models."""
+"""Our decoder vs transformers' implementation on tiny random-weight models; one decoder layer on
+the Triton path (in the interpreter)."""
+
+import importlib
 
 import pytest
 import torch
@@ -91,3 +94,68 @@ def test_triton_path_matches_torch_path(monkeypatch, tmp_path, variant):
         results.append((prefill, decode, torch.stack([torch.stack(layer) for layer in kv])))
     for got, want in zip(results[1], results[0]):  # prefill logits, decode logits, the whole KV cache
         assert rel_err(got, want) < 1e-5
+
+
+def one_layer_decode(monkeypatch, intermediate: int):
+    """A Llama decoder layer (hidden 128, two heads of 64, one KV head; float32, random weights) and
+    a function that runs decode of 4 rows through it on the Triton path (in the interpreter: the
+    interpreter's bf16 dot is not exact), on fresh copies of one paged KV cache each time."""
+    from engine.attention import AttentionMetadata, TritonAttention
+    from engine.models import layers
+    from engine.models.config import ModelArgs
+    from engine.models.llama import DecoderLayer
+    from kernels.rotary import build_cos_sin_cache
+
+    monkeypatch.setattr(layers, "_triton", lambda x: True)
+    args = ModelArgs("LlamaForCausalLM", vocab_size=256, hidden_size=128, intermediate_size=intermediate,
+                     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+                     rope_scaling=None, max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=False,
+                     qk_norm=False, dtype="float32", eos_token_ids=(0,), bos_token_id=None)
+    torch.manual_seed(5)
+    layer = DecoderLayer(args, TritonAttention(block_size=16))
+    for module in layer.modules():
+        if isinstance(module, layers.Linear):
+            module.weight.data = torch.randn(module.weight.shape) / module.in_features**0.5
+    gen = torch.Generator().manual_seed(6)
+    rows, blocks = 4, 4
+    x, residual = (torch.randn(rows, 128, generator=gen) for _ in range(2))
+    context_lens = torch.tensor([5, 17, 33, 64], dtype=torch.int32)
+    block_tables = (torch.arange(rows * blocks, dtype=torch.int32).view(rows, blocks) + 1)
+    positions = context_lens.long() - 1
+    slot_mapping = block_tables.long().gather(1, (positions // 16)[:, None])[:, 0] * 16 + positions % 16
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=slot_mapping, block_tables=block_tables,
+                             context_lens=context_lens)
+    caches = [torch.randn(rows * blocks + 1, 16, 1, 64, generator=gen) for _ in range(2)]
+    cos_sin = build_cos_sin_cache(64, 256, 10000.0)
+
+    def run():
+        k_cache, v_cache = (c.clone() for c in caches)
+        return layer(x, residual, positions, cos_sin, meta, k_cache, v_cache)
+
+    return layer, run
+
+
+def test_the_norm_after_a_split_projection_sums_it_and_changes_no_bit(monkeypatch):
+    """layers.DEFER_SPLIT_REDUCE: down_proj (K 2048, split in two by the skinny GEMM) hands its
+    partials to the residual-add + norm after it (here the model's final add_rms_norm) instead of
+    running its reduce kernel: the same bits as with the reduce kernel. (The skinny GEMM with float32
+    operands: the engine gives it bf16 / fp16, whose dot the interpreter does not compute exactly. FP8
+    projections take a CPU path here; tests/test_skinny_gemm.py holds the FP8 partials to the bit.)"""
+    from engine.models import layers
+
+    skinny = importlib.import_module("kernels.skinny_gemm")  # the package exports a function of that name
+    reduces = []
+    real_finish = skinny.finish_split
+    monkeypatch.setattr(skinny, "finish_split", lambda p, *a: reduces.append(p.shape) or real_finish(p, *a))
+    layer, run = one_layer_decode(monkeypatch, intermediate=2048)
+    monkeypatch.setattr(layers, "_skinny_applies", lambda x, lm_head: not lm_head and 2 <= x.shape[0] <= 64)
+    norm_weight = torch.rand(128, generator=torch.Generator().manual_seed(7)) + 0.5
+    results = {}
+    for defer in (True, False):
+        monkeypatch.setattr(layers, "DEFER_SPLIT_REDUCE", defer)
+        reduces.clear()
+        out, residual = run()
+        assert isinstance(out, skinny.SplitPartials) == defer
+        results[defer] = layers.add_rms_norm(out, residual, norm_weight, 1e-6)
+        assert reduces == ([] if defer else [(4, 128)])  # down_proj's split; o_proj's K of 128 is not split
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))

@@ -98,55 +98,6 @@ def test_fp8_weight_only_matches_ref(m, n, k, tile, bias, poisoned_outputs):
     assert_close(out, ref, x.float().abs() @ (wq.float().abs() * w_scale[:, None]).T, 2.0 ** -20)
 
 
-def grouped_x_scales(m: int, k: int, group: int, seed: int) -> torch.Tensor:
-    """One scale for each `group` values of a row, over four orders of magnitude."""
-    gen = torch.Generator().manual_seed(seed)
-    return 10.0 ** (torch.rand(m, k // group, generator=gen) * 4 - 5)
-
-
-@pytest.mark.parametrize("m,n,k,group,tile", [
-    pytest.param(4, 32, 128, 32, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="tile-a-group"),
-    pytest.param(5, 40, 192, 64, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="two-tiles-a-group-ragged"),
-    pytest.param(18, 24, 256, 64, SkinnyGemmTile(16, 32, 16, 3, 4, 2), id="split-3"),
-])
-def test_fp8_x_scaled_per_group_of_k_matches_ref(m, n, k, group, tile, poisoned_outputs):
-    """W8A8 with one x scale for each group of K values of a row (as decode attention and the
-    gate_up projection hand theirs over): each K tile's product scaled as it is added, split or not."""
-    xq, _, wq, w_scale, _ = fp8_operands(m, n, k, seed=m + n + k)
-    x_scale = grouped_x_scales(m, k, group, seed=k)
-    out = skinny_gemm(xq, wq, x_scale=x_scale, weight_scale=w_scale, out_dtype=torch.float32, tile=tile)
-    ref = skinny_gemm_ref(xq, wq, x_scale=x_scale, weight_scale=w_scale, out_dtype=torch.float32)
-    scales = x_scale.repeat_interleave(group, dim=1)
-    assert_close(out, ref, (xq.float().abs() * scales) @ (wq.float().abs() * w_scale[:, None]).T, 2.0 ** -20)
-    # the same values as one scale a row where every group's scale is the row's
-    flat = x_scale[:, :1].expand(m, k // group).contiguous()
-    per_row = skinny_gemm(xq, wq, x_scale=x_scale[:, :1].contiguous(), weight_scale=w_scale, out_dtype=torch.float32,
-                          tile=tile)
-    grouped = skinny_gemm(xq, wq, x_scale=flat, weight_scale=w_scale, out_dtype=torch.float32, tile=tile)
-    torch.testing.assert_close(grouped, per_row, rtol=1e-5, atol=1e-5 * per_row.abs().max().item())
-    with pytest.raises(ValueError, match="straddle"):
-        skinny_gemm(xq, wq, x_scale=x_scale, weight_scale=w_scale, tile=tile._replace(block_k=2 * group))
-
-
-@pytest.mark.parametrize("m,n,k", [(3, 64, 64), (20, 128, 96)])
-def test_silu_mul_hands_the_next_projection_its_input_quantized_per_tile(m, n, k, poisoned_outputs):
-    """quantize_out: the SiLU-and-mul result in e4m3 with a scale per row for each 64 outputs, bit
-    for bit the bf16 result quantized in groups of 64 (kernels/fp8_quant.quantize_groups_fp8_ref)."""
-    from kernels.fp8_quant import quantize_groups_fp8_ref
-
-    xq, x_scale, wq, w_scale, _ = fp8_operands(m, 2 * n, k, seed=m + k)
-    kw = dict(x_scale=x_scale, weight_scale=w_scale, silu_mul=True, tile=SkinnyGemmTile(64, 32, 16, 1, 4, 2))
-    q, scale = skinny_gemm(xq, wq, quantize_out=True, **kw)
-    want_q, want_scale = quantize_groups_fp8_ref(skinny_gemm(xq, wq, out_dtype=torch.bfloat16, **kw), 64)
-    assert q.dtype == FP8 and q.shape == (m, n) and scale.shape == (m, n // 64)
-    assert torch.equal(scale, want_scale)
-    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-    with pytest.raises(ValueError, match="quantize_out"):
-        skinny_gemm(xq, wq, x_scale=x_scale, weight_scale=w_scale, quantize_out=True)  # no silu_mul
-    with pytest.raises(ValueError, match="quantize_out"):
-        skinny_gemm(xq, wq[:2 * (n - 8)], quantize_out=True, **{**kw, "weight_scale": w_scale[:2 * (n - 8)]})
-
-
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("quant", [False, True], ids=["norm", "norm-fp8"])
 def test_the_norm_after_a_split_projection_sums_its_partials_bit_for_bit(fp8, quant, poisoned_outputs):
@@ -220,11 +171,6 @@ def test_default_tile_pipelines_w8a8_deeper_in_smaller_k_tiles():
         assert (bf16.block_k * 2, bf16.num_stages) == (256, 5)
     gate_up = default_skinny_gemm_tile(64, 14336, 4096, sms, silu_mul=True)
     assert (gate_up.block_k, gate_up.num_stages) == (128, 3)
-    # down_proj's input in groups of 64 (gate_up's tiles): K tiles of 64, twice as many stages
-    down = default_skinny_gemm_tile(64, 4096, 14336, sms, x_group=64)
-    assert (down.block_k, down.num_stages) == (64, 16)
-    assert down.num_stages * stage_bytes(down, 1) <= SHARED_MEMORY_BUDGET
-    assert default_skinny_gemm_tile(64, 4096, 4096, sms, x_group=128).block_k == 128  # o_proj: a head a group
 
 
 def test_rejects_bad_operands():
@@ -283,34 +229,17 @@ def test_gpu_fp8_model_shapes(m, n, k, poisoned_outputs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [2, 8, 64])
-@pytest.mark.parametrize("n,k,group", [(4096, 4096, 128), (4096, 14336, 64), (896, 4864, 64), (896, 896, 64)],
-                         ids=["llama-o", "llama-down", "qwen-down", "qwen-o"])
-def test_gpu_fp8_x_scaled_per_group_model_shapes(m, n, k, group, poisoned_outputs):
-    """The o and down projections as decode hands them their inputs (a scale a head, or a scale for
-    each 64 of gate_up's outputs), default tiles: within the FP8 dot's bound of the reference."""
-    xq, _, wq, w_scale, _ = fp8_operands(m, n, k, device="cuda", seed=m + n + k)
-    x_scale = grouped_x_scales(m, k, group, seed=k).cuda()
-    out = skinny_gemm(xq, wq, x_scale=x_scale, weight_scale=w_scale)
-    ref = skinny_gemm_ref(xq, wq, x_scale=x_scale, weight_scale=w_scale)
-    magnitude = (xq.float().abs() * x_scale.repeat_interleave(group, dim=1)) @ (wq.float().abs() * w_scale[:, None]).T
-    assert_close(out, ref, magnitude, 2.0 ** -11)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [2, 8, 64])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336), (896, 4864)], ids=["llama-o", "llama-down", "qwen-down"])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gpu_norm_sums_split_partials_model_shapes(m, n, k, fp8, poisoned_outputs):
     """The o / down projection's split-K partials summed by the residual-add + RMSNorm after it (and
-    its FP8-quantizing variant; FP8 down_proj's input comes with a scale for each 64 values): bit for
-    bit the reduce kernel's product, then the norm, at default tiles."""
+    its FP8-quantizing variant): bit for bit the reduce kernel's product, then the norm, at default
+    tiles."""
     from kernels.rmsnorm import fused_add_rms_norm, rms_norm_fp8
     from kernels.skinny_gemm import SplitPartials, finish_split
 
     if fp8:
         xq, x_scale, wq, w_scale, _ = fp8_operands(m, n, k, device="cuda", seed=m + k)
-        if k != 4096:
-            x_scale = grouped_x_scales(m, k, 64, seed=k).cuda()
         kw = dict(x_scale=x_scale, weight_scale=w_scale)
     else:
         xq, wq, _ = float_operands(m, n, k, torch.bfloat16, device="cuda", seed=m + k)
@@ -327,21 +256,6 @@ def test_gpu_norm_sums_split_partials_model_shapes(m, n, k, fp8, poisoned_output
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     got, want = rms_norm_fp8(pending, norm_weight, 1e-5, residual), rms_norm_fp8(summed, norm_weight, 1e-5, residual)
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [2, 8, 64])
-@pytest.mark.parametrize("n,k", [(28672, 4096), (9728, 896)], ids=["llama-gate-up", "qwen-gate-up"])
-def test_gpu_silu_mul_quantized_output_model_shapes(m, n, k, poisoned_outputs):
-    """gate_up handing down_proj its input: bit for bit its bf16 result quantized in groups of 64."""
-    from kernels.fp8_quant import quantize_groups_fp8_ref
-
-    xq, x_scale, wq, w_scale, _ = fp8_operands(m, n, k, device="cuda", seed=m + n)
-    q, scale = skinny_gemm(xq, wq, x_scale=x_scale, weight_scale=w_scale, silu_mul=True, quantize_out=True)
-    want_q, want_scale = quantize_groups_fp8_ref(
-        skinny_gemm(xq, wq, x_scale=x_scale, weight_scale=w_scale, silu_mul=True), 64)
-    assert torch.equal(scale, want_scale)
-    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
 @pytest.mark.gpu

@@ -9,8 +9,6 @@ head stay in the model's dtype."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
@@ -30,16 +28,6 @@ FP8_GEMM_MAX_ROWS = 64
 # skinny_gemm_bench-fp8-weight-only-*, decode_latency-*-fp8-{w8a8,weight-only}-*). So 0: W8A8
 # from 2 rows. decode_latency.py --fp8-weight-only-max-rows A/Bs it.
 FP8_WEIGHT_ONLY_MAX_ROWS = 0
-
-
-class FP8Activations(NamedTuple):
-    """A W8A8 projection's input as the kernel that made it handed it over, already in e4m3:
-    values [M, K], float32 scales [M, G] (one for each K / G consecutive values of a row), and the
-    dtype the values stand for (the projection's output dtype)."""
-
-    values: torch.Tensor
-    scales: torch.Tensor
-    dtype: torch.dtype
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,20 +79,15 @@ def quantizes_activations(rows: int) -> bool:
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
              bias: torch.Tensor | None, out_dtype: torch.dtype, silu_mul: bool = False,
-             quantize_out: bool = False, defer_reduce: bool = False) -> torch.Tensor | FP8Activations:
-    """W8A8 on CUDA: activations xq [M, in] e4m3 with scales x_scale [M, 1] (or, up to
-    FP8_GEMM_MAX_ROWS rows, [M, G]: one for each group of in / G values), weight q with scale; the
-    result in out_dtype (silu(gate) * up when silu_mul), or (quantize_out, with silu_mul, up to
-    FP8_GEMM_MAX_ROWS rows) that result quantized for the next W8A8 projection (kernels/skinny_gemm.py).
-    defer_reduce: a product the skinny GEMM splits over K may come back unsummed (SplitPartials)."""
+             defer_reduce: bool = False) -> torch.Tensor:
+    """W8A8 on CUDA: activations xq [M, in] e4m3 with scales x_scale [M, 1], weight q with scale;
+    the result in out_dtype (silu(gate) * up when silu_mul). defer_reduce: a product the skinny
+    GEMM splits over K may come back unsummed (kernels/skinny_gemm.SplitPartials)."""
     from kernels.skinny_gemm import skinny_gemm
 
     if xq.shape[0] <= FP8_GEMM_MAX_ROWS:
-        y = skinny_gemm(xq, q, bias, x_scale=x_scale, weight_scale=scale, out_dtype=out_dtype, silu_mul=silu_mul,
-                        quantize_out=quantize_out, defer_reduce=defer_reduce)
-        return FP8Activations(*y, out_dtype) if quantize_out else y
-    if quantize_out or x_scale.shape[-1] != 1:
-        raise ValueError(f"beyond {FP8_GEMM_MAX_ROWS} rows FP8 activations take one scale a row, in and out")
+        return skinny_gemm(xq, q, bias, x_scale=x_scale, weight_scale=scale, out_dtype=out_dtype, silu_mul=silu_mul,
+                           defer_reduce=defer_reduce)
     y = torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale[None, :], bias=bias, out_dtype=out_dtype)
     if silu_mul:
         from kernels.activation import silu_and_mul

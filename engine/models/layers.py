@@ -9,9 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import cpu_linear, cpu_ops
-from engine.models.fp8 import (FP8, FP8_GEMM_MAX_ROWS, FP8Activations, fp8_gemm, fp8_linear, quantize_per_channel,
-                               quantizes_activations)
-from kernels.skinny_gemm import BLOCK_N, SplitPartials, finish_split
+from engine.models.fp8 import FP8, fp8_gemm, fp8_linear, quantize_per_channel, quantizes_activations
+from kernels.skinny_gemm import SplitPartials, finish_split
 
 
 # A decoder projection on CUDA runs as our Triton GEMV (kernels/gemv.py), with the RMSNorm before
@@ -44,10 +43,6 @@ FP8_GATE_UP_GEMV_MAX_ROWS = 0
 SKINNY_GEMM_MAX_ROWS = 64
 # the norm before an FP8 projection hands it its input quantized (kernels/rmsnorm.py rms_norm_fp8)
 FP8_NORM_QUANT = True
-# Decode attention and the gate_up projection hand the W8A8 o_proj and down_proj their inputs in FP8,
-# each group of values with a scale of its own (a head; each 64 outputs of gate_up), quantized as
-# they are computed, instead of a quantization kernel (one scale a row) before each projection.
-FP8_HANDOFF = True
 # The o and down projections' split-K partials (the skinny GEMM splits K where its output tiles leave
 # SMs idle) are summed by the residual-add + RMSNorm kernel after them, not a reduce kernel of their
 # own: one kernel fewer each (one GPU: tensor parallelism all-reduces the summed output).
@@ -76,21 +71,6 @@ def _summed(x: torch.Tensor | SplitPartials) -> torch.Tensor:
     return finish_split(x) if isinstance(x, SplitPartials) else x
 
 
-def takes_fp8_handoff(x: torch.Tensor, proj: Linear, producer: Linear | None = None) -> bool:
-    """Whether proj, for input rows like x's, takes its input from the kernel that makes it already
-    in FP8, quantized per group (FP8_HANDOFF): proj runs W8A8 in the skinny GEMM, and the producer
-    can quantize: decode attention always, a gate_up `producer` (SiLU-and-mul) when it runs W8A8
-    after the norm's quantization too."""
-    rows = x.shape[0]
-    if not (FP8_HANDOFF and _triton(x) and proj.weight.dtype == FP8 and quantizes_activations(rows)
-            and rows <= FP8_GEMM_MAX_ROWS and not _gemv_applies(x, proj.weight)):
-        return False
-    if producer is None:
-        return True
-    return (producer.weight.dtype == FP8 and not _gemv_applies(x, producer.weight, silu_mul=True)
-            and FP8_NORM_QUANT and proj.in_features % BLOCK_N == 0)  # a scale for each program's outputs
-
-
 def _fused_projection(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False):
     """The Triton kernel that runs this projection with its neighbours fused in (kernels.gemv.gemv),
     or None (the skinny GEMM, cuBLAS or W8A8, and separate kernels)."""
@@ -112,21 +92,17 @@ def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     return cpu_linear.pack_panels(weight)
 
 
-def linear(x: torch.Tensor | FP8Activations, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
            scale: torch.Tensor | None = None, lm_head: bool = False, silu_mul: bool = False,
            defer_reduce: bool = False) -> torch.Tensor | SplitPartials:
     """x @ weight.T (+ bias); out_dtype: the result (rounded to x's dtype first) in this dtype.
-    An FP8 weight comes with its per-output-channel `scale` (engine/models/fp8.py), and may take x
-    already quantized (FP8Activations, see takes_fp8_handoff).
+    An FP8 weight comes with its per-output-channel `scale` (engine/models/fp8.py).
     lm_head: the vocabulary projection (cuBLAS, never the GEMV). silu_mul: weight is a fused
     [gate; up] and the result silu(gate) * up, fused into the projection where its kernel can.
     defer_reduce (see defers_split_reduce): a product the skinny GEMM splits over K comes back as
     its SplitPartials, which norm_linear and add_rms_norm take."""
     defer_reduce = defer_reduce and out_dtype is None
-    if isinstance(x, FP8Activations):
-        return fp8_gemm(x.values, x.scales, weight, scale, bias, out_dtype or x.dtype, silu_mul,
-                        defer_reduce=defer_reduce)
     kernel = None if lm_head else _fused_projection(x, weight, silu_mul)
     if kernel is not None:
         return kernel(x, weight, bias, out_dtype=out_dtype, weight_scale=scale, silu_mul=silu_mul)[0]
@@ -170,20 +146,18 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
 
-    def forward(self, x: torch.Tensor | FP8Activations, defer_reduce: bool = False) -> torch.Tensor | SplitPartials:
+    def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | SplitPartials:
         return linear(x, self.weight, self.bias, self.packed, scale=self.weight_scale, defer_reduce=defer_reduce)
 
 
 def norm_linear(x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                proj: Linear, silu_mul: bool = False,
-                quantize_out: bool = False) -> tuple[torch.Tensor | FP8Activations, torch.Tensor]:
+                proj: Linear, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoder sub-block's input side: h = rmsnorm(x + residual) * norm_weight (rmsnorm(x) when
     residual is None), y = proj(h), then silu(gate) * up when silu_mul. Returns (y, x + residual).
-    Decode-sized batches on CUDA do all of it in one kernel. quantize_out (silu_mul, where
-    takes_fp8_handoff(x, next projection, proj) says): y comes quantized for the next projection.
-    x may be the previous projection's split-K partials (defers_split_reduce), with a residual."""
+    Decode-sized batches on CUDA do all of it in one kernel. x may be the previous projection's
+    split-K partials (defers_split_reduce), with a residual."""
     kernel = _fused_projection(x, proj.weight, silu_mul)
-    if kernel is not None and not quantize_out:
+    if kernel is not None:
         y, new_residual = kernel(_summed(x), proj.weight, proj.bias, norm_weight=norm_weight, residual=residual,
                                  eps=eps, silu_mul=silu_mul, weight_scale=proj.weight_scale)
         return y, x if residual is None else new_residual
@@ -192,10 +166,8 @@ def norm_linear(x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, 
         from kernels.rmsnorm import rms_norm_fp8
 
         xq, x_scale, new_residual = rms_norm_fp8(x, norm_weight, eps, residual)
-        y = fp8_gemm(xq, x_scale, proj.weight, proj.weight_scale, proj.bias, x.dtype, silu_mul, quantize_out)
+        y = fp8_gemm(xq, x_scale, proj.weight, proj.weight_scale, proj.bias, x.dtype, silu_mul)
         return y, x if residual is None else new_residual
-    if quantize_out:
-        raise ValueError("this projection cannot hand over its output in FP8 (see takes_fp8_handoff)")
     if residual is None:
         h, residual = rms_norm(x, norm_weight, eps), x
     else:

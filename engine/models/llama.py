@@ -14,7 +14,6 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.distributed import SINGLE, TensorParallel, shard_for
 from engine.models.config import ModelArgs
-from engine.models.fp8 import FP8Activations
 from engine.models.layers import (
     Linear,
     add_rms_norm,
@@ -24,7 +23,6 @@ from engine.models.layers import (
     norm_linear,
     pack_weight_for_cpu,
     rms_norm,
-    takes_fp8_handoff,
 )
 
 
@@ -62,23 +60,17 @@ class Attention(nn.Module):
         if not meta.is_prefill and self.q_norm is None:
             fused = fused_qkv_rope_store(x, residual, norm.weight, norm.eps, self.qkv_proj, self.num_heads, positions,
                                          cos_sin, meta.slot_mapping, k_cache, v_cache)
-        handoff = not meta.is_prefill and takes_fp8_handoff(x, self.o_proj)
         if fused is not None:
             q, residual = fused
-            out = self.backend.attend_decode(q, k_cache, v_cache, meta, self.scale, quantize_out=handoff)
+            out = self.backend.attend_decode(q, k_cache, v_cache, meta, self.scale)
         else:
             qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, self.qkv_proj)
             heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
             q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            out = self.backend.forward(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale,
-                                       quantize_out=handoff)
-        if handoff:  # in FP8, a scale a head
-            values, scales = out
-            o_input = FP8Activations(values.view(num_tokens, self.q_size), scales, x.dtype)
-        else:
-            o_input = out.reshape(num_tokens, self.q_size)
+            out = self.backend.forward(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale)
+        o_input = out.reshape(num_tokens, self.q_size)
         return self.tp.all_reduce(self.o_proj(o_input, defer_reduce=defers_split_reduce(self.tp.size))), residual
 
 
@@ -105,8 +97,7 @@ class DecoderLayer(nn.Module):
         tensor or its down projection's split-K partials (layers.defers_split_reduce)."""
         h, residual = self.self_attn(x, residual, self.input_layernorm, positions, cos_sin, meta, k_cache, v_cache)
         norm, mlp = self.post_attention_layernorm, self.mlp
-        act, residual = norm_linear(h, residual, norm.weight, norm.eps, mlp.gate_up_proj, silu_mul=True,
-                                    quantize_out=takes_fp8_handoff(h, mlp.down_proj, producer=mlp.gate_up_proj))
+        act, residual = norm_linear(h, residual, norm.weight, norm.eps, mlp.gate_up_proj, silu_mul=True)
         return self.tp.all_reduce(mlp.down_proj(act, defer_reduce=defers_split_reduce(self.tp.size))), residual
 
 
