@@ -4,7 +4,9 @@ HF: normalise in fp32, cast to the input dtype, then multiply by the weight. The
 the same rounding steps, so bf16 results match transformers, not just a higher-precision value.
 Outputs are in x's dtype, or (rms_norm_fp8) quantized to float8 e4m3 with one scale per row, as
 the W8A8 FP8 projection after the norm takes them: bit for bit kernels/fp8_quant.py applied to
-the normed row in x's dtype, one kernel instead of two.
+the normed row in x's dtype, one kernel instead of two. With a residual, x may be the projection
+before the norm still split over K (kernels/skinny_gemm.SplitPartials): the kernel sums it as the
+skinny GEMM's reduce kernel would, bit for bit, and that reduce kernel is not launched.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def _launch(x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, weig
         return
     block = triton.next_power_of_2(hidden)
     quant = scale is not None
-    pdl = use_pdl(x.partials.device if isinstance(x, SplitPartials) else x.device, elementwise=True)
+    pdl = use_pdl(x.device, elementwise=True)
     split = x.partials.shape[0] if isinstance(x, SplitPartials) else 0
     if split:
         data, part_w_scale, part_x_scale, part_bias = x.partials, x.weight_scale, x.x_scale, x.bias
@@ -118,11 +120,11 @@ def _check(x: torch.Tensor | SplitPartials, weight: torch.Tensor, residual: torc
         raise ValueError(f"expected x [T, H] with contiguous rows and weight [H], got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
     if residual is None and (needs_residual or split):
-        raise ValueError("a split-K product is normed only after a residual add")
+        raise ValueError("a residual is needed: a split-K product is normed only after a residual add")
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1
                                  or (split and residual.dtype != x.dtype)):
         raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
-    return x.dtype, x.partials.device if split else x.device
+    return x.dtype, x.device
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -45,7 +45,10 @@ SKINNY_GEMM_MAX_ROWS = 64
 FP8_NORM_QUANT = True
 # The o and down projections' split-K partials (the skinny GEMM splits K where its output tiles leave
 # SMs idle) are summed by the residual-add + RMSNorm kernel after them, not a reduce kernel of their
-# own: one kernel fewer each (one GPU: tensor parallelism all-reduces the summed output).
+# own: one kernel fewer each, the same bits (one GPU: tensor parallelism all-reduces the summed
+# output). H200, interleaved (decode_latency.py --defer-split-reduce on|off): 8B bf16 batch 64 12,677 /
+# 12,711 vs 12,448 / 12,454 tok/s, FP8 16,597 / 16,571 vs 16,371 / 16,400; 0.5B batch 64 63,910 vs
+# 62,144 (decode_latency-h200-defer-split-reduce-ab-2026-12-02.json).
 DEFER_SPLIT_REDUCE = True
 
 
