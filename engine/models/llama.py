@@ -54,7 +54,8 @@ class Attention(nn.Module):
                 cos_sin: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(x + residual), the qkv projection, rotary, the KV-cache write, attention and the output
-        projection. Returns (output, x + residual)."""
+        projection. Returns (output, x + residual); the output may be the o projection's split-K
+        partials, for the norm after it to sum (layers.defers_split_reduce)."""
         num_tokens = x.shape[0]
         fused = None
         if not meta.is_prefill and self.q_norm is None:
