@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels import gemv_fp8
 from kernels._common import rope_store_shapes, sm_count, use_pdl
 
 
@@ -281,6 +282,9 @@ def _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, out, n, t
     rows, k = x.shape
     new_residual = torch.empty_like(x) if residual is not None else None
     if rows == 0:
+        return new_residual
+    if norm_weight is None and not silu_mul and rope is None and gemv_fp8.applies(x, weight, weight_scale):
+        gemv_fp8.gemv_fp8_pairs(x, weight, weight_scale, bias, out, tile.block_n, tile.block_k, tile.num_warps)
         return new_residual
     positions, cos_sin, slots, k_cache, v_cache, q_size, kv_size, head_dim = rope or (x, x, x, x, x, 0, 0, 2)
     pdl = use_pdl(x.device)
