@@ -73,8 +73,6 @@ SWITCHES = {
                                "a step's input rows and token records in two kernels; off: seven torch ops"),
     "defer-split-reduce": ("engine.models.layers", "DEFER_SPLIT_REDUCE", bool,
                            "the norm after o / down sums their split-K partials; off: a reduce kernel each"),
-    "fp8-gemv-packed": ("kernels.gemv_fp8", "FP8_PACKED_BF16", bool,
-                        "FP8 one-row o / down products in bf16 pairs; off: kernels/gemv.py's float32 path"),
 }
 
 

@@ -34,7 +34,6 @@ SHAPES = {
     "llama-3.1-8b": (4096, 4096, 1024, 14336, 128256, False),
 }
 BF16 = torch.bfloat16
-FLOAT32_PATH = "gemv, FP8 float32 path"
 
 
 def projections(model: str) -> list[tuple[str, int, int, bool, bool, bool]]:
@@ -64,11 +63,9 @@ def make_inputs(rows: int, n: int, k: int, norm: bool, bias: bool, copies: int, 
 
 
 def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles: list, fp8: bool = False,
-                     pdl_settings: tuple[bool, ...] = (True,), fp8_float32_path: bool = False) -> list[dict]:
-    """fp8_float32_path: also the default tile with kernels/gemv_fp8.py off (FP8_PACKED_BF16: the
-    float32 path of kernels/gemv.py)."""
+                     pdl_settings: tuple[bool, ...] = (True,)) -> list[dict]:
     from engine.models.fp8 import fp8_linear
-    from kernels import _common, gemv_fp8
+    from kernels import _common
     from kernels.activation import silu_and_mul
     from kernels.gemv import gemv
     from kernels.rmsnorm import fused_add_rms_norm
@@ -97,13 +94,10 @@ def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles:
 
     baseline = "unfused (W8A8 _scaled_mm)" if fp8 else "unfused (cuBLAS)"
     variants = [(baseline, None)] + [("gemv", t) for t in tiles]
-    if fp8 and fp8_float32_path:
-        variants.append((FLOAT32_PATH, tiles[0]))
     rows_out = []
     for pdl in pdl_settings:
         _common.PDL = pdl
         for kind, tile in variants:
-            gemv_fp8.FP8_PACKED_BF16 = kind != FLOAT32_PATH
             fns = [unfused(i) if kind.startswith("unfused") else fused(i, tile) for i in range(copies)]
             try:
                 ms = graph_ms(fns, min_calls=2 * copies)
@@ -115,7 +109,6 @@ def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles:
                                  tile=list(tile) if tile else None, us=ms * 1e3, gb_per_s=weight_bytes / ms / 1e6,
                                  fraction_of_copy=weight_bytes / ms / 1e6 / copy_gbs))
     _common.PDL = True
-    gemv_fp8.FP8_PACKED_BF16 = True
     del weights, biases
     torch.cuda.empty_cache()
     return rows_out
@@ -138,8 +131,6 @@ def main() -> int:
     p.add_argument("--weights", nargs="+", choices=["bf16", "fp8"], default=["bf16"])
     p.add_argument("--pdl", choices=["on", "off", "both"], default="on")
     p.add_argument("--projections", nargs="+", help="only these (qkv o gate_up down lm_head)")
-    p.add_argument("--fp8-float32-path", action="store_true",
-                   help="FP8: also the default tile through kernels/gemv.py's float32 path (kernels/gemv_fp8.py off)")
     p.add_argument("--tiles", nargs="+", default=[],
                    help="also time these tiles: block_n,block_k,num_warps each")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results" / f"gemv_bench-{dt.date.today()}.json")
@@ -165,19 +156,15 @@ def main() -> int:
                 if args.sweep:
                     tiles += [t for t in sweep_tiles(fp8) if t != default
                               and t.block_n * t.block_k * (2 if silu else 1) <= t.num_warps * 32 * 64]
-                got = bench_projection(model, proj, rows, copy["gb_per_s"], tiles, fp8, pdl_settings,
-                                       args.fp8_float32_path)
+                got = bench_projection(model, proj, rows, copy["gb_per_s"], tiles, fp8, pdl_settings)
                 for r in got:
-                    r["default"] = r["tile"] == list(default) and r["kind"] == "gemv"
+                    r["default"] = r["tile"] == list(default)
                 results += got
                 for pdl in pdl_settings:
                     mine_rows = [r for r in got if r["pdl"] == pdl]
                     base = next(r for r in mine_rows if r["kind"].startswith("unfused"))
                     mine = next(r for r in mine_rows if r["default"])
                     best = min((r for r in mine_rows if not r["kind"].startswith("unfused")), key=lambda r: r["us"])
-                    for other in (r for r in mine_rows if r["kind"] == FLOAT32_PATH):
-                        print(f"{model:13s} {weights} {name:8s} M={rows} pdl={int(pdl)}  {other['kind']} "
-                              f"{other['us']:7.2f} us ({other['fraction_of_copy']:5.1%})")
                     print(f"{model:13s} {weights} {name:8s} M={rows} pdl={int(pdl)}  {base['kind'][9:-1]} "
                           f"{base['us']:7.2f} us ({base['fraction_of_copy']:5.1%})  gemv {mine['us']:7.2f} us "
                           f"({mine['fraction_of_copy']:5.1%}) {mine['kind']} {mine['tile']}  best {best['us']:7.2f} us "

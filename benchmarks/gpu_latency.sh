@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|fp8-pairs
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -114,24 +114,6 @@ split-in-norm)  # engine/models/layers.DEFER_SPLIT_REDUCE: the norm after o / do
   for arm in on off; do
     timeout 40 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 8 64 --chunks 8 --no-eager \
       --skip-transformers --max-num-seqs 64 --defer-split-reduce $arm --out "$OUT/decode_qwen_$arm.json" 2>&1 | grep -E "B="
-  done
-  ;;
-fp8-pairs)  # kernels/gemv_fp8.py: FP8 one-row o / down products in bf16 pairs. Its GPU tests and the FP8
-  # engine's (accuracy included), the projections against the float32 path, then 8B FP8 decode at batch 1
-  # interleaved on, off, on, off
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py \
-    -k "gemv_fp8 or e4m3 or programmatic or gemv_real" > "$OUT/gpu_tests_pairs.log" 2>&1
-  tail -1 "$OUT/gpu_tests_pairs.log"
-  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_fp8.py >> "$OUT/gpu_tests_pairs.log" 2>&1
-  tail -1 "$OUT/gpu_tests_pairs.log"
-  timeout 100 python3 benchmarks/gemv_bench.py --models llama-3.1-8b qwen2.5-0.5b --rows 1 --weights fp8 \
-    --projections o down --fp8-float32-path --out "$OUT/gemv_bench_fp8_pairs.json" 2>&1 | grep -E "M=1" | quiet
-  i=0
-  for arm in on off on off; do
-    i=$((i + 1))
-    timeout 70 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 8 --load-format dummy --quantization fp8 --fp8-gemv-packed $arm \
-      --out "$OUT/decode_8b_fp8_pairs_$arm-$i.json" 2>&1 | grep -E "B="
   done
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at

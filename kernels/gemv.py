@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels import gemv_fp8
 from kernels._common import rope_store_shapes, sm_count, use_pdl
 
 
@@ -40,6 +39,12 @@ from kernels._common import rope_store_shapes, sm_count, use_pdl
 # inside float32's normal range; powers of two, so the products equal q * x exactly as before.
 _X_PRESCALE = tl.constexpr(2.0**64)
 _Y_RESCALE = tl.constexpr(2.0**56)
+# Measured and removed (the code is at 9ba458b): the FP8 one-row o_proj and down_proj with products and
+# running sums in packed bf16 pairs (weights read as words of four, one prmt, one mask and two
+# multiply-adds a pair, fma.rn.bf16x2): 37% fewer loop instructions and 80 registers against 126, yet
+# Llama-3.1-8B o 6.49 against 6.82 us, down 19.97 against 19.08, FP8 batch 1 359.0-359.3 against
+# 358.8-359.2 tok/s (decode_latency-h200-fp8-gemv-pairs-ab-2026-12-02.json): the float32 path is not
+# bound by its integer work.
 # Measured slower and removed (the code is at fe79b3e): asking L2 (prefetch.global.L2) for the weight
 # tile 2 or 4 K tiles ahead of the one loaded into registers. H200, one row, 0 / 2 / 4 ahead
 # (gemv_bench-h200-l2-prefetch-ahead-2026-12-02.json): Llama-3.1-8B bf16 down_proj 30.3 / 80.3 / 82.1
@@ -282,9 +287,6 @@ def _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, out, n, t
     rows, k = x.shape
     new_residual = torch.empty_like(x) if residual is not None else None
     if rows == 0:
-        return new_residual
-    if norm_weight is None and not silu_mul and rope is None and gemv_fp8.applies(x, weight, weight_scale):
-        gemv_fp8.gemv_fp8_pairs(x, weight, weight_scale, bias, out, tile.block_n, tile.block_k, tile.num_warps)
         return new_residual
     positions, cos_sin, slots, k_cache, v_cache, q_size, kv_size, head_dim = rope or (x, x, x, x, x, 0, 0, 2)
     pdl = use_pdl(x.device)

@@ -79,7 +79,6 @@ def summary(kernel) -> dict:
                 barrier_before_atomic=barrier,
                 cg_loads=sum(line.startswith("ld.global.cg") for line in lines),
                 waits=sum(line.startswith("griddepcontrol.wait") for line in lines),
-                bf16x2_fmas=sum(line.startswith("fma.rn.bf16x2") for line in lines),
                 registers=registers(kernel.asm["cubin"]))
 
 
@@ -139,13 +138,6 @@ def cases() -> dict[str, dict]:
     for block_k in (1024, 2048):
         out[f"gemv_down_k{block_k}"] = compile_kernel(_gemv_kernel, dict(gemv, BLOCK_K=block_k), gemv_ptrs, sizes,
                                                       num_warps=8)
-    from kernels.gemv_fp8 import _gemv_fp8_pairs_kernel
-
-    # FP8 down_proj at one row in packed bf16 pairs (Llama-3.1-8B's tile: 4 rows, 2048 bytes of K)
-    out["gemv_fp8_pairs"] = compile_kernel(
-        _gemv_fp8_pairs_kernel, dict(HAS_BIAS=False, PDL=True, ASM=True, BLOCK_N=4, BLOCK_W=512),
-        {"w_ptr": "*i8", "w_scale_ptr": "*fp32"}, ("N", "K_WORDS", "stride_x_words", "stride_w_words", "stride_o"),
-        num_warps=4)
     from kernels.decode_attention import _decode_attention_kernel
 
     attention_ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_m_ptr": "*fp32",

@@ -43,17 +43,6 @@ def test_the_wider_down_proj_tile_takes_no_more_registers(compiled):
     assert compiled["gemv_down_k2048"]["registers"] <= compiled["gemv_down_k1024"]["registers"]
 
 
-def test_the_fp8_gemv_multiplies_in_bf16_pairs(compiled):
-    """kernels/gemv_fp8.py as the GPU runs it: its weight words become bf16 pairs in inline PTX that
-    ptxas takes, two packed multiply-adds a word (Llama-3.1-8B down_proj's tile: 4 rows x 512 words
-    over 128 threads, 16 words a thread), after the PDL wait, in fewer registers than the float32
-    path's 126 (more programs an SM)."""
-    kernel = compiled["gemv_fp8_pairs"]
-    assert kernel["bf16x2_fmas"] == 2 * 16
-    assert kernel["waits"] == 1
-    assert kernel["registers"] <= 96
-
-
 @pytest.mark.parametrize("model", ["qwen", "llama"])
 def test_decode_attention_prefetches_its_first_kv_tiles_before_it_waits(compiled, model):
     """Two tiles of K and V rows (128 tokens of 128 bytes, or 64 of 256), one line a thread each: 4

@@ -520,58 +520,6 @@ def test_gemv_fp8_weights_dequantized_in_registers(silu_mul):
         gemv(x, q, weight_scale=scale[:-1])
 
 
-def e4m3_values_through_gemv_fp8_pairs(device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every finite e4m3 byte at each of a word's four positions, times an x of one at that position
-    (scale 1): (kernels/gemv_fp8.py's products [4, 254] in bf16, the bytes' values)."""
-    gemv_fp8 = importlib.import_module("kernels.gemv_fp8")
-    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 0x7F / 0xFF: NaN
-    q = codes.view(torch.float8_e4m3fn)
-    outs = []
-    for position in range(4):
-        w = torch.zeros(len(codes), 8, dtype=torch.uint8)
-        w[:, 4 + position] = codes  # the second word of each row
-        x = torch.zeros(1, 8, dtype=torch.bfloat16)
-        x[0, 4 + position] = 1.0
-        out = torch.full((1, len(codes)), float("nan"), dtype=torch.bfloat16, device=device)
-        gemv_fp8.gemv_fp8_pairs(x.to(device), w.view(torch.float8_e4m3fn).to(device),
-                                torch.ones(len(codes), device=device), None, out, 16, 4, 4)
-        outs.append(out[0].cpu())
-    return torch.stack(outs), q.float()
-
-
-def test_gemv_fp8_pairs_turn_every_e4m3_value_into_bf16_exactly():
-    """The interpreter's path of the packed-pair FP8 GEMV: each e4m3 value (subnormals and both
-    zeros included) at each byte position of a word comes out exactly (tests/test_kernels_gpu.py
-    checks the GPU's integer-op conversion the same way)."""
-    got, values = e4m3_values_through_gemv_fp8_pairs("cpu")
-    for position in range(4):
-        assert torch.equal(got[position].float(), values), position
-
-
-def test_gemv_fp8_weights_with_bf16_x_take_the_packed_pairs(monkeypatch):
-    """A bf16 row times FP8 weights without a fused norm (o_proj, down_proj at batch 1) runs as
-    kernels/gemv_fp8.py: products and running sums in bf16 pairs, as close to the float32 product as
-    the float32 path, over several K tiles, with the bias and the row scales applied."""
-    gemv_fp8 = importlib.import_module("kernels.gemv_fp8")
-    calls = []
-    real = gemv_fp8.gemv_fp8_pairs
-    monkeypatch.setattr(gemv_fp8, "gemv_fp8_pairs", lambda *a, **k: calls.append(1) or real(*a, **k))
-    gen, x, w = _gemv_case(2, 40, 320, seed=29)
-    x = (x * 3).to(torch.bfloat16)
-    q, scale = _fp8(w * torch.logspace(-2, 1, 40)[:, None])
-    b = torch.randn(40, generator=gen).to(torch.bfloat16)
-    out, _ = gemv(x, q, b, weight_scale=scale, tile=GemvTile(8, 64, 4))
-    assert calls and out.dtype == torch.bfloat16
-    ref, _ = gemv_ref(x.float(), q, b.float(), weight_scale=scale)
-    monkeypatch.setattr(gemv_fp8, "FP8_PACKED_BF16", False)
-    float32_path, _ = gemv(x, q, b, weight_scale=scale, tile=GemvTile(8, 64, 4))
-    assert len(calls) == 1  # off: kernels/gemv.py
-    assert rel_err(out, ref) < 2 * rel_err(float32_path, ref) + 1e-3
-    assert rel_err(out, ref) < 1e-2
-    unscaled, _ = gemv_ref(x.float(), q.float(), b.float())
-    assert rel_err(out, unscaled) > 0.5
-
-
 def test_gemv_rope_store_fp8_weights():
     gen = torch.Generator().manual_seed(32)
     hq, hkv, head_dim, hidden, rows = 4, 2, 16, 40, 2

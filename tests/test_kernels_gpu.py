@@ -461,17 +461,6 @@ def test_gemv_fp8_weights_real_shapes(name, rows, poisoned_outputs):
 
 
 @pytest.mark.gpu
-def test_gemv_fp8_pairs_turn_every_e4m3_value_into_bf16_exactly():
-    """The GPU's integer-op conversion in kernels/gemv_fp8.py (prmt, mask, multiply-adds): each
-    e4m3 value at each byte position of a word, subnormals and both zeros included, comes out exact."""
-    from test_kernels import e4m3_values_through_gemv_fp8_pairs
-
-    got, values = e4m3_values_through_gemv_fp8_pairs(DEV)
-    for position in range(4):
-        assert torch.equal(got[position].float(), values), position
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("prefetch_tiles,fused_merge", [(0, False), (2, False), (2, True)])
 def test_programmatic_dependent_launch_keeps_a_chain_of_kernels_in_order(prefetch_tiles, fused_merge, monkeypatch):
     """A decoder-like chain (GEMVs that read what the one before wrote, attention between them)
