@@ -73,6 +73,7 @@ SWITCHES = {
                                "a step's input rows and token records in two kernels; off: seven torch ops"),
     "defer-split-reduce": ("engine.models.layers", "DEFER_SPLIT_REDUCE", bool,
                            "the norm after o / down sums their split-K partials; off: a reduce kernel each"),
+    "norm-max-warps": ("kernels.rmsnorm", "MAX_WARPS", int, "warps a row's RMSNorm program takes at most"),
 }
 
 

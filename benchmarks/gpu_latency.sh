@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -115,6 +115,18 @@ split-in-norm)  # engine/models/layers.DEFER_SPLIT_REDUCE: the norm after o / do
     timeout 40 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 8 64 --chunks 8 --no-eager \
       --skip-transformers --max-num-seqs 64 --defer-split-reduce $arm --out "$OUT/decode_qwen_$arm.json" 2>&1 | grep -E "B="
   done
+  ;;
+norm-warps)  # kernels/rmsnorm.MAX_WARPS: 16 (shipped), 8 and 4 warps a row for the 8B's 4096-wide norms,
+  # interleaved 16, 8, 4, 16, 8, 4: 8B bf16 and FP8 at batch 64 (the 0.5B's 896-wide rows take 4 either way)
+  i=0
+  for arm in 16 8 4 16 8 4; do
+    i=$((i + 1))
+    timeout 70 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 --norm-max-warps $arm \
+      --out "$OUT/decode_8b_norm_warps_$arm-$i.json" 2>&1 | grep -E "B="
+  done
+  timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py -k "norm" \
+    > "$OUT/gpu_tests_norm.log" 2>&1; tail -1 "$OUT/gpu_tests_norm.log"
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

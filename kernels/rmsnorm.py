@@ -21,6 +21,10 @@ from kernels.fp8_quant import _INV_FP8_MAX, FP8, _e4m3_bits, _row_scale
 from kernels.skinny_gemm import SplitPartials, split_sum
 
 
+# Warps a row's program takes at most (one per 256 values below that).
+MAX_WARPS = 16
+
+
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
@@ -105,7 +109,7 @@ def _launch(x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, weig
         PART_W_SCALE=part_w_scale is not None,
         PART_X_SCALE=part_x_scale is not None,
         PART_BIAS=part_bias is not None,
-        num_warps=min(16, max(1, block // 256)),
+        num_warps=min(MAX_WARPS, max(1, block // 256)),
         launch_pdl=pdl,
     )
 
