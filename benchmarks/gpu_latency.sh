@@ -117,16 +117,19 @@ split-in-norm)  # engine/models/layers.DEFER_SPLIT_REDUCE: the norm after o / do
   done
   ;;
 norm-warps)  # kernels/rmsnorm.MAX_WARPS: 16 (shipped), 8 and 4 warps a row for the 8B's 4096-wide norms,
-  # interleaved 16, 8, 4, 16, 8, 4: 8B bf16 and FP8 at batch 64 (the 0.5B's 896-wide rows take 4 either way)
+  # interleaved 16, 8, 4, 8, 16: 8B bf16 and FP8 at batch 64 (the 0.5B's 896-wide rows take 4 either way); then
+  # where an 8B FP8 batch-1 step goes
   i=0
-  for arm in 16 8 4 16 8 4; do
+  for arm in 16 8 4 8 16; do
     i=$((i + 1))
-    timeout 70 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 64 --chunks 8 --no-eager \
+    timeout 65 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 64 --chunks 8 --no-eager \
       --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 --norm-max-warps $arm \
       --out "$OUT/decode_8b_norm_warps_$arm-$i.json" 2>&1 | grep -E "B="
   done
   timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py -k "norm" \
     > "$OUT/gpu_tests_norm.log" 2>&1; tail -1 "$OUT/gpu_tests_norm.log"
+  timeout 100 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch 1 --load-format dummy \
+    --quantization fp8 --out "$OUT/profile_llama_fp8_b1.json" 2>&1 | quiet | tail -3
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes
