@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -74,6 +75,8 @@ SWITCHES = {
     "defer-split-reduce": ("engine.models.layers", "DEFER_SPLIT_REDUCE", bool,
                            "the norm after o / down sums their split-K partials; off: a reduce kernel each"),
     "norm-max-warps": ("kernels.rmsnorm", "MAX_WARPS", int, "warps a row's RMSNorm program takes at most"),
+    "pdl-early-trigger": ("kernels._pdl", "EARLY_TRIGGER", bool,
+                          "a PDL kernel lets the next one launch before its own wait"),
 }
 
 
@@ -239,7 +242,11 @@ def main() -> None:
     for flag, (module, name, kind, _) in SWITCHES.items():
         value = getattr(args, flag.replace("-", "_"))
         if value is not None:
-            setattr(importlib.import_module(module), name, value == "on" if kind is bool else value)
+            value = value == "on" if kind is bool else value
+            mod = importlib.import_module(module)
+            if isinstance(getattr(mod, name), triton.language.constexpr):  # a global a kernel reads
+                value = triton.language.constexpr(value)
+            setattr(mod, name, value)
 
     cuda = args.device != "cpu"
     bandwidth = copy_bandwidth()["gb_per_s"] * 1e9 if cuda else None

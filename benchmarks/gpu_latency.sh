@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -130,6 +130,34 @@ norm-warps)  # kernels/rmsnorm.MAX_WARPS: 16 (shipped), 8 and 4 warps a row for 
     > "$OUT/gpu_tests_norm.log" 2>&1; tail -1 "$OUT/gpu_tests_norm.log"
   timeout 100 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch 1 --load-format dummy \
     --quantization fp8 --out "$OUT/profile_llama_fp8_b1.json" 2>&1 | quiet | tail -3
+  ;;
+pdl-early)  # kernels/_pdl.EARLY_TRIGGER: a PDL kernel lets the next one launch before its own wait. The PDL
+  # chain test (bit for bit against no PDL), the GEMV and attention tests and the 0.5B engine's graph tests
+  # with it on; then decode interleaved on, off, on, off: 0.5B bf16 at 1 / 64, 8B bf16 and FP8 at 1 / 64
+  timeout 150 python3 - > "$OUT/gpu_tests_pdl_early.log" 2>&1 <<'PY'
+import sys
+import pytest
+import triton.language as tl
+import kernels._pdl as pdl
+pdl.EARLY_TRIGGER = tl.constexpr(True)  # before any kernel compiles
+sys.exit(pytest.main(["-q", "-m", "gpu", "-p", "no:cacheprovider", "--tb=short", "tests/test_kernels_gpu.py",
+                      "tests/test_gpu_engine.py", "-k", "programmatic or gemv_real or (qwen2.5 and graph_path)"]))
+PY
+  tail -1 "$OUT/gpu_tests_pdl_early.log"
+  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
+  i=0
+  for arm in on off on off; do
+    i=$((i + 1))
+    timeout 40 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --pdl-early-trigger $arm --out "$OUT/decode_qwen_early_$arm-$i.json" 2>&1 | grep -E "B="
+  done
+  i=0
+  for arm in on off on off; do
+    i=$((i + 1))
+    timeout 75 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 --pdl-early-trigger $arm \
+      --out "$OUT/decode_8b_early_$arm-$i.json" 2>&1 | grep -E "B="
+  done
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

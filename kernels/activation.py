@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._common import use_pdl
+from kernels._pdl import wait_for_previous_kernel
 
 
 @triton.jit
@@ -18,8 +18,7 @@ def _silu_and_mul_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        wait_for_previous_kernel()
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)

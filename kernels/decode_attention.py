@@ -15,9 +15,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._common import attention_output, check_kv_cache, dot_precision, sm_count, use_pdl
+from kernels._pdl import wait_for_previous_kernel
 from kernels._prefetch import prefetch_l2
 from kernels._split_counters import last_to_arrive, split_counters
 
@@ -100,8 +100,7 @@ def _decode_attention_kernel(
         _prefetch_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, t_start + i, t_end, ctx, head_off, stride_cb, stride_ct,
                           HEAD_DIM, BLOCK_SIZE, BLOCK_N)
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        wait_for_previous_kernel()
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -214,8 +213,7 @@ def _decode_reduce_kernel(
     PDL: tl.constexpr,
 ):
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        wait_for_previous_kernel()
     pid = tl.program_id(0)
     b = pid // NUM_HEADS
     h = pid % NUM_HEADS

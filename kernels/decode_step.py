@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._common import use_pdl
+from kernels._pdl import wait_for_previous_kernel
 
 _BLOCK = 256  # rows a program covers at once (the record kernel's one program loops past it)
 
@@ -27,8 +27,7 @@ _BLOCK = 256  # rows a program covers at once (the record kernel's one program l
 def _step_inputs_kernel(step_ptr, positions_ptr, slots_ptr, context_lens_ptr, pos_out_ptr, slot_out_ptr, ctx_out_ptr,
                         B, stride_p, stride_s, stride_c, BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        wait_for_previous_kernel()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < B
     step = tl.load(step_ptr)
@@ -42,8 +41,7 @@ def _record_step_kernel(step_ptr, tokens_ptr, logprobs_ptr, out_tokens_ptr, out_
                         output_pos_ptr, B, stride_ot, stride_ol, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program: it alone advances the step, after every thread has read the old one."""
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        wait_for_previous_kernel()
     step = tl.load(step_ptr)
     for start in range(0, B, BLOCK):
         offs = start + tl.arange(0, BLOCK)

@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._common import sm_count, use_pdl
+from kernels._pdl import wait_for_previous_kernel
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -97,8 +97,7 @@ def _quantize_rows_fp8_kernel(
     """One row per program. q_ptr: the e4m3 output viewed as uint8."""
     row = tl.program_id(0).to(tl.int64)
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        wait_for_previous_kernel()
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
     offs = tl.arange(0, BLOCK_K)
@@ -137,8 +136,7 @@ def _quantize_row_chunks_fp8_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        wait_for_previous_kernel()
     x_row = x_ptr + row * stride_x
     offs_a = tl.arange(0, AMAX_BLOCK)
     running = tl.zeros([AMAX_BLOCK], dtype=tl.float32)

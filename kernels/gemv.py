@@ -26,9 +26,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._common import rope_store_shapes, sm_count, use_pdl
+from kernels._pdl import wait_for_previous_kernel
 
 
 # FP8 weights arrive as int8 bytes. The hardware path from e4m3 to float32 (two conversions per
@@ -137,8 +137,7 @@ def _gemv_kernel(
     if SILU_MUL or ROPE_STORE:
         u = tl.load(b_rows + offs_k[None, :], mask=wk_mask, other=0.0)
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        wait_for_previous_kernel()
 
     inv_rms = 1.0
     if HAS_NORM:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._common import use_pdl
 from kernels.fp8_quant import _INV_FP8_MAX, FP8, _e4m3_bits, _row_scale
 from kernels.skinny_gemm import SplitPartials, split_sum
+from kernels._pdl import wait_for_previous_kernel
 
 
 # Warps a row's program takes at most (one per 256 values below that). 16, 8 and 4 measured alike for the
@@ -54,8 +54,7 @@ def _rms_norm_kernel(
     mask = offs < hidden
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # the weights: before the wait
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        wait_for_previous_kernel()
     if X_SPLIT:
         x = split_sum(x_ptr, part_x_scale_ptr, part_w_scale_ptr, part_bias_ptr, row, rows, hidden, offs, mask,
                       PART_BIAS, PART_W_SCALE, PART_X_SCALE, False, X_SPLIT)

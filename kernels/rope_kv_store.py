@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._common import check_kv_cache, use_pdl
 from kernels.kv_store import store_kv_ref
 from kernels.rotary import _rotate_heads, apply_rotary_ref
+from kernels._pdl import wait_for_previous_kernel
 
 
 @triton.jit
@@ -27,8 +27,7 @@ def _rope_kv_store_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        wait_for_previous_kernel()
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, HALF)
     dt = q_ptr.dtype.element_ty

@@ -34,9 +34,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._common import dot_precision, sm_count, use_pdl
+from kernels._pdl import wait_for_previous_kernel
 
 FP8 = torch.float8_e4m3fn
 # weight-only FP8: x * 2^-8 in fp16 overflows only past 16.7M, and loses bits only below 2^-16
@@ -76,8 +76,7 @@ def _skinny_gemm_kernel(
         u_ptrs = w_ptrs + N * stride_w
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        wait_for_previous_kernel()
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if SILU_MUL:
@@ -151,8 +150,7 @@ def _skinny_gemm_reduce_kernel(
     offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n_mask = offs_n < N
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        wait_for_previous_kernel()
     y = split_sum(part_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, m, M, N, offs_n, n_mask, HAS_BIAS, HAS_W_SCALE,
                   HAS_X_SCALE, W_ONLY, SPLIT)
     tl.store(out_ptr + m * stride_o + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)

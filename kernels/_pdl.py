@@ -1,0 +1,28 @@
+"""The programmatic-dependent-launch handshake every PDL kernel makes (kernels/_common.PDL): wait for the
+kernel before it, and let the kernel after it launch.
+
+A kernel reads before its wait only what no kernel still running can write: its weights, and (decode
+attention) the step's context lengths, written before the step's embedding lookup, a kernel without PDL
+that every layer's kernels follow.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+# Off: the kernel after may launch once this kernel's programs have passed their wait (the kernel before
+# finished). On: as soon as they start, so it can take SMs and read its weights one kernel earlier; its
+# own wait still orders it after this kernel. To be measured (decode_latency.py --pdl-early-trigger).
+EARLY_TRIGGER = tl.constexpr(False)
+
+
+@triton.jit
+def wait_for_previous_kernel():
+    if EARLY_TRIGGER:
+        gdc_launch_dependents()
+        gdc_wait()
+    else:
+        gdc_wait()
+        gdc_launch_dependents()
