@@ -133,7 +133,7 @@ norm-warps)  # kernels/rmsnorm.MAX_WARPS: 16 (shipped), 8 and 4 warps a row for 
   ;;
 pdl-early)  # kernels/_pdl.EARLY_TRIGGER: a PDL kernel lets the next one launch before its own wait. The PDL
   # chain test (bit for bit against no PDL), the GEMV and attention tests and the 0.5B engine's graph tests
-  # with it on; then decode interleaved on, off, on, off: 0.5B bf16 at 1 / 64, 8B bf16 and FP8 at 1 / 64
+  # with it on; then decode interleaved on, off, on, off: 0.5B bf16 at 1 / 64, 8B FP8 at 1 / 64
   timeout 150 python3 - > "$OUT/gpu_tests_pdl_early.log" 2>&1 <<'PY'
 import sys
 import pytest
@@ -154,8 +154,8 @@ PY
   i=0
   for arm in on off on off; do
     i=$((i + 1))
-    timeout 75 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 --pdl-early-trigger $arm \
+    timeout 60 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 64 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --pdl-early-trigger $arm \
       --out "$OUT/decode_8b_early_$arm-$i.json" 2>&1 | grep -E "B="
   done
   ;;
