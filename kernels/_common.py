@@ -25,7 +25,7 @@ def sm_count(device: torch.device) -> int:
 
 # Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the
 # kernel before it finishes; it reads what does not depend on that kernel (its weights), then waits
-# (gdc_wait) before touching anything the kernel before wrote. Benchmarks set PDL = False to A/B.
+# (kernels/_pdl.py) before touching anything the kernel before wrote. Benchmarks set PDL = False to A/B.
 PDL = True
 # The kernels between the projections at 2 rows and more (RMSNorm, rotary + KV store, SiLU-and-mul,
 # FP8 row quantization; at one row the GEMV fuses them) launch with PDL too when this is set: they

@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from kernels._common import use_pdl
+from kernels._pdl import wait_for_previous_kernel
 from kernels.fp8_quant import _INV_FP8_MAX, FP8, _e4m3_bits, _row_scale
 from kernels.skinny_gemm import SplitPartials, split_sum
-from kernels._pdl import wait_for_previous_kernel
 
 
 # Warps a row's program takes at most (one per 256 values below that). 16, 8 and 4 measured alike for the

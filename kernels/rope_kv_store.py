@@ -11,9 +11,9 @@ import triton
 import triton.language as tl
 
 from kernels._common import check_kv_cache, use_pdl
+from kernels._pdl import wait_for_previous_kernel
 from kernels.kv_store import store_kv_ref
 from kernels.rotary import _rotate_heads, apply_rotary_ref
-from kernels._pdl import wait_for_previous_kernel
 
 
 @triton.jit
