@@ -520,6 +520,24 @@ def test_gemv_fp8_weights_dequantized_in_registers(silu_mul):
         gemv(x, q, weight_scale=scale[:-1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16])
+def test_stream_probe_reads_every_weight_word(dtype):
+    """benchmarks/stream_probe.py's bare weight stream (the GEMV's tile walk without its math) reads each
+    row's words once: their XOR, over several tiles and a partial last one, matches torch's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from stream_probe import stream_rows, stream_rows_ref
+
+    gen = torch.Generator().manual_seed(33)
+    w = torch.randint(-128, 128, (10, 88), generator=gen, dtype=torch.int8).view(torch.uint8)
+    w = w.view(torch.float8_e4m3fn) if dtype != torch.bfloat16 else w.view(torch.bfloat16)
+    out = torch.full((w.shape[0],), -7, dtype=torch.int32)
+    stream_rows(w, out, 4, 16, 4)
+    assert torch.equal(out, stream_rows_ref(w))
+
+
 def test_gemv_rope_store_fp8_weights():
     gen = torch.Generator().manual_seed(32)
     hq, hkv, head_dim, hidden, rows = 4, 2, 16, 40, 2
