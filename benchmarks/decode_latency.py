@@ -75,8 +75,6 @@ SWITCHES = {
     "defer-split-reduce": ("engine.models.layers", "DEFER_SPLIT_REDUCE", bool,
                            "the norm after o / down sums their split-K partials; off: a reduce kernel each"),
     "norm-max-warps": ("kernels.rmsnorm", "MAX_WARPS", int, "warps a row's RMSNorm program takes at most"),
-    "gemv-norm-in-loop": ("kernels.gemv", "NORM_IN_LOOP", bool,
-                          "the one-row GEMV sums the norm's squares in its K loop; off: a pass before it"),
     "pdl-early-trigger": ("kernels._pdl", "EARLY_TRIGGER", bool,
                           "a PDL kernel lets the next one launch before its own wait"),
 }

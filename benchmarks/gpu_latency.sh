@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|norm-in-loop
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -157,35 +157,6 @@ PY
     timeout 60 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 64 --chunks 8 --no-eager \
       --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --pdl-early-trigger $arm \
       --out "$OUT/decode_8b_early_$arm-$i.json" 2>&1 | grep -E "B="
-  done
-  ;;
-norm-in-loop)  # kernels/gemv.NORM_IN_LOOP: the one-row GEMV sums the RMSNorm's squares in its K loop and scales
-  # its dot products at the end, instead of a pass over the row before the loop. The GEMV and PDL GPU tests with
-  # it on (shipped), then decode interleaved on, off, on, off: 0.5B bf16 at 1, 8B bf16 and FP8 at 1; then the
-  # attention split floor 64 against 128 tokens (0.5B, batch 1)
-  timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py \
-    -k "gemv or programmatic" > "$OUT/gpu_tests_norm_in_loop.log" 2>&1
-  tail -1 "$OUT/gpu_tests_norm_in_loop.log"
-  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  i=0
-  for arm in on off on off; do
-    i=$((i + 1))
-    timeout 40 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --gemv-norm-in-loop $arm --out "$OUT/decode_qwen_norm_$arm-$i.json" 2>&1 | grep -E "B="
-  done
-  i=0
-  for arm in on off on off; do
-    i=$((i + 1))
-    timeout 70 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 --gemv-norm-in-loop $arm \
-      --out "$OUT/decode_8b_norm_$arm-$i.json" 2>&1 | grep -E "B="
-  done
-  i=0
-  for split in 64 128 64 128; do
-    i=$((i + 1))
-    timeout 40 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --attention-min-split-tokens $split \
-      --out "$OUT/decode_qwen_split_$split-$i.json" 2>&1 | grep -E "B="
   done
   ;;
 stream-probe)  # why one-row FP8 projections stream at ~3.6 TB/s where bf16 ones reach ~4.3: each projection's

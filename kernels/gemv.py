@@ -6,19 +6,17 @@ bandwidth on an H200 for Qwen2.5-0.5B). Here one program computes BLOCK_N output
 over the whole K (W is row-major [N, K], so each output's weights are contiguous), and fuses
 what sits around the projection in the decoder:
 
-- RMSNorm of x (optionally of x + residual, writing the new residual): the norm kernel between
-  projections disappears. Every program sums the row's squares in its own K loop, over the input
-  tiles it reads anyway, and scales its dot products by 1 / rms at the end: no pass over the row
-  before the weights are used;
+- prologue: RMSNorm of x (optionally of x + residual, writing the new residual): the norm kernel
+  between projections disappears; every program recomputes the row's mean square (K values, from L2);
 - epilogue: bias; SiLU-and-mul for a fused [gate; up] weight (each program reads the matching
   gate and up rows, so the [M, 2I] intermediate is never written); output dtype (float32 logits);
   or, for a fused [q; k; v] projection, rotary embedding of q and k and the KV-cache write (each
   program takes pairs of rows d and d + D/2 of a head, the two halves rotary mixes), so a decode
   step's attention input side is one kernel and only the rotated q is written out.
 
-Rounding follows the unfused path where a value is stored (the residual, the projection's output),
-not the normalised input, which stays in float32 (rounding it would need 1 / rms before the loop);
-fused and unfused agree to within that rounding and the summation order of the dot product. Launch parameters depend on shapes only (CUDA-graph capturable).
+Rounding follows the unfused path step by step (residual, normalised value, weighted value and the
+projection's output are each rounded to the model dtype), so fused and unfused agree to within the
+summation order of the dot product. Launch parameters depend on shapes only (CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -40,8 +38,6 @@ from kernels._pdl import wait_for_previous_kernel
 # subnormals). The inputs are scaled by 2^64 and the sums by 2^56 to keep every product well
 # inside float32's normal range; powers of two, so the products equal q * x exactly as before.
 _X_PRESCALE = tl.constexpr(2.0**64)
-# A/B (decode_latency.py --gemv-norm-in-loop): off, the old pass over the row for 1 / rms before the K loop
-NORM_IN_LOOP = tl.constexpr(True)
 _Y_RESCALE = tl.constexpr(2.0**56)
 # Measured and removed (the code is at 9ba458b): the FP8 one-row o_proj and down_proj with products and
 # running sums in packed bf16 pairs (weights read as words of four, one prmt, one mask and two
@@ -57,6 +53,11 @@ _Y_RESCALE = tl.constexpr(2.0**56)
 # (decode_latency-h200-gemv-l2-prefetch-ab-2026-12-02.json). A likely cause, not verified: a tile of
 # BLOCK_N x (lines a row) addresses is spread over every thread of the program, so most lines are
 # requested several times (16 times for down_proj's 1 x 1024 tile on 8 warps).
+# Measured and removed (the code is at 7995493): the fused RMSNorm's squares summed in the K loop, over the
+# input tiles the loop reads anyway, and 1 / rms applied to the dot products at the end (no pass over the row
+# before the loop; the normalised input left in float32). Batch 1, interleaved
+# (decode_latency-h200-gemv-norm-in-loop-ab-2026-12-03.json): Qwen2.5-0.5B 1,853-1,859 against 1,829-1,838
+# tok/s, but Llama-3.1-8B bf16 233.9-234.3 against 248.0-248.2, FP8 within noise.
 # Also measured and removed (the code is at ceabb1e): the K loop software-pipelined 4 stages deep through
 # shared memory (Triton's cp.async, after the PDL wait) instead of the next tile in registers loaded
 # before it. One row (gemv_bench-h200-pipelined-stages-2026-12-02.json): FP8 qkv 14.05 against 11.83
@@ -76,22 +77,20 @@ def _weight_f32(w, FP8_BYTES: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x_row, r_row, res_out_row, norm_w_ptr, offs_k, k_mask, res_store_end,
+def _x_tile(x_row, r_row, res_out_row, norm_w_ptr, offs_k, k_mask, inv_rms, res_store_end,
             HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """One K tile of the projection's input in float32, and of the value the RMSNorm squares: (x, x)
-    without a norm, else (h * g, h) for h = x (+ residual, rounded as the decoder rounds; the row's
-    first program stores it as the new residual) and g the norm weight. The norm's 1 / rms multiplies
-    the dot product at the end (_gemv_kernel)."""
+    """One K tile of the projection's input in float32: x, or the RMSNorm of x (+ residual, whose
+    new value the row's first program stores), rounded as the unfused decoder rounds."""
     dt = x_row.dtype.element_ty
-    h = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-    xk = h
+    xk = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         if HAS_RESIDUAL:
-            h = (h + tl.load(r_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dt)
+            h = (xk + tl.load(r_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dt)
             tl.store(res_out_row + offs_k, h, mask=offs_k < res_store_end)
-            h = h.to(tl.float32)
-        xk = h * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-    return xk, h
+            xk = h.to(tl.float32)
+        g = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        xk = ((xk * inv_rms).to(dt).to(tl.float32) * g).to(dt).to(tl.float32)
+    return xk
 
 
 @triton.jit
@@ -145,33 +144,27 @@ def _gemv_kernel(
     if PDL:
         wait_for_previous_kernel()
 
-    # one program per row writes the new residual (the others only read the old one)
-    res_store_end = tl.where(pid_n == 0, K, 0)
     inv_rms = 1.0
-    if HAS_NORM and not NORM_IN_LOOP:
-        sq0 = tl.zeros([BLOCK_K], dtype=tl.float32)
+    if HAS_NORM:
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
             h = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
                 h = (h + tl.load(r_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
-            sq0 += h * h
-        inv_rms = tl.rsqrt(tl.sum(sq0, 0) / K + eps)
+            sq += h * h
+        inv_rms = tl.rsqrt(tl.sum(sq, 0) / K + eps)
+
+    # one program per row writes the new residual (the others only read the old one)
+    res_store_end = tl.where(pid_n == 0, K, 0)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if SILU_MUL or ROPE_STORE:
         acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if HAS_NORM:
-        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        xk, h = _x_tile(x_row, r_row, res_out_row, norm_w_ptr, offs_k, offs_k < K, res_store_end, HAS_NORM,
-                        HAS_RESIDUAL)
-        if HAS_NORM and NORM_IN_LOOP:
-            sq += h * h
-        if HAS_NORM and not NORM_IN_LOOP:
-            g = tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            xk = ((h * inv_rms).to(dt).to(tl.float32) * g).to(dt).to(tl.float32)
+        xk = _x_tile(x_row, r_row, res_out_row, norm_w_ptr, offs_k, offs_k < K, inv_rms, res_store_end,
+                     HAS_NORM, HAS_RESIDUAL)
         if HAS_W_SCALE:
             xk = xk * _X_PRESCALE
         acc += _weight_f32(w, HAS_W_SCALE) * xk[None, :]
@@ -183,15 +176,13 @@ def _gemv_kernel(
         if SILU_MUL or ROPE_STORE:
             u = tl.load(b_rows + next_k[None, :], mask=wk_mask, other=0.0)
 
-    # the RMSNorm's scale, from the squares summed on the way: sum(w * g * h) / rms = w . rmsnorm(h) * g
-    row_scale = tl.rsqrt(tl.sum(sq, 0) / K + eps) if HAS_NORM and NORM_IN_LOOP else 1.0
-    y = tl.sum(acc, 1) * row_scale
+    y = tl.sum(acc, 1)
     if HAS_W_SCALE:
         y *= tl.load(w_scale_ptr + rows_a, mask=n_mask, other=0.0) * _Y_RESCALE
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows_a, mask=n_mask, other=0.0).to(tl.float32)
     if SILU_MUL or ROPE_STORE:
-        y_b = tl.sum(acc_b, 1) * row_scale
+        y_b = tl.sum(acc_b, 1)
         if HAS_W_SCALE:
             y_b *= tl.load(w_scale_ptr + rows_b, mask=n_mask, other=0.0) * _Y_RESCALE
     if ROPE_STORE:
