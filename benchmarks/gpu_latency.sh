@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|attention-preload
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -157,29 +157,6 @@ PY
     timeout 60 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 64 --chunks 8 --no-eager \
       --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --pdl-early-trigger $arm \
       --out "$OUT/decode_8b_early_$arm-$i.json" 2>&1 | grep -E "B="
-  done
-  ;;
-attention-preload)  # kernels/decode_attention.PRELOAD_FIRST_TILE (each split's first KV tile loaded before the PDL
-  # wait) and MIN_SPLIT_TILES (the fewest tiles a split holds; one split writes the output without partials). The
-  # attention / PDL-chain / GEMV GPU tests as shipped, then decode interleaved: 0.5B bf16 at 1 and 8 with the preload
-  # on (split floor 1, 2, 4) and off; 8B bf16 and FP8 at 1, preload on and off
-  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py \
-    -k "programmatic or decode_attention or gemv" > "$OUT/gpu_tests_attention_preload.log" 2>&1
-  tail -1 "$OUT/gpu_tests_attention_preload.log"
-  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  i=0
-  for arm in on-1 off-1 on-2 on-4 on-1 off-1 on-2 on-4; do
-    i=$((i + 1))
-    timeout 40 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 8 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --attention-preload-first-tile ${arm%-*} \
-      --attention-min-split-tiles ${arm#*-} --out "$OUT/decode_qwen_preload_$arm-$i.json" 2>&1 | grep -E "B="
-  done
-  i=0
-  for arm in on off on off; do
-    i=$((i + 1))
-    timeout 70 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 \
-      --attention-preload-first-tile $arm --out "$OUT/decode_8b_preload_$arm-$i.json" 2>&1 | grep -E "B="
   done
   ;;
 stream-probe)  # why one-row FP8 projections stream at ~3.6 TB/s where bf16 ones reach ~4.3: each projection's

@@ -49,15 +49,12 @@ PREFETCH_MAX_BATCH = 8
 # earlier run), batches 1 and 64 within noise.
 FUSED_MERGE = True
 _MERGE_CHUNK = 8  # splits merged per load
-# With PDL, batches up to PREFETCH_MAX_BATCH: each program loads its split's first tile of K and V into
-# registers before the wait, all but the step's newest token (the one row the kernel before writes,
-# loaded after the wait and put in its place), so after the wait only q and that row are read before
-# the tile's math. A/B: decode_latency.py --attention-preload-first-tile on|off.
-PRELOAD_FIRST_TILE = True
-# Every split holds at least this many KV tiles, whatever the split count (the splits past the context
-# stay empty); when one split holds the whole context it writes the output itself: no partials, no
-# merge. A/B: decode_latency.py --attention-min-split-tiles.
-MIN_SPLIT_TILES = 1
+# Measured and removed (the code is at 99a6516): each split's first KV tile loaded into registers before the
+# PDL wait but for the step's newest token, read after it (batches up to 8), and a floor of 2 or 4 tiles a
+# split, one split writing the output without partials. H200, interleaved
+# (decode_latency-h200-attention-preload-ab-2026-12-03.json): Qwen2.5-0.5B batch 1 within noise (1,807-1,832
+# against 1,816-1,823 tok/s), batch 8 1.5% slower; floors of 2 and 4 tiles ~3.5% slower; Llama-3.1-8B batch 1
+# within noise (FP8 +0.3%).
 
 
 @triton.jit
@@ -83,14 +80,11 @@ def _decode_attention_kernel(
     FUSED_MERGE: tl.constexpr,
     MERGE_GROUP: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
-    PRELOAD: tl.constexpr,
-    MIN_SPLIT_TILES: tl.constexpr,
 ):
     """PREFETCH_TILES: tiles of K and V rows to prefetch into L2 before the PDL wait (0: none).
     FUSED_MERGE (with WRITE_PARTIAL): the splits holding tokens count themselves finished on
     counter_ptr[pid] (kernels/_split_counters.py), and the last one merges their partials into out;
-    empty splits return at once; a context one split holds is written out by it directly.
-    PRELOAD: the split's first tile read before the wait but for the newest token (PRELOAD_FIRST_TILE)."""
+    empty splits return at once."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // NUM_KV_HEADS
@@ -100,32 +94,22 @@ def _decode_attention_kernel(
     # complete (PDL), so they and the KV rows of earlier steps may be read before the wait
     ctx = tl.load(context_lens_ptr + b)
     num_tiles = tl.cdiv(ctx, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     t_start = split * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, num_tiles)
-    active = tl.cdiv(num_tiles, tiles_per_split)  # the splits holding tokens
     if FUSED_MERGE and WRITE_PARTIAL:
         if t_start >= t_end:  # an empty split (past the context): the merge reads only the others
             return
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     head_off = kvh * HEAD_DIM
-    offs_d = tl.arange(0, HEAD_DIM)
-    newest = ctx - 1  # the token whose K and V the kernel before this one writes
-    if PRELOAD:
-        tok0 = t_start * BLOCK_N + offs_n
-        kv_off0 = _kv_offsets(bt_row, tok0, tok0 < ctx, head_off, offs_d, stride_cb, stride_ct, BLOCK_SIZE)
-        earlier = (tok0 < newest)[:, None]
-        k0 = tl.load(k_cache_ptr + kv_off0, mask=earlier, other=0.0, cache_modifier=".cg")
-        v0 = tl.load(v_cache_ptr + kv_off0, mask=earlier, other=0.0, cache_modifier=".cg")
-        new_blk = tl.load(bt_row + newest // BLOCK_SIZE).to(tl.int64)
-        new_row = new_blk * stride_cb + (newest % BLOCK_SIZE) * stride_ct + head_off + offs_d
     for i in tl.static_range(PREFETCH_TILES):
-        _prefetch_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, t_start + PRELOAD + i, t_end, ctx, head_off, stride_cb,
-                          stride_ct, HEAD_DIM, BLOCK_SIZE, BLOCK_N)
+        _prefetch_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, t_start + i, t_end, ctx, head_off, stride_cb, stride_ct,
+                          HEAD_DIM, BLOCK_SIZE, BLOCK_N)
     if PDL:
         wait_for_previous_kernel()
 
     offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
     g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g
 
@@ -137,57 +121,38 @@ def _decode_attention_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
 
     # Every tile in [t_start, t_end) holds at least one valid token, so no row of s is all -inf.
-    t_loop = t_start
-    if PRELOAD:
-        if t_start < t_end:  # (without the fused merge, an empty split still writes its empty partial)
-            is_newest = (tok0 == newest)[:, None]
-            k0 = tl.where(is_newest, tl.load(k_cache_ptr + new_row, cache_modifier=".cg")[None, :], k0)
-            v0 = tl.where(is_newest, tl.load(v_cache_ptr + new_row, cache_modifier=".cg")[None, :], v0)
-            m_i, l_i, acc = _attend_tile(q, k0, v0, tok0 < ctx, m_i, l_i, acc, scale_log2, DOT_PREC)
-        t_loop += 1
-    for t in range(t_loop, t_end):
+    for t in range(t_start, t_end):
         tok = t * BLOCK_N + offs_n
         n_mask = tok < ctx
-        kv_off = _kv_offsets(bt_row, tok, n_mask, head_off, offs_d, stride_cb, stride_ct, BLOCK_SIZE)
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        row = blk * stride_cb + (tok % BLOCK_SIZE) * stride_ct + head_off
+        kv_off = row[:, None] + offs_d[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
-        m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_PREC)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
 
-    if WRITE_PARTIAL and not (FUSED_MERGE and active == 1):
+    if WRITE_PARTIAL:
         # partials are [B, Hq, num_splits] (m, l) and [B, Hq, num_splits, HEAD_DIM] (acc), fp32
         part = (b.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split
         tl.store(part_m_ptr + part, m_i, mask=g_mask)
         tl.store(part_l_ptr + part, l_i, mask=g_mask)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
         if FUSED_MERGE:
+            active = tl.cdiv(num_tiles, tiles_per_split)  # the splits holding tokens
             if last_to_arrive(counter_ptr + pid, active):
                 _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh, active, num_splits,
                               stride_ob, stride_oh, NUM_KV_HEADS, GROUP, HEAD_DIM, MERGE_GROUP, MERGE_CHUNK)
-    else:  # one split (or the one split holding the context, under the fused merge): the output itself
+    else:
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-
-
-@triton.jit
-def _kv_offsets(bt_row, tok, n_mask, head_off, offs_d, stride_cb, stride_ct, BLOCK_SIZE: tl.constexpr):
-    """[BLOCK_N, HEAD_DIM] cache offsets of tokens `tok` of one KV head (masked tokens: block 0)."""
-    blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    row = blk * stride_cb + (tok % BLOCK_SIZE) * stride_ct + head_off
-    return row[:, None] + offs_d[None, :]
-
-
-@triton.jit
-def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr):
-    """One KV tile of online softmax: the running (max, sum, unnormalised output) after tokens n_mask."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
-    s = tl.where(n_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -381,8 +346,6 @@ def paged_decode_attention(
         FUSED_MERGE=counters is not None,
         MERGE_GROUP=triton.next_power_of_2(group),
         MERGE_CHUNK=_MERGE_CHUNK,
-        PRELOAD=PRELOAD_FIRST_TILE and batch <= PREFETCH_MAX_BATCH,
-        MIN_SPLIT_TILES=MIN_SPLIT_TILES,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         launch_pdl=pdl,

@@ -74,9 +74,7 @@ def summary(kernel) -> dict:
     # happen before the one thread's release)
     stores = [i for i in range(atomics[0]) if lines[i].startswith("st.global")] if atomics else []
     barrier = bool(stores) and any(lines[i].startswith("bar.sync") for i in range(stores[-1], atomics[0]))
-    wait = first["griddepcontrol.wait"] or 0
     return dict(prefetches=sum(line.startswith("prefetch.global.L2") for line in lines),
-                cg_loads_before_wait=sum(line.startswith("ld.global.cg") for line in lines[:wait]),
                 first_line=first, last_line=last, atomics=[lines[i].split()[0] for i in atomics],
                 barrier_before_atomic=barrier,
                 cg_loads=sum(line.startswith("ld.global.cg") for line in lines),
@@ -149,8 +147,7 @@ def cases() -> dict[str, dict]:
     for name, group, head_dim, block_n, stages in (("qwen", 7, 64, 128, 2), ("llama", 4, 128, 64, 3)):
         attention = dict(NUM_KV_HEADS=2 if name == "qwen" else 8, GROUP=group, GROUP_PAD=16, HEAD_DIM=head_dim,
                          BLOCK_SIZE=16, BLOCK_N=block_n, WRITE_PARTIAL=True, DOT_PREC="tf32", PDL=True,
-                         FUSED_MERGE=False, MERGE_GROUP=triton.next_power_of_2(group), MERGE_CHUNK=8,
-                         PRELOAD=False, MIN_SPLIT_TILES=1)
+                         FUSED_MERGE=False, MERGE_GROUP=triton.next_power_of_2(group), MERGE_CHUNK=8)
         for tiles in (0, 2):
             out[f"attention_{name}_prefetch{tiles}"] = compile_kernel(
                 _decode_attention_kernel, dict(attention, PREFETCH_TILES=tiles), attention_ptrs, strides,
@@ -159,10 +156,6 @@ def cases() -> dict[str, dict]:
         out[f"attention_{name}_fused_merge"] = compile_kernel(
             _decode_attention_kernel, dict(attention, PREFETCH_TILES=2, FUSED_MERGE=True), attention_ptrs, strides,
             num_warps=4, num_stages=stages)
-        # as shipped at batches up to 8: each split's first tile read before the wait (PRELOAD_FIRST_TILE)
-        out[f"attention_{name}_preload"] = compile_kernel(
-            _decode_attention_kernel, dict(attention, PREFETCH_TILES=2, FUSED_MERGE=True, PRELOAD=True),
-            attention_ptrs, strides, num_warps=4, num_stages=stages)
     return {name: summary(kernel) for name, kernel in out.items()}
 
 

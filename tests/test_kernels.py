@@ -138,28 +138,6 @@ def test_decode_attention_more_splits_than_tiles(num_splits, fused_merge):
     assert rel_err(out, paged_decode_attention_ref(q, k_cache, v_cache, bt, cl, 0.125)) < TOL
 
 
-@pytest.mark.parametrize("preload", [False, True])
-@pytest.mark.parametrize("num_splits,min_split_tiles", [(1, 1), (3, 1), (3, 2), (3, 8), (8, 1)])
-def test_decode_attention_preloaded_tile_and_split_floor(preload, num_splits, min_split_tiles, fused_merge,
-                                                         monkeypatch):
-    """Each split's first KV tile read before the PDL wait except the newest token, read after it and put
-    in its place (decode_attention.PRELOAD_FIRST_TILE), and splits of at least min_split_tiles tiles
-    (MIN_SPLIT_TILES: with 8, one split holds each context and writes the output without partials),
-    for contexts of 1 token, of 3 tiles ending inside the last and of 4 ending at its edge: the
-    reference, twice (the fused merge's counters are back at 0)."""
-    module = importlib.import_module("kernels.decode_attention")
-    monkeypatch.setattr(module, "PRELOAD_FIRST_TILE", preload)
-    monkeypatch.setattr(module, "MIN_SPLIT_TILES", min_split_tiles)
-    gen = torch.Generator().manual_seed(5)
-    q, k_cache, v_cache, bt, cl = decode_case(gen, ctx=(1, 40, 64))
-    ref = paged_decode_attention_ref(q, k_cache, v_cache, bt, cl, 0.125)
-    for _ in range(2):
-        out = torch.full_like(q, float("nan"))
-        paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=num_splits, out=out,
-                               tile=module.DecodeTile(16, 4, 2))
-        assert rel_err(out, ref) < TOL
-
-
 def test_decode_attention_gqa8_head128_block32_strided_q():
     gen = torch.Generator().manual_seed(3)
     _, k_cache, v_cache, bt, cl = decode_case(gen, batch=2, hq=8, hkv=1, head_dim=128, block_size=32,

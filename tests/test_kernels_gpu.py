@@ -461,27 +461,19 @@ def test_gemv_fp8_weights_real_shapes(name, rows, poisoned_outputs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch_tiles,fused_merge,preload,min_split_tiles",
-                         [(0, False, False, 1), (2, False, False, 1), (2, True, False, 1), (2, True, True, 1),
-                          (2, False, True, 1), (2, True, True, 4)])
-def test_programmatic_dependent_launch_keeps_a_chain_of_kernels_in_order(prefetch_tiles, fused_merge, preload,
-                                                                         min_split_tiles, monkeypatch):
+@pytest.mark.parametrize("prefetch_tiles,fused_merge", [(0, False), (2, False), (2, True)])
+def test_programmatic_dependent_launch_keeps_a_chain_of_kernels_in_order(prefetch_tiles, fused_merge, monkeypatch):
     """A decoder-like chain (GEMVs that read what the one before wrote, attention between them)
     captured in a CUDA graph with programmatic dependent launch gives bit for bit what it gives
     launched one by one without it: no kernel reads its input before the kernel before wrote it.
     Every layer writes the same cache slot, which the attention after it reads: with prefetch_tiles
     (decode_attention.PREFETCH_TILES) it asks L2 for that row before its wait, and must still see the
     value the qkv kernel before it wrote. fused_merge: the attention's two splits merge in the last
-    one to finish (decode_attention.FUSED_MERGE), before the o_proj GEMV reads the result. preload: each
-    split loads its first tile into registers before the wait but for that slot's row, read after it
-    (PRELOAD_FIRST_TILE); min_split_tiles 4: one split holds the 3 tiles and writes the output itself."""
+    one to finish (decode_attention.FUSED_MERGE), before the o_proj GEMV reads the result."""
     from kernels import _common
 
     use_attention_prefetch(monkeypatch, prefetch_tiles)
     use_fused_merge(monkeypatch, fused_merge)
-    attention = importlib.import_module("kernels.decode_attention")
-    monkeypatch.setattr(attention, "PRELOAD_FIRST_TILE", preload)
-    monkeypatch.setattr(attention, "MIN_SPLIT_TILES", min_split_tiles)
 
     gen = torch.Generator(device=DEV).manual_seed(7)
     hidden, hq, hkv, head_dim, inter = 896, 14, 2, 64, 4864
