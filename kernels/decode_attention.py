@@ -17,10 +17,10 @@ import triton
 import triton.language as tl
 
 from kernels._common import attention_output, check_kv_cache, dot_precision, sm_count, use_pdl
-from kernels.fp8_quant import _INV_FP8_MAX, FP8, quantize_groups_in_tile
 from kernels._pdl import wait_for_previous_kernel
 from kernels._prefetch import prefetch_l2
 from kernels._split_counters import last_to_arrive, split_counters
+from kernels.fp8_quant import _INV_FP8_MAX, FP8, quantize_groups_in_tile
 
 _LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
