@@ -74,8 +74,6 @@ SWITCHES = {
                                "a step's input rows and token records in two kernels; off: seven torch ops"),
     "defer-split-reduce": ("engine.models.layers", "DEFER_SPLIT_REDUCE", bool,
                            "the norm after o / down sums their split-K partials; off: a reduce kernel each"),
-    "fp8-grouped-activations": ("engine.models.layers", "FP8_GROUPED_ACTIVATIONS", bool,
-                                "attention and gate_up hand o / down their FP8 input (no quantization kernels)"),
     "norm-max-warps": ("kernels.rmsnorm", "MAX_WARPS", int, "warps a row's RMSNorm program takes at most"),
     "pdl-early-trigger": ("kernels._pdl", "EARLY_TRIGGER", bool,
                           "a PDL kernel lets the next one launch before its own wait"),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|fp8-grouped
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -158,23 +158,6 @@ PY
       --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --pdl-early-trigger $arm \
       --out "$OUT/decode_8b_early_$arm-$i.json" 2>&1 | grep -E "B="
   done
-  ;;
-fp8-grouped)  # engine/models/layers.FP8_GROUPED_ACTIVATIONS: decode attention and the gate_up GEMM hand o_proj and
-  # down_proj their FP8 input, one scale for each 64 values of a row, instead of a quantization kernel before each.
-  # The GPU tests of its kernels at model shapes, 8B FP8 decode at 64 on then off, then the FP8 engine's test
-  timeout 40 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_fp8.py -k "group or gate_up_hands" \
-    > "$OUT/gpu_tests_fp8_grouped.log" 2>&1
-  tail -1 "$OUT/gpu_tests_fp8_grouped.log"
-  i=0
-  for arm in on off; do
-    i=$((i + 1))
-    timeout 50 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 64 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --fp8-grouped-activations $arm \
-      --out "$OUT/decode_8b_grouped_$arm-$i.json" 2>&1 | grep -E "B="
-  done
-  timeout 40 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_fp8.py -k "engine_decodes" \
-    > "$OUT/gpu_tests_fp8_grouped_engine.log" 2>&1
-  tail -1 "$OUT/gpu_tests_fp8_grouped_engine.log"
   ;;
 stream-probe)  # why one-row FP8 projections stream at ~3.6 TB/s where bf16 ones reach ~4.3: each projection's
   # weights read with the GEMV's tile walk and no math, beside the GEMV, bf16 and FP8 (benchmarks/stream_probe.py)

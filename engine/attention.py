@@ -59,11 +59,8 @@ class TorchAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, quant_group: int = 0) -> torch.Tensor:
-        """Rotate q and k, write k and v into the cache, attend. Returns [T, Hq, D]. (quant_group, the
-        CUDA backend's FP8 output, never comes here: the FP8 projections dequantize on the CPU.)"""
-        if quant_group:
-            raise ValueError("the CPU attention hands over no FP8 output")
+                scale: float) -> torch.Tensor:
+        """Rotate q and k, write k and v into the cache, attend. Returns [T, Hq, D]."""
         rope = meta.derived.get("rope")
         if rope is None or rope[0] is not positions:  # keyed by the positions tensor itself (held here)
             rope = meta.derived["rope"] = (positions, rotary_tables(positions, cos_sin, q.dtype))
@@ -74,11 +71,8 @@ class TorchAttention:
         return self._decode(q, k_cache, v_cache, meta, scale)
 
     def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, quant_group: int = 0) -> torch.Tensor:
-        """Decode attention of rotated q over a cache that already holds this step's K/V (quant_group:
-        as forward)."""
-        if quant_group:
-            raise ValueError("the CPU attention hands over no FP8 output")
+                      scale: float) -> torch.Tensor:
+        """Decode attention of rotated q over a cache that already holds this step's K/V."""
         return self._decode(q, k_cache, v_cache, meta, scale)
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -148,21 +142,17 @@ class TritonAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, quant_group: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """quant_group (decode): see attend_decode."""
+                scale: float) -> torch.Tensor:
         q = self._rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
-            if quant_group:
-                raise ValueError("prefill attention hands over no FP8 output")
             return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                                  meta.max_seqlen_q, scale, tiles=meta.attention_tiles)
-        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, quant_group=quant_group)
+        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 
     def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, quant_group: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Decode attention of rotated q over a cache that already holds this step's K/V; quant_group:
-        quantized for an FP8 projection, (e4m3 output, scales) (kernels/decode_attention.py)."""
-        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, quant_group=quant_group)
+                      scale: float) -> torch.Tensor:
+        """Decode attention of rotated q over a cache that already holds this step's K/V."""
+        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 
 
 def make_attention_backend(device: torch.device, block_size: int) -> TorchAttention | TritonAttention:

@@ -20,10 +20,8 @@ from kernels._common import attention_output, check_kv_cache, dot_precision, sm_
 from kernels._pdl import wait_for_previous_kernel
 from kernels._prefetch import prefetch_l2
 from kernels._split_counters import last_to_arrive, split_counters
-from kernels.fp8_quant import _INV_FP8_MAX, FP8, quantize_groups_in_tile
 
 _LOG2E = 1.4426950408889634
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # Split-count heuristic, tuned on an H200 (benchmarks/kernel_bench.py --sweep): aim for about
 # this many programs per SM, never fewer than this many KV tokens per split (with the longest
 # context the block table can hold), never more splits than _MAX_SPLITS. The floor was 512 until
@@ -62,8 +60,8 @@ _MERGE_CHUNK = 8  # splits merged per load
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr, out_scale_ptr,
-    scale_log2, stride_os, inv_fp8_max,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr,
+    scale_log2,
     stride_qb, stride_qh,
     stride_cb, stride_ct,  # cache strides of a block and of a token (same for k and v)
     stride_bt,
@@ -82,9 +80,6 @@ def _decode_attention_kernel(
     FUSED_MERGE: tl.constexpr,
     MERGE_GROUP: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
-    QUANT_GROUP: tl.constexpr,
-    ROUND_DT: tl.constexpr,
-    SCALE_BY_RECIPROCAL: tl.constexpr,
 ):
     """PREFETCH_TILES: tiles of K and V rows to prefetch into L2 before the PDL wait (0: none).
     FUSED_MERGE (with WRITE_PARTIAL): the splits holding tokens count themselves finished on
@@ -153,38 +148,17 @@ def _decode_attention_kernel(
             active = tl.cdiv(num_tiles, tiles_per_split)  # the splits holding tokens
             if last_to_arrive(counter_ptr + pid, active):
                 _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh, active, num_splits,
-                              stride_ob, stride_oh, out_scale_ptr, stride_os, inv_fp8_max, NUM_KV_HEADS, GROUP,
-                              HEAD_DIM, MERGE_GROUP, MERGE_CHUNK, QUANT_GROUP, ROUND_DT, SCALE_BY_RECIPROCAL)
+                              stride_ob, stride_oh, NUM_KV_HEADS, GROUP, HEAD_DIM, MERGE_GROUP, MERGE_CHUNK)
     else:
-        _store_heads(acc / l_i[:, None], b, heads, g_mask, out_ptr, stride_ob, stride_oh, out_scale_ptr, stride_os,
-                     inv_fp8_max, HEAD_DIM, QUANT_GROUP, ROUND_DT, SCALE_BY_RECIPROCAL)
-
-
-@triton.jit
-def _store_heads(out, b, heads, g_mask, out_ptr, stride_ob, stride_oh, out_scale_ptr, stride_os, inv_fp8_max,
-                 HEAD_DIM: tl.constexpr, QUANT_GROUP: tl.constexpr, ROUND_DT: tl.constexpr,
-                 SCALE_BY_RECIPROCAL: tl.constexpr):
-    """Row b's output `out` [heads, HEAD_DIM] (float32): in out's dtype, or (QUANT_GROUP) rounded to
-    ROUND_DT and quantized to e4m3 bytes in groups of QUANT_GROUP values, each group's scale at
-    out_scale_ptr[b * stride_os + the group's index in the row] (engine/models/fp8.QuantizedRows)."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    if QUANT_GROUP:
-        groups: tl.constexpr = HEAD_DIM // QUANT_GROUP
-        rounded = tl.reshape(out.to(ROUND_DT).to(tl.float32), [out.shape[0], groups, QUANT_GROUP])
-        q, q_scale = quantize_groups_in_tile(rounded, 2, inv_fp8_max, SCALE_BY_RECIPROCAL)
-        tl.store(o_ptrs, tl.reshape(q, [out.shape[0], HEAD_DIM]), mask=g_mask[:, None])
-        scale_ptrs = out_scale_ptr + b.to(tl.int64) * stride_os + heads[:, None] * groups + tl.arange(0, groups)[None, :]
-        tl.store(scale_ptrs, q_scale, mask=g_mask[:, None])
-    else:
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 @triton.jit
 def _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh, active, num_splits, stride_ob, stride_oh,
-                  out_scale_ptr, stride_os, inv_fp8_max, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-                  QUANT_GROUP: tl.constexpr, ROUND_DT: tl.constexpr, SCALE_BY_RECIPROCAL: tl.constexpr):
+                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr):
     """out for the GROUP query heads of (b, kvh) from the partials of its first `active` splits (the
     ones holding tokens; the rest are empty), in one pass with a running maximum. The partials were
     written by other programs: loaded through L2 (.cg), never a stale L1 line."""
@@ -214,8 +188,8 @@ def _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh, active,
         num = num * alpha[:, None] + tl.sum(acc * w[:, :, None], 1)
         m_run = m_new
     out = num / tl.where(den > 0, den, 1.0)[:, None]
-    _store_heads(out, b, heads, g_mask, out_ptr, stride_ob, stride_oh, out_scale_ptr, stride_os, inv_fp8_max, HEAD_DIM,
-                 QUANT_GROUP, ROUND_DT, SCALE_BY_RECIPROCAL)
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 @triton.jit
@@ -236,16 +210,13 @@ def _prefetch_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, t, t_end, ctx, head_off,
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, out_scale_ptr,
-    stride_ob, stride_oh, stride_os, inv_fp8_max,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
+    stride_ob, stride_oh,
     num_splits,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     CHUNK: tl.constexpr,
     PDL: tl.constexpr,
-    QUANT_GROUP: tl.constexpr,
-    ROUND_DT: tl.constexpr,
-    SCALE_BY_RECIPROCAL: tl.constexpr,
 ):
     if PDL:
         wait_for_previous_kernel()
@@ -278,9 +249,8 @@ def _decode_reduce_kernel(
         den += l * w
     total = tl.sum(den, 0)
     out = num / tl.where(total > 0, total, 1.0)
-    one = tl.arange(0, 1)
-    _store_heads(out[None, :], b, h + one, one == 0, out_ptr, stride_ob, stride_oh, out_scale_ptr, stride_os,
-                 inv_fp8_max, HEAD_DIM, QUANT_GROUP, ROUND_DT, SCALE_BY_RECIPROCAL)
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
 class DecodeTile(NamedTuple):
@@ -323,8 +293,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     tile: DecodeTile | None = None,
-    quant_group: int = 0,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Attention of q [B, Hq, D] over each sequence's first context_lens[b] cached tokens.
 
     block_tables [B, max_blocks] int32, context_lens [B] int32 (>= 1; padded rows use 1 and block 0);
@@ -332,22 +301,12 @@ def paged_decode_attention(
     contiguous). Returns [B, Hq, D] in q's dtype, or writes `out` (same shape, last dim contiguous).
     num_splits=None picks the split count from (B, Hkv, max_blocks * block_size) and the SM count.
     tile overrides the launch shape (benchmark sweeps); None uses default_decode_tile.
-    quant_group (a power of two dividing D): the output, rounded to q's dtype, comes back quantized for
-    an FP8 projection as (e4m3 [B, Hq, D], float32 scales [B, Hq * D / quant_group]), one scale for
-    each quant_group values of a row (engine/models/fp8.quantize_groups); `out` must be None.
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
     batch, num_heads, _ = q.shape
-    if quant_group and (out is not None or head_dim % quant_group or quant_group & (quant_group - 1)):
-        raise ValueError(f"quant_group must be a power of two dividing head_dim {head_dim}, without `out`")
-    out = attention_output(q, num_kv_heads, head_dim, torch.empty(q.shape, dtype=FP8, device=q.device)
-                           if quant_group else out)
-    out_scale = torch.empty((batch, num_heads * head_dim // quant_group), dtype=torch.float32, device=q.device) \
-        if quant_group else out
+    out = attention_output(q, num_kv_heads, head_dim, out)
     if batch == 0:
-        return (out, out_scale) if quant_group else out
-    out_bytes = out.view(torch.uint8) if quant_group else out
-    quant = dict(QUANT_GROUP=quant_group, ROUND_DT=_TL_DTYPES[q.dtype], SCALE_BY_RECIPROCAL=q.is_cuda)
+        return out
     group = num_heads // num_kv_heads
     tile = tile or default_decode_tile(head_dim)
     if num_splits is None:
@@ -367,8 +326,8 @@ def paged_decode_attention(
     pdl = use_pdl(q.device)
     _decode_attention_kernel[(batch * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
-        out_bytes, part_m, part_l, part_acc, out if counters is None else counters, out_scale,
-        scale * _LOG2E, out_scale.stride(0), _INV_FP8_MAX,
+        out, part_m, part_l, part_acc, out if counters is None else counters,
+        scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
@@ -387,25 +346,23 @@ def paged_decode_attention(
         FUSED_MERGE=counters is not None,
         MERGE_GROUP=triton.next_power_of_2(group),
         MERGE_CHUNK=_MERGE_CHUNK,
-        **quant,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         launch_pdl=pdl,
     )
     if num_splits > 1 and counters is None:
         _decode_reduce_kernel[(batch * num_heads,)](
-            part_m, part_l, part_acc, out_bytes, out_scale,
-            out.stride(0), out.stride(1), out_scale.stride(0), _INV_FP8_MAX,
+            part_m, part_l, part_acc, out,
+            out.stride(0), out.stride(1),
             num_splits,
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             CHUNK=min(16, triton.next_power_of_2(num_splits)),
             PDL=pdl,
-            **quant,
             num_warps=4,
             launch_pdl=pdl,
         )
-    return (out, out_scale) if quant_group else out
+    return out
 
 
 def paged_decode_attention_ref(

@@ -86,17 +86,6 @@ def _row_scale(amax, inv_max, SCALE_BY_RECIPROCAL: tl.constexpr):
 
 
 @triton.jit
-def quantize_groups_in_tile(x, axis: tl.constexpr, inv_max, SCALE_BY_RECIPROCAL: tl.constexpr):
-    """A float32 tile whose `axis` is one group of a row's values (the other axis its rows): (e4m3
-    bytes as uint8, the groups' scales), the arithmetic and bits of _quantize_rows_fp8_kernel with
-    the group in place of the row (engine/models/fp8.quantize_groups). For kernels that hold a group
-    of each row they produce (decode attention's heads, the gate_up GEMM's output columns)."""
-    scale = _row_scale(tl.max(tl.abs(x), axis), inv_max, SCALE_BY_RECIPROCAL)
-    v = tl.minimum(tl.maximum(tl.div_rn(x, tl.expand_dims(scale, axis)), -448.0), 448.0)
-    return _e4m3_bits(v).to(tl.uint8), scale
-
-
-@triton.jit
 def _quantize_rows_fp8_kernel(
     x_ptr, q_ptr, scale_ptr,
     K, stride_x, stride_q, inv_max,

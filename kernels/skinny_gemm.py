@@ -37,10 +37,8 @@ import triton.language as tl
 
 from kernels._common import dot_precision, sm_count, use_pdl
 from kernels._pdl import wait_for_previous_kernel
-from kernels.fp8_quant import _INV_FP8_MAX, quantize_groups_in_tile
 
 FP8 = torch.float8_e4m3fn
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # weight-only FP8: x * 2^-8 in fp16 overflows only past 16.7M, and loses bits only below 2^-16
 # (absolute error < 2^-17 there), far finer than x's own bf16 rounding; the result is scaled back
 W_ONLY_X_SCALE = tl.constexpr(2.0**-8)
@@ -48,9 +46,9 @@ W_ONLY_X_SCALE = tl.constexpr(2.0**-8)
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, out_scale_ptr,
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, K, k_per_split,
-    stride_x, stride_w, stride_o, stride_xs, stride_os, inv_fp8_max,
+    stride_x, stride_w, stride_o,
     HAS_BIAS: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     W_ONLY: tl.constexpr,
@@ -62,15 +60,7 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IMPRECISE_K: tl.constexpr,
-    X_GROUP: tl.constexpr,
-    QUANT_OUT: tl.constexpr,
-    ROUND_DT: tl.constexpr,
-    SCALE_BY_RECIPROCAL: tl.constexpr,
 ):
-    """X_GROUP (W8A8): 0, one x scale a row; else x_scale [M, K / X_GROUP] (row stride stride_xs), each
-    group's product scaled as it is added. QUANT_OUT (SiLU-and-mul, W8A8): the output rounded to ROUND_DT,
-    then quantized to e4m3 bytes (out_ptr) in groups of the program's BLOCK_N columns, one scale a
-    row and group (out_scale_ptr [M, N / BLOCK_N], row stride stride_os)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -92,26 +82,21 @@ def _skinny_gemm_kernel(
     if SILU_MUL:
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if X_GROUP > 0:
-            for g in tl.static_range(BLOCK_K // X_GROUP):
-                acc = _dot_x_group(w_ptr, x_ptr, x_scale_ptr, offs_n, offs_m, n_mask, m_mask, k0 + g * X_GROUP, k_end,
-                                   stride_w, stride_x, stride_xs, acc, X_GROUP)
-        else:
-            k_mask = (k0 + tl.arange(0, BLOCK_K)) < k_end
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if W_ONLY:  # e4m3 weights are exact in fp16; x scaled into fp16's range (see W_ONLY_X_SCALE)
-                x = (x.to(tl.float32) * W_ONLY_X_SCALE).to(tl.float16)
-                w = w.to(tl.float16)
-            acc = _dot(w, x, acc, HAS_SCALES, DOT_PREC, IMPRECISE_K)
-            if SILU_MUL:
-                u = tl.load(u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                if W_ONLY:
-                    u = u.to(tl.float16)
-                acc_u = _dot(u, x, acc_u, HAS_SCALES, DOT_PREC, IMPRECISE_K)
-                u_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
+        k_mask = (k0 + tl.arange(0, BLOCK_K)) < k_end
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if W_ONLY:  # e4m3 weights are exact in fp16; x scaled into fp16's range (see W_ONLY_X_SCALE)
+            x = (x.to(tl.float32) * W_ONLY_X_SCALE).to(tl.float16)
+            w = w.to(tl.float16)
+        acc = _dot(w, x, acc, HAS_SCALES, DOT_PREC, IMPRECISE_K)
+        if SILU_MUL:
+            u = tl.load(u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            if W_ONLY:
+                u = u.to(tl.float16)
+            acc_u = _dot(u, x, acc_u, HAS_SCALES, DOT_PREC, IMPRECISE_K)
+            u_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
 
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT > 1:  # partials [SPLIT, M, N], float32, unscaled
@@ -121,13 +106,12 @@ def _skinny_gemm_kernel(
         y = acc
         if HAS_SCALES:
             y = y * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
-            if X_GROUP == 0:
-                y = y * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+            y = y * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
         if W_ONLY:
             y = y * (tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0) / W_ONLY_X_SCALE)[:, None]
         if HAS_BIAS:
             y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        dt = ROUND_DT if QUANT_OUT else out_ptr.dtype.element_ty
+        dt = out_ptr.dtype.element_ty
         if SILU_MUL:  # rounded as the unfused path rounds (kernels/activation.py)
             up = acc_u
             if HAS_SCALES:
@@ -138,27 +122,7 @@ def _skinny_gemm_kernel(
             gate = y.to(dt).to(tl.float32)
             y = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
         o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
-        if QUANT_OUT:  # the rounded output quantized as quantize_rows_fp8 would, each row's columns a group
-            q, q_scale = quantize_groups_in_tile(y.to(dt).to(tl.float32), 0, inv_fp8_max, SCALE_BY_RECIPROCAL)
-            tl.store(o_ptrs, q, mask=mask)
-            tl.store(out_scale_ptr + offs_m.to(tl.int64) * stride_os + pid_n, q_scale, mask=m_mask)
-        else:
-            tl.store(o_ptrs, y.to(dt), mask=mask)
-
-
-@triton.jit
-def _dot_x_group(w_ptr, x_ptr, x_scale_ptr, offs_n, offs_m, n_mask, m_mask, k0, k_end, stride_w, stride_x, stride_xs,
-                 acc, X_GROUP: tl.constexpr):
-    """acc + the W8A8 product of K group [k0, k0 + X_GROUP), each row's times that group's x scale."""
-    offs_k = k0 + tl.arange(0, X_GROUP)
-    k_mask = offs_k < k_end
-    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                other=0.0)
-    x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_x + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                other=0.0)
-    in_k = (tl.zeros_like(offs_m) + k0) < k_end  # (a scalar bool in a tensor mask trips the interpreter)
-    x_scale = tl.load(x_scale_ptr + offs_m.to(tl.int64) * stride_xs + k0 // X_GROUP, mask=m_mask & in_k, other=0.0)
-    return acc + tl.dot(w, tl.trans(x), max_num_imprecise_acc=X_GROUP) * x_scale[None, :]
+        tl.store(o_ptrs, y.to(dt), mask=mask)
 
 
 @triton.jit
@@ -312,9 +276,8 @@ def skinny_gemm(
     out_dtype: torch.dtype | None = None,
     silu_mul: bool = False,
     defer_reduce: bool = False,
-    quant_out: bool = False,
     tile: SkinnyGemmTile | None = None,
-) -> torch.Tensor | SplitPartials | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | SplitPartials:
     """x @ weight.T (+ bias) in float32, rounded to out_dtype (default x's dtype; bfloat16 for
     FP8 x): [M, N]. x [M, K] and weight [N, K] with contiguous rows, of one dtype, or (weight-only
     FP8) a float8 e4m3 weight with bf16 / fp16 x. FP8 weights need weight_scale float32 [N];
@@ -323,12 +286,7 @@ def skinny_gemm(
     a fused [gate; up] of 2I rows (no bias) and the result silu(x @ gate.T) * (x @ up.T), [M, I];
     K is never split then. defer_reduce: a product whose K is split comes back as its SplitPartials,
     for the next kernel to sum (no reduce kernel; not weight-only FP8). tile overrides the launch
-    shape (benchmark sweeps).
-
-    W8A8 group scales: x_scale [M, K / G] (G a power of two dividing K and the tile's K) scales each
-    group of G values of a row, x[m, k] * x_scale[m, k // G]. quant_out (W8A8 with silu_mul): the
-    result, rounded to out_dtype, comes back quantized as (e4m3 [M, N], float32 scales [M, N / G]) in
-    groups of G = the tile's block_n columns (engine/models/fp8.quantize_groups)."""
+    shape (benchmark sweeps)."""
     w_only = weight.dtype == FP8 and x.dtype in (torch.bfloat16, torch.float16)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or (x.dtype != weight.dtype and not w_only):
         raise ValueError(f"expected x [M, K] and weight [N, K] of one dtype (or an FP8 weight with bf16 / fp16 x), "
@@ -346,31 +304,17 @@ def skinny_gemm(
         if weight_scale.shape != (weight.shape[0],) or weight_scale.dtype != torch.float32 \
                 or not weight_scale.is_contiguous():
             raise ValueError(f"weight_scale must be float32 [{weight.shape[0]}], contiguous")
-    x_group = 0
     if fp8:
-        if x_scale.dim() == 2 and x_scale.shape[1] > 1:  # one scale a group of each row
-            x_group = k // x_scale.shape[1]
-            if x_scale.shape != (m, k // x_group) or x_group & (x_group - 1) or x_scale.stride(1) != 1 or silu_mul:
-                raise ValueError(f"group scales must be float32 [{m}, K / G] (G a power of two) with contiguous "
-                                 f"rows, and not for silu_mul; got {tuple(x_scale.shape)}")
-        else:
-            x_scale = x_scale.reshape(-1)
-        if x_scale.shape[0] != m or x_scale.dtype != torch.float32 or x_scale.stride(-1) != 1:
-            raise ValueError(f"x_scale must be float32 [{m}] or [{m}, K / G], contiguous rows")
+        x_scale = x_scale.reshape(-1)
+        if x_scale.shape != (m,) or x_scale.dtype != torch.float32 or not x_scale.is_contiguous():
+            raise ValueError(f"x_scale must be float32 [{m}], contiguous")
     elif not w_only and (x_scale is not None or weight_scale is not None):
         raise ValueError("scales go with FP8 operands only")
-    if quant_out and not (fp8 and silu_mul):
-        raise ValueError("quant_out goes with a W8A8 silu_mul product")
-    dtype = out_dtype or (torch.bfloat16 if fp8 else x.dtype)
-    out = torch.empty((m, n), dtype=FP8 if quant_out else dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype or (torch.bfloat16 if fp8 else x.dtype), device=x.device)
+    if m == 0:
+        return out
     tile = tile or default_skinny_gemm_tile(m, n, k, sm_count(x.device), weight.element_size(), silu_mul,
                                             x.element_size())
-    out_scale = torch.empty((m, triton.cdiv(n, tile.block_n)), dtype=torch.float32, device=x.device) \
-        if quant_out else out
-    if x_group and tile.block_k % x_group:
-        raise ValueError(f"the tile's K ({tile.block_k}) must hold whole groups of {x_group}")
-    if m == 0:
-        return (out, out_scale) if quant_out else out
     split = 1 if silu_mul else max(1, tile.split)
     # each split a whole number of K tiles
     k_per_split = triton.cdiv(triton.cdiv(k, split), tile.block_k) * tile.block_k
@@ -380,10 +324,9 @@ def skinny_gemm(
     scale_args = (x_scale if fp8 else out, weight_scale if fp8 or w_only else out)
     bias_arg = bias if bias is not None else out
     _skinny_gemm_kernel[(triton.cdiv(n, tile.block_n), split, triton.cdiv(m, tile.block_m))](
-        x, scale_args[0], weight, scale_args[1], bias_arg, out.view(torch.uint8) if quant_out else out, part,
-        out_scale, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), out.stride(0), x_scale.stride(0) if x_group else 0, out_scale.stride(0),
-        _INV_FP8_MAX,
+        x, scale_args[0], weight, scale_args[1], bias_arg, out, part,
+        m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
         HAS_SCALES=fp8,
         W_ONLY=w_only,
@@ -395,19 +338,13 @@ def skinny_gemm(
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         IMPRECISE_K=min(128, tile.block_k),  # as DeepSeek-V3 does (and cuBLAS without fast accumulation)
-        X_GROUP=x_group,
-        QUANT_OUT=quant_out,
-        ROUND_DT=_TL_DTYPES[dtype],
-        SCALE_BY_RECIPROCAL=x.is_cuda,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         launch_pdl=pdl,
     )
     if split == 1:
-        return (out, out_scale) if quant_out else out
-    # group scales were applied as the groups were added
-    pending = SplitPartials(part, weight_scale if fp8 or w_only else None, x_scale if fp8 and not x_group else None,
-                            bias, out.dtype)
+        return out
+    pending = SplitPartials(part, weight_scale if fp8 or w_only else None, x_scale if fp8 else None, bias, out.dtype)
     if defer_reduce and not w_only:
         return pending
     return finish_split(pending, out, w_only)
@@ -448,8 +385,7 @@ def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     silu_mul: then silu(gate) * up as kernels/activation.py rounds it."""
     xf, wf = x.float(), weight.float()
     if x_scale is not None:
-        x_scale = x_scale.reshape(x.shape[0], -1).float()  # one scale a row, or a group of each row
-        xf = xf * x_scale.repeat_interleave(x.shape[1] // x_scale.shape[1], dim=1)
+        xf = xf * x_scale.reshape(-1, 1).float()
     if weight_scale is not None:
         wf = wf * weight_scale.float()[:, None]
     y = xf @ wf.T

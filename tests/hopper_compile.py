@@ -91,23 +91,13 @@ def cases() -> dict[str, dict]:
 
     out = {}
     skinny = dict(HAS_BIAS=False, HAS_SCALES=False, W_ONLY=False, SILU_MUL=False, SPLIT=1, PDL=True, DOT_PREC="tf32",
-                  BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, IMPRECISE_K=128, X_GROUP=0, QUANT_OUT=False,
-                  ROUND_DT=triton.language.bfloat16, SCALE_BY_RECIPROCAL=True)
+                  BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, IMPRECISE_K=128)
     fp32_scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "part_ptr": "*fp32"}
     # the skinny GEMM as shipped, bf16 and W8A8 with the SiLU: the paths every decode batch of 2-64 rows takes
     out["skinny_bf16"] = compile_ptx(_skinny_gemm_kernel, skinny, fp32_scales, num_warps=4, num_stages=5)
     out["skinny_w8a8_silu"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, SILU_MUL=True),
                                           dict(fp32_scales, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv"), num_warps=4,
                                           num_stages=3)
-    # FP8 activations handed over in groups of 64 (engine/models/fp8.QuantizedRows): down_proj's product of
-    # them, split in two, 8 stages deep as shipped; gate_up's SiLU-and-mul quantizing its output
-    out["skinny_w8a8_x_groups"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, SPLIT=2, X_GROUP=64),
-                                              dict(fp32_scales, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv"), num_warps=4,
-                                              num_stages=8)
-    out["skinny_w8a8_silu_quant_out"] = compile_ptx(
-        _skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, SILU_MUL=True, QUANT_OUT=True),
-        dict(fp32_scales, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", out_ptr="*u8", out_scale_ptr="*fp32"), num_warps=4,
-        num_stages=3)
     norm = dict(HAS_RESIDUAL=True, BLOCK=1024, QUANT_FP8=False, SCALE_BY_RECIPROCAL=True, PDL=True, X_SPLIT=0,
                 PART_W_SCALE=False, PART_X_SCALE=False, PART_BIAS=False)
     norm_ptrs = {"scale_ptr": "*fp32", "part_w_scale_ptr": "*fp32", "part_x_scale_ptr": "*fp32"}
@@ -157,8 +147,7 @@ def cases() -> dict[str, dict]:
     for name, group, head_dim, block_n, stages in (("qwen", 7, 64, 128, 2), ("llama", 4, 128, 64, 3)):
         attention = dict(NUM_KV_HEADS=2 if name == "qwen" else 8, GROUP=group, GROUP_PAD=16, HEAD_DIM=head_dim,
                          BLOCK_SIZE=16, BLOCK_N=block_n, WRITE_PARTIAL=True, DOT_PREC="tf32", PDL=True,
-                         FUSED_MERGE=False, MERGE_GROUP=triton.next_power_of_2(group), MERGE_CHUNK=8, QUANT_GROUP=0,
-                         ROUND_DT=triton.language.bfloat16, SCALE_BY_RECIPROCAL=True)
+                         FUSED_MERGE=False, MERGE_GROUP=triton.next_power_of_2(group), MERGE_CHUNK=8)
         for tiles in (0, 2):
             out[f"attention_{name}_prefetch{tiles}"] = compile_kernel(
                 _decode_attention_kernel, dict(attention, PREFETCH_TILES=tiles), attention_ptrs, strides,
@@ -167,12 +156,6 @@ def cases() -> dict[str, dict]:
         out[f"attention_{name}_fused_merge"] = compile_kernel(
             _decode_attention_kernel, dict(attention, PREFETCH_TILES=2, FUSED_MERGE=True), attention_ptrs, strides,
             num_warps=4, num_stages=stages)
-        # its output quantized for an FP8 o_proj, in groups of 64 (engine/models/fp8.QuantizedRows)
-        for splits in (False, True):
-            out[f"attention_{name}_quant_out{'_merge' if splits else ''}"] = compile_kernel(
-                _decode_attention_kernel, dict(attention, PREFETCH_TILES=0, WRITE_PARTIAL=splits, FUSED_MERGE=splits,
-                                               QUANT_GROUP=64), dict(attention_ptrs, out_ptr="*u8", out_scale_ptr="*fp32"),
-                strides, num_warps=4, num_stages=stages)
     return {name: summary(kernel) for name, kernel in out.items()}
 
 

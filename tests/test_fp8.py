@@ -177,51 +177,6 @@ def test_fp8_projection_on_the_gpu_matches_its_reference(rows, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [2, 8, 64])
-@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336)], ids=["llama-o", "llama-down"])
-def test_fp8_projection_of_group_quantized_rows_on_the_gpu(rows, n, k):
-    """engine/models/fp8.QuantizedRows (o_proj's and down_proj's inputs as decode attention and the gate_up
-    GEMM hand them over, one scale for each 64 values of a row) through linear: the product of the
-    dequantized operands, and closer to the bf16 input's product than one scale a row gets."""
-    from engine.models.fp8 import QuantizedRows, quantize_groups
-    from engine.models.layers import linear
-
-    gen = torch.Generator(device="cuda").manual_seed(n + k + rows)
-    x = torch.randn(rows, k, device="cuda", generator=gen) * torch.logspace(-2, 1, k, device="cuda")
-    x = x.to(torch.bfloat16)
-    q, scale = quantize_per_channel(torch.randn(n, k, device="cuda", generator=gen) / k**0.5)
-    xq, x_scale = quantize_groups(x)
-    y = linear(QuantizedRows(xq, x_scale, torch.bfloat16), q, scale=scale)
-    w = dequantize(q, scale, torch.float32)
-    ref = (xq.float() * x_scale.repeat_interleave(64, 1)) @ w.T
-    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
-    assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
-    exact = x.float() @ w.T
-    per_row = fp8_linear_ref(x.float(), q, scale)
-    assert (y.float() - exact).norm() < (per_row - exact).norm()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [2, 64])
-def test_gate_up_hands_down_proj_its_input_quantized_on_the_gpu(rows):
-    """fp8_gemm(quant_out=True) on Llama-3.1-8B's gate_up: the SiLU-and-mul the product gives without
-    it, quantized in groups of 64 columns (engine/models/fp8.quantize_groups): the same bytes and scales."""
-    from engine.models.fp8 import fp8_gemm, quantize_groups
-    from kernels.fp8_quant import quantize_rows_fp8
-
-    gen = torch.Generator(device="cuda").manual_seed(rows)
-    x = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
-    q, scale = quantize_per_channel(torch.randn(2 * 14336, 4096, device="cuda", generator=gen) / 64)
-    xq, x_scale = quantize_rows_fp8(x)
-    y = fp8_gemm(xq, x_scale, q, scale, None, torch.bfloat16, silu_mul=True)
-    handed = fp8_gemm(xq, x_scale, q, scale, None, torch.bfloat16, silu_mul=True, quant_out=True)
-    want_q, want_scale = quantize_groups(y)
-    assert handed.dtype == torch.bfloat16 and handed.shape == (rows, 14336)
-    assert torch.equal(handed.q.view(torch.uint8), want_q.view(torch.uint8))
-    assert torch.equal(handed.scale, want_scale)
-
-
-@pytest.mark.gpu
 def test_an_fp8_engine_decodes_through_the_cuda_graphs():
     """--quantization fp8 on the Qwen2.5-0.5B shape (random weights): decode replays the graphs,
     and teacher-forced next tokens mostly agree with the bf16 model's."""

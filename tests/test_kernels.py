@@ -138,25 +138,6 @@ def test_decode_attention_more_splits_than_tiles(num_splits, fused_merge):
     assert rel_err(out, paged_decode_attention_ref(q, k_cache, v_cache, bt, cl, 0.125)) < TOL
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_attention_quantized_output(num_splits, fused_merge):
-    """quant_group: the output paged_decode_attention gives, quantized for an FP8 o_proj in groups of
-    32 values of each row (engine/models/fp8.quantize_groups): the same bytes and scales, from one
-    split, the last split's merge and the merge kernel."""
-    from engine.models.fp8 import quantize_groups
-
-    gen = torch.Generator().manual_seed(6)
-    q, k_cache, v_cache, bt, cl = decode_case(gen)
-    out = paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=num_splits)
-    q8, scale = paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=num_splits, quant_group=32)
-    want_q, want_scale = quantize_groups(out.reshape(q.shape[0], -1), 32)
-    assert q8.shape == q.shape and scale.shape == (q.shape[0], q.shape[1] * q.shape[2] // 32)
-    assert torch.equal(q8.reshape(q.shape[0], -1).view(torch.uint8), want_q.view(torch.uint8))
-    assert torch.equal(scale, want_scale)
-    with pytest.raises(ValueError):
-        paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, quant_group=48)
-
-
 def test_decode_attention_gqa8_head128_block32_strided_q():
     gen = torch.Generator().manual_seed(3)
     _, k_cache, v_cache, bt, cl = decode_case(gen, batch=2, hq=8, hkv=1, head_dim=128, block_size=32,

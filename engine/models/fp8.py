@@ -9,8 +9,6 @@ head stay in the model's dtype."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
@@ -43,35 +41,6 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.float() * scale[:, None].float()).to(dtype)
 
 
-# The o and down projections' inputs at the rows the skinny GEMM takes, when the kernel before them
-# quantizes them (decode attention, the gate_up GEMM with its SiLU-and-mul): one scale for each
-# ACT_GROUP consecutive values of a row, which that kernel holds in one tile, instead of one a row,
-# which would need the whole row and so a quantization kernel of its own between them.
-ACT_GROUP = 64
-
-
-class QuantizedRows(NamedTuple):
-    """Activations [M, K] handed to an FP8 projection already quantized: q e4m3 [M, K] and scale
-    float32 [M, K / G] for groups of G values (ACT_GROUP where the engine makes them), q[m, k] *
-    scale[m, k // G] standing for values of `dtype`, the dtype the projection's result takes."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
-
-
-def quantize_groups(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations [M, K] -> (e4m3 [M, K], float32 scales [M, K / group]): quantize_rows of each
-    group of `group` consecutive values of a row."""
-    rows, k = x.shape
-    q, scale = quantize_rows(x.reshape(rows * (k // group), group))
-    return q.view(rows, k), scale.view(rows, k // group)
-
-
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [M, K] -> (e4m3 [M, K], float32 scales [M, 1]): one scale per row (token)."""
     xf = x.float()
@@ -80,11 +49,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-               silu_mul: bool = False, defer_reduce: bool = False,
-               quant_out: bool = False) -> torch.Tensor | QuantizedRows:
+               silu_mul: bool = False, defer_reduce: bool = False) -> torch.Tensor:
     """x [..., in] @ (q * scale).T (+ bias), in x's dtype; silu_mul: q is a fused [gate; up] and
-    the result silu(gate) * up; defer_reduce: see fp8_gemm (x [M, in] only); quant_out (silu_mul, x
-    [M, in]): the result may come back as QuantizedRows (where fp8_gemm's skinny GEMM makes it)."""
+    the result silu(gate) * up; defer_reduce: see fp8_gemm (x [M, in] only)."""
     if not x.is_cuda:
         y = F.linear(x, dequantize(q, scale, x.dtype), bias)
         if silu_mul:
@@ -100,9 +67,7 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
         y = skinny_gemm(rows, q, bias, weight_scale=scale, out_dtype=x.dtype, silu_mul=silu_mul)
         return y.view(*x.shape[:-1], y.shape[-1])
     xq, x_scale = quantize_rows_fp8(rows)
-    quant_out = quant_out and silu_mul and x.dim() == 2
-    y = fp8_gemm(xq, x_scale, q, scale, bias, x.dtype, silu_mul, defer_reduce=defer_reduce and x.dim() == 2,
-                 quant_out=quant_out)
+    y = fp8_gemm(xq, x_scale, q, scale, bias, x.dtype, silu_mul, defer_reduce=defer_reduce and x.dim() == 2)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -114,20 +79,15 @@ def quantizes_activations(rows: int) -> bool:
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
              bias: torch.Tensor | None, out_dtype: torch.dtype, silu_mul: bool = False,
-             defer_reduce: bool = False, quant_out: bool = False) -> torch.Tensor | QuantizedRows:
-    """W8A8 on CUDA: activations xq [M, in] e4m3 with scales x_scale [M, 1] (or, up to
-    FP8_GEMM_MAX_ROWS rows, [M, in / G]: QuantizedRows), weight q with scale; the result in out_dtype
-    (silu(gate) * up when silu_mul). defer_reduce: a product the skinny GEMM splits over K may come
-    back unsummed (kernels/skinny_gemm.SplitPartials). quant_out (silu_mul): the skinny GEMM's result
-    (up to FP8_GEMM_MAX_ROWS rows) comes back as QuantizedRows for the next FP8 projection."""
+             defer_reduce: bool = False) -> torch.Tensor:
+    """W8A8 on CUDA: activations xq [M, in] e4m3 with scales x_scale [M, 1], weight q with scale;
+    the result in out_dtype (silu(gate) * up when silu_mul). defer_reduce: a product the skinny
+    GEMM splits over K may come back unsummed (kernels/skinny_gemm.SplitPartials)."""
     from kernels.skinny_gemm import skinny_gemm
 
     if xq.shape[0] <= FP8_GEMM_MAX_ROWS:
-        y = skinny_gemm(xq, q, bias, x_scale=x_scale, weight_scale=scale, out_dtype=out_dtype, silu_mul=silu_mul,
-                        defer_reduce=defer_reduce, quant_out=quant_out)
-        return QuantizedRows(*y, out_dtype) if quant_out else y
-    if x_scale.shape[-1] > 1:
-        raise ValueError(f"group scales go with the skinny GEMM's {FP8_GEMM_MAX_ROWS} rows at most")
+        return skinny_gemm(xq, q, bias, x_scale=x_scale, weight_scale=scale, out_dtype=out_dtype, silu_mul=silu_mul,
+                           defer_reduce=defer_reduce)
     y = torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale[None, :], bias=bias, out_dtype=out_dtype)
     if silu_mul:
         from kernels.activation import silu_and_mul

@@ -9,8 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import cpu_linear, cpu_ops
-from engine.models.fp8 import (ACT_GROUP, FP8, FP8_GEMM_MAX_ROWS, QuantizedRows, fp8_gemm, fp8_linear,
-                               quantize_per_channel, quantizes_activations)
+from engine.models.fp8 import FP8, fp8_gemm, fp8_linear, quantize_per_channel, quantizes_activations
 from kernels.skinny_gemm import SplitPartials, finish_split
 
 
@@ -51,11 +50,6 @@ FP8_NORM_QUANT = True
 # 12,711 vs 12,448 / 12,454 tok/s, FP8 16,597 / 16,571 vs 16,371 / 16,400; 0.5B batch 64 63,910 vs
 # 62,144 (decode_latency-h200-defer-split-reduce-ab-2026-12-02.json).
 DEFER_SPLIT_REDUCE = True
-# The o and down projections' FP8 inputs at 2 to FP8_GEMM_MAX_ROWS rows come quantized from the kernel
-# before them (decode attention, the gate_up GEMM), one scale for each ACT_GROUP values of a row
-# (engine/models/fp8.QuantizedRows): no quantization kernel between them. A/B:
-# decode_latency.py --fp8-grouped-activations on|off.
-FP8_GROUPED_ACTIVATIONS = True
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -68,14 +62,6 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False)
     else:
         max_rows = GEMV_MAX_ROWS
     return _triton(x) and x.shape[0] <= max_rows
-
-
-def takes_quantized_input(proj: Linear, rows: int) -> bool:
-    """Whether the FP8 projection `proj` takes `rows` rows as QuantizedRows that the kernel before it
-    makes (the skinny GEMM's W8A8 rows; one row takes the GEMV, bf16)."""
-    weight = proj.weight
-    return (FP8_GROUPED_ACTIVATIONS and _triton(weight) and weight.dtype == FP8 and quantizes_activations(rows)
-            and FP8_GEMV_MAX_ROWS < rows <= FP8_GEMM_MAX_ROWS and weight.shape[1] % ACT_GROUP == 0)
 
 
 def defers_split_reduce(tp_size: int) -> bool:
@@ -109,29 +95,22 @@ def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     return cpu_linear.pack_panels(weight)
 
 
-def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
            scale: torch.Tensor | None = None, lm_head: bool = False, silu_mul: bool = False,
-           defer_reduce: bool = False, quant_out: bool = False) -> torch.Tensor | SplitPartials | QuantizedRows:
+           defer_reduce: bool = False) -> torch.Tensor | SplitPartials:
     """x @ weight.T (+ bias); out_dtype: the result (rounded to x's dtype first) in this dtype.
     An FP8 weight comes with its per-output-channel `scale` (engine/models/fp8.py).
     lm_head: the vocabulary projection (cuBLAS, never the GEMV). silu_mul: weight is a fused
     [gate; up] and the result silu(gate) * up, fused into the projection where its kernel can.
     defer_reduce (see defers_split_reduce): a product the skinny GEMM splits over K comes back as
-    its SplitPartials, which norm_linear and add_rms_norm take. x may come quantized (QuantizedRows,
-    takes_quantized_input) for an FP8 weight. quant_out (silu_mul, for a next projection that
-    takes_quantized_input): a W8A8 product by the skinny GEMM comes back as QuantizedRows, any other as
-    a tensor, which that projection quantizes itself."""
+    its SplitPartials, which norm_linear and add_rms_norm take."""
     defer_reduce = defer_reduce and out_dtype is None
-    if isinstance(x, QuantizedRows):
-        y = fp8_gemm(x.q, x.scale, weight, scale, bias, x.dtype, silu_mul, defer_reduce=defer_reduce)
-        return y if out_dtype is None else _summed(y).to(out_dtype)
     kernel = None if lm_head else _fused_projection(x, weight, silu_mul)
     if kernel is not None:
         return kernel(x, weight, bias, out_dtype=out_dtype, weight_scale=scale, silu_mul=silu_mul)[0]
     if weight.dtype == FP8:
-        y = fp8_linear(x, weight, scale, bias, silu_mul=silu_mul, defer_reduce=defer_reduce,
-                       quant_out=quant_out and out_dtype is None)
+        y = fp8_linear(x, weight, scale, bias, silu_mul=silu_mul, defer_reduce=defer_reduce)
         return y if out_dtype is None else y.to(out_dtype)
     if _skinny_applies(x, lm_head):
         from kernels.skinny_gemm import skinny_gemm
@@ -170,18 +149,16 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
 
-    def forward(self, x: torch.Tensor | QuantizedRows, defer_reduce: bool = False) -> torch.Tensor | SplitPartials:
+    def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | SplitPartials:
         return linear(x, self.weight, self.bias, self.packed, scale=self.weight_scale, defer_reduce=defer_reduce)
 
 
 def norm_linear(x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                proj: Linear, silu_mul: bool = False,
-                quant_out: bool = False) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+                proj: Linear, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoder sub-block's input side: h = rmsnorm(x + residual) * norm_weight (rmsnorm(x) when
     residual is None), y = proj(h), then silu(gate) * up when silu_mul. Returns (y, x + residual).
     Decode-sized batches on CUDA do all of it in one kernel. x may be the previous projection's
-    split-K partials (defers_split_reduce), with a residual. quant_out: y may come back as
-    QuantizedRows (see linear)."""
+    split-K partials (defers_split_reduce), with a residual."""
     kernel = _fused_projection(x, proj.weight, silu_mul)
     if kernel is not None:
         y, new_residual = kernel(_summed(x), proj.weight, proj.bias, norm_weight=norm_weight, residual=residual,
@@ -192,14 +169,13 @@ def norm_linear(x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, 
         from kernels.rmsnorm import rms_norm_fp8
 
         xq, x_scale, new_residual = rms_norm_fp8(x, norm_weight, eps, residual)
-        y = fp8_gemm(xq, x_scale, proj.weight, proj.weight_scale, proj.bias, x.dtype, silu_mul, quant_out=quant_out)
+        y = fp8_gemm(xq, x_scale, proj.weight, proj.weight_scale, proj.bias, x.dtype, silu_mul)
         return y, x if residual is None else new_residual
     if residual is None:
         h, residual = rms_norm(x, norm_weight, eps), x
     else:
         h, residual = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(h, proj.weight, proj.bias, proj.packed, scale=proj.weight_scale, silu_mul=silu_mul,
-                  quant_out=quant_out), residual
+    return linear(h, proj.weight, proj.bias, proj.packed, scale=proj.weight_scale, silu_mul=silu_mul), residual
 
 
 def fused_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -14,7 +14,6 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.distributed import SINGLE, TensorParallel, shard_for
 from engine.models.config import ModelArgs
-from engine.models.fp8 import ACT_GROUP, QuantizedRows
 from engine.models.layers import (
     Linear,
     add_rms_norm,
@@ -24,7 +23,6 @@ from engine.models.layers import (
     norm_linear,
     pack_weight_for_cpu,
     rms_norm,
-    takes_quantized_input,
 )
 
 
@@ -59,30 +57,22 @@ class Attention(nn.Module):
         projection. Returns (output, x + residual); the output may be the o projection's split-K
         partials, for the norm after it to sum (layers.defers_split_reduce)."""
         num_tokens = x.shape[0]
-        # decode attention hands an FP8 o_proj its input quantized (no quantization kernel between them)
-        quant_group = ACT_GROUP if not meta.is_prefill and takes_quantized_input(self.o_proj, num_tokens) else 0
         fused = None
         if not meta.is_prefill and self.q_norm is None:
             fused = fused_qkv_rope_store(x, residual, norm.weight, norm.eps, self.qkv_proj, self.num_heads, positions,
                                          cos_sin, meta.slot_mapping, k_cache, v_cache)
         if fused is not None:
             q, residual = fused
-            out = self.backend.attend_decode(q, k_cache, v_cache, meta, self.scale, quant_group=quant_group)
+            out = self.backend.attend_decode(q, k_cache, v_cache, meta, self.scale)
         else:
             qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, self.qkv_proj)
             heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
             q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            out = self.backend.forward(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale,
-                                       quant_group=quant_group)
-        if quant_group:
-            out, scale = out
-            return self._o_proj(QuantizedRows(out.view(num_tokens, self.q_size), scale, q.dtype)), residual
-        return self._o_proj(out.reshape(num_tokens, self.q_size)), residual
-
-    def _o_proj(self, o_input: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        return self.tp.all_reduce(self.o_proj(o_input, defer_reduce=defers_split_reduce(self.tp.size)))
+            out = self.backend.forward(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale)
+        o_input = out.reshape(num_tokens, self.q_size)
+        return self.tp.all_reduce(self.o_proj(o_input, defer_reduce=defers_split_reduce(self.tp.size))), residual
 
 
 class MLP(nn.Module):
@@ -108,8 +98,7 @@ class DecoderLayer(nn.Module):
         tensor or its down projection's split-K partials (layers.defers_split_reduce)."""
         h, residual = self.self_attn(x, residual, self.input_layernorm, positions, cos_sin, meta, k_cache, v_cache)
         norm, mlp = self.post_attention_layernorm, self.mlp
-        act, residual = norm_linear(h, residual, norm.weight, norm.eps, mlp.gate_up_proj, silu_mul=True,
-                                    quant_out=takes_quantized_input(mlp.down_proj, h.shape[0]))
+        act, residual = norm_linear(h, residual, norm.weight, norm.eps, mlp.gate_up_proj, silu_mul=True)
         return self.tp.all_reduce(mlp.down_proj(act, defer_reduce=defers_split_reduce(self.tp.size))), residual
 
 
