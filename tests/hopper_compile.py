@@ -69,15 +69,20 @@ def summary(kernel) -> dict:
             "ld.global.cg", "st.global")
     first = {key: next((i for i, line in enumerate(lines) if line.startswith(key)), None) for key in keys}
     last = {key: max((i for i, line in enumerate(lines) if line.startswith(key)), default=None) for key in keys}
-    atomics = [i for i, line in enumerate(lines) if line.startswith("atom.")]
+    # an atom (or a red, Triton's atomic whose result goes unused)
+    atomics = [i for i, line in enumerate(lines) if line.startswith(("atom.", "red.global"))]
     # a CTA barrier between the last global store and the first atomic after it (all threads' writes
     # happen before the one thread's release)
     stores = [i for i in range(atomics[0]) if lines[i].startswith("st.global")] if atomics else []
     barrier = bool(stores) and any(lines[i].startswith("bar.sync") for i in range(stores[-1], atomics[0]))
     return dict(prefetches=sum(line.startswith("prefetch.global.L2") for line in lines),
-                first_line=first, last_line=last, atomics=[lines[i].split()[0] for i in atomics],
+                first_line=first, last_line=last,
+                atomics=[lines[i].split()[0] for i in atomics if lines[i].startswith("atom.")],
                 barrier_before_atomic=barrier,
                 cg_loads=sum(line.startswith("ld.global.cg") for line in lines),
+                acquire_loads=sum(line.startswith("ld.global.gpu.acquire") for line in lines),
+                release_arrivals=sum(line.startswith(("atom.global.gpu.release.add", "red.global.gpu.release.add"))
+                                     for line in lines),
                 waits=sum(line.startswith("griddepcontrol.wait") for line in lines),
                 registers=registers(kernel.asm["cubin"]))
 
@@ -156,6 +161,11 @@ def cases() -> dict[str, dict]:
         out[f"attention_{name}_fused_merge"] = compile_kernel(
             _decode_attention_kernel, dict(attention, PREFETCH_TILES=2, FUSED_MERGE=True), attention_ptrs, strides,
             num_warps=4, num_stages=stages)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from barrier_probe import _persistent_kernel
+
+    out["barrier_probe_persistent"] = compile_kernel(_persistent_kernel, dict(PHASES=64),
+                                                     {"buf_ptr": "*i32", "counter_ptr": "*i32"}, num_warps=4)
     return {name: summary(kernel) for name, kernel in out.items()}
 
 

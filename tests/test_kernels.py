@@ -538,6 +538,24 @@ def test_stream_probe_reads_every_weight_word(dtype):
     assert torch.equal(out, stream_rows_ref(w))
 
 
+def test_barrier_probe_chain_steps_read_the_step_before():
+    """benchmarks/barrier_probe.py's kernel chain (one kernel a step, each program reading another's
+    value of the step before): the reference rotation, step after step. (Its persistent twin spins on
+    a grid barrier, which the interpreter's one-program-at-a-time run cannot pass: sm_90 compile test.)"""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from barrier_probe import chain, chain_ref
+
+    first = torch.arange(5, dtype=torch.int32) * 3
+    buf = torch.zeros(4, 5, dtype=torch.int32)
+    buf[0] = first
+    chain(buf, pdl=False)
+    assert torch.equal(buf, chain_ref(first, 3))
+    assert buf[3, 0].item() == first[3].item() + 3
+
+
 def test_gemv_rope_store_fp8_weights():
     gen = torch.Generator().manual_seed(32)
     hq, hkv, head_dim, hidden, rows = 4, 2, 16, 40, 2
