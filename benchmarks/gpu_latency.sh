@@ -159,9 +159,10 @@ PY
       --out "$OUT/decode_8b_early_$arm-$i.json" 2>&1 | grep -E "B="
   done
   ;;
-barrier-probe)  # what a PDL kernel boundary costs against a grid barrier in one persistent kernel, with no weights
-  # (benchmarks/barrier_probe.py): the premise of a persistent decoder
-  timeout 100 python3 benchmarks/barrier_probe.py --programs 132 264 528 --out "$OUT/barrier_probe.json" 2>&1 | quiet
+barrier-probe)  # what a PDL kernel boundary costs against a grid barrier in one persistent kernel, with no weights,
+  # then the 0.5B MLP at one row as two PDL GEMVs against one persistent kernel (benchmarks/barrier_probe.py): the
+  # premise of a persistent decoder
+  timeout 150 python3 benchmarks/barrier_probe.py --programs 132 264 528 --out "$OUT/barrier_probe.json" 2>&1 | quiet
   ;;
 stream-probe)  # why one-row FP8 projections stream at ~3.6 TB/s where bf16 ones reach ~4.3: each projection's
   # weights read with the GEMV's tile walk and no math, beside the GEMV, bf16 and FP8 (benchmarks/stream_probe.py)

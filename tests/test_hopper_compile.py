@@ -85,3 +85,7 @@ def test_the_barrier_probe_arrives_after_its_stores_and_spins_with_acquire(compi
     assert kernel["release_arrivals"] == 1
     assert kernel["barrier_before_atomic"]
     assert kernel["acquire_loads"] >= 1 and kernel["cg_loads"] == 1
+    # the persistent MLP: its down tile asked of L2 before the barrier, act read through L2 after it
+    mlp = compiled["barrier_probe_mlp"]
+    assert mlp["release_arrivals"] == 1 and mlp["barrier_before_atomic"] and mlp["acquire_loads"] >= 1
+    assert mlp["first_line"]["prefetch.global.L2"] < mlp["first_line"]["ld.global.cg"]

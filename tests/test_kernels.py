@@ -556,6 +556,24 @@ def test_barrier_probe_chain_steps_read_the_step_before():
     assert buf[3, 0].item() == first[3].item() + 3
 
 
+def test_barrier_probe_persistent_mlp_halves_are_the_engines_mlp():
+    """benchmarks/barrier_probe.py's persistent MLP, its two halves launched one after the other (the
+    interpreter cannot pass its grid barrier; the fused launch is compiled for sm_90 in
+    test_hopper_compile.py): SiLU-and-mul then down, as kernels.gemv computes the MLP at one row, with 3
+    programs taking every third block of outputs."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from barrier_probe import mlp_ref, persistent_mlp
+
+    gen = torch.Generator().manual_seed(34)
+    x = torch.randn(1, 40, generator=gen)
+    gate_up, down = torch.randn(2 * 96, 40, generator=gen) / 6, torch.randn(40, 96, generator=gen) / 10
+    out = persistent_mlp(x, gate_up, down, torch.zeros(1, dtype=torch.int32), 3, fused=False)
+    assert rel_err(out, mlp_ref(x, gate_up, down)) < TOL
+
+
 def test_gemv_rope_store_fp8_weights():
     gen = torch.Generator().manual_seed(32)
     hq, hkv, head_dim, hidden, rows = 4, 2, 16, 40, 2
