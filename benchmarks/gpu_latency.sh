@@ -164,34 +164,35 @@ barrier-probe)  # what a PDL kernel boundary costs against a grid barrier in one
   # premise of a persistent decoder
   timeout 150 python3 benchmarks/barrier_probe.py --programs 132 264 528 --out "$OUT/barrier_probe.json" 2>&1 | quiet
   ;;
-thread-sum-kernels)  # kernels/gemv.THREAD_SUM: the GEMV's K loop sums 16 bytes of weights a thread as it goes
-  # (fewer registers) against an accumulator a weight. GPU tests of the GEMV with it on (shipped), then the one-row
-  # projections on, off, on
+thread-sum-kernels)  # kernels/gemv.THREAD_SUM_BYTES: the GEMV's K loop sums runs of 16 (shipped) or 8 bytes of
+  # weights a row as it goes (fewer registers) against an accumulator a weight (0). GPU tests of the GEMV at 16,
+  # then the one-row projections at 16, 0, 8, 16
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py tests/test_fp8.py \
     -k "gemv or programmatic" > "$OUT/gpu_tests_thread_sum.log" 2>&1
   tail -1 "$OUT/gpu_tests_thread_sum.log"
   i=0
-  for arm in on off on; do
+  for arm in 16 0 8 16; do
     i=$((i + 1))
-    timeout 80 python3 -c "import runpy, sys; import kernels.gemv as g; g.THREAD_SUM = sys.argv[1] == 'on'
+    timeout 70 python3 -c "import runpy, sys; import kernels.gemv as g; g.THREAD_SUM_BYTES = int(sys.argv[1])
 sys.argv = ['gemv_bench.py'] + sys.argv[2:]; runpy.run_path('benchmarks/gemv_bench.py', run_name='__main__')" $arm \
       --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 fp8 --out "$OUT/gemv_bench_thread_sum_$arm-$i.json" \
       2>&1 | quiet | grep -E "M=1" | sed "s/^/$arm /"
   done
   ;;
-thread-sum-decode)  # kernels/gemv.THREAD_SUM at batch 1, interleaved on, off, on, off: 0.5B bf16, 8B bf16 and FP8
+thread-sum-decode)  # kernels/gemv.THREAD_SUM_BYTES at batch 1, interleaved ${ARMS:-16 0 16 0}: 0.5B bf16, 8B bf16
+  # and FP8
   python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
   i=0
-  for arm in on off on off; do
+  for arm in ${ARMS:-16 0 16 0}; do
     i=$((i + 1))
     timeout 40 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --gemv-thread-sum $arm --out "$OUT/decode_qwen_thread_sum_$arm-$i.json" 2>&1 | grep -E "B="
+      --skip-transformers --max-num-seqs 64 --gemv-thread-sum-bytes $arm --out "$OUT/decode_qwen_thread_sum_$arm-$i.json" 2>&1 | grep -E "B="
   done
   i=0
-  for arm in on off on off; do
+  for arm in ${ARMS:-16 0 16 0}; do
     i=$((i + 1))
     timeout 90 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 --gemv-thread-sum $arm \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 --gemv-thread-sum-bytes $arm \
       --out "$OUT/decode_8b_thread_sum_$arm-$i.json" 2>&1 | grep -E "B="
   done
   ;;

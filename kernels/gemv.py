@@ -256,11 +256,12 @@ class GemvTile(NamedTuple):
 # - Otherwise K tiles of up to 1024 (one or a few loop iterations) and at most 8 rows, few enough
 #   to give every SM 2 programs.
 _MAX_BLOCK_K = 1024
-# The K loop sums each thread's 16 bytes of weights a row (8 bf16, 16 FP8 values) into one partial
-# sum as it goes, instead of a float32 accumulator per weight of the tile: sm_90 registers for the
-# Llama-3.1-8B FP8 tiles fall from 128 / 118 / 139 (o / down / qkv) to 72 / 56 / 80, so qkv's and
-# down's grids (768, 1024 programs) fit the SMs at once. Off: one accumulator a weight.
-THREAD_SUM = True
+# The K loop sums each run of THREAD_SUM_BYTES of weights a row (16: 8 bf16 or 16 FP8 values, one
+# thread's load) into one partial sum as it goes, instead of a float32 accumulator per weight of the
+# tile. sm_90 registers (triton 3.6) for the Llama-3.1-8B FP8 tiles o / down / qkv: 125 / 126 / 166
+# with an accumulator a weight (0), 80 / 80 / 80 with 8 bytes, 79 / 64 / 92 with 16; more of qkv's
+# and down's programs (768, 1024 of them) fit the SMs at once.
+THREAD_SUM_BYTES = 16
 _LONG_K = 4096
 _MAX_BLOCK_N = 8
 # bf16 down_proj's K tile. Compiled for sm_90 a [1, 2048] tile takes 29 registers like the [1, 1024]
@@ -330,7 +331,7 @@ def _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, out, n, t
         PDL=pdl,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
-        THREAD_SUM=min(16 // weight.element_size(), tile.block_k) if THREAD_SUM else 1,
+        THREAD_SUM=max(1, min(THREAD_SUM_BYTES // weight.element_size(), tile.block_k)),
         num_warps=tile.num_warps,
         launch_pdl=pdl,
     )
