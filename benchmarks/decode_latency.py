@@ -57,8 +57,6 @@ SWITCHES = {
                              "bf16 rows that take the skinny GEMM instead of cuBLAS"),
     "fp8-norm-quant": ("engine.models.layers", "FP8_NORM_QUANT", bool,
                        "the RMSNorm before an FP8 projection quantizes its input (off: a separate kernel)"),
-    "gemv-thread-sum-bytes": ("kernels.gemv", "THREAD_SUM_BYTES", int,
-                              "weight bytes a row the GEMV's K loop sums as it goes; 0: an accumulator a weight"),
     "gemv-long-k-block": ("kernels.gemv", "LONG_K_BLOCK_K", int, "bf16 down_proj's K tile at batch 1"),
     "attention-prefetch": ("kernels.decode_attention", "PREFETCH_TILES", int,
                            "tiles of KV rows each program asks L2 for before its PDL wait; 0: none"),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|thread-sum-kernels|thread-sum-decode
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -163,38 +163,6 @@ barrier-probe)  # what a PDL kernel boundary costs against a grid barrier in one
   # then the 0.5B MLP at one row as two PDL GEMVs against one persistent kernel (benchmarks/barrier_probe.py): the
   # premise of a persistent decoder
   timeout 150 python3 benchmarks/barrier_probe.py --programs 132 264 528 --out "$OUT/barrier_probe.json" 2>&1 | quiet
-  ;;
-thread-sum-kernels)  # kernels/gemv.THREAD_SUM_BYTES: the GEMV's K loop sums runs of 16 (shipped) or 8 bytes of
-  # weights a row as it goes (fewer registers) against an accumulator a weight (0). GPU tests of the GEMV at 16,
-  # then the one-row projections at 16, 0, 8, 16
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py tests/test_fp8.py \
-    -k "gemv or programmatic" > "$OUT/gpu_tests_thread_sum.log" 2>&1
-  tail -1 "$OUT/gpu_tests_thread_sum.log"
-  i=0
-  for arm in 16 0 8 16; do
-    i=$((i + 1))
-    timeout 70 python3 -c "import runpy, sys; import kernels.gemv as g; g.THREAD_SUM_BYTES = int(sys.argv[1])
-sys.argv = ['gemv_bench.py'] + sys.argv[2:]; runpy.run_path('benchmarks/gemv_bench.py', run_name='__main__')" $arm \
-      --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 fp8 --out "$OUT/gemv_bench_thread_sum_$arm-$i.json" \
-      2>&1 | quiet | grep -E "M=1" | sed "s/^/$arm /"
-  done
-  ;;
-thread-sum-decode)  # kernels/gemv.THREAD_SUM_BYTES at batch 1, interleaved ${ARMS:-16 0 16 0}: 0.5B bf16, 8B bf16
-  # and FP8
-  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  i=0
-  for arm in ${ARMS:-16 0 16 0}; do
-    i=$((i + 1))
-    timeout 40 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --gemv-thread-sum-bytes $arm --out "$OUT/decode_qwen_thread_sum_$arm-$i.json" 2>&1 | grep -E "B="
-  done
-  i=0
-  for arm in ${ARMS:-16 0 16 0}; do
-    i=$((i + 1))
-    timeout 90 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization none fp8 --gemv-thread-sum-bytes $arm \
-      --out "$OUT/decode_8b_thread_sum_$arm-$i.json" 2>&1 | grep -E "B="
-  done
   ;;
 stream-probe)  # why one-row FP8 projections stream at ~3.6 TB/s where bf16 ones reach ~4.3: each projection's
   # weights read with the GEMV's tile walk and no math, beside the GEMV, bf16 and FP8 (benchmarks/stream_probe.py)

@@ -58,6 +58,12 @@ _Y_RESCALE = tl.constexpr(2.0**56)
 # before the loop; the normalised input left in float32). Batch 1, interleaved
 # (decode_latency-h200-gemv-norm-in-loop-ab-2026-12-03.json): Qwen2.5-0.5B 1,853-1,859 against 1,829-1,838
 # tok/s, but Llama-3.1-8B bf16 233.9-234.3 against 248.0-248.2, FP8 within noise.
+# Measured slower and removed (the code is at f7cdaff, kernels/gemv.THREAD_SUM_BYTES): the K loop summing each
+# run of 16 weight bytes a row into one partial as it goes (tl.reshape + tl.sum) instead of a float32 accumulator
+# a weight. Fewer registers on sm_90 (FP8 o / down / qkv 79 / 64 / 92 against 125 / 126 / 166) but ~50% more
+# instructions in the loop (FP8 o_proj: 507 against 340, byte permutes and integer moves). Batch 1, interleaved
+# (decode_latency-h200-gemv-thread-sum-ab-2026-12-03.json): Qwen2.5-0.5B 1,742-1,751 against 1,825-1,831 tok/s,
+# Llama-3.1-8B bf16 232.5-232.9 against 241.9-242.6, FP8 318.0-318.7 against 355.2-355.7.
 # Also measured and removed (the code is at ceabb1e): the K loop software-pipelined 4 stages deep through
 # shared memory (Triton's cp.async, after the PDL wait) instead of the next tile in registers loaded
 # before it. One row (gemv_bench-h200-pipelined-stages-2026-12-02.json): FP8 qkv 14.05 against 11.83
@@ -74,14 +80,6 @@ def _weight_f32(w, FP8_BYTES: tl.constexpr):
         bits = (w.to(tl.int32) << 20) & -2013265921  # 0x87FFFFFF: the sign and bits 20-26
         return bits.to(tl.float32, bitcast=True)
     return w.to(tl.float32)
-
-
-@triton.jit
-def _partial_sums(products, GROUP: tl.constexpr):
-    """[BLOCK_N, BLOCK_K] products summed over each run of GROUP neighbours along K."""
-    if GROUP == 1:
-        return products
-    return tl.sum(tl.reshape(products, [products.shape[0], products.shape[1] // GROUP, GROUP]), 2)
 
 
 @triton.jit
@@ -119,7 +117,6 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    THREAD_SUM: tl.constexpr,
 ):
     """N: outputs (SiLU-and-mul: gate rows; rotary: row pairs). Paired modes read two row sets.
     HAS_W_SCALE: FP8 weights, each row's dot product times its scale."""
@@ -167,18 +164,18 @@ def _gemv_kernel(
 
     # one program per row writes the new residual (the others only read the old one)
     res_store_end = tl.where(pid_n == 0, K, 0)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // THREAD_SUM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if SILU_MUL or ROPE_STORE:
-        acc_b = tl.zeros([BLOCK_N, BLOCK_K // THREAD_SUM], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         xk = _x_tile(x_row, r_row, res_out_row, norm_w_ptr, offs_k, offs_k < K, inv_rms, res_store_end,
                      HAS_NORM, HAS_RESIDUAL)
         if HAS_W_SCALE:
             xk = xk * _X_PRESCALE
-        acc += _partial_sums(_weight_f32(w, HAS_W_SCALE) * xk[None, :], THREAD_SUM)
+        acc += _weight_f32(w, HAS_W_SCALE) * xk[None, :]
         if SILU_MUL or ROPE_STORE:
-            acc_b += _partial_sums(_weight_f32(u, HAS_W_SCALE) * xk[None, :], THREAD_SUM)
+            acc_b += _weight_f32(u, HAS_W_SCALE) * xk[None, :]
         next_k = offs_k + BLOCK_K
         wk_mask = n_mask[:, None] & (next_k < K)[None, :]
         w = tl.load(w_rows + next_k[None, :], mask=wk_mask, other=0.0)
@@ -256,12 +253,6 @@ class GemvTile(NamedTuple):
 # - Otherwise K tiles of up to 1024 (one or a few loop iterations) and at most 8 rows, few enough
 #   to give every SM 2 programs.
 _MAX_BLOCK_K = 1024
-# The K loop sums each run of THREAD_SUM_BYTES of weights a row (16: 8 bf16 or 16 FP8 values, one
-# thread's load) into one partial sum as it goes, instead of a float32 accumulator per weight of the
-# tile. sm_90 registers (triton 3.6) for the Llama-3.1-8B FP8 tiles o / down / qkv: 125 / 126 / 166
-# with an accumulator a weight (0), 80 / 80 / 80 with 8 bytes, 79 / 64 / 92 with 16; more of qkv's
-# and down's programs (768, 1024 of them) fit the SMs at once.
-THREAD_SUM_BYTES = 16
 _LONG_K = 4096
 _MAX_BLOCK_N = 8
 # bf16 down_proj's K tile. Compiled for sm_90 a [1, 2048] tile takes 29 registers like the [1, 1024]
@@ -331,7 +322,6 @@ def _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, out, n, t
         PDL=pdl,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
-        THREAD_SUM=max(1, min(THREAD_SUM_BYTES // weight.element_size(), tile.block_k)),
         num_warps=tile.num_warps,
         launch_pdl=pdl,
     )

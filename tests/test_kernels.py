@@ -445,16 +445,9 @@ def test_gemv_ref_matches_unfused_decoder_path():
     assert rel_err(out, F.silu(y[:, :20]) * y[:, 20:]) < 1e-5
 
 
-@pytest.fixture(params=[16, 8, 0])
-def thread_sum_bytes(request, monkeypatch) -> int:
-    """kernels/gemv.THREAD_SUM_BYTES: weight bytes a row summed as the K loop goes (0: an accumulator a weight)."""
-    monkeypatch.setattr(importlib.import_module("kernels.gemv"), "THREAD_SUM_BYTES", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("rows,n,k", [(1, 37, 200), (3, 64, 96), (4, 130, 1100)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv(rows, n, k, bias, thread_sum_bytes):
+def test_gemv(rows, n, k, bias):
     gen, x, w = _gemv_case(rows, n, k, seed=21 + rows, strided=rows == 3)
     b = torch.randn(n, generator=gen) if bias else None
     out, new_res = gemv(x, w, b)
@@ -508,7 +501,7 @@ def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("silu_mul", [False, True])
-def test_gemv_fp8_weights_dequantized_in_registers(silu_mul, thread_sum_bytes):
+def test_gemv_fp8_weights_dequantized_in_registers(silu_mul):
     """FP8 rows times their scale: the dequantized weight's product, over several K tiles (the next
     tile read ahead of its use), with the fused norm and SiLU-and-mul."""
     gen, x, w = _gemv_case(2, 2 * 40 if silu_mul else 40, 300, seed=28)
