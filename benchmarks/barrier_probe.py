@@ -18,6 +18,10 @@ Then, with weights (--mlp, default on): Qwen2.5-0.5B's MLP at one row (no norm),
 (the GEMV with SiLU-and-mul over [gate; up], then the down GEMV: two PDL kernels) against one
 persistent kernel (gate_up and SiLU, a grid barrier, down; each program asks L2 for its first down
 tile before the barrier), both repeated in a CUDA graph, each layer with its own weights.
+
+Measured on an H200 (barrier_probe-h200-2026-12-03.json): a PDL chain step 0.82-0.96 us against 1.15-1.86 for
+the grid barrier; the persistent MLP 20.1 us a layer at its best against 10.1 for the two GEMVs. A grid barrier
+costs more than the kernel boundary it would replace.
 """
 
 from __future__ import annotations
