@@ -7,6 +7,8 @@ references themselves are checked once against a naive dense computation.
 from __future__ import annotations
 
 import importlib
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,6 +50,15 @@ from kernels import (
     store_kv,
     store_kv_ref,
 )
+
+def _benchmark(module: str, *names: str):
+    """Kernels and references from a script in benchmarks/ (not a package)."""
+    path = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    mod = importlib.import_module(module)
+    return [getattr(mod, name) for name in names]
+
 
 TOL = 1e-4
 
@@ -524,11 +535,7 @@ def test_gemv_fp8_weights_dequantized_in_registers(silu_mul):
 def test_stream_probe_reads_every_weight_word(dtype):
     """benchmarks/stream_probe.py's bare weight stream (the GEMV's tile walk without its math) reads each
     row's words once: their XOR, over several tiles and a partial last one, matches torch's."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from stream_probe import stream_rows, stream_rows_ref
+    stream_rows, stream_rows_ref = _benchmark("stream_probe", "stream_rows", "stream_rows_ref")
 
     gen = torch.Generator().manual_seed(33)
     w = torch.randint(-128, 128, (10, 88), generator=gen, dtype=torch.int8).view(torch.uint8)
@@ -542,11 +549,7 @@ def test_barrier_probe_chain_steps_read_the_step_before():
     """benchmarks/barrier_probe.py's kernel chain (one kernel a step, each program reading another's
     value of the step before): the reference rotation, step after step. (Its persistent twin spins on
     a grid barrier, which the interpreter's one-program-at-a-time run cannot pass: sm_90 compile test.)"""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from barrier_probe import chain, chain_ref
+    chain, chain_ref = _benchmark("barrier_probe", "chain", "chain_ref")
 
     first = torch.arange(5, dtype=torch.int32) * 3
     buf = torch.zeros(4, 5, dtype=torch.int32)
@@ -561,11 +564,7 @@ def test_barrier_probe_persistent_mlp_halves_are_the_engines_mlp():
     interpreter cannot pass its grid barrier; the fused launch is compiled for sm_90 in
     test_hopper_compile.py): SiLU-and-mul then down, as kernels.gemv computes the MLP at one row, with 3
     programs taking every third block of outputs."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from barrier_probe import mlp_ref, persistent_mlp
+    mlp_ref, persistent_mlp = _benchmark("barrier_probe", "mlp_ref", "persistent_mlp")
 
     gen = torch.Generator().manual_seed(34)
     x = torch.randn(1, 40, generator=gen)
