@@ -133,14 +133,33 @@ def main() -> int:
     p.add_argument("--projections", nargs="+", help="only these (qkv o gate_up down lm_head)")
     p.add_argument("--tiles", nargs="+", default=[],
                    help="also time these tiles: block_n,block_k,num_warps each")
+    p.add_argument("--ahead", nargs="+", default=None,
+                   help="time the GEMV with each of these settings: weight tiles ahead,input tile ahead (0|1) each "
+                        "(kernels.gemv.WEIGHT_TILES_AHEAD, INPUT_TILE_AHEAD); default: the shipped ones")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results" / f"gemv_bench-{dt.date.today()}.json")
     args = p.parse_args()
 
+    from kernels import gemv as gemv_module
+
+    copy = args.copy = copy_bandwidth(2048, 100)
+    print(f"device-to-device copy: {copy['gb_per_s']:.0f} GB/s")
+    results = []
+    shipped = (gemv_module.WEIGHT_TILES_AHEAD, gemv_module.INPUT_TILE_AHEAD)
+    for ahead in args.ahead or [f"{shipped[0]},{int(shipped[1])}"]:
+        weight_tiles, input_tile = map(int, ahead.split(","))
+        gemv_module.WEIGHT_TILES_AHEAD, gemv_module.INPUT_TILE_AHEAD = weight_tiles, bool(input_tile)
+        print(f"GEMV weight tiles ahead {weight_tiles}, input tile ahead {bool(input_tile)}")
+        results += bench_all(args, weights_ahead=ahead)
+    gemv_module.WEIGHT_TILES_AHEAD, gemv_module.INPUT_TILE_AHEAD = shipped
+    write_json(args.out, dict(**run_info("gemv_bench"), copy=copy, rows=results))
+    return 0
+
+
+def bench_all(args, weights_ahead: str) -> list[dict]:
     from kernels._common import sm_count
     from kernels.gemv import GemvTile, default_gemv_tile
 
-    copy = copy_bandwidth(2048, 100)
-    print(f"device-to-device copy: {copy['gb_per_s']:.0f} GB/s")
+    copy = args.copy
     pdl_settings = {"on": (True,), "off": (False,), "both": (True, False)}[args.pdl]
     results = []
     for model, weights in [(m, w) for m in args.models for w in args.weights]:
@@ -159,6 +178,7 @@ def main() -> int:
                 got = bench_projection(model, proj, rows, copy["gb_per_s"], tiles, fp8, pdl_settings)
                 for r in got:
                     r["default"] = r["tile"] == list(default)
+                    r["ahead"] = weights_ahead
                 results += got
                 for pdl in pdl_settings:
                     mine_rows = [r for r in got if r["pdl"] == pdl]
@@ -169,8 +189,7 @@ def main() -> int:
                           f"{base['us']:7.2f} us ({base['fraction_of_copy']:5.1%})  gemv {mine['us']:7.2f} us "
                           f"({mine['fraction_of_copy']:5.1%}) {mine['kind']} {mine['tile']}  best {best['us']:7.2f} us "
                           f"{best['tile']}", flush=True)
-    write_json(args.out, dict(**run_info("gemv_bench"), copy=copy, rows=results))
-    return 0
+    return results
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|ahead-kernels|ahead-decode
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -57,7 +57,7 @@ profile-b64)  # where a batch-64 step goes: 0.5B bf16, 8B bf16 and fp8 (random w
   ;;
 gemv-tiles)  # bf16 one-row GEMV tiles the sweep had not tried (2048-wide K for one or two rows;
   # down_proj's 2048-wide tile was measured in decode: decode_latency-h200-batch1-down-tile-fp8-gemv-ab-2026-12-02.json)
-  timeout 200 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 \
+  timeout 130 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 \
     --projections down gate_up --sweep --out "$OUT/gemv_bench_tiles.json" 2>&1 | grep -E "best" | quiet
   ;;
 fp8-b1-sweep)  # batch 1's FP8 qkv / o / down: the GEMV (shipped) against the skinny W8A8 GEMM with swept tiles
@@ -167,6 +167,40 @@ barrier-probe)  # what a PDL kernel boundary costs against a grid barrier in one
 stream-probe)  # why one-row FP8 projections stream at ~3.6 TB/s where bf16 ones reach ~4.3: each projection's
   # weights read with the GEMV's tile walk and no math, beside the GEMV, bf16 and FP8 (benchmarks/stream_probe.py)
   timeout 400 python3 benchmarks/stream_probe.py --models llama-3.1-8b qwen2.5-0.5b --out "$OUT/stream_probe.json" 2>&1 | quiet
+  ;;
+ncu)  # hardware counters of the decode step's kernels one at a time at real shapes (benchmarks/ncu_kernels.py):
+  # speed of light, occupancy, warp stall reasons; one CSV row per kernel and metric
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"
+  # shellcheck disable=SC2086
+  timeout 240 "$NCU" --profile-from-start off --clock-control none $sections \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" --csv --page details \
+    --log-file "$OUT/ncu.csv" python3 benchmarks/ncu_kernels.py ${TARGETS:+--targets $TARGETS} > "$OUT/ncu_targets.txt" 2>&1
+  echo "ncu rc $?"; grep -v '^"' "$OUT/ncu.csv" | head -5; tail -3 "$OUT/ncu_targets.txt"
+  ;;
+ahead-kernels)  # kernels/gemv.WEIGHT_TILES_AHEAD / INPUT_TILE_AHEAD: the one-row GEMV with its weights 1 or 2 K tiles
+  # in flight and its input tile loaded an iteration ahead, per projection (8B FP8, 0.5B bf16, 8B bf16)
+  timeout 220 python3 benchmarks/gemv_bench.py --models llama-3.1-8b --rows 1 --weights fp8 --projections qkv o down \
+    --ahead 1,0 2,0 1,1 2,1 --tiles 8,512,4 16,512,4 4,1024,4 4,2048,4 8,2048,4 --out "$OUT/gemv_ahead_8b_fp8.json" 2>&1 | grep "M=1"
+  timeout 130 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 \
+    --projections qkv o gate_up down --ahead 1,0 2,0 1,1 2,1 --out "$OUT/gemv_ahead_bf16.json" 2>&1 | grep "M=1"
+  ;;
+ahead-decode)  # the same at batch 1 in decode, interleaved ${ARMS:-2,1 1,0 2,1 1,0}: 0.5B bf16, 8B bf16 and FP8
+  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
+  for model in qwen2.5-0.5b llama-3.1-8b; do
+    i=0
+    for arm in ${ARMS:-2,1 1,0 2,1 1,0}; do
+      i=$((i + 1))
+      input=$([ "${arm#*,}" = 1 ] && echo on || echo off)
+      quant=$([ $model = qwen2.5-0.5b ] && echo none || echo "${QUANT:-none fp8}")
+      load=$([ $model = qwen2.5-0.5b ] && echo safetensors || echo dummy)
+      # shellcheck disable=SC2086
+      timeout 100 python3 benchmarks/decode_latency.py --models $model --batches 1 --chunks 8 --no-eager \
+        --skip-transformers --max-num-seqs 64 --load-format $load --quantization $quant \
+        --gemv-weight-tiles-ahead "${arm%,*}" --gemv-input-tile-ahead $input \
+        --out "$OUT/decode_${model%%-*}_ahead_${arm/,/_}-$i.json" 2>&1 | grep -E "B="
+    done
+  done
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

@@ -37,6 +37,11 @@ from kernels._pdl import wait_for_previous_kernel
 # two integer operations: exactly q * 2^-120, subnormals included (e4m3 subnormals become float32
 # subnormals). The inputs are scaled by 2^64 and the sums by 2^56 to keep every product well
 # inside float32's normal range; powers of two, so the products equal q * x exactly as before.
+# K tiles of weights in flight ahead of the one in use (1 or 2), and whether each K tile of the input
+# (x, the residual, the norm weight) is loaded an iteration ahead too: an A/B of the one-row GEMV's
+# latency chain (benchmarks/gemv_bench.py --ahead, decode_latency.py --gemv-weight-tiles-ahead).
+WEIGHT_TILES_AHEAD = 1
+INPUT_TILE_AHEAD = False
 _X_PRESCALE = tl.constexpr(2.0**64)
 _Y_RESCALE = tl.constexpr(2.0**56)
 # Measured and removed (the code is at 9ba458b): the FP8 one-row o_proj and down_proj with products and
@@ -83,19 +88,32 @@ def _weight_f32(w, FP8_BYTES: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x_row, r_row, res_out_row, norm_w_ptr, offs_k, k_mask, inv_rms, res_store_end,
+def _x_loads(x_row, r_row, norm_w_ptr, offs_k, k_mask, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """One K tile of what the projection's input is made of: x, the residual and the norm weight
+    (the last two only where fused; x again in their place otherwise, unused)."""
+    xk = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
+    rk = xk
+    gk = xk
+    if HAS_NORM:
+        gk = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0)
+        if HAS_RESIDUAL:
+            rk = tl.load(r_row + offs_k, mask=k_mask, other=0.0)
+    return xk, rk, gk
+
+
+@triton.jit
+def _x_tile(xk, rk, gk, res_out_row, offs_k, inv_rms, res_store_end,
             HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """One K tile of the projection's input in float32: x, or the RMSNorm of x (+ residual, whose
-    new value the row's first program stores), rounded as the unfused decoder rounds."""
-    dt = x_row.dtype.element_ty
-    xk = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    """One K tile of the projection's input in float32 from _x_loads' tiles: x, or the RMSNorm of
+    x (+ residual, whose new value the row's first program stores), rounded as the unfused decoder rounds."""
+    dt = xk.dtype
+    xk = xk.to(tl.float32)
     if HAS_NORM:
         if HAS_RESIDUAL:
-            h = (xk + tl.load(r_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dt)
+            h = (xk + rk.to(tl.float32)).to(dt)
             tl.store(res_out_row + offs_k, h, mask=offs_k < res_store_end)
             xk = h.to(tl.float32)
-        g = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        xk = ((xk * inv_rms).to(dt).to(tl.float32) * g).to(dt).to(tl.float32)
+        xk = ((xk * inv_rms).to(dt).to(tl.float32) * gk.to(tl.float32)).to(dt).to(tl.float32)
     return xk
 
 
@@ -115,6 +133,8 @@ def _gemv_kernel(
     KV_SIZE: tl.constexpr,
     HALF: tl.constexpr,
     PDL: tl.constexpr,
+    WEIGHT_TILES_AHEAD: tl.constexpr,
+    INPUT_TILE_AHEAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -140,13 +160,18 @@ def _gemv_kernel(
     if SILU_MUL or ROPE_STORE:
         b_rows = w_ptr + rows_b.to(tl.int64)[:, None] * stride_w
 
-    # The weights do not depend on the kernels before this one: the first K tile is read before
-    # waiting for them (PDL), and every later tile one iteration ahead of its use.
+    # The weights do not depend on the kernels before this one: the first WEIGHT_TILES_AHEAD K tiles
+    # are read before waiting for them (PDL), and every later tile that many iterations ahead of its use.
     offs_k = tl.arange(0, BLOCK_K)
     wk_mask = n_mask[:, None] & (offs_k < K)[None, :]
     w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
     if SILU_MUL or ROPE_STORE:
         u = tl.load(b_rows + offs_k[None, :], mask=wk_mask, other=0.0)
+    if WEIGHT_TILES_AHEAD == 2:
+        wk_mask = n_mask[:, None] & (offs_k + BLOCK_K < K)[None, :]
+        w2 = tl.load(w_rows + BLOCK_K + offs_k[None, :], mask=wk_mask, other=0.0)
+        if SILU_MUL or ROPE_STORE:
+            u2 = tl.load(b_rows + BLOCK_K + offs_k[None, :], mask=wk_mask, other=0.0)
     if PDL:
         wait_for_previous_kernel()
 
@@ -167,20 +192,34 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if SILU_MUL or ROPE_STORE:
         acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    xl, rl, gl = _x_loads(x_row, r_row, norm_w_ptr, offs_k, offs_k < K, HAS_NORM, HAS_RESIDUAL)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        xk = _x_tile(x_row, r_row, res_out_row, norm_w_ptr, offs_k, offs_k < K, inv_rms, res_store_end,
-                     HAS_NORM, HAS_RESIDUAL)
+        if INPUT_TILE_AHEAD:  # this tile's input was loaded an iteration ago; load the next one's
+            xk = _x_tile(xl, rl, gl, res_out_row, offs_k, inv_rms, res_store_end, HAS_NORM, HAS_RESIDUAL)
+            xl, rl, gl = _x_loads(x_row, r_row, norm_w_ptr, offs_k + BLOCK_K, offs_k + BLOCK_K < K,
+                                  HAS_NORM, HAS_RESIDUAL)
+        else:
+            xl, rl, gl = _x_loads(x_row, r_row, norm_w_ptr, offs_k, offs_k < K, HAS_NORM, HAS_RESIDUAL)
+            xk = _x_tile(xl, rl, gl, res_out_row, offs_k, inv_rms, res_store_end, HAS_NORM, HAS_RESIDUAL)
         if HAS_W_SCALE:
             xk = xk * _X_PRESCALE
         acc += _weight_f32(w, HAS_W_SCALE) * xk[None, :]
         if SILU_MUL or ROPE_STORE:
             acc_b += _weight_f32(u, HAS_W_SCALE) * xk[None, :]
-        next_k = offs_k + BLOCK_K
+        next_k = offs_k + WEIGHT_TILES_AHEAD * BLOCK_K
         wk_mask = n_mask[:, None] & (next_k < K)[None, :]
-        w = tl.load(w_rows + next_k[None, :], mask=wk_mask, other=0.0)
-        if SILU_MUL or ROPE_STORE:
-            u = tl.load(b_rows + next_k[None, :], mask=wk_mask, other=0.0)
+        if WEIGHT_TILES_AHEAD == 2:
+            w = w2
+            w2 = tl.load(w_rows + next_k[None, :], mask=wk_mask, other=0.0)
+            if SILU_MUL or ROPE_STORE:
+                u = u2
+                u2 = tl.load(b_rows + next_k[None, :], mask=wk_mask, other=0.0)
+        else:
+            w = tl.load(w_rows + next_k[None, :], mask=wk_mask, other=0.0)
+            if SILU_MUL or ROPE_STORE:
+                u = tl.load(b_rows + next_k[None, :], mask=wk_mask, other=0.0)
 
     y = tl.sum(acc, 1)
     if HAS_W_SCALE:
@@ -320,6 +359,8 @@ def _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, out, n, t
         KV_SIZE=kv_size,
         HALF=head_dim // 2,
         PDL=pdl,
+        WEIGHT_TILES_AHEAD=WEIGHT_TILES_AHEAD,
+        INPUT_TILE_AHEAD=INPUT_TILE_AHEAD,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         num_warps=tile.num_warps,

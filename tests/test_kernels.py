@@ -445,6 +445,16 @@ def _gemv_case(rows: int, n: int, k: int, seed: int, strided: bool = False):
     return gen, x, torch.randn(n, k, generator=gen) / k**0.5
 
 
+@pytest.fixture(params=[(1, False), (2, False), (2, True)], ids=["ahead1", "ahead2", "ahead2-input"])
+def gemv_ahead(request, monkeypatch):
+    """The GEMV with its weights one or two K tiles ahead of their use, and its input tile loaded an
+    iteration ahead (kernels.gemv.WEIGHT_TILES_AHEAD, INPUT_TILE_AHEAD)."""
+    gemv_module = importlib.import_module("kernels.gemv")
+    monkeypatch.setattr(gemv_module, "WEIGHT_TILES_AHEAD", request.param[0])
+    monkeypatch.setattr(gemv_module, "INPUT_TILE_AHEAD", request.param[1])
+    return request.param
+
+
 def test_gemv_ref_matches_unfused_decoder_path():
     gen, x, w = _gemv_case(3, 40, 24, seed=20)
     res = torch.randn(3, 24, generator=gen)
@@ -479,7 +489,7 @@ def test_gemv_long_k_default_tile(long_k_block, monkeypatch):
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_gemv_fused_norm(with_residual):
+def test_gemv_fused_norm(with_residual, gemv_ahead):
     gen, x, w = _gemv_case(2, 48, 300, seed=25)  # K not a power of two, several K tiles below
     res = torch.randn(2, 300, generator=gen) if with_residual else None
     g = torch.randn(300, generator=gen)
@@ -493,7 +503,7 @@ def test_gemv_fused_norm(with_residual):
         assert torch.equal(new_res, ref_res)
 
 
-def test_gemv_fused_norm_silu_mul_float32_logits_dtype():
+def test_gemv_fused_norm_silu_mul_float32_logits_dtype(gemv_ahead):
     gen, x, w = _gemv_case(2, 2 * 72, 128, seed=26)
     res = torch.randn(2, 128, generator=gen)
     g = torch.randn(128, generator=gen)
@@ -512,7 +522,7 @@ def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("silu_mul", [False, True])
-def test_gemv_fp8_weights_dequantized_in_registers(silu_mul):
+def test_gemv_fp8_weights_dequantized_in_registers(silu_mul, gemv_ahead):
     """FP8 rows times their scale: the dequantized weight's product, over several K tiles (the next
     tile read ahead of its use), with the fused norm and SiLU-and-mul."""
     gen, x, w = _gemv_case(2, 2 * 40 if silu_mul else 40, 300, seed=28)
@@ -573,7 +583,7 @@ def test_barrier_probe_persistent_mlp_halves_are_the_engines_mlp():
     assert rel_err(out, mlp_ref(x, gate_up, down)) < TOL
 
 
-def test_gemv_rope_store_fp8_weights():
+def test_gemv_rope_store_fp8_weights(gemv_ahead):
     gen = torch.Generator().manual_seed(32)
     hq, hkv, head_dim, hidden, rows = 4, 2, 16, 40, 2
     n = (hq + 2 * hkv) * head_dim
