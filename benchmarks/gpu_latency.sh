@@ -57,7 +57,7 @@ profile-b64)  # where a batch-64 step goes: 0.5B bf16, 8B bf16 and fp8 (random w
   ;;
 gemv-tiles)  # bf16 one-row GEMV tiles the sweep had not tried (2048-wide K for one or two rows;
   # down_proj's 2048-wide tile was measured in decode: decode_latency-h200-batch1-down-tile-fp8-gemv-ab-2026-12-02.json)
-  timeout 130 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 \
+  timeout 200 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 \
     --projections down gate_up --sweep --out "$OUT/gemv_bench_tiles.json" 2>&1 | grep -E "best" | quiet
   ;;
 fp8-b1-sweep)  # batch 1's FP8 qkv / o / down: the GEMV (shipped) against the skinny W8A8 GEMM with swept tiles
