@@ -134,8 +134,9 @@ def main() -> int:
     p.add_argument("--tiles", nargs="+", default=[],
                    help="also time these tiles: block_n,block_k,num_warps each")
     p.add_argument("--ahead", nargs="+", default=None,
-                   help="time the GEMV with each of these settings: weight tiles ahead,input tile ahead (0|1) each "
-                        "(kernels.gemv.WEIGHT_TILES_AHEAD, INPUT_TILE_AHEAD); default: the shipped ones")
+                   help="time the GEMV with each of these settings: weight tiles ahead,input tile ahead (0|1)"
+                        "[,norm in one pass (0|1)] each (kernels.gemv.WEIGHT_TILES_AHEAD, INPUT_TILE_AHEAD, "
+                        "NORM_ONE_PASS); default: the shipped ones")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results" / f"gemv_bench-{dt.date.today()}.json")
     args = p.parse_args()
 
@@ -144,13 +145,16 @@ def main() -> int:
     copy = args.copy = copy_bandwidth(2048, 100)
     print(f"device-to-device copy: {copy['gb_per_s']:.0f} GB/s")
     results = []
-    shipped = (gemv_module.WEIGHT_TILES_AHEAD, gemv_module.INPUT_TILE_AHEAD)
-    for ahead in args.ahead or [f"{shipped[0]},{int(shipped[1])}"]:
-        weight_tiles, input_tile = map(int, ahead.split(","))
-        gemv_module.WEIGHT_TILES_AHEAD, gemv_module.INPUT_TILE_AHEAD = weight_tiles, bool(input_tile)
-        print(f"GEMV weight tiles ahead {weight_tiles}, input tile ahead {bool(input_tile)}")
-        results += bench_all(args, weights_ahead=ahead)
-    gemv_module.WEIGHT_TILES_AHEAD, gemv_module.INPUT_TILE_AHEAD = shipped
+    names = ("WEIGHT_TILES_AHEAD", "INPUT_TILE_AHEAD", "NORM_ONE_PASS")
+    shipped = [int(getattr(gemv_module, name)) for name in names]
+    for ahead in args.ahead or [",".join(map(str, shipped))]:
+        values = list(map(int, ahead.split(","))) + shipped[len(ahead.split(",")):]
+        for name, value in zip(names, values):
+            setattr(gemv_module, name, value if name == "WEIGHT_TILES_AHEAD" else bool(value))
+        print("GEMV " + ", ".join(f"{name} {value}" for name, value in zip(names, values)))
+        results += bench_all(args, weights_ahead=",".join(map(str, values)))
+    for name, value in zip(names, shipped):
+        setattr(gemv_module, name, value if name == "WEIGHT_TILES_AHEAD" else bool(value))
     write_json(args.out, dict(**run_info("gemv_bench"), copy=copy, rows=results))
     return 0
 

@@ -42,6 +42,10 @@ from kernels._pdl import wait_for_previous_kernel
 # latency chain (benchmarks/gemv_bench.py --ahead, decode_latency.py --gemv-weight-tiles-ahead).
 WEIGHT_TILES_AHEAD = 1
 INPUT_TILE_AHEAD = False
+# The fused RMSNorm's pass over the row for 1 / rms in one load of the whole row (rows up to
+# _MAX_NORM_ONE_PASS long) instead of K tiles one after another.
+NORM_ONE_PASS = False
+_MAX_NORM_ONE_PASS = 8192
 _X_PRESCALE = tl.constexpr(2.0**64)
 _Y_RESCALE = tl.constexpr(2.0**56)
 # Measured and removed (the code is at 9ba458b): the FP8 one-row o_proj and down_proj with products and
@@ -135,6 +139,7 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     WEIGHT_TILES_AHEAD: tl.constexpr,
     INPUT_TILE_AHEAD: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -177,9 +182,9 @@ def _gemv_kernel(
 
     inv_rms = 1.0
     if HAS_NORM:
-        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+        sq = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, NORM_BLOCK):
+            offs_k = k0 + tl.arange(0, NORM_BLOCK)
             k_mask = offs_k < K
             h = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
@@ -361,6 +366,7 @@ def _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, out, n, t
         PDL=pdl,
         WEIGHT_TILES_AHEAD=WEIGHT_TILES_AHEAD,
         INPUT_TILE_AHEAD=INPUT_TILE_AHEAD,
+        NORM_BLOCK=triton.next_power_of_2(k) if NORM_ONE_PASS and k <= _MAX_NORM_ONE_PASS else tile.block_k,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         num_warps=tile.num_warps,

@@ -445,13 +445,15 @@ def _gemv_case(rows: int, n: int, k: int, seed: int, strided: bool = False):
     return gen, x, torch.randn(n, k, generator=gen) / k**0.5
 
 
-@pytest.fixture(params=[(1, False), (2, False), (2, True)], ids=["ahead1", "ahead2", "ahead2-input"])
+@pytest.fixture(params=[(1, False, False), (2, False, False), (2, True, True)],
+                ids=["ahead1", "ahead2", "ahead2-input-norm1"])
 def gemv_ahead(request, monkeypatch):
-    """The GEMV with its weights one or two K tiles ahead of their use, and its input tile loaded an
-    iteration ahead (kernels.gemv.WEIGHT_TILES_AHEAD, INPUT_TILE_AHEAD)."""
+    """The GEMV with its weights one or two K tiles ahead of their use, its input tile loaded an
+    iteration ahead and its norm's row read in one load (kernels.gemv.WEIGHT_TILES_AHEAD,
+    INPUT_TILE_AHEAD, NORM_ONE_PASS)."""
     gemv_module = importlib.import_module("kernels.gemv")
-    monkeypatch.setattr(gemv_module, "WEIGHT_TILES_AHEAD", request.param[0])
-    monkeypatch.setattr(gemv_module, "INPUT_TILE_AHEAD", request.param[1])
+    for name, value in zip(("WEIGHT_TILES_AHEAD", "INPUT_TILE_AHEAD", "NORM_ONE_PASS"), request.param):
+        monkeypatch.setattr(gemv_module, name, value)
     return request.param
 
 
