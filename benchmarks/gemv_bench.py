@@ -135,8 +135,8 @@ def main() -> int:
                    help="also time these tiles: block_n,block_k,num_warps each")
     p.add_argument("--ahead", nargs="+", default=None,
                    help="time the GEMV with each of these settings: weight tiles ahead,input tile ahead (0|1)"
-                        "[,norm in one pass (0|1)] each (kernels.gemv.WEIGHT_TILES_AHEAD, INPUT_TILE_AHEAD, "
-                        "NORM_ONE_PASS); default: the shipped ones")
+                        "[,norm in one pass (0|1)[,K compiled in (0|1)]] each (kernels.gemv.WEIGHT_TILES_AHEAD, "
+                        "INPUT_TILE_AHEAD, NORM_ONE_PASS, K_CONSTEXPR); default: the shipped ones")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results" / f"gemv_bench-{dt.date.today()}.json")
     args = p.parse_args()
 
@@ -145,7 +145,7 @@ def main() -> int:
     copy = args.copy = copy_bandwidth(2048, 100)
     print(f"device-to-device copy: {copy['gb_per_s']:.0f} GB/s")
     results = []
-    names = ("WEIGHT_TILES_AHEAD", "INPUT_TILE_AHEAD", "NORM_ONE_PASS")
+    names = ("WEIGHT_TILES_AHEAD", "INPUT_TILE_AHEAD", "NORM_ONE_PASS", "K_CONSTEXPR")
     shipped = [int(getattr(gemv_module, name)) for name in names]
     for ahead in args.ahead or [",".join(map(str, shipped))]:
         values = list(map(int, ahead.split(","))) + shipped[len(ahead.split(",")):]

@@ -181,7 +181,7 @@ ncu)  # hardware counters of the decode step's kernels one at a time at real sha
 ahead-kernels)  # kernels/gemv.WEIGHT_TILES_AHEAD / INPUT_TILE_AHEAD / NORM_ONE_PASS: the one-row GEMV with its weights
   # 1 or 2 K tiles in flight, its input tile loaded an iteration ahead, its norm's row read in one load; per
   # projection (8B FP8, 0.5B bf16, 8B bf16)
-  arms="1,0,0 2,0,0 1,1,0 1,0,1 2,1,0 2,1,1"
+  arms="1,0,0,0 1,0,0,1 2,0,0,0 2,0,0,1 1,1,1,1 2,1,1,1"
   # shellcheck disable=SC2086
   timeout 220 python3 benchmarks/gemv_bench.py --models llama-3.1-8b --rows 1 --weights fp8 --projections qkv o down \
     --ahead $arms --tiles 8,512,4 16,512,4 4,2048,4 --out "$OUT/gemv_ahead_8b_fp8.json" 2>&1 | grep "M=1"
@@ -189,22 +189,22 @@ ahead-kernels)  # kernels/gemv.WEIGHT_TILES_AHEAD / INPUT_TILE_AHEAD / NORM_ONE_
   timeout 130 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 \
     --projections qkv o gate_up down --ahead $arms --out "$OUT/gemv_ahead_bf16.json" 2>&1 | grep "M=1"
   ;;
-ahead-decode)  # the same at batch 1 in decode, interleaved ${ARMS:-2,1,1 1,0,0 2,1,1 1,0,0} (weight tiles ahead,
-  # input tile ahead, norm in one pass): 0.5B bf16, 8B bf16 and FP8
+ahead-decode)  # the same at batch 1 in decode, interleaved ${ARMS:-2,1,1,1 1,0,0,0 2,1,1,1 1,0,0,0} (weight tiles
+  # ahead, input tile ahead, norm in one pass, K compiled in): 0.5B bf16, 8B bf16 and FP8
   python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
   onoff() { [ "$1" = 1 ] && echo on || echo off; }
   for model in qwen2.5-0.5b llama-3.1-8b; do
     i=0
-    for arm in ${ARMS:-2,1,1 1,0,0 2,1,1 1,0,0}; do
+    for arm in ${ARMS:-2,1,1,1 1,0,0,0 2,1,1,1 1,0,0,0}; do
       i=$((i + 1))
-      IFS=, read -r weights input norm <<< "$arm"
+      IFS=, read -r weights input norm kconst <<< "$arm"
       quant=$([ $model = qwen2.5-0.5b ] && echo none || echo "${QUANT:-none fp8}")
       load=$([ $model = qwen2.5-0.5b ] && echo safetensors || echo dummy)
       # shellcheck disable=SC2086
       timeout 100 python3 benchmarks/decode_latency.py --models $model --batches 1 --chunks 8 --no-eager \
         --skip-transformers --max-num-seqs 64 --load-format $load --quantization $quant \
         --gemv-weight-tiles-ahead "$weights" --gemv-input-tile-ahead "$(onoff "$input")" \
-        --gemv-norm-one-pass "$(onoff "$norm")" --out "$OUT/decode_${model%%-*}_ahead_${arm//,/_}-$i.json" 2>&1 | grep -E "B="
+        --gemv-norm-one-pass "$(onoff "$norm")" --gemv-k-constexpr "$(onoff "$kconst")" --out "$OUT/decode_${model%%-*}_ahead_${arm//,/_}-$i.json" 2>&1 | grep -E "B="
     done
   done
   ;;

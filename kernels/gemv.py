@@ -46,6 +46,8 @@ INPUT_TILE_AHEAD = False
 # _MAX_NORM_ONE_PASS long) instead of K tiles one after another.
 NORM_ONE_PASS = False
 _MAX_NORM_ONE_PASS = 8192
+# K compiled in (a kernel per model width) instead of a run-time argument.
+K_CONSTEXPR = False
 _X_PRESCALE = tl.constexpr(2.0**64)
 _Y_RESCALE = tl.constexpr(2.0**56)
 # Measured and removed (the code is at 9ba458b): the FP8 one-row o_proj and down_proj with products and
@@ -140,11 +142,14 @@ def _gemv_kernel(
     WEIGHT_TILES_AHEAD: tl.constexpr,
     INPUT_TILE_AHEAD: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
+    K_CONST: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """N: outputs (SiLU-and-mul: gate rows; rotary: row pairs). Paired modes read two row sets.
     HAS_W_SCALE: FP8 weights, each row's dot product times its scale."""
+    if K_CONST:  # K known at compile time: loops of one trip vanish and loads can move ahead
+        K = K_CONST
     m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     dt = x_ptr.dtype.element_ty
@@ -184,11 +189,11 @@ def _gemv_kernel(
     if HAS_NORM:
         sq = tl.zeros([NORM_BLOCK], dtype=tl.float32)
         for k0 in range(0, K, NORM_BLOCK):
-            offs_k = k0 + tl.arange(0, NORM_BLOCK)
-            k_mask = offs_k < K
-            h = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            offs_r = k0 + tl.arange(0, NORM_BLOCK)
+            r_mask = offs_r < K
+            h = tl.load(x_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
-                h = (h + tl.load(r_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+                h = (h + tl.load(r_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
             sq += h * h
         inv_rms = tl.rsqrt(tl.sum(sq, 0) / K + eps)
 
@@ -367,6 +372,7 @@ def _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, out, n, t
         WEIGHT_TILES_AHEAD=WEIGHT_TILES_AHEAD,
         INPUT_TILE_AHEAD=INPUT_TILE_AHEAD,
         NORM_BLOCK=triton.next_power_of_2(k) if NORM_ONE_PASS and k <= _MAX_NORM_ONE_PASS else tile.block_k,
+        K_CONST=k if K_CONSTEXPR else 0,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         num_warps=tile.num_warps,

@@ -445,14 +445,14 @@ def _gemv_case(rows: int, n: int, k: int, seed: int, strided: bool = False):
     return gen, x, torch.randn(n, k, generator=gen) / k**0.5
 
 
-@pytest.fixture(params=[(1, False, False), (2, False, False), (2, True, True)],
-                ids=["ahead1", "ahead2", "ahead2-input-norm1"])
+@pytest.fixture(params=[(1, False, False, False), (2, False, False, False), (1, False, False, True),
+                        (2, True, True, True)], ids=["ahead1", "ahead2", "kconst", "ahead2-input-norm1-kconst"])
 def gemv_ahead(request, monkeypatch):
     """The GEMV with its weights one or two K tiles ahead of their use, its input tile loaded an
-    iteration ahead and its norm's row read in one load (kernels.gemv.WEIGHT_TILES_AHEAD,
-    INPUT_TILE_AHEAD, NORM_ONE_PASS)."""
+    iteration ahead, its norm's row read in one load, K compiled in (kernels.gemv.WEIGHT_TILES_AHEAD,
+    INPUT_TILE_AHEAD, NORM_ONE_PASS, K_CONSTEXPR)."""
     gemv_module = importlib.import_module("kernels.gemv")
-    for name, value in zip(("WEIGHT_TILES_AHEAD", "INPUT_TILE_AHEAD", "NORM_ONE_PASS"), request.param):
+    for name, value in zip(("WEIGHT_TILES_AHEAD", "INPUT_TILE_AHEAD", "NORM_ONE_PASS", "K_CONSTEXPR"), request.param):
         monkeypatch.setattr(gemv_module, name, value)
     return request.param
 
