@@ -173,7 +173,7 @@ ncu)  # hardware counters of the decode step's kernels one at a time at real sha
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
   sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"
   # shellcheck disable=SC2086
-  timeout 240 "$NCU" --profile-from-start off --clock-control none $sections \
+  timeout ${NCU_TIMEOUT:-240} "$NCU" --profile-from-start off --clock-control none $sections \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" --csv --page details \
     --log-file "$OUT/ncu.csv" python3 benchmarks/ncu_kernels.py ${TARGETS:+--targets $TARGETS} > "$OUT/ncu_targets.txt" 2>&1
   echo "ncu rc $?"; grep -v '^"' "$OUT/ncu.csv" | head -5; tail -3 "$OUT/ncu_targets.txt"
@@ -183,10 +183,10 @@ ahead-kernels)  # kernels/gemv.WEIGHT_TILES_AHEAD / INPUT_TILE_AHEAD / NORM_ONE_
   # projection (8B FP8, 0.5B bf16, 8B bf16)
   arms="1,0,0,0 1,0,0,1 2,0,0,0 2,0,0,1 1,1,1,1 2,1,1,1"
   # shellcheck disable=SC2086
-  timeout 220 python3 benchmarks/gemv_bench.py --models llama-3.1-8b --rows 1 --weights fp8 --projections qkv o down \
-    --ahead $arms --tiles 8,512,4 16,512,4 4,2048,4 --out "$OUT/gemv_ahead_8b_fp8.json" 2>&1 | grep "M=1"
+  timeout 230 python3 benchmarks/gemv_bench.py --models llama-3.1-8b --rows 1 --weights fp8 --projections qkv o down \
+    --ahead $arms --tiles 8,512,4 16,512,4 --out "$OUT/gemv_ahead_8b_fp8.json" 2>&1 | grep "M=1"
   # shellcheck disable=SC2086
-  timeout 130 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 \
+  timeout 150 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 \
     --projections qkv o gate_up down --ahead $arms --out "$OUT/gemv_ahead_bf16.json" 2>&1 | grep "M=1"
   ;;
 ahead-decode)  # the same at batch 1 in decode, interleaved ${ARMS:-2,1,1,1 1,0,0,0 2,1,1,1 1,0,0,0} (weight tiles
