@@ -189,13 +189,16 @@ ahead-kernels)  # kernels/gemv.WEIGHT_TILES_AHEAD / INPUT_TILE_AHEAD / NORM_ONE_
   timeout 150 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 \
     --projections qkv o gate_up down --ahead $arms --out "$OUT/gemv_ahead_bf16.json" 2>&1 | grep "M=1"
   ;;
-ahead-decode)  # the same at batch 1 in decode, interleaved ${ARMS:-2,1,1,1 1,0,0,0 2,1,1,1 1,0,0,0} (weight tiles
-  # ahead, input tile ahead, norm in one pass, K compiled in): 0.5B bf16, 8B bf16 and FP8
+ahead-decode)  # the same at batch 1 in decode, interleaved ${ARMS:-1,0,0,1 1,0,0,0 2,1,1,1} twice for the 0.5B bf16,
+  # once for the 8B bf16 and FP8 (weight tiles ahead, input tile ahead, norm in one pass, K compiled in); then the
+  # per-projection bench with fewer arms (KERNELS=0: none)
   python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
   onoff() { [ "$1" = 1 ] && echo on || echo off; }
+  arms=${ARMS:-1,0,0,1 1,0,0,0 2,1,1,1}
   for model in qwen2.5-0.5b llama-3.1-8b; do
     i=0
-    for arm in ${ARMS:-2,1,1,1 1,0,0,0 2,1,1,1 1,0,0,0}; do
+    # shellcheck disable=SC2086
+    for arm in $([ $model = qwen2.5-0.5b ] && echo $arms $arms || echo $arms); do
       i=$((i + 1))
       IFS=, read -r weights input norm kconst <<< "$arm"
       quant=$([ $model = qwen2.5-0.5b ] && echo none || echo "${QUANT:-none fp8}")
@@ -204,9 +207,18 @@ ahead-decode)  # the same at batch 1 in decode, interleaved ${ARMS:-2,1,1,1 1,0,
       timeout 100 python3 benchmarks/decode_latency.py --models $model --batches 1 --chunks 8 --no-eager \
         --skip-transformers --max-num-seqs 64 --load-format $load --quantization $quant \
         --gemv-weight-tiles-ahead "$weights" --gemv-input-tile-ahead "$(onoff "$input")" \
-        --gemv-norm-one-pass "$(onoff "$norm")" --gemv-k-constexpr "$(onoff "$kconst")" --out "$OUT/decode_${model%%-*}_ahead_${arm//,/_}-$i.json" 2>&1 | grep -E "B="
+        --gemv-norm-one-pass "$(onoff "$norm")" --gemv-k-constexpr "$(onoff "$kconst")" \
+        --out "$OUT/decode_${model%%-*}_ahead_${arm//,/_}-$i.json" 2>&1 | grep -E "B="
     done
   done
+  if [ "${KERNELS:-1}" = 1 ]; then
+    # shellcheck disable=SC2086
+    timeout 150 python3 benchmarks/gemv_bench.py --models llama-3.1-8b --rows 1 --weights fp8 --projections qkv o down \
+      --ahead $arms 2,0,0,1 --tiles 16,512,4 --out "$OUT/gemv_ahead_8b_fp8.json" 2>&1 | grep "M=1"
+    # shellcheck disable=SC2086
+    timeout 100 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b --rows 1 --weights bf16 \
+      --projections qkv o gate_up down --ahead $arms 2,0,0,1 --out "$OUT/gemv_ahead_bf16.json" 2>&1 | grep "M=1"
+  fi
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes
