@@ -178,13 +178,12 @@ ncu)  # hardware counters of the decode step's kernels one at a time at real sha
     --log-file "$OUT/ncu.csv" python3 benchmarks/ncu_kernels.py ${TARGETS:+--targets $TARGETS} > "$OUT/ncu_targets.txt" 2>&1
   echo "ncu rc $?"; grep -v '^"' "$OUT/ncu.csv" | head -5; tail -3 "$OUT/ncu_targets.txt"
   ;;
-ahead-kernels)  # kernels/gemv.WEIGHT_TILES_AHEAD / INPUT_TILE_AHEAD / NORM_ONE_PASS: the one-row GEMV with its weights
-  # 1 or 2 K tiles in flight, its input tile loaded an iteration ahead, its norm's row read in one load; per
-  # projection (8B FP8, 0.5B bf16, 8B bf16)
-  arms="1,0,0,0 1,0,0,1 2,0,0,0 2,0,0,1 1,1,1,1 2,1,1,1"
+ahead-kernels)  # kernels/gemv.WEIGHT_TILES_AHEAD / INPUT_TILE_AHEAD / NORM_ONE_PASS / K_CONSTEXPR one at a time, per
+  # projection at one row (8B FP8, 8B bf16, 0.5B bf16): which of them cost the combined arm its 8-13% in decode
+  arms=${ARMS:-1,0,0,0 2,0,0,0 1,1,0,0 1,0,1,0 1,0,0,1}
   # shellcheck disable=SC2086
-  timeout 230 python3 benchmarks/gemv_bench.py --models llama-3.1-8b --rows 1 --weights fp8 --projections qkv o down \
-    --ahead $arms --tiles 8,512,4 16,512,4 --out "$OUT/gemv_ahead_8b_fp8.json" 2>&1 | grep "M=1"
+  timeout 150 python3 benchmarks/gemv_bench.py --models llama-3.1-8b --rows 1 --weights fp8 --projections qkv o down \
+    --ahead $arms --out "$OUT/gemv_ahead_8b_fp8.json" 2>&1 | grep "M=1"
   # shellcheck disable=SC2086
   timeout 150 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 \
     --projections qkv o gate_up down --ahead $arms --out "$OUT/gemv_ahead_bf16.json" 2>&1 | grep "M=1"
