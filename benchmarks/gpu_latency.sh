@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|ahead-kernels|ahead-decode
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|ahead-kernels|ahead-decode|tma
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -218,6 +218,18 @@ ahead-decode)  # the same at batch 1 in decode, interleaved ${ARMS:-1,0,0,1 1,0,
     timeout 100 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b --rows 1 --weights bf16 \
       --projections qkv o gate_up down --ahead $arms 2,0,0,1 --out "$OUT/gemv_ahead_bf16.json" 2>&1 | grep "M=1"
   fi
+  ;;
+tma)  # kernels/skinny_gemm.W8A8_TMA: the W8A8 skinny GEMM's K tiles loaded by the copy engine. Decode first, 8B FP8
+  # at 8 / 64 interleaved on, off, on, off; then the skinny GEMM's GPU tests (model shapes, graph replay) both ways
+  i=0
+  for arm in ${ARMS:-on off on off}; do
+    i=$((i + 1))
+    timeout 90 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches ${BATCHES:-8 64} --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --skinny-w8a8-tma $arm \
+      --out "$OUT/decode_8b_tma_$arm-$i.json" 2>&1 | grep -E "B="
+  done
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py \
+    -k "fp8_model_shapes or graph_capture" > "$OUT/gpu_tests_tma.log" 2>&1; tail -3 "$OUT/gpu_tests_tma.log"
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

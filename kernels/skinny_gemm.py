@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from kernels._common import dot_precision, sm_count, use_pdl
 from kernels._pdl import wait_for_previous_kernel
 
@@ -98,6 +100,50 @@ def _skinny_gemm_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
+    _store_tile(acc, acc_u if SILU_MUL else acc, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, M, N, stride_o,
+                pid_s, offs_n, offs_m, n_mask, m_mask, HAS_BIAS, HAS_SCALES, W_ONLY, SILU_MUL, SPLIT)
+
+
+@triton.jit
+def _skinny_gemm_tma_kernel(
+    x_desc, x_scale_ptr, w_desc, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
+    M, N, K, k_per_split, stride_o,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IMPRECISE_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """W8A8 as _skinny_gemm_kernel computes it, its K tiles brought into shared memory by the copy
+    engine (TMA: one request a tile, no address arithmetic in the program's warps; rows past M and
+    columns past K arrive as zeros)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if PDL:
+        wait_for_previous_kernel()
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        w = w_desc.load([pid_n * BLOCK_N, k0])
+        x = x_desc.load([pid_m * BLOCK_M, k0])
+        acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=IMPRECISE_K)
+    _store_tile(acc, acc, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, M, N, stride_o, pid_s, offs_n, offs_m,
+                offs_n < N, offs_m < M, HAS_BIAS, True, False, False, SPLIT)
+
+
+@triton.jit
+def _store_tile(acc, acc_u, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, M, N, stride_o, pid_s, offs_n, offs_m,
+                n_mask, m_mask, HAS_BIAS: tl.constexpr, HAS_SCALES: tl.constexpr, W_ONLY: tl.constexpr,
+                SILU_MUL: tl.constexpr, SPLIT: tl.constexpr):
+    """A program's [BLOCK_N, BLOCK_M] tile of out.T: float32 partials of its K split, or scaled,
+    biased (SiLU-and-mul-ed with acc_u) and rounded into out."""
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT > 1:  # partials [SPLIT, M, N], float32, unscaled
         p_ptrs = part_ptr + (pid_s * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None]
@@ -235,6 +281,11 @@ def stage_bytes(tile: SkinnyGemmTile, weight_bytes: int, silu_mul: bool = False,
 # 2026-12-02.json). bf16 weights gained nothing from deeper pipelines (qkv 16.89 against 16.95,
 # o_proj 11.86 against 12.13).
 W8A8_DEEP_PIPELINE = True
+# W8A8 without SiLU-and-mul through _skinny_gemm_tma_kernel (the copy engine loads the K tiles). Nsight
+# Compute on an H200 (benchmarks/ncu_kernels.py): the pointer kernel at 64 rows keeps one warp a scheduler
+# issuing every 3.6 cycles, stalled on fixed-latency waits and barriers, not on memory (qkv 13.1 us, 41% of
+# DRAM bandwidth): its cp.async address work is the bottleneck. An A/B switch until measured.
+W8A8_TMA = False
 
 
 def default_skinny_gemm_tile(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 1,
@@ -323,7 +374,34 @@ def skinny_gemm(
     pdl = use_pdl(x.device)
     scale_args = (x_scale if fp8 else out, weight_scale if fp8 or w_only else out)
     bias_arg = bias if bias is not None else out
-    _skinny_gemm_kernel[(triton.cdiv(n, tile.block_n), split, triton.cdiv(m, tile.block_m))](
+    grid = (triton.cdiv(n, tile.block_n), split, triton.cdiv(m, tile.block_m))
+    if fp8 and not silu_mul and W8A8_TMA and _tma_ready(x, weight):
+        _skinny_gemm_tma_kernel[grid](
+            TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k]), x_scale,
+            TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]), weight_scale, bias_arg, out, part,
+            m, n, k, k_per_split, out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT=split, PDL=pdl, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k, IMPRECISE_K=min(128, tile.block_k), NUM_STAGES=tile.num_stages,
+            num_warps=tile.num_warps, launch_pdl=pdl)
+    else:
+        _launch_pointer_kernel(grid, x, weight, scale_args, bias, bias_arg, out, part, m, n, k, k_per_split, fp8,
+                               w_only, silu_mul, split, pdl, tile)
+    if split == 1:
+        return out
+    pending = SplitPartials(part, weight_scale if fp8 or w_only else None, x_scale if fp8 else None, bias, out.dtype)
+    if defer_reduce and not w_only:
+        return pending
+    return finish_split(pending, out, w_only)
+
+
+def _tma_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the copy engine can address x and weight: 16-byte aligned, rows 16-byte multiples apart."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, weight))
+
+
+def _launch_pointer_kernel(grid, x, weight, scale_args, bias, bias_arg, out, part, m, n, k, k_per_split, fp8, w_only,
+                           silu_mul, split, pdl, tile) -> None:
+    _skinny_gemm_kernel[grid](
         x, scale_args[0], weight, scale_args[1], bias_arg, out, part,
         m, n, k, k_per_split,
         x.stride(0), weight.stride(0), out.stride(0),
@@ -342,12 +420,6 @@ def skinny_gemm(
         num_stages=tile.num_stages,
         launch_pdl=pdl,
     )
-    if split == 1:
-        return out
-    pending = SplitPartials(part, weight_scale if fp8 or w_only else None, x_scale if fp8 else None, bias, out.dtype)
-    if defer_reduce and not w_only:
-        return pending
-    return finish_split(pending, out, w_only)
 
 
 def finish_split(pending: SplitPartials, out: torch.Tensor | None = None, w_only: bool = False) -> torch.Tensor:

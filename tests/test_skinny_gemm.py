@@ -6,6 +6,8 @@ shapes on CUDA, against cuBLAS as well, and inside a captured CUDA graph."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,8 @@ import torch.nn.functional as F
 from kernels.skinny_gemm import (SHARED_MEMORY_BUDGET, SkinnyGemmTile, default_skinny_gemm_tile, skinny_gemm,
                                  skinny_gemm_ref, stage_bytes)
 from tensor_checks import rel_err
+
+skinny_module = importlib.import_module("kernels.skinny_gemm")
 
 FP8 = torch.float8_e4m3fn
 
@@ -68,6 +72,36 @@ def test_fp8_matches_ref(m, n, k, tile, bias, out_dtype, poisoned_outputs):
     out = skinny_gemm(xq, wq, b, x_scale=x_scale, weight_scale=w_scale, out_dtype=out_dtype, tile=tile)
     ref = skinny_gemm_ref(xq, wq, b, x_scale=x_scale, weight_scale=w_scale, out_dtype=out_dtype)
     assert_close(out, ref, fp8_magnitude(xq, x_scale, wq, w_scale), 2.0 ** -20)
+
+
+@pytest.fixture(params=[False, True], ids=["pointers", "tma"])
+def w8a8_tma(request, monkeypatch):
+    """W8A8 through the pointer kernel or the copy-engine one (kernels.skinny_gemm.W8A8_TMA)."""
+    monkeypatch.setattr(skinny_module, "W8A8_TMA", request.param)
+    return request.param
+
+
+# K a multiple of 16 bytes (the copy engine's row pitch) but not of the K tile; split K ragged
+TMA_CASES = [
+    pytest.param(5, 40, 80, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="ragged-edges"),
+    pytest.param(18, 24, 144, SkinnyGemmTile(16, 32, 16, 3, 4, 2), id="split-ragged-two-row-blocks"),
+    pytest.param(3, 32, 128, SkinnyGemmTile(16, 32, 16, 4, 4, 2), id="split-4"),
+]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k,tile", TMA_CASES)
+def test_fp8_copy_engine_loads_match_ref(m, n, k, tile, bias, w8a8_tma, poisoned_outputs):
+    """The TMA kernel (tiles past M and K arrive as zeros) computes what the pointer kernel does."""
+    xq, x_scale, wq, w_scale, b = fp8_operands(m, n, k, seed=m * n + k + 1, bias=bias)
+    assert skinny_module._tma_ready(xq, wq)
+    out = skinny_gemm(xq, wq, b, x_scale=x_scale, weight_scale=w_scale, tile=tile)
+    ref = skinny_gemm_ref(xq, wq, b, x_scale=x_scale, weight_scale=w_scale)
+    assert_close(out, ref, fp8_magnitude(xq, x_scale, wq, w_scale), 2.0 ** -20)
+    if tile.split > 1:  # the partials the norm after it sums
+        pending = skinny_gemm(xq, wq, b, x_scale=x_scale, weight_scale=w_scale, tile=tile, defer_reduce=True)
+        assert pending.partials.shape == (tile.split, m, n)
+        assert torch.equal(skinny_module.finish_split(pending), out)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -215,7 +249,7 @@ def test_gpu_fp8_weight_only_model_shapes(m, n, k, poisoned_outputs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [2, 8, 16, 64])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_gpu_fp8_model_shapes(m, n, k, poisoned_outputs):
+def test_gpu_fp8_model_shapes(m, n, k, w8a8_tma, poisoned_outputs):
     """Hopper's FP8 dot adds at ~2^-13 within each 128-deep chunk (promoted to float32 between
     chunks): the bound allows 2^-11 of the products' magnitudes, and the error must not exceed
     twice cuBLAS's (torch._scaled_mm, exact accumulation) by more than that."""
@@ -271,7 +305,7 @@ def test_gpu_bf16_model_shapes(m, n, k, poisoned_outputs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [True, False])
-def test_gpu_graph_capture_replays_new_inputs(fp8):
+def test_gpu_graph_capture_replays_new_inputs(fp8, w8a8_tma):
     m, n, k = 64, 4096, 14336  # a split-K shape
     if fp8:
         xq, x_scale, wq, w_scale, _ = fp8_operands(m, n, k, device="cuda", seed=1)
