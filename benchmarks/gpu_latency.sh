@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|ahead-kernels|ahead-decode|tma
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|ahead-kernels|ahead-decode|tma|tma-sweep
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -230,6 +230,11 @@ tma)  # kernels/skinny_gemm.W8A8_TMA: the W8A8 skinny GEMM's K tiles loaded by t
   done
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py \
     -k "fp8_model_shapes or graph_capture" > "$OUT/gpu_tests_tma.log" 2>&1; tail -3 "$OUT/gpu_tests_tma.log"
+  ;;
+tma-sweep)  # the TMA W8A8 skinny GEMM's tiles at 64 rows (qkv, o, down; its default tiles are the pointer kernel's)
+  timeout ${SWEEP_TIMEOUT:-280} python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights fp8 --rows 64 \
+    --projections ${PROJ:-qkv o down} --sweep --sweep-rows 64 --w8a8-tma on --out "$OUT/skinny_tma_sweep.json" 2>&1 \
+    | quiet | grep -E "rows= *64"
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

@@ -10,6 +10,7 @@ tiles at the --sweep-rows.
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import sys
 from pathlib import Path
@@ -27,12 +28,18 @@ from measure import copy_bandwidth, graph_ms, run_info, write_json  # noqa: E402
 BF16 = torch.bfloat16
 
 
-def sweep_tiles(rows: int, weight_bytes: int, deep: bool = False) -> list:
+def sweep_tiles(rows: int, weight_bytes: int, deep: bool = False, tma: bool = False) -> list:
     """The sweep's tiles; deep: pipelines 4 to 12 stages deep and 8 warps too, where the stages fit
-    the kernel's shared-memory budget (more weight bytes in flight a program)."""
+    the kernel's shared-memory budget (more weight bytes in flight a program); tma: 2 to 8 stages of
+    128- or 256-byte K tiles, K split up to 4 (several programs an SM where the stages fit)."""
     from kernels.skinny_gemm import SHARED_MEMORY_BUDGET, SkinnyGemmTile, stage_bytes
 
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    if tma:
+        tiles = [SkinnyGemmTile(bn, tile_bytes // weight_bytes, block_m, split, 4, stages)
+                 for bn, tile_bytes, split, stages in itertools.product((64, 128), (128, 256), (1, 2, 3, 4),
+                                                                        (2, 3, 4, 6, 8))]
+        return [t for t in tiles if t.num_stages * stage_bytes(t, weight_bytes) <= SHARED_MEMORY_BUDGET]
     if not deep:
         return [SkinnyGemmTile(bn, tile_bytes // weight_bytes, block_m, split, 4, stages)
                 for bn, tile_bytes, split, stages in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (3, 5))]
@@ -116,8 +123,13 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tiles at --sweep-rows")
     parser.add_argument("--sweep-rows", nargs="+", type=int, default=[8, 64])
     parser.add_argument("--deep", action="store_true", help="sweep deeper pipelines and 8 warps instead")
+    parser.add_argument("--w8a8-tma", choices=["on", "off"], default=None,
+                        help="override kernels.skinny_gemm.W8A8_TMA (W8A8 K tiles loaded by the copy engine); "
+                             "with --sweep, a grid of shallower pipelines and splits up to 4 for it")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.w8a8_tma:
+        importlib.import_module("kernels.skinny_gemm").W8A8_TMA = args.w8a8_tma == "on"
     copy = copy_bandwidth()
     rows = []
     for model in args.models:
@@ -126,7 +138,8 @@ def main() -> int:
                 continue
             for weights in args.weights:
                 for m in args.rows:
-                    tiles = sweep_tiles(m, 1 if weights == "fp8" else 2, args.deep) if args.sweep and m in args.sweep_rows else []
+                    tiles = (sweep_tiles(m, 1 if weights == "fp8" else 2, args.deep, args.w8a8_tma == "on")
+                             if args.sweep and m in args.sweep_rows else [])
                     rows += bench(model, proj, m, copy["gb_per_s"], weights, tiles)
                     # after each shape, so a sweep cut short by its time limit still leaves what it measured
                     write_json(args.out, dict(**run_info("skinny_gemm_bench"), copy=copy, rows=rows))
