@@ -30,15 +30,15 @@ BF16 = torch.bfloat16
 
 def sweep_tiles(rows: int, weight_bytes: int, deep: bool = False, tma: bool = False) -> list:
     """The sweep's tiles; deep: pipelines 4 to 12 stages deep and 8 warps too, where the stages fit
-    the kernel's shared-memory budget (more weight bytes in flight a program); tma: 2 to 8 stages of
-    128- or 256-byte K tiles, K split up to 4 (several programs an SM where the stages fit)."""
+    the kernel's shared-memory budget (more weight bytes in flight a program); tma:
+    2, 4 or 8 stages of 128- or 256-byte K tiles, K split up to 4 (several programs an SM where the stages fit)."""
     from kernels.skinny_gemm import SHARED_MEMORY_BUDGET, SkinnyGemmTile, stage_bytes
 
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     if tma:
         tiles = [SkinnyGemmTile(bn, tile_bytes // weight_bytes, block_m, split, 4, stages)
                  for bn, tile_bytes, split, stages in itertools.product((64, 128), (128, 256), (1, 2, 3, 4),
-                                                                        (2, 3, 4, 6, 8))]
+                                                                        (2, 4, 8))]
         return [t for t in tiles if t.num_stages * stage_bytes(t, weight_bytes) <= SHARED_MEMORY_BUDGET]
     if not deep:
         return [SkinnyGemmTile(bn, tile_bytes // weight_bytes, block_m, split, 4, stages)
