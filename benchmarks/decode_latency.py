@@ -64,8 +64,9 @@ SWITCHES = {
     "gemv-norm-one-pass": ("kernels.gemv", "NORM_ONE_PASS", bool,
                            "the one-row GEMV's fused RMSNorm reads the row for 1 / rms in one load"),
     "gemv-k-constexpr": ("kernels.gemv", "K_CONSTEXPR", bool, "the one-row GEMV compiled for its K"),
-    "skinny-w8a8-tma": ("kernels.skinny_gemm", "W8A8_TMA", bool,
-                        "W8A8 qkv / o / down load their K tiles with the copy engine (TMA)"),
+    "skinny-w8a8-tma-min-rows": ("kernels.skinny_gemm", "W8A8_TMA_MIN_ROWS", int,
+                                 "W8A8 qkv / o / down from this many rows load their K tiles with the copy engine "
+                                 "(TMA); 0: never"),
     "gemv-long-k-block": ("kernels.gemv", "LONG_K_BLOCK_K", int, "bf16 down_proj's K tile at batch 1"),
     "attention-prefetch": ("kernels.decode_attention", "PREFETCH_TILES", int,
                            "tiles of KV rows each program asks L2 for before its PDL wait; 0: none"),

@@ -124,12 +124,13 @@ def main() -> int:
     parser.add_argument("--sweep-rows", nargs="+", type=int, default=[8, 64])
     parser.add_argument("--deep", action="store_true", help="sweep deeper pipelines and 8 warps instead")
     parser.add_argument("--w8a8-tma", choices=["on", "off"], default=None,
-                        help="override kernels.skinny_gemm.W8A8_TMA (W8A8 K tiles loaded by the copy engine); "
-                             "with --sweep, a grid of shallower pipelines and splits up to 4 for it")
+                        help="W8A8 K tiles loaded by the copy engine at every row count (on) or never (off), "
+                             "overriding kernels.skinny_gemm.W8A8_TMA_MIN_ROWS; with --sweep and on, a grid of "
+                             "shallower pipelines and splits up to 4 for it")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.w8a8_tma:
-        importlib.import_module("kernels.skinny_gemm").W8A8_TMA = args.w8a8_tma == "on"
+        importlib.import_module("kernels.skinny_gemm").W8A8_TMA_MIN_ROWS = 1 if args.w8a8_tma == "on" else 0
     copy = copy_bandwidth()
     rows = []
     for model in args.models:

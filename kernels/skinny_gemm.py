@@ -281,11 +281,17 @@ def stage_bytes(tile: SkinnyGemmTile, weight_bytes: int, silu_mul: bool = False,
 # 2026-12-02.json). bf16 weights gained nothing from deeper pipelines (qkv 16.89 against 16.95,
 # o_proj 11.86 against 12.13).
 W8A8_DEEP_PIPELINE = True
-# W8A8 without SiLU-and-mul through _skinny_gemm_tma_kernel (the copy engine loads the K tiles). Nsight
-# Compute on an H200 (benchmarks/ncu_kernels.py): the pointer kernel at 64 rows keeps one warp a scheduler
-# issuing every 3.6 cycles, stalled on fixed-latency waits and barriers, not on memory (qkv 13.1 us, 41% of
-# DRAM bandwidth): its cp.async address work is the bottleneck. An A/B switch until measured.
-W8A8_TMA = False
+# W8A8 without SiLU-and-mul at W8A8_TMA_MIN_ROWS rows or more goes through _skinny_gemm_tma_kernel: the
+# copy engine (TMA) brings the K tiles into shared memory, one request a tile. Nsight Compute on an H200
+# (benchmarks/ncu_kernels.py, ncu-h200-skinny-gemv-2026-12-03.csv): the pointer kernel at 64 rows keeps one
+# warp a scheduler issuing every 3.6 cycles, stalled on fixed-latency waits and barriers rather than memory
+# (qkv 13.1 us at 41% of DRAM bandwidth). With TMA, Llama-3.1-8B at 64 rows (skinny_gemm_bench --w8a8-tma on,
+# skinny_gemm_bench-h200-llama-3.1-8b-fp8-tma-sweep-2026-12-03.json; the default tiles stay the sweep's best):
+# qkv 12.8 us, o_proj 10.3, down_proj 24.4, against 13.3 / 10.6 / 26.3 with pointers. 8B FP8 decode,
+# interleaved on, off, on, off (decode_latency-h200-skinny-w8a8-tma-ab-2026-12-03.json): batch 64 16,605 /
+# 16,636 against 16,360 / 16,350 tok/s; batch 8 2,629 / 2,631 against 2,657 / 2,658, hence rows past 32 only
+# (from 33 rows the tiles are the 64-row ones).
+W8A8_TMA_MIN_ROWS = 33
 
 
 def default_skinny_gemm_tile(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 1,
@@ -375,7 +381,7 @@ def skinny_gemm(
     scale_args = (x_scale if fp8 else out, weight_scale if fp8 or w_only else out)
     bias_arg = bias if bias is not None else out
     grid = (triton.cdiv(n, tile.block_n), split, triton.cdiv(m, tile.block_m))
-    if fp8 and not silu_mul and W8A8_TMA and _tma_ready(x, weight):
+    if fp8 and not silu_mul and 0 < W8A8_TMA_MIN_ROWS <= m and _tma_ready(x, weight):
         _skinny_gemm_tma_kernel[grid](
             TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k]), x_scale,
             TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]), weight_scale, bias_arg, out, part,

@@ -76,8 +76,8 @@ def test_fp8_matches_ref(m, n, k, tile, bias, out_dtype, poisoned_outputs):
 
 @pytest.fixture(params=[False, True], ids=["pointers", "tma"])
 def w8a8_tma(request, monkeypatch):
-    """W8A8 through the pointer kernel or the copy-engine one (kernels.skinny_gemm.W8A8_TMA)."""
-    monkeypatch.setattr(skinny_module, "W8A8_TMA", request.param)
+    """W8A8 through the pointer kernel or the copy-engine one at any row count (kernels.skinny_gemm.W8A8_TMA_MIN_ROWS)."""
+    monkeypatch.setattr(skinny_module, "W8A8_TMA_MIN_ROWS", 1 if request.param else 0)
     return request.param
 
 
