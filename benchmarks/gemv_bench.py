@@ -134,10 +134,9 @@ def main() -> int:
     p.add_argument("--projections", nargs="+", help="only these (qkv o gate_up down lm_head)")
     p.add_argument("--tiles", nargs="+", default=[],
                    help="also time these tiles: block_n,block_k,num_warps each")
-    p.add_argument("--ahead", nargs="+", default=None,
-                   help="time the GEMV with each of these settings: weight tiles ahead,input tile ahead (0|1)"
-                        "[,norm in one pass (0|1)[,K compiled in (0|1)]] each (kernels.gemv.WEIGHT_TILES_AHEAD, "
-                        "INPUT_TILE_AHEAD, NORM_ONE_PASS, K_CONSTEXPR); default: the shipped ones")
+    p.add_argument("--k-constexpr-max-k", nargs="+", type=int, default=None,
+                   help="time the GEMV with each of these kernels.gemv.K_CONSTEXPR_MAX_K (K compiled in where K is at "
+                        "most this; 0: never); default: the shipped one")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results" / f"gemv_bench-{dt.date.today()}.json")
     args = p.parse_args()
 
@@ -146,21 +145,17 @@ def main() -> int:
     copy = args.copy = copy_bandwidth(2048, 100)
     print(f"device-to-device copy: {copy['gb_per_s']:.0f} GB/s")
     results = []
-    names = ("WEIGHT_TILES_AHEAD", "INPUT_TILE_AHEAD", "NORM_ONE_PASS", "K_CONSTEXPR")
-    shipped = [int(getattr(gemv_module, name)) for name in names]
-    for ahead in args.ahead or [",".join(map(str, shipped))]:
-        values = list(map(int, ahead.split(","))) + shipped[len(ahead.split(",")):]
-        for name, value in zip(names, values):
-            setattr(gemv_module, name, value if name == "WEIGHT_TILES_AHEAD" else bool(value))
-        print("GEMV " + ", ".join(f"{name} {value}" for name, value in zip(names, values)))
-        results += bench_all(args, weights_ahead=",".join(map(str, values)))
-    for name, value in zip(names, shipped):
-        setattr(gemv_module, name, value if name == "WEIGHT_TILES_AHEAD" else bool(value))
+    shipped = gemv_module.K_CONSTEXPR_MAX_K
+    for max_k in args.k_constexpr_max_k or [shipped]:
+        gemv_module.K_CONSTEXPR_MAX_K = max_k
+        print(f"GEMV K_CONSTEXPR_MAX_K {max_k}")
+        results += bench_all(args, k_constexpr_max_k=max_k)
+    gemv_module.K_CONSTEXPR_MAX_K = shipped
     write_json(args.out, dict(**run_info("gemv_bench"), copy=copy, rows=results))
     return 0
 
 
-def bench_all(args, weights_ahead: str) -> list[dict]:
+def bench_all(args, k_constexpr_max_k: int) -> list[dict]:
     from kernels._common import sm_count
     from kernels.gemv import GemvTile, default_gemv_tile
 
@@ -183,7 +178,7 @@ def bench_all(args, weights_ahead: str) -> list[dict]:
                 got = bench_projection(model, proj, rows, copy["gb_per_s"], tiles, fp8, pdl_settings)
                 for r in got:
                     r["default"] = r["tile"] == list(default)
-                    r["ahead"] = weights_ahead
+                    r["k_constexpr_max_k"] = k_constexpr_max_k
                 results += got
                 for pdl in pdl_settings:
                     mine_rows = [r for r in got if r["pdl"] == pdl]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|ahead-kernels|ahead-decode|tma|tma-sweep
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|kconst|tma|tma-sweep
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -178,46 +178,23 @@ ncu)  # hardware counters of the decode step's kernels one at a time at real sha
     --log-file "$OUT/ncu.csv" python3 benchmarks/ncu_kernels.py ${TARGETS:+--targets $TARGETS} > "$OUT/ncu_targets.txt" 2>&1
   echo "ncu rc $?"; grep -v '^"' "$OUT/ncu.csv" | head -5; tail -3 "$OUT/ncu_targets.txt"
   ;;
-ahead-kernels)  # kernels/gemv.WEIGHT_TILES_AHEAD / INPUT_TILE_AHEAD / NORM_ONE_PASS / K_CONSTEXPR one at a time, per
-  # projection at one row (8B FP8, 8B bf16, 0.5B bf16): which of them cost the combined arm its 8-13% in decode
-  arms=${ARMS:-1,0,0,0 2,0,0,0 1,1,0,0 1,0,1,0 1,0,0,1}
-  # shellcheck disable=SC2086
-  timeout 150 python3 benchmarks/gemv_bench.py --models llama-3.1-8b --rows 1 --weights fp8 --projections qkv o down \
-    --ahead $arms --out "$OUT/gemv_ahead_8b_fp8.json" 2>&1 | grep "M=1"
-  # shellcheck disable=SC2086
-  timeout 150 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 \
-    --projections qkv o gate_up down --ahead $arms --out "$OUT/gemv_ahead_bf16.json" 2>&1 | grep "M=1"
-  ;;
-ahead-decode)  # the same at batch 1 in decode, interleaved ${ARMS:-1,0,0,1 1,0,0,0 2,1,1,1} twice for the 0.5B bf16,
-  # once for the 8B bf16 and FP8 (weight tiles ahead, input tile ahead, norm in one pass, K compiled in); then the
-  # per-projection bench with fewer arms (KERNELS=0: none)
+kconst)  # kernels/gemv.K_CONSTEXPR_MAX_K: the one-row GEMV compiled for its K where K <= ${MAXK:-4096}. Decode first,
+  # batch 1 interleaved on, off, on, off (0.5B bf16; 8B bf16 and FP8), then per projection
   python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  onoff() { [ "$1" = 1 ] && echo on || echo off; }
-  arms=${ARMS:-1,0,0,1 1,0,0,0 2,1,1,1}
   for model in qwen2.5-0.5b llama-3.1-8b; do
     i=0
-    # shellcheck disable=SC2086
-    for arm in $([ $model = qwen2.5-0.5b ] && echo $arms $arms || echo $arms); do
+    for arm in ${MAXK:-4096} 0 ${MAXK:-4096} 0; do
       i=$((i + 1))
-      IFS=, read -r weights input norm kconst <<< "$arm"
-      quant=$([ $model = qwen2.5-0.5b ] && echo none || echo "${QUANT:-none fp8}")
+      quant=$([ $model = qwen2.5-0.5b ] && echo none || echo "none fp8")
       load=$([ $model = qwen2.5-0.5b ] && echo safetensors || echo dummy)
       # shellcheck disable=SC2086
       timeout 100 python3 benchmarks/decode_latency.py --models $model --batches 1 --chunks 8 --no-eager \
-        --skip-transformers --max-num-seqs 64 --load-format $load --quantization $quant \
-        --gemv-weight-tiles-ahead "$weights" --gemv-input-tile-ahead "$(onoff "$input")" \
-        --gemv-norm-one-pass "$(onoff "$norm")" --gemv-k-constexpr "$(onoff "$kconst")" \
-        --out "$OUT/decode_${model%%-*}_ahead_${arm//,/_}-$i.json" 2>&1 | grep -E "B="
+        --skip-transformers --max-num-seqs 64 --load-format $load --quantization $quant --gemv-k-constexpr-max-k $arm \
+        --out "$OUT/decode_${model%%-*}_kconst_$arm-$i.json" 2>&1 | grep -E "B="
     done
   done
-  if [ "${KERNELS:-1}" = 1 ]; then
-    # shellcheck disable=SC2086
-    timeout 150 python3 benchmarks/gemv_bench.py --models llama-3.1-8b --rows 1 --weights fp8 --projections qkv o down \
-      --ahead $arms 2,0,0,1 --tiles 16,512,4 --out "$OUT/gemv_ahead_8b_fp8.json" 2>&1 | grep "M=1"
-    # shellcheck disable=SC2086
-    timeout 100 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b --rows 1 --weights bf16 \
-      --projections qkv o gate_up down --ahead $arms 2,0,0,1 --out "$OUT/gemv_ahead_bf16.json" 2>&1 | grep "M=1"
-  fi
+  timeout 150 python3 benchmarks/gemv_bench.py --models qwen2.5-0.5b llama-3.1-8b --rows 1 --weights bf16 fp8 \
+    --k-constexpr-max-k 0 ${MAXK:-4096} --out "$OUT/gemv_kconst.json" 2>&1 | grep "M=1"
   ;;
 tma)  # kernels/skinny_gemm.W8A8_TMA_MIN_ROWS: the W8A8 skinny GEMM's K tiles loaded by the copy engine from that many
   # rows. Decode first, 8B FP8 at ${BATCHES:-8 64}, interleaved ${ARMS:-1 0 1 0}; then the skinny GEMM's GPU tests

@@ -37,19 +37,28 @@ from kernels._pdl import wait_for_previous_kernel
 # two integer operations: exactly q * 2^-120, subnormals included (e4m3 subnormals become float32
 # subnormals). The inputs are scaled by 2^64 and the sums by 2^56 to keep every product well
 # inside float32's normal range; powers of two, so the products equal q * x exactly as before.
-# K tiles of weights in flight ahead of the one in use (1 or 2), and whether each K tile of the input
-# (x, the residual, the norm weight) is loaded an iteration ahead too: an A/B of the one-row GEMV's
-# latency chain (benchmarks/gemv_bench.py --ahead, decode_latency.py --gemv-weight-tiles-ahead).
-WEIGHT_TILES_AHEAD = 1
-INPUT_TILE_AHEAD = False
-# The fused RMSNorm's pass over the row for 1 / rms in one load of the whole row (rows up to
-# _MAX_NORM_ONE_PASS long) instead of K tiles one after another.
-NORM_ONE_PASS = False
-_MAX_NORM_ONE_PASS = 8192
-# K compiled in (a kernel per model width) instead of a run-time argument.
-K_CONSTEXPR = False
+# K compiled into the kernel (one variant a model width) instead of a run-time argument: loops of one
+# trip vanish and ptxas may schedule loads across the unrolled ones (sm_90 SASS of Qwen2.5-0.5B's qkv
+# GEMV: 744 instructions against 1,208). Off: per projection on an H200 (gemv_bench-h200-ahead-*-2026-12-03.json)
+# it gained ~0.9 us each on Llama-3.1-8B's K = 4096 bf16 projections (qkv 14.38 against 15.30, o 8.79 / 9.64,
+# gate_up 57.61 / 58.98) but lost 2.6 on down_proj (K = 14336: 33.18 / 30.56) and was mixed on the 0.5B and
+# FP8; in decode, on everywhere measured 0.5B 1,863-1,870 against 1,857-1,867 tok/s, 8B bf16 239.3 against
+# 240.5, FP8 357.3 against 361 (decode_latency-h200-gemv-ahead-ab-2026-12-03.json). To measure next: on for
+# K <= 4096 only: K_CONSTEXPR_MAX_K = 4096 (0: never; decode_latency.py --gemv-k-constexpr-max-k,
+# gemv_bench.py --k-constexpr-max-k).
+K_CONSTEXPR_MAX_K = 0
 _X_PRESCALE = tl.constexpr(2.0**64)
 _Y_RESCALE = tl.constexpr(2.0**56)
+# Measured slower and removed (the code is at 279634c, kernels/gemv.WEIGHT_TILES_AHEAD, INPUT_TILE_AHEAD,
+# NORM_ONE_PASS): the weights two K tiles ahead of their use instead of one, each input tile (x, residual,
+# norm weight) loaded an iteration ahead, the fused norm's row read in one load. Per projection at one row
+# (gemv_bench-h200-ahead-*-2026-12-03.json) two tiles ahead lost everywhere (8B FP8 o 9.95 against 6.73 us,
+# 0.5B gate_up 9.75 / 6.16, 8B bf16 gate_up 71.9 / 59.0); the other two moved nothing past 0.5 us. All three
+# with K compiled in, batch-1 decode interleaved (decode_latency-h200-gemv-ahead-ab-2026-12-03.json): 0.5B
+# 1,709-1,721 against 1,857-1,867 tok/s, 8B bf16 209.3 against 240.5, FP8 340.6 against 361.
+# Nsight Compute (ncu-h200-skinny-gemv-2026-12-03.json): the FP8 GEMVs issue an instruction on 51-62% of
+# scheduler cycles at 24% occupancy, so more weight bytes in flight a program (registers) trades against
+# the instruction issue that already half-limits them.
 # Measured and removed (the code is at 9ba458b): the FP8 one-row o_proj and down_proj with products and
 # running sums in packed bf16 pairs (weights read as words of four, one prmt, one mask and two
 # multiply-adds a pair, fma.rn.bf16x2): 37% fewer loop instructions and 80 registers against 126, yet
@@ -94,32 +103,19 @@ def _weight_f32(w, FP8_BYTES: tl.constexpr):
 
 
 @triton.jit
-def _x_loads(x_row, r_row, norm_w_ptr, offs_k, k_mask, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """One K tile of what the projection's input is made of: x, the residual and the norm weight
-    (the last two only where fused; x again in their place otherwise, unused)."""
-    xk = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
-    rk = xk
-    gk = xk
-    if HAS_NORM:
-        gk = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0)
-        if HAS_RESIDUAL:
-            rk = tl.load(r_row + offs_k, mask=k_mask, other=0.0)
-    return xk, rk, gk
-
-
-@triton.jit
-def _x_tile(xk, rk, gk, res_out_row, offs_k, inv_rms, res_store_end,
+def _x_tile(x_row, r_row, res_out_row, norm_w_ptr, offs_k, k_mask, inv_rms, res_store_end,
             HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """One K tile of the projection's input in float32 from _x_loads' tiles: x, or the RMSNorm of
-    x (+ residual, whose new value the row's first program stores), rounded as the unfused decoder rounds."""
-    dt = xk.dtype
-    xk = xk.to(tl.float32)
+    """One K tile of the projection's input in float32: x, or the RMSNorm of x (+ residual, whose
+    new value the row's first program stores), rounded as the unfused decoder rounds."""
+    dt = x_row.dtype.element_ty
+    xk = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         if HAS_RESIDUAL:
-            h = (xk + rk.to(tl.float32)).to(dt)
+            h = (xk + tl.load(r_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dt)
             tl.store(res_out_row + offs_k, h, mask=offs_k < res_store_end)
             xk = h.to(tl.float32)
-        xk = ((xk * inv_rms).to(dt).to(tl.float32) * gk.to(tl.float32)).to(dt).to(tl.float32)
+        g = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        xk = ((xk * inv_rms).to(dt).to(tl.float32) * g).to(dt).to(tl.float32)
     return xk
 
 
@@ -139,9 +135,6 @@ def _gemv_kernel(
     KV_SIZE: tl.constexpr,
     HALF: tl.constexpr,
     PDL: tl.constexpr,
-    WEIGHT_TILES_AHEAD: tl.constexpr,
-    INPUT_TILE_AHEAD: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
     K_CONST: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -170,30 +163,25 @@ def _gemv_kernel(
     if SILU_MUL or ROPE_STORE:
         b_rows = w_ptr + rows_b.to(tl.int64)[:, None] * stride_w
 
-    # The weights do not depend on the kernels before this one: the first WEIGHT_TILES_AHEAD K tiles
-    # are read before waiting for them (PDL), and every later tile that many iterations ahead of its use.
+    # The weights do not depend on the kernels before this one: the first K tile is read before
+    # waiting for them (PDL), and every later tile one iteration ahead of its use.
     offs_k = tl.arange(0, BLOCK_K)
     wk_mask = n_mask[:, None] & (offs_k < K)[None, :]
     w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
     if SILU_MUL or ROPE_STORE:
         u = tl.load(b_rows + offs_k[None, :], mask=wk_mask, other=0.0)
-    if WEIGHT_TILES_AHEAD == 2:
-        wk_mask = n_mask[:, None] & (offs_k + BLOCK_K < K)[None, :]
-        w2 = tl.load(w_rows + BLOCK_K + offs_k[None, :], mask=wk_mask, other=0.0)
-        if SILU_MUL or ROPE_STORE:
-            u2 = tl.load(b_rows + BLOCK_K + offs_k[None, :], mask=wk_mask, other=0.0)
     if PDL:
         wait_for_previous_kernel()
 
     inv_rms = 1.0
     if HAS_NORM:
-        sq = tl.zeros([NORM_BLOCK], dtype=tl.float32)
-        for k0 in range(0, K, NORM_BLOCK):
-            offs_r = k0 + tl.arange(0, NORM_BLOCK)
-            r_mask = offs_r < K
-            h = tl.load(x_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            h = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
-                h = (h + tl.load(r_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+                h = (h + tl.load(r_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
             sq += h * h
         inv_rms = tl.rsqrt(tl.sum(sq, 0) / K + eps)
 
@@ -202,34 +190,20 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if SILU_MUL or ROPE_STORE:
         acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
-    xl, rl, gl = _x_loads(x_row, r_row, norm_w_ptr, offs_k, offs_k < K, HAS_NORM, HAS_RESIDUAL)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if INPUT_TILE_AHEAD:  # this tile's input was loaded an iteration ago; load the next one's
-            xk = _x_tile(xl, rl, gl, res_out_row, offs_k, inv_rms, res_store_end, HAS_NORM, HAS_RESIDUAL)
-            xl, rl, gl = _x_loads(x_row, r_row, norm_w_ptr, offs_k + BLOCK_K, offs_k + BLOCK_K < K,
-                                  HAS_NORM, HAS_RESIDUAL)
-        else:
-            xl, rl, gl = _x_loads(x_row, r_row, norm_w_ptr, offs_k, offs_k < K, HAS_NORM, HAS_RESIDUAL)
-            xk = _x_tile(xl, rl, gl, res_out_row, offs_k, inv_rms, res_store_end, HAS_NORM, HAS_RESIDUAL)
+        xk = _x_tile(x_row, r_row, res_out_row, norm_w_ptr, offs_k, offs_k < K, inv_rms, res_store_end,
+                     HAS_NORM, HAS_RESIDUAL)
         if HAS_W_SCALE:
             xk = xk * _X_PRESCALE
         acc += _weight_f32(w, HAS_W_SCALE) * xk[None, :]
         if SILU_MUL or ROPE_STORE:
             acc_b += _weight_f32(u, HAS_W_SCALE) * xk[None, :]
-        next_k = offs_k + WEIGHT_TILES_AHEAD * BLOCK_K
+        next_k = offs_k + BLOCK_K
         wk_mask = n_mask[:, None] & (next_k < K)[None, :]
-        if WEIGHT_TILES_AHEAD == 2:
-            w = w2
-            w2 = tl.load(w_rows + next_k[None, :], mask=wk_mask, other=0.0)
-            if SILU_MUL or ROPE_STORE:
-                u = u2
-                u2 = tl.load(b_rows + next_k[None, :], mask=wk_mask, other=0.0)
-        else:
-            w = tl.load(w_rows + next_k[None, :], mask=wk_mask, other=0.0)
-            if SILU_MUL or ROPE_STORE:
-                u = tl.load(b_rows + next_k[None, :], mask=wk_mask, other=0.0)
+        w = tl.load(w_rows + next_k[None, :], mask=wk_mask, other=0.0)
+        if SILU_MUL or ROPE_STORE:
+            u = tl.load(b_rows + next_k[None, :], mask=wk_mask, other=0.0)
 
     y = tl.sum(acc, 1)
     if HAS_W_SCALE:
@@ -369,10 +343,7 @@ def _launch(x, weight, weight_scale, bias, norm_weight, residual, eps, out, n, t
         KV_SIZE=kv_size,
         HALF=head_dim // 2,
         PDL=pdl,
-        WEIGHT_TILES_AHEAD=WEIGHT_TILES_AHEAD,
-        INPUT_TILE_AHEAD=INPUT_TILE_AHEAD,
-        NORM_BLOCK=triton.next_power_of_2(k) if NORM_ONE_PASS and k <= _MAX_NORM_ONE_PASS else tile.block_k,
-        K_CONST=k if K_CONSTEXPR else 0,
+        K_CONST=k if k <= K_CONSTEXPR_MAX_K else 0,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         num_warps=tile.num_warps,

@@ -136,8 +136,8 @@ def cases() -> dict[str, dict]:
     from kernels.gemv import _gemv_kernel
 
     gemv = dict(HAS_NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, HAS_W_SCALE=False, SILU_MUL=False, ROPE_STORE=False,
-                Q_SIZE=0, KV_SIZE=0, HALF=1, PDL=True, WEIGHT_TILES_AHEAD=1, INPUT_TILE_AHEAD=False, NORM_BLOCK=1024,
-                K_CONST=0, BLOCK_N=1, BLOCK_K=1024)
+                Q_SIZE=0, KV_SIZE=0, HALF=1, PDL=True, K_CONST=0, BLOCK_N=1,
+                BLOCK_K=1024)
     gemv_ptrs = {"w_scale_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32"}
     sizes = ("N", "K", "stride_x", "stride_r", "stride_ro", "stride_w", "stride_o")
     # bf16 down_proj's one-row tile: 1024-wide K as shipped, 2048 (kernels/gemv.LONG_K_BLOCK_K, to be measured)

@@ -445,15 +445,10 @@ def _gemv_case(rows: int, n: int, k: int, seed: int, strided: bool = False):
     return gen, x, torch.randn(n, k, generator=gen) / k**0.5
 
 
-@pytest.fixture(params=[(1, False, False, False), (2, False, False, False), (1, False, False, True),
-                        (2, True, True, True)], ids=["ahead1", "ahead2", "kconst", "ahead2-input-norm1-kconst"])
-def gemv_ahead(request, monkeypatch):
-    """The GEMV with its weights one or two K tiles ahead of their use, its input tile loaded an
-    iteration ahead, its norm's row read in one load, K compiled in (kernels.gemv.WEIGHT_TILES_AHEAD,
-    INPUT_TILE_AHEAD, NORM_ONE_PASS, K_CONSTEXPR)."""
-    gemv_module = importlib.import_module("kernels.gemv")
-    for name, value in zip(("WEIGHT_TILES_AHEAD", "INPUT_TILE_AHEAD", "NORM_ONE_PASS", "K_CONSTEXPR"), request.param):
-        monkeypatch.setattr(gemv_module, name, value)
+@pytest.fixture(params=[0, 1 << 20], ids=["k-runtime", "k-compiled"])
+def gemv_k(request, monkeypatch):
+    """The GEMV with K a run-time argument or compiled in (kernels.gemv.K_CONSTEXPR_MAX_K)."""
+    monkeypatch.setattr(importlib.import_module("kernels.gemv"), "K_CONSTEXPR_MAX_K", request.param)
     return request.param
 
 
@@ -491,7 +486,7 @@ def test_gemv_long_k_default_tile(long_k_block, monkeypatch):
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_gemv_fused_norm(with_residual, gemv_ahead):
+def test_gemv_fused_norm(with_residual, gemv_k):
     gen, x, w = _gemv_case(2, 48, 300, seed=25)  # K not a power of two, several K tiles below
     res = torch.randn(2, 300, generator=gen) if with_residual else None
     g = torch.randn(300, generator=gen)
@@ -505,7 +500,7 @@ def test_gemv_fused_norm(with_residual, gemv_ahead):
         assert torch.equal(new_res, ref_res)
 
 
-def test_gemv_fused_norm_silu_mul_float32_logits_dtype(gemv_ahead):
+def test_gemv_fused_norm_silu_mul_float32_logits_dtype(gemv_k):
     gen, x, w = _gemv_case(2, 2 * 72, 128, seed=26)
     res = torch.randn(2, 128, generator=gen)
     g = torch.randn(128, generator=gen)
@@ -524,7 +519,7 @@ def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("silu_mul", [False, True])
-def test_gemv_fp8_weights_dequantized_in_registers(silu_mul, gemv_ahead):
+def test_gemv_fp8_weights_dequantized_in_registers(silu_mul, gemv_k):
     """FP8 rows times their scale: the dequantized weight's product, over several K tiles (the next
     tile read ahead of its use), with the fused norm and SiLU-and-mul."""
     gen, x, w = _gemv_case(2, 2 * 40 if silu_mul else 40, 300, seed=28)
@@ -585,7 +580,7 @@ def test_barrier_probe_persistent_mlp_halves_are_the_engines_mlp():
     assert rel_err(out, mlp_ref(x, gate_up, down)) < TOL
 
 
-def test_gemv_rope_store_fp8_weights(gemv_ahead):
+def test_gemv_rope_store_fp8_weights(gemv_k):
     gen = torch.Generator().manual_seed(32)
     hq, hkv, head_dim, hidden, rows = 4, 2, 16, 40, 2
     n = (hq + 2 * hkv) * head_dim
