@@ -62,6 +62,8 @@ SWITCHES = {
     "skinny-w8a8-tma-min-rows": ("kernels.skinny_gemm", "W8A8_TMA_MIN_ROWS", int,
                                  "W8A8 qkv / o / down from this many rows load their K tiles with the copy engine "
                                  "(TMA); 0: never"),
+    "skinny-w8a8-tma-silu-min-rows": ("kernels.skinny_gemm", "W8A8_TMA_SILU_MIN_ROWS", int,
+                                      "the same for gate_up with SiLU-and-mul; 0: never"),
     "gemv-long-k-block": ("kernels.gemv", "LONG_K_BLOCK_K", int, "bf16 down_proj's K tile at batch 1"),
     "attention-prefetch": ("kernels.decode_attention", "PREFETCH_TILES", int,
                            "tiles of KV rows each program asks L2 for before its PDL wait; 0: none"),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|kconst|tma|tma-sweep
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|kconst|tma|tma-sweep|tma-silu
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -213,6 +213,19 @@ tma-sweep)  # the TMA W8A8 skinny GEMM's tiles at 64 rows (qkv, o, down; its def
   timeout ${SWEEP_TIMEOUT:-280} python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights fp8 --rows 64 \
     --projections ${PROJ:-qkv o down} --sweep --sweep-rows 64 --w8a8-tma on --out "$OUT/skinny_tma_sweep.json" 2>&1 \
     | quiet | grep -E "rows= *64"
+  ;;
+tma-silu)  # kernels/skinny_gemm.W8A8_TMA_SILU_MIN_ROWS: gate_up (SiLU-and-mul) through the copy engine too. Decode, 8B
+  # FP8 at 1 / 64 interleaved ${ARMS:-1 0 1 0}; then (SWEEP=1) gate_up's TMA tiles at 1 and 64 rows
+  i=0
+  for arm in ${ARMS:-1 0 1 0}; do
+    i=$((i + 1))
+    timeout 90 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches ${BATCHES:-1 64} --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --skinny-w8a8-tma-silu-min-rows $arm \
+      --out "$OUT/decode_8b_tma_silu_$arm-$i.json" 2>&1 | grep -E "B="
+  done
+  [ "${SWEEP:-0}" = 1 ] && timeout 200 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights fp8 \
+    --rows 1 64 --projections gate_up --sweep --sweep-rows 1 64 --w8a8-tma on --out "$OUT/skinny_tma_silu_sweep.json" \
+    2>&1 | quiet | grep -E "rows="
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

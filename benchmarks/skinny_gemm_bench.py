@@ -130,7 +130,8 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.w8a8_tma:
-        importlib.import_module("kernels.skinny_gemm").W8A8_TMA_MIN_ROWS = 1 if args.w8a8_tma == "on" else 0
+        skinny = importlib.import_module("kernels.skinny_gemm")
+        skinny.W8A8_TMA_MIN_ROWS = skinny.W8A8_TMA_SILU_MIN_ROWS = 1 if args.w8a8_tma == "on" else 0
     copy = copy_bandwidth()
     rows = []
     for model in args.models:
@@ -141,6 +142,8 @@ def main() -> int:
                 for m in args.rows:
                     tiles = (sweep_tiles(m, 1 if weights == "fp8" else 2, args.deep, args.w8a8_tma == "on")
                              if args.sweep and m in args.sweep_rows else [])
+                    if proj[-1]:  # SiLU-and-mul never splits K
+                        tiles = sorted({t._replace(split=1) for t in tiles})
                     rows += bench(model, proj, m, copy["gb_per_s"], weights, tiles)
                     # after each shape, so a sweep cut short by its time limit still leaves what it measured
                     write_json(args.out, dict(**run_info("skinny_gemm_bench"), copy=copy, rows=rows))

@@ -78,6 +78,7 @@ def test_fp8_matches_ref(m, n, k, tile, bias, out_dtype, poisoned_outputs):
 def w8a8_tma(request, monkeypatch):
     """W8A8 through the pointer kernel or the copy-engine one at any row count (kernels.skinny_gemm.W8A8_TMA_MIN_ROWS)."""
     monkeypatch.setattr(skinny_module, "W8A8_TMA_MIN_ROWS", 1 if request.param else 0)
+    monkeypatch.setattr(skinny_module, "W8A8_TMA_SILU_MIN_ROWS", 1 if request.param else 0)
     return request.param
 
 
@@ -334,8 +335,9 @@ def test_gpu_graph_capture_replays_new_inputs(fp8, w8a8_tma):
 
 @pytest.mark.parametrize("fp8", [False, True, "weight-only"])
 @pytest.mark.parametrize("m,n,k,tile", [pytest.param(3, 64, 64, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="plain"),
-                                        pytest.param(5, 40, 72, SkinnyGemmTile(16, 32, 16, 4, 4, 2), id="ragged-split-ignored")])
-def test_silu_mul_matches_the_unfused_path(m, n, k, tile, fp8, poisoned_outputs):
+                                        pytest.param(5, 40, 72, SkinnyGemmTile(16, 32, 16, 4, 4, 2), id="ragged-split-ignored"),
+                                        pytest.param(5, 40, 80, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="ragged-n-tma-pitch")])
+def test_silu_mul_matches_the_unfused_path(m, n, k, tile, fp8, w8a8_tma, poisoned_outputs):
     """silu(x @ gate.T) * (x @ up.T) for a fused [gate; up] weight, rounded like kernels/activation.py:
     within one output rounding of the reference (K is never split, whatever the tile says)."""
     if fp8 == "weight-only":
@@ -358,7 +360,7 @@ def test_silu_mul_matches_the_unfused_path(m, n, k, tile, fp8, poisoned_outputs)
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [2, 8, 16, 40, 64])
 @pytest.mark.parametrize("fp8", [False, True, "weight-only"])
-def test_gpu_silu_mul_model_shapes(m, fp8, poisoned_outputs):
+def test_gpu_silu_mul_model_shapes(m, fp8, w8a8_tma, poisoned_outputs):
     n, k = 28672, 4096  # Llama-3.1-8B gate_up
     if fp8 == "weight-only":
         xq, wq, w_scale, _ = w_only_operands(m, n, k, device="cuda", seed=m)
