@@ -215,7 +215,7 @@ tma-sweep)  # the TMA W8A8 skinny GEMM's tiles at 64 rows (qkv, o, down; its def
     | quiet | grep -E "rows= *64"
   ;;
 tma-silu)  # kernels/skinny_gemm.W8A8_TMA_SILU_MIN_ROWS: gate_up (SiLU-and-mul) through the copy engine too. Decode, 8B
-  # FP8 at 1 / 64 interleaved ${ARMS:-1 0 1 0}; then (SWEEP=1) gate_up's TMA tiles at 1 and 64 rows
+  # FP8 at 1 / 64 interleaved ${ARMS:-1 0 1 0}
   i=0
   for arm in ${ARMS:-1 0 1 0}; do
     i=$((i + 1))
@@ -223,9 +223,6 @@ tma-silu)  # kernels/skinny_gemm.W8A8_TMA_SILU_MIN_ROWS: gate_up (SiLU-and-mul) 
       --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --skinny-w8a8-tma-silu-min-rows $arm \
       --out "$OUT/decode_8b_tma_silu_$arm-$i.json" 2>&1 | grep -E "B="
   done
-  [ "${SWEEP:-0}" = 1 ] && timeout 200 python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights fp8 \
-    --rows 1 64 --projections gate_up --sweep --sweep-rows 1 64 --w8a8-tma on --out "$OUT/skinny_tma_silu_sweep.json" \
-    2>&1 | quiet | grep -E "rows="
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

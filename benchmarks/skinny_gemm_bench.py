@@ -142,8 +142,6 @@ def main() -> int:
                 for m in args.rows:
                     tiles = (sweep_tiles(m, 1 if weights == "fp8" else 2, args.deep, args.w8a8_tma == "on")
                              if args.sweep and m in args.sweep_rows else [])
-                    if proj[-1]:  # SiLU-and-mul never splits K
-                        tiles = sorted({t._replace(split=1) for t in tiles})
                     rows += bench(model, proj, m, copy["gb_per_s"], weights, tiles)
                     # after each shape, so a sweep cut short by its time limit still leaves what it measured
                     write_json(args.out, dict(**run_info("skinny_gemm_bench"), copy=copy, rows=rows))
