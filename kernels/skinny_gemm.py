@@ -21,7 +21,9 @@ weights are all the traffic, so the kernel is built around reading them:
   the last split of each tile to finish, as decode attention merges its splits, was measured slower
   on an H200: Qwen2.5-0.5B batch 64 60,549 / 60,885 against 62,469 / 63,051 tok/s,
   decode_latency-h200-skinny-fused-reduce-ab-2026-12-02.json);
-- the K loop is software-pipelined through shared memory (num_stages).
+- the K loop is software-pipelined through shared memory (num_stages); for W8A8 from W8A8_TMA_MIN_ROWS
+  rows the copy engine (TMA, host tensor descriptors) fills the stages, one request a tile, instead of
+  every thread's cp.async (_skinny_gemm_tma_kernel).
 
 Launch parameters depend on shapes only (CUDA-graph capturable). skinny_gemm_ref is the float32
 reference (for FP8, engine/models/fp8.py's fp8_linear_ref computes the same).
