@@ -31,12 +31,6 @@ from kernels._common import rope_store_shapes, sm_count, use_pdl
 from kernels._pdl import wait_for_previous_kernel
 
 
-# FP8 weights arrive as int8 bytes. The hardware path from e4m3 to float32 (two conversions per
-# weight, on the GPU's slow conversion pipe) capped the kernel at ~40% of bandwidth on an H200;
-# instead the byte's sign goes to bit 31 and its exponent and mantissa to bits 20-26 of a float32,
-# two integer operations: exactly q * 2^-120, subnormals included (e4m3 subnormals become float32
-# subnormals). The inputs are scaled by 2^64 and the sums by 2^56 to keep every product well
-# inside float32's normal range; powers of two, so the products equal q * x exactly as before.
 # K compiled into the kernel (one variant a model width) instead of a run-time argument: loops of one
 # trip vanish and ptxas may schedule loads across the unrolled ones (sm_90 SASS of Qwen2.5-0.5B's qkv
 # GEMV: 744 instructions against 1,208). Off: per projection on an H200 (gemv_bench-h200-ahead-*-2026-12-03.json)
@@ -47,6 +41,12 @@ from kernels._pdl import wait_for_previous_kernel
 # K <= 4096 only: K_CONSTEXPR_MAX_K = 4096 (0: never; decode_latency.py --gemv-k-constexpr-max-k,
 # gemv_bench.py --k-constexpr-max-k).
 K_CONSTEXPR_MAX_K = 0
+# FP8 weights arrive as int8 bytes. The hardware path from e4m3 to float32 (two conversions per
+# weight, on the GPU's slow conversion pipe) capped the kernel at ~40% of bandwidth on an H200;
+# instead the byte's sign goes to bit 31 and its exponent and mantissa to bits 20-26 of a float32,
+# two integer operations: exactly q * 2^-120, subnormals included (e4m3 subnormals become float32
+# subnormals). The inputs are scaled by 2^64 and the sums by 2^56 to keep every product well
+# inside float32's normal range; powers of two, so the products equal q * x exactly as before.
 _X_PRESCALE = tl.constexpr(2.0**64)
 _Y_RESCALE = tl.constexpr(2.0**56)
 # Measured slower and removed (the code is at 279634c, kernels/gemv.WEIGHT_TILES_AHEAD, INPUT_TILE_AHEAD,

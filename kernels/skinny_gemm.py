@@ -147,8 +147,8 @@ def _skinny_gemm_tma_kernel(
 
 
 @triton.jit
-def _store_tile(acc, acc_u, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, M, N, stride_o, pid_s, offs_n, offs_m,
-                n_mask, m_mask, HAS_BIAS: tl.constexpr, HAS_SCALES: tl.constexpr, W_ONLY: tl.constexpr,
+def _store_tile(acc, acc_u, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, M, N, stride_o, pid_s, offs_n,
+                offs_m, n_mask, m_mask, HAS_BIAS: tl.constexpr, HAS_SCALES: tl.constexpr, W_ONLY: tl.constexpr,
                 SILU_MUL: tl.constexpr, SPLIT: tl.constexpr):
     """A program's [BLOCK_N, BLOCK_M] tile of out.T: float32 partials of its K split, or scaled,
     biased (SiLU-and-mul-ed with acc_u) and rounded into out."""
@@ -397,9 +397,9 @@ def skinny_gemm(
             TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k]), x_scale,
             TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]), weight_scale, bias_arg, out, part,
             m, n, k, k_per_split, out.stride(0),
-            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT=split, PDL=pdl, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-            BLOCK_K=tile.block_k, IMPRECISE_K=min(128, tile.block_k), NUM_STAGES=tile.num_stages,
-            num_warps=tile.num_warps, launch_pdl=pdl)
+            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT=split, PDL=pdl, BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IMPRECISE_K=min(128, tile.block_k),
+            NUM_STAGES=tile.num_stages, num_warps=tile.num_warps, launch_pdl=pdl)
     else:
         _launch_pointer_kernel(grid, x, weight, scale_args, bias, bias_arg, out, part, m, n, k, k_per_split, fp8,
                                w_only, silu_mul, split, pdl, tile)

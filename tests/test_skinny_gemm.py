@@ -76,7 +76,8 @@ def test_fp8_matches_ref(m, n, k, tile, bias, out_dtype, poisoned_outputs):
 
 @pytest.fixture(params=[False, True], ids=["pointers", "tma"])
 def w8a8_tma(request, monkeypatch):
-    """W8A8 through the pointer kernel or the copy-engine one at any row count (kernels.skinny_gemm.W8A8_TMA_MIN_ROWS)."""
+    """W8A8 through the pointer kernel or the copy-engine one at any row count
+    (kernels.skinny_gemm.W8A8_TMA_MIN_ROWS, W8A8_TMA_SILU_MIN_ROWS)."""
     monkeypatch.setattr(skinny_module, "W8A8_TMA_MIN_ROWS", 1 if request.param else 0)
     monkeypatch.setattr(skinny_module, "W8A8_TMA_SILU_MIN_ROWS", 1 if request.param else 0)
     return request.param
@@ -334,9 +335,12 @@ def test_gpu_graph_capture_replays_new_inputs(fp8, w8a8_tma):
 
 
 @pytest.mark.parametrize("fp8", [False, True, "weight-only"])
-@pytest.mark.parametrize("m,n,k,tile", [pytest.param(3, 64, 64, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="plain"),
-                                        pytest.param(5, 40, 72, SkinnyGemmTile(16, 32, 16, 4, 4, 2), id="ragged-split-ignored"),
-                                        pytest.param(5, 40, 80, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="ragged-n-tma-pitch")])
+SILU_CASES = [pytest.param(3, 64, 64, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="plain"),
+              pytest.param(5, 40, 72, SkinnyGemmTile(16, 32, 16, 4, 4, 2), id="ragged-split-ignored"),
+              pytest.param(5, 40, 80, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="ragged-n-tma-pitch")]
+
+
+@pytest.mark.parametrize("m,n,k,tile", SILU_CASES)
 def test_silu_mul_matches_the_unfused_path(m, n, k, tile, fp8, w8a8_tma, poisoned_outputs):
     """silu(x @ gate.T) * (x @ up.T) for a fused [gate; up] weight, rounded like kernels/activation.py:
     within one output rounding of the reference (K is never split, whatever the tile says)."""
