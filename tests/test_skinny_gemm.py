@@ -334,12 +334,12 @@ def test_gpu_graph_capture_replays_new_inputs(fp8, w8a8_tma):
     assert_close(out, ref, magnitude, 2.0 ** -11 if fp8 else 2.0 ** -20)
 
 
-@pytest.mark.parametrize("fp8", [False, True, "weight-only"])
 SILU_CASES = [pytest.param(3, 64, 64, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="plain"),
               pytest.param(5, 40, 72, SkinnyGemmTile(16, 32, 16, 4, 4, 2), id="ragged-split-ignored"),
               pytest.param(5, 40, 80, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="ragged-n-tma-pitch")]
 
 
+@pytest.mark.parametrize("fp8", [False, True, "weight-only"])
 @pytest.mark.parametrize("m,n,k,tile", SILU_CASES)
 def test_silu_mul_matches_the_unfused_path(m, n, k, tile, fp8, w8a8_tma, poisoned_outputs):
     """silu(x @ gate.T) * (x @ up.T) for a fused [gate; up] weight, rounded like kernels/activation.py:
