@@ -21,8 +21,8 @@ weights are all the traffic, so the kernel is built around reading them:
   the last split of each tile to finish, as decode attention merges its splits, was measured slower
   on an H200: Qwen2.5-0.5B batch 64 60,549 / 60,885 against 62,469 / 63,051 tok/s,
   decode_latency-h200-skinny-fused-reduce-ab-2026-12-02.json);
-- the K loop is software-pipelined through shared memory (num_stages); for W8A8 from W8A8_TMA_MIN_ROWS
-  rows the copy engine (TMA, host tensor descriptors) fills the stages, one request a tile, instead of
+- the K loop is software-pipelined through shared memory (num_stages); for W8A8 from 33 rows
+  (W8A8_TMA_MIN_ROWS, W8A8_TMA_SILU_MIN_ROWS) the copy engine (TMA, host tensor descriptors) fills the stages, one request a tile, instead of
   every thread's cp.async (_skinny_gemm_tma_kernel).
 
 Launch parameters depend on shapes only (CUDA-graph capturable). skinny_gemm_ref is the float32
@@ -289,7 +289,7 @@ def stage_bytes(tile: SkinnyGemmTile, weight_bytes: int, silu_mul: bool = False,
 # 2026-12-02.json). bf16 weights gained nothing from deeper pipelines (qkv 16.89 against 16.95,
 # o_proj 11.86 against 12.13).
 W8A8_DEEP_PIPELINE = True
-# W8A8 without SiLU-and-mul at W8A8_TMA_MIN_ROWS rows or more goes through _skinny_gemm_tma_kernel: the
+# W8A8 qkv / o_proj / down_proj at W8A8_TMA_MIN_ROWS rows or more go through _skinny_gemm_tma_kernel: the
 # copy engine (TMA) brings the K tiles into shared memory, one request a tile. Nsight Compute on an H200
 # (benchmarks/ncu_kernels.py, ncu-h200-skinny-gemv-2026-12-03.csv): the pointer kernel at 64 rows keeps one
 # warp a scheduler issuing every 3.6 cycles, stalled on fixed-latency waits and barriers rather than memory
@@ -300,8 +300,10 @@ W8A8_DEEP_PIPELINE = True
 # 16,636 against 16,360 / 16,350 tok/s; batch 8 2,629 / 2,631 against 2,657 / 2,658, hence rows past 32 only
 # (from 33 rows the tiles are the 64-row ones).
 W8A8_TMA_MIN_ROWS = 33
-# The same for the fused [gate; up] projection with SiLU-and-mul: not measured yet (0: never).
-W8A8_TMA_SILU_MIN_ROWS = 0
+# The same for the fused [gate; up] projection with SiLU-and-mul, on top of the above: 8B FP8 batch 64 16,811
+# against 16,640 tok/s, batch 1 353.3 against 355.6, one run each (decode_latency-h200-skinny-w8a8-tma-silu-ab-
+# 2026-12-03.json; the device time allowed no second pair), hence also from 33 rows.
+W8A8_TMA_SILU_MIN_ROWS = 33
 
 
 def default_skinny_gemm_tile(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 1,
