@@ -403,8 +403,25 @@ def skinny_gemm(
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IMPRECISE_K=min(128, tile.block_k),
             NUM_STAGES=tile.num_stages, num_warps=tile.num_warps, launch_pdl=pdl)
     else:
-        _launch_pointer_kernel(grid, x, weight, scale_args, bias, bias_arg, out, part, m, n, k, k_per_split, fp8,
-                               w_only, silu_mul, split, pdl, tile)
+        _skinny_gemm_kernel[grid](
+            x, scale_args[0], weight, scale_args[1], bias_arg, out, part,
+            m, n, k, k_per_split,
+            x.stride(0), weight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None,
+            HAS_SCALES=fp8,
+            W_ONLY=w_only,
+            SILU_MUL=silu_mul,
+            SPLIT=split,
+            PDL=pdl,
+            DOT_PREC=dot_precision(x.dtype),
+            BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k,
+            IMPRECISE_K=min(128, tile.block_k),  # as DeepSeek-V3 does (and cuBLAS without fast accumulation)
+            num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
+            launch_pdl=pdl,
+        )
     if split == 1:
         return out
     pending = SplitPartials(part, weight_scale if fp8 or w_only else None, x_scale if fp8 else None, bias, out.dtype)
@@ -416,29 +433,6 @@ def skinny_gemm(
 def _tma_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the copy engine can address x and weight: 16-byte aligned, rows 16-byte multiples apart."""
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, weight))
-
-
-def _launch_pointer_kernel(grid, x, weight, scale_args, bias, bias_arg, out, part, m, n, k, k_per_split, fp8, w_only,
-                           silu_mul, split, pdl, tile) -> None:
-    _skinny_gemm_kernel[grid](
-        x, scale_args[0], weight, scale_args[1], bias_arg, out, part,
-        m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None,
-        HAS_SCALES=fp8,
-        W_ONLY=w_only,
-        SILU_MUL=silu_mul,
-        SPLIT=split,
-        PDL=pdl,
-        DOT_PREC=dot_precision(x.dtype),
-        BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k,
-        IMPRECISE_K=min(128, tile.block_k),  # as DeepSeek-V3 does (and cuBLAS without fast accumulation)
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
-        launch_pdl=pdl,
-    )
 
 
 def finish_split(pending: SplitPartials, out: torch.Tensor | None = None, w_only: bool = False) -> torch.Tensor:
