@@ -29,6 +29,8 @@ Launch parameters depend on shapes only (CUDA-graph capturable; no host sync).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -42,7 +44,7 @@ _TINY = 1e-12  # an all-zero row still gets a usable scale
 
 _MAX_SINGLE_BLOCK = 8192  # rows up to this long may be loaded once and kept in registers
 _CHUNKS = (4096, 2048, 1024)  # the two-pass path's chunk sizes
-_INV_FP8_MAX = float(torch.tensor(1.0) / FP8_MAX)  # 1/448 rounded to float32, as torch's CUDA division has it
+INV_FP8_MAX = float(torch.tensor(1.0) / FP8_MAX)  # 1/448 rounded to float32, as torch's CUDA division has it
 # At most half as many rows as SMs: several programs a row, each quantizing one chunk
 # (default_row_chunk). At 64 rows a step of Llama-3.1-8B FP8 spent 450 us of 4,051 in 64
 # one-program-a-row launches (profile_decode-llama-3.1-8b-fp8-b64-h200-2026-12-02-fused-merge.json).
@@ -57,6 +59,17 @@ ROW_CHUNKS = True
 ROW_CHUNK_PROGRAMS_PER_SM = 4
 _MIN_ROW_CHUNK = 1024
 _MAX_AMAX_BLOCK = 8192
+
+
+class QuantizedRows(NamedTuple):
+    """Activation rows as a W8A8 projection takes them: e4m3 values [M, K] with one float32 scale a
+    row [M, 1] (quantize_rows_fp8's result), and the dtype the rows were computed in, which the
+    projection's output keeps. A kernel that produces the rows may hand them over this way
+    (kernels/decode_attention.py for o_proj)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
 
 
 @triton.jit
@@ -86,6 +99,15 @@ def _row_scale(amax, inv_max, SCALE_BY_RECIPROCAL: tl.constexpr):
 
 
 @triton.jit
+def quantize_row_values(x, inv_max, SCALE_BY_RECIPROCAL: tl.constexpr):
+    """A whole row x (float32, padded with 0) -> (its e4m3 bytes as uint8, its scale): what
+    quantize_rows_fp8 writes for it, bit for bit. For kernels that produce a row and quantize it."""
+    scale = _row_scale(tl.max(tl.abs(x), 0), inv_max, SCALE_BY_RECIPROCAL)
+    v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+    return _e4m3_bits(v).to(tl.uint8), scale
+
+
+@triton.jit
 def _quantize_rows_fp8_kernel(
     x_ptr, q_ptr, scale_ptr,
     K, stride_x, stride_q, inv_max,
@@ -104,9 +126,8 @@ def _quantize_rows_fp8_kernel(
     if SINGLE_BLOCK:
         mask = offs < K
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = _row_scale(tl.max(tl.abs(x), 0), inv_max, SCALE_BY_RECIPROCAL)
-        v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
-        tl.store(q_row + offs, _e4m3_bits(v).to(tl.uint8), mask=mask)
+        values, scale = quantize_row_values(x, inv_max, SCALE_BY_RECIPROCAL)
+        tl.store(q_row + offs, values, mask=mask)
     else:
         running = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -211,7 +232,7 @@ def quantize_rows_fp8(x: torch.Tensor, *, block_k: int | None = None,
         chunk = min(row_chunk, triton.next_power_of_2(k))
         _quantize_row_chunks_fp8_kernel[(rows, triton.cdiv(k, chunk))](
             x, q.view(torch.uint8), scale,
-            k, x.stride(0), q.stride(0), _INV_FP8_MAX,
+            k, x.stride(0), q.stride(0), INV_FP8_MAX,
             CHUNK=chunk,
             AMAX_BLOCK=min(_MAX_AMAX_BLOCK, triton.next_power_of_2(k)),
             SCALE_BY_RECIPROCAL=x.is_cuda,
@@ -223,7 +244,7 @@ def quantize_rows_fp8(x: torch.Tensor, *, block_k: int | None = None,
     block = default_block_k(k) if block_k is None else min(block_k, triton.next_power_of_2(k))
     _quantize_rows_fp8_kernel[(rows,)](
         x, q.view(torch.uint8), scale,
-        k, x.stride(0), q.stride(0), _INV_FP8_MAX,
+        k, x.stride(0), q.stride(0), INV_FP8_MAX,
         BLOCK_K=block,
         SINGLE_BLOCK=block >= k,
         SCALE_BY_RECIPROCAL=x.is_cuda,

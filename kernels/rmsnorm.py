@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kernels._common import use_pdl
 from kernels._pdl import wait_for_previous_kernel
-from kernels.fp8_quant import _INV_FP8_MAX, FP8, _e4m3_bits, _row_scale
+from kernels.fp8_quant import INV_FP8_MAX, FP8, quantize_row_values
 from kernels.skinny_gemm import SplitPartials, split_sum
 
 
@@ -72,10 +72,8 @@ def _rms_norm_kernel(
     normed = (x * tl.rsqrt(var + eps)).to(dtype).to(tl.float32)
     y = (normed * w).to(dtype)
     if QUANT_FP8:
-        y = y.to(tl.float32)
-        scale = _row_scale(tl.max(tl.abs(y), 0), inv_fp8_max, SCALE_BY_RECIPROCAL)
-        v = tl.minimum(tl.maximum(tl.div_rn(y, scale), -448.0), 448.0)
-        tl.store(out_ptr + row * stride_o + offs, _e4m3_bits(v).to(tl.uint8), mask=mask)
+        values, scale = quantize_row_values(y.to(tl.float32), inv_fp8_max, SCALE_BY_RECIPROCAL)
+        tl.store(out_ptr + row * stride_o + offs, values, mask=mask)
         tl.store(scale_ptr + row, scale)
     else:
         tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
@@ -101,7 +99,7 @@ def _launch(x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, weig
         *(t if t is not None else data for t in (part_w_scale, part_x_scale, part_bias)),
         0 if split else data.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         res_out.stride(0) if res_out is not None else 0,
-        rows, hidden, eps, _INV_FP8_MAX,
+        rows, hidden, eps, INV_FP8_MAX,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         QUANT_FP8=quant,

@@ -125,13 +125,13 @@ def test_rounding_to_e4m3(block_k, row_chunk):
 def test_cuda_scale_rounding_in_interpreter(k, block_k, row_chunk):
     """The CUDA scale (amax times 1/448 rounded to float32, as torch's CUDA division by a Python
     scalar computes it), run in the interpreter by launching the kernel with that flag."""
-    from kernels.fp8_quant import _INV_FP8_MAX, _quantize_row_chunks_fp8_kernel, _quantize_rows_fp8_kernel
+    from kernels.fp8_quant import INV_FP8_MAX, _quantize_row_chunks_fp8_kernel, _quantize_rows_fp8_kernel
 
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(64, k, generator=gen, dtype=torch.bfloat16) * 3
     q = torch.full(x.shape, 0x7F, dtype=torch.uint8)  # NaN bytes
     scale = torch.full((64, 1), float("nan"))
-    args = (x, q, scale, k, x.stride(0), q.stride(0), _INV_FP8_MAX)
+    args = (x, q, scale, k, x.stride(0), q.stride(0), INV_FP8_MAX)
     if row_chunk:
         _quantize_row_chunks_fp8_kernel[(64, -(-k // row_chunk))](*args, CHUNK=row_chunk, AMAX_BLOCK=128,
                                                                     SCALE_BY_RECIPROCAL=True, PDL=False)
