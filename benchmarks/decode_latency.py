@@ -57,8 +57,6 @@ SWITCHES = {
                              "bf16 rows that take the skinny GEMM instead of cuBLAS"),
     "fp8-norm-quant": ("engine.models.layers", "FP8_NORM_QUANT", bool,
                        "the RMSNorm before an FP8 projection quantizes its input (off: a separate kernel)"),
-    "fp8-attention-quant": ("engine.models.layers", "FP8_ATTENTION_QUANT", bool,
-                            "decode attention hands an FP8 o_proj its input quantized (off: a separate kernel)"),
     "gemv-k-constexpr-max-k": ("kernels.gemv", "K_CONSTEXPR_MAX_K", int,
                                "the one-row GEMV compiled for its K where K is at most this; 0: never"),
     "skinny-w8a8-tma-min-rows": ("kernels.skinny_gemm", "W8A8_TMA_MIN_ROWS", int,

@@ -10,9 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu_attention import paged_decode_attention
-from engine.models.fp8 import quantize_rows
 from engine.models.layers import apply_rotary, rotary_tables
-from kernels.fp8_quant import QuantizedRows
 
 
 @dataclass
@@ -61,9 +59,8 @@ class TorchAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, quantize_out: bool = False) -> torch.Tensor | QuantizedRows:
-        """Rotate q and k, write k and v into the cache, attend. Returns [T, Hq, D]; a decode step's
-        as QuantizedRows [T, Hq * D] when quantize_out (an FP8 o_proj's W8A8 input)."""
+                scale: float) -> torch.Tensor:
+        """Rotate q and k, write k and v into the cache, attend. Returns [T, Hq, D]."""
         rope = meta.derived.get("rope")
         if rope is None or rope[0] is not positions:  # keyed by the positions tensor itself (held here)
             rope = meta.derived["rope"] = (positions, rotary_tables(positions, cos_sin, q.dtype))
@@ -71,13 +68,12 @@ class TorchAttention:
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
             return self._prefill(q, k_cache, v_cache, meta, scale)
-        return self.attend_decode(q, k_cache, v_cache, meta, scale, quantize_out)
+        return self._decode(q, k_cache, v_cache, meta, scale)
 
     def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, quantize_out: bool = False) -> torch.Tensor | QuantizedRows:
+                      scale: float) -> torch.Tensor:
         """Decode attention of rotated q over a cache that already holds this step's K/V."""
-        out = self._decode(q, k_cache, v_cache, meta, scale)
-        return QuantizedRows(*quantize_rows(out.reshape(out.shape[0], -1)), out.dtype) if quantize_out else out
+        return self._decode(q, k_cache, v_cache, meta, scale)
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
         num_blocks = -(-num_tokens // self.block_size)
@@ -146,19 +142,17 @@ class TritonAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, quantize_out: bool = False) -> torch.Tensor | QuantizedRows:
+                scale: float) -> torch.Tensor:
         q = self._rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
             return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                                  meta.max_seqlen_q, scale, tiles=meta.attention_tiles)
-        return self.attend_decode(q, k_cache, v_cache, meta, scale, quantize_out)
+        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 
     def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, quantize_out: bool = False) -> torch.Tensor | QuantizedRows:
-        """Decode attention of rotated q over a cache that already holds this step's K/V; quantize_out:
-        the kernel hands the output quantized per row (kernels/decode_attention.py)."""
-        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                            quantize_out=quantize_out)
+                      scale: float) -> torch.Tensor:
+        """Decode attention of rotated q over a cache that already holds this step's K/V."""
+        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 
 
 def make_attention_backend(device: torch.device, block_size: int) -> TorchAttention | TritonAttention:

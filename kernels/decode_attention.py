@@ -18,7 +18,6 @@ import triton.language as tl
 
 from kernels._common import attention_output, check_kv_cache, dot_precision, sm_count, use_pdl
 from kernels._pdl import wait_for_previous_kernel
-from kernels.fp8_quant import FP8, INV_FP8_MAX, QuantizedRows, quantize_row_values, quantize_rows_fp8
 from kernels._prefetch import prefetch_l2
 from kernels._split_counters import last_to_arrive, split_counters
 
@@ -50,10 +49,12 @@ PREFETCH_MAX_BATCH = 8
 # earlier run), batches 1 and 64 within noise.
 FUSED_MERGE = True
 _MERGE_CHUNK = 8  # splits merged per load
-# Asked for its output quantized per row (an FP8 o_proj's W8A8 input, quantize_out), the program that
-# finishes a row's last KV head (counted as the merge is) reads the row back from L2 and quantizes it,
-# bit for bit as kernels/fp8_quant.quantize_rows_fp8 would: one kernel fewer a layer. Off: that kernel.
-FUSED_ROW_QUANT = True
+# Measured slower and removed (the code is at 278118f): asked for its output quantized per row (an FP8 o_proj's
+# W8A8 input), the program finishing a row's last KV head read the row back from L2 and quantized it, bit for
+# bit the row-quantization kernel, one kernel fewer a layer. Llama-3.1-8B FP8, interleaved
+# (decode_latency-h200-fp8-attention-row-quant-ab-2026-12-03.json): batch 64 16,802 / 16,867 against 16,880 /
+# 16,954 tok/s, batch 8 2,683 / 2,686 against 2,694 / 2,693: one program quantizing a whole row lengthens the
+# kernel's tail by about what the separate kernel took.
 # Measured and removed (the code is at 99a6516): each split's first KV tile loaded into registers before the
 # PDL wait but for the step's newest token, read after it (batches up to 8), and a floor of 2 or 4 tiles a
 # split, one split writing the output without partials. H200, interleaved
@@ -66,12 +67,11 @@ FUSED_ROW_QUANT = True
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr,
-    q8_ptr, q8_scale_ptr, row_counter_ptr,
-    scale_log2, inv_fp8_max,
+    scale_log2,
     stride_qb, stride_qh,
     stride_cb, stride_ct,  # cache strides of a block and of a token (same for k and v)
     stride_bt,
-    stride_ob, stride_oh, stride_q8,
+    stride_ob, stride_oh,
     num_splits,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -86,16 +86,11 @@ def _decode_attention_kernel(
     FUSED_MERGE: tl.constexpr,
     MERGE_GROUP: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
-    QUANT_ROW: tl.constexpr,
-    ROW_BLOCK: tl.constexpr,
-    SCALE_BY_RECIPROCAL: tl.constexpr,
 ):
     """PREFETCH_TILES: tiles of K and V rows to prefetch into L2 before the PDL wait (0: none).
     FUSED_MERGE (with WRITE_PARTIAL): the splits holding tokens count themselves finished on
     counter_ptr[pid] (kernels/_split_counters.py), and the last one merges their partials into out;
-    empty splits return at once. QUANT_ROW (each row's output contiguous, ROW_BLOCK >= its length):
-    whoever writes a (sequence, KV head)'s output counts it on row_counter_ptr[b], and the last of
-    the sequence's KV heads quantizes its row into q8_ptr / q8_scale_ptr."""
+    empty splits return at once."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // NUM_KV_HEADS
@@ -160,33 +155,10 @@ def _decode_attention_kernel(
             if last_to_arrive(counter_ptr + pid, active):
                 _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh, active, num_splits,
                               stride_ob, stride_oh, NUM_KV_HEADS, GROUP, HEAD_DIM, MERGE_GROUP, MERGE_CHUNK)
-                if QUANT_ROW:
-                    _quantize_finished_row(out_ptr, q8_ptr, q8_scale_ptr, row_counter_ptr, b, stride_ob, stride_q8,
-                                           inv_fp8_max, NUM_KV_HEADS, NUM_KV_HEADS * GROUP * HEAD_DIM, ROW_BLOCK,
-                                           SCALE_BY_RECIPROCAL)
     else:
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-        if QUANT_ROW:
-            _quantize_finished_row(out_ptr, q8_ptr, q8_scale_ptr, row_counter_ptr, b, stride_ob, stride_q8,
-                                   inv_fp8_max, NUM_KV_HEADS, NUM_KV_HEADS * GROUP * HEAD_DIM, ROW_BLOCK,
-                                   SCALE_BY_RECIPROCAL)
-
-
-@triton.jit
-def _quantize_finished_row(out_ptr, q8_ptr, q8_scale_ptr, row_counter_ptr, b, stride_ob, stride_q8, inv_fp8_max,
-                           NUM_KV_HEADS: tl.constexpr, ROW: tl.constexpr, ROW_BLOCK: tl.constexpr,
-                           SCALE_BY_RECIPROCAL: tl.constexpr):
-    """Count this (sequence, KV head)'s output as written; the last of sequence b's KV heads reads the
-    whole row back (through L2, .cg: the other heads' programs wrote it) and quantizes it."""
-    if last_to_arrive(row_counter_ptr + b, NUM_KV_HEADS):
-        offs = tl.arange(0, ROW_BLOCK)
-        mask = offs < ROW
-        x = tl.load(out_ptr + b.to(tl.int64) * stride_ob + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        values, scale = quantize_row_values(x.to(tl.float32), inv_fp8_max, SCALE_BY_RECIPROCAL)
-        tl.store(q8_ptr + b.to(tl.int64) * stride_q8 + offs, values, mask=mask)
-        tl.store(q8_scale_ptr + b, scale)
 
 
 @triton.jit
@@ -327,8 +299,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     tile: DecodeTile | None = None,
-    quantize_out: bool = False,
-) -> torch.Tensor | QuantizedRows:
+) -> torch.Tensor:
     """Attention of q [B, Hq, D] over each sequence's first context_lens[b] cached tokens.
 
     block_tables [B, max_blocks] int32, context_lens [B] int32 (>= 1; padded rows use 1 and block 0);
@@ -336,14 +307,12 @@ def paged_decode_attention(
     contiguous). Returns [B, Hq, D] in q's dtype, or writes `out` (same shape, last dim contiguous).
     num_splits=None picks the split count from (B, Hkv, max_blocks * block_size) and the SM count.
     tile overrides the launch shape (benchmark sweeps); None uses default_decode_tile.
-    quantize_out: return the output as QuantizedRows [B, Hq * D] (an FP8 projection's W8A8 input),
-    bit for bit quantize_rows_fp8 of it, quantized by the kernel itself where it can (FUSED_ROW_QUANT).
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
     batch, num_heads, _ = q.shape
     out = attention_output(q, num_kv_heads, head_dim, out)
     if batch == 0:
-        return _quantized(out) if quantize_out else out
+        return out
     group = num_heads // num_kv_heads
     tile = tile or default_decode_tile(head_dim)
     if num_splits is None:
@@ -353,15 +322,6 @@ def paged_decode_attention(
 
     counters = split_counters(q.device, "decode_attention", batch * num_kv_heads) \
         if num_splits > 1 and FUSED_MERGE else None
-    row_counters = None
-    if (quantize_out and FUSED_ROW_QUANT and (num_splits == 1 or counters is not None)
-            and out.stride(1) == head_dim):
-        row_counters = split_counters(q.device, "decode_attention_rows", batch)
-    if row_counters is not None:
-        q8 = torch.empty((batch, num_heads * head_dim), dtype=FP8, device=q.device)
-        q8_scale = torch.empty((batch, 1), dtype=torch.float32, device=q.device)
-    else:
-        q8, q8_scale = out, out  # unused
     if num_splits == 1:
         part_m = part_l = part_acc = out  # unused
     else:
@@ -373,13 +333,11 @@ def paged_decode_attention(
     _decode_attention_kernel[(batch * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_m, part_l, part_acc, out if counters is None else counters,
-        q8.view(torch.uint8) if row_counters is not None else q8, q8_scale,
-        out if row_counters is None else row_counters,
-        scale * _LOG2E, INV_FP8_MAX,
+        scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
-        out.stride(0), out.stride(1), q8.stride(0),
+        out.stride(0), out.stride(1),
         num_splits,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
@@ -394,9 +352,6 @@ def paged_decode_attention(
         FUSED_MERGE=counters is not None,
         MERGE_GROUP=triton.next_power_of_2(group),
         MERGE_CHUNK=_MERGE_CHUNK,
-        QUANT_ROW=row_counters is not None,
-        ROW_BLOCK=triton.next_power_of_2(num_heads * head_dim),
-        SCALE_BY_RECIPROCAL=q.is_cuda,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         launch_pdl=pdl,
@@ -413,16 +368,7 @@ def paged_decode_attention(
             num_warps=4,
             launch_pdl=pdl,
         )
-    if not quantize_out:
-        return out
-    if row_counters is not None:
-        return QuantizedRows(q8, q8_scale, out.dtype)
-    return _quantized(out)
-
-
-def _quantized(out: torch.Tensor) -> QuantizedRows:
-    """out [B, Hq, D] quantized per row by the row-quantization kernel."""
-    return QuantizedRows(*quantize_rows_fp8(out.reshape(out.shape[0], -1)), out.dtype)
+    return out
 
 
 def paged_decode_attention_ref(

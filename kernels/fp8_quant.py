@@ -29,8 +29,6 @@ Launch parameters depend on shapes only (CUDA-graph capturable; no host sync).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -59,17 +57,6 @@ ROW_CHUNKS = True
 ROW_CHUNK_PROGRAMS_PER_SM = 4
 _MIN_ROW_CHUNK = 1024
 _MAX_AMAX_BLOCK = 8192
-
-
-class QuantizedRows(NamedTuple):
-    """Activation rows as a W8A8 projection takes them: e4m3 values [M, K] with one float32 scale a
-    row [M, 1] (quantize_rows_fp8's result), and the dtype the rows were computed in, which the
-    projection's output keeps. A kernel that produces the rows may hand them over this way
-    (kernels/decode_attention.py for o_proj)."""
-
-    values: torch.Tensor
-    scales: torch.Tensor
-    dtype: torch.dtype
 
 
 @triton.jit
@@ -101,7 +88,7 @@ def _row_scale(amax, inv_max, SCALE_BY_RECIPROCAL: tl.constexpr):
 @triton.jit
 def quantize_row_values(x, inv_max, SCALE_BY_RECIPROCAL: tl.constexpr):
     """A whole row x (float32, padded with 0) -> (its e4m3 bytes as uint8, its scale): what
-    quantize_rows_fp8 writes for it, bit for bit. For kernels that produce a row and quantize it."""
+    quantize_rows_fp8 writes for it, bit for bit (kernels/rmsnorm.py's rms_norm_fp8 too)."""
     scale = _row_scale(tl.max(tl.abs(x), 0), inv_max, SCALE_BY_RECIPROCAL)
     v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
     return _e4m3_bits(v).to(tl.uint8), scale

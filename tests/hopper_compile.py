@@ -147,15 +147,13 @@ def cases() -> dict[str, dict]:
     from kernels.decode_attention import _decode_attention_kernel
 
     attention_ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_m_ptr": "*fp32",
-                      "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "counter_ptr": "*i32",
-                      "q8_ptr": "*u8", "q8_scale_ptr": "*fp32", "row_counter_ptr": "*i32"}
-    strides = ("stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_bt", "stride_ob", "stride_oh", "stride_q8")
+                      "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "counter_ptr": "*i32"}
+    strides = ("stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_bt", "stride_ob", "stride_oh")
     # Qwen2.5-0.5B's (7 q heads a KV head, D 64, 128-token tiles) and Llama-3.1-8B's (4, D 128, 64-token tiles)
     for name, group, head_dim, block_n, stages in (("qwen", 7, 64, 128, 2), ("llama", 4, 128, 64, 3)):
         attention = dict(NUM_KV_HEADS=2 if name == "qwen" else 8, GROUP=group, GROUP_PAD=16, HEAD_DIM=head_dim,
                          BLOCK_SIZE=16, BLOCK_N=block_n, WRITE_PARTIAL=True, DOT_PREC="tf32", PDL=True,
-                         FUSED_MERGE=False, MERGE_GROUP=triton.next_power_of_2(group), MERGE_CHUNK=8,
-                         QUANT_ROW=False, ROW_BLOCK=4096 if name == "llama" else 1024, SCALE_BY_RECIPROCAL=True)
+                         FUSED_MERGE=False, MERGE_GROUP=triton.next_power_of_2(group), MERGE_CHUNK=8)
         for tiles in (0, 2):
             out[f"attention_{name}_prefetch{tiles}"] = compile_kernel(
                 _decode_attention_kernel, dict(attention, PREFETCH_TILES=tiles), attention_ptrs, strides,
@@ -164,14 +162,6 @@ def cases() -> dict[str, dict]:
         out[f"attention_{name}_fused_merge"] = compile_kernel(
             _decode_attention_kernel, dict(attention, PREFETCH_TILES=2, FUSED_MERGE=True), attention_ptrs, strides,
             num_warps=4, num_stages=stages)
-    # the last KV head of a row quantizes it for an FP8 o_proj (kernels/decode_attention.FUSED_ROW_QUANT):
-    # Llama-3.1-8B at 64 rows (one split, no partials) and at 8 (splits merged by the last)
-    llama = dict(attention, PREFETCH_TILES=0)
-    for name, extra in (("b64", dict(WRITE_PARTIAL=False)), ("b8", dict(FUSED_MERGE=True))):
-        for quant in (False, True):
-            out[f"attention_llama_{name}{'_row_quant' if quant else ''}"] = compile_kernel(
-                _decode_attention_kernel, dict(llama, QUANT_ROW=quant, **extra), attention_ptrs, strides,
-                num_warps=4, num_stages=3)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from barrier_probe import _persistent_kernel, _persistent_mlp_kernel
 

@@ -69,19 +69,6 @@ def test_the_last_split_finishes_after_a_release(compiled, fused, unfused):
     assert kernel["first_line"]["griddepcontrol.wait"] < kernel["first_line"]["atom."]
 
 
-@pytest.mark.parametrize("batch", ["b64", "b8"])
-def test_the_last_kv_head_of_a_row_quantizes_it_after_a_release(compiled, batch):
-    """kernels/decode_attention.FUSED_ROW_QUANT (Llama-3.1-8B; at 64 rows one split a row, at 8 the splits
-    merged by the last): one more acquire-release count at GPU scope, after a CTA barrier that follows
-    the output's stores; the row read back through L2. The main loop keeps its registers."""
-    plain, quant = compiled[f"attention_llama_{batch}"], compiled[f"attention_llama_{batch}_row_quant"]
-    counts = ["atom.global.gpu.acq_rel.add.u32"] * (2 if batch == "b8" else 1)
-    assert plain["atomics"] == counts[1:] and quant["atomics"] == counts
-    assert quant["barrier_before_atomic"] and quant["cg_loads"] > plain["cg_loads"]
-    assert quant["last_line"]["atom."] < quant["last_line"]["ld.global.cg"]
-    assert quant["registers"] <= plain["registers"] + 8, (quant["registers"], plain["registers"])
-
-
 def test_record_step_advances_the_step_after_every_thread_read_it(compiled):
     """kernels/decode_step._record_step_kernel: the step counter is the last store, after a CTA barrier
     (a warp still to read the old step must not see the new one)."""

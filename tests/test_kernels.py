@@ -38,7 +38,6 @@ from kernels import (
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
-    quantize_rows_fp8,
     paged_prefill_attention_ref,
     prefill_tile_map,
     pick_num_splits,
@@ -170,35 +169,6 @@ def test_decode_attention_padded_rows(fused_merge):
         out = paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=splits)
         assert torch.isfinite(out).all()
         assert rel_err(out, paged_decode_attention_ref(q, k_cache, v_cache, bt, cl, 0.125)) < TOL
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("ctx", [(1, 37, 70), (50, 1, 1)], ids=["contexts", "padded-rows"])
-def test_decode_attention_hands_its_output_quantized_per_row(num_splits, ctx, fused_merge, monkeypatch):
-    """quantize_out (an FP8 o_proj's W8A8 input): bit for bit the row quantization of the output. The
-    last KV head of each row to finish quantizes it in the kernel (FUSED_ROW_QUANT) wherever the
-    splits are merged in the kernel too; with the merge kernel, the row-quantization kernel does."""
-    import kernels.decode_attention as decode_attention
-
-    gen = torch.Generator().manual_seed(5)
-    q, k_cache, v_cache, bt, cl = decode_case(gen, hq=8, hkv=4, ctx=ctx)
-    if ctx[1] == 1:
-        bt[1:] = 0
-    want_values, want_scales = quantize_rows_fp8(
-        paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=num_splits).reshape(3, -1))
-    fused = num_splits == 1 or fused_merge
-    calls = []
-    kernel = decode_attention.quantize_rows_fp8
-    monkeypatch.setattr(decode_attention, "quantize_rows_fp8", lambda x: calls.append(x) or kernel(x))
-    for _ in range(2):  # twice: the row counters are back at 0
-        got = paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=num_splits, quantize_out=True)
-        assert got.values.dtype == torch.float8_e4m3fn and got.dtype == q.dtype
-        assert torch.equal(got.values.view(torch.uint8), want_values.view(torch.uint8))
-        assert torch.equal(got.scales, want_scales)
-    assert len(calls) == (0 if fused else 2)
-    monkeypatch.setattr(decode_attention, "FUSED_ROW_QUANT", False)
-    got = paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=num_splits, quantize_out=True)
-    assert torch.equal(got.values.view(torch.uint8), want_values.view(torch.uint8)) and len(calls) == (1 if fused else 3)
 
 
 def test_pick_num_splits_depends_on_shapes_only():

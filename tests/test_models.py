@@ -159,35 +159,3 @@ def test_the_norm_after_a_split_projection_sums_it_and_changes_no_bit(monkeypatc
         results[defer] = layers.add_rms_norm(out, residual, norm_weight, 1e-6)
         assert reduces == ([] if defer else [(4, 128)])  # down_proj's split; o_proj's K of 128 is not split
     assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
-
-
-def test_decode_attention_hands_an_fp8_o_proj_its_input_quantized(monkeypatch):
-    """layers.FP8_ATTENTION_QUANT: with FP8 projections on the Triton path (in the interpreter), o_proj
-    takes the attention output as QuantizedRows made by the attention kernel, bit for bit the row
-    quantization of the output it takes otherwise, and computes the W8A8 product of exactly those."""
-    from engine.models import layers
-    from engine.models.fp8 import fp8_gemm
-    from kernels.fp8_quant import QuantizedRows, quantize_rows_fp8
-
-    layer, run = one_layer_decode(monkeypatch, intermediate=256)
-    for module in layer.modules():
-        if isinstance(module, layers.Linear):
-            module.to_fp8()
-    o_proj = layer.self_attn.o_proj
-    seen = []
-    real_forward = o_proj.forward
-    monkeypatch.setattr(o_proj, "forward", lambda x, **kw: seen.append((x, real_forward(x, **kw))) or seen[-1][1])
-    inputs = {}
-    for on in (False, True):
-        monkeypatch.setattr(layers, "FP8_ATTENTION_QUANT", on)
-        seen.clear()
-        run()
-        (inputs[on], output), = seen
-        if on:
-            want = fp8_gemm(inputs[True].values, inputs[True].scales, o_proj.weight, o_proj.weight_scale, None,
-                            torch.float32)
-            assert torch.equal(output, want)
-    assert isinstance(inputs[True], QuantizedRows) and isinstance(inputs[False], torch.Tensor)
-    values, scales = quantize_rows_fp8(inputs[False])
-    assert torch.equal(inputs[True].values.view(torch.uint8), values.view(torch.uint8))
-    assert torch.equal(inputs[True].scales, scales) and inputs[True].dtype == torch.float32

@@ -10,7 +10,6 @@ from torch import nn
 
 from engine import cpu_linear, cpu_ops
 from engine.models.fp8 import FP8, fp8_gemm, fp8_linear, quantize_per_channel, quantizes_activations
-from kernels.fp8_quant import QuantizedRows
 from kernels.skinny_gemm import SplitPartials, finish_split
 
 
@@ -44,8 +43,6 @@ FP8_GATE_UP_GEMV_MAX_ROWS = 0
 SKINNY_GEMM_MAX_ROWS = 64
 # the norm before an FP8 projection hands it its input quantized (kernels/rmsnorm.py rms_norm_fp8)
 FP8_NORM_QUANT = True
-# decode attention hands an FP8 o_proj its input quantized (kernels/decode_attention.py quantize_out)
-FP8_ATTENTION_QUANT = True
 # The o and down projections' split-K partials (the skinny GEMM splits K where its output tiles leave
 # SMs idle) are summed by the residual-add + RMSNorm kernel after them, not a reduce kernel of their
 # own: one kernel fewer each, the same bits (one GPU: tensor parallelism all-reduces the summed
@@ -87,18 +84,6 @@ def _fused_projection(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = Fa
     return None
 
 
-def takes_quantized_input(x: torch.Tensor | SplitPartials, proj: "Linear", silu_mul: bool = False) -> bool:
-    """Whether proj runs W8A8 on x's rows (FP8 weights, on CUDA, rows the GEMV does not take), so the
-    kernel that produces x may hand it over quantized per row."""
-    return (_triton(x) and proj.weight.dtype == FP8 and quantizes_activations(x.shape[0])
-            and not _gemv_applies(x, proj.weight, silu_mul))
-
-
-def attention_quantizes_output(x: torch.Tensor | SplitPartials, o_proj: "Linear") -> bool:
-    """Whether decode attention over x's rows hands o_proj its input quantized (FP8_ATTENTION_QUANT)."""
-    return FP8_ATTENTION_QUANT and takes_quantized_input(x, o_proj)
-
-
 def _skinny_applies(x: torch.Tensor, lm_head: bool) -> bool:
     return (_triton(x) and not lm_head and 2 <= x.shape[0] <= SKINNY_GEMM_MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1)
@@ -110,21 +95,17 @@ def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     return cpu_linear.pack_panels(weight)
 
 
-def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
            scale: torch.Tensor | None = None, lm_head: bool = False, silu_mul: bool = False,
            defer_reduce: bool = False) -> torch.Tensor | SplitPartials:
     """x @ weight.T (+ bias); out_dtype: the result (rounded to x's dtype first) in this dtype.
-    An FP8 weight comes with its per-output-channel `scale` (engine/models/fp8.py); x may then come
-    quantized already (QuantizedRows, where takes_quantized_input said so).
+    An FP8 weight comes with its per-output-channel `scale` (engine/models/fp8.py).
     lm_head: the vocabulary projection (cuBLAS, never the GEMV). silu_mul: weight is a fused
     [gate; up] and the result silu(gate) * up, fused into the projection where its kernel can.
     defer_reduce (see defers_split_reduce): a product the skinny GEMM splits over K comes back as
     its SplitPartials, which norm_linear and add_rms_norm take."""
     defer_reduce = defer_reduce and out_dtype is None
-    if isinstance(x, QuantizedRows):
-        y = fp8_gemm(x.values, x.scales, weight, scale, bias, x.dtype, silu_mul, defer_reduce=defer_reduce)
-        return y if out_dtype is None else y.to(out_dtype)
     kernel = None if lm_head else _fused_projection(x, weight, silu_mul)
     if kernel is not None:
         return kernel(x, weight, bias, out_dtype=out_dtype, weight_scale=scale, silu_mul=silu_mul)[0]
@@ -183,7 +164,7 @@ def norm_linear(x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, 
         y, new_residual = kernel(_summed(x), proj.weight, proj.bias, norm_weight=norm_weight, residual=residual,
                                  eps=eps, silu_mul=silu_mul, weight_scale=proj.weight_scale)
         return y, x if residual is None else new_residual
-    if FP8_NORM_QUANT and takes_quantized_input(x, proj, silu_mul):
+    if _triton(x) and proj.weight.dtype == FP8 and FP8_NORM_QUANT and quantizes_activations(x.shape[0]):
         # the norm hands the projection its input already quantized: one kernel fewer
         from kernels.rmsnorm import rms_norm_fp8
 
