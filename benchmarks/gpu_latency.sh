@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|kconst|tma|tma-sweep|tma-silu|tma-warps
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|kconst|tma|tma-sweep|tma-silu
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -223,24 +223,6 @@ tma-silu)  # kernels/skinny_gemm.W8A8_TMA_SILU_MIN_ROWS: gate_up (SiLU-and-mul) 
       --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --skinny-w8a8-tma-silu-min-rows $arm \
       --out "$OUT/decode_8b_tma_silu_$arm-$i.json" 2>&1 | grep -E "B="
   done
-  ;;
-tma-warps)  # kernels/skinny_gemm.W8A8_TMA_WARPS / W8A8_TMA_WARP_SPECIALIZE: the TMA kernel with 8 warps a program or its
-  # K loop warp-specialized. Decode first, 8B FP8 at ${BATCHES:-64}, interleaved 4-warps / ws / 8-warps twice; then the
-  # GPU tests of those tiles at model shapes; then the tile sweep of all three at 64 rows
-  i=0
-  for arm in ${ARMS:-4 ws 8 4 ws 8}; do
-    i=$((i + 1))
-    flags=$([ "$arm" = ws ] && echo "--skinny-w8a8-tma-ws on" || echo "--skinny-w8a8-tma-warps $arm")
-    # shellcheck disable=SC2086
-    timeout 90 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches ${BATCHES:-64} --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 $flags \
-      --out "$OUT/decode_8b_tma_warps_$arm-$i.json" 2>&1 | grep -E "B="
-  done
-  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py -k "tma_warps" \
-    > "$OUT/gpu_tests_tma_warps.log" 2>&1; tail -3 "$OUT/gpu_tests_tma_warps.log"
-  timeout ${SWEEP_TIMEOUT:-200} python3 benchmarks/skinny_gemm_bench.py --models llama-3.1-8b --weights fp8 --rows 64 \
-    --projections ${PROJ:-qkv o down gate_up} --sweep --sweep-rows 64 --w8a8-tma on --tma-warps 4 8 ws \
-    --out "$OUT/skinny_tma_warps_sweep.json" 2>&1 | quiet | grep -E "rows= *64"
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

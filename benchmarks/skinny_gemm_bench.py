@@ -28,19 +28,17 @@ from measure import copy_bandwidth, graph_ms, run_info, write_json  # noqa: E402
 BF16 = torch.bfloat16
 
 
-def sweep_tiles(rows: int, weight_bytes: int, deep: bool = False, tma: bool = False,
-                tma_flavours: tuple = ((4, False),)) -> list:
+def sweep_tiles(rows: int, weight_bytes: int, deep: bool = False, tma: bool = False) -> list:
     """The sweep's tiles; deep: pipelines 4 to 12 stages deep and 8 warps too, where the stages fit
     the kernel's shared-memory budget (more weight bytes in flight a program); tma:
-    2, 4 or 8 stages of 128- or 256-byte K tiles, K split up to 4 (several programs an SM where the stages fit),
-    for each of tma_flavours' (warps, warp-specialized)."""
+    2, 4 or 8 stages of 128- or 256-byte K tiles, K split up to 4 (several programs an SM where the stages fit)."""
     from kernels.skinny_gemm import SHARED_MEMORY_BUDGET, SkinnyGemmTile, stage_bytes
 
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     if tma:
-        tiles = [SkinnyGemmTile(bn, tile_bytes // weight_bytes, block_m, split, warps, stages, ws)
-                 for bn, tile_bytes, split, stages, (warps, ws) in itertools.product(
-                     (64, 128), (128, 256), (1, 2, 3, 4), (2, 4, 8), tma_flavours)]
+        tiles = [SkinnyGemmTile(bn, tile_bytes // weight_bytes, block_m, split, 4, stages)
+                 for bn, tile_bytes, split, stages in itertools.product((64, 128), (128, 256), (1, 2, 3, 4),
+                                                                        (2, 4, 8))]
         return [t for t in tiles if t.num_stages * stage_bytes(t, weight_bytes) <= SHARED_MEMORY_BUDGET]
     if not deep:
         return [SkinnyGemmTile(bn, tile_bytes // weight_bytes, block_m, split, 4, stages)
@@ -129,12 +127,8 @@ def main() -> int:
                         help="W8A8 K tiles loaded by the copy engine at every row count (on) or never (off), "
                              "overriding kernels.skinny_gemm.W8A8_TMA_MIN_ROWS; with --sweep and on, a grid of "
                              "shallower pipelines and splits up to 4 for it")
-    parser.add_argument("--tma-warps", choices=["4", "8", "ws"], nargs="+", default=["4"],
-                        help="with --sweep --w8a8-tma on: the TMA kernel's warps a program, or 'ws' (4 warps, its K "
-                             "loop warp-specialized)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    flavours = tuple((4, True) if w == "ws" else (int(w), False) for w in args.tma_warps)
     if args.w8a8_tma:
         skinny = importlib.import_module("kernels.skinny_gemm")
         skinny.W8A8_TMA_MIN_ROWS = skinny.W8A8_TMA_SILU_MIN_ROWS = 1 if args.w8a8_tma == "on" else 0
@@ -146,7 +140,7 @@ def main() -> int:
                 continue
             for weights in args.weights:
                 for m in args.rows:
-                    tiles = (sweep_tiles(m, 1 if weights == "fp8" else 2, args.deep, args.w8a8_tma == "on", flavours)
+                    tiles = (sweep_tiles(m, 1 if weights == "fp8" else 2, args.deep, args.w8a8_tma == "on")
                              if args.sweep and m in args.sweep_rows else [])
                     rows += bench(model, proj, m, copy["gb_per_s"], weights, tiles)
                     # after each shape, so a sweep cut short by its time limit still leaves what it measured

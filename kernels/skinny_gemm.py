@@ -119,7 +119,6 @@ def _skinny_gemm_tma_kernel(
     BLOCK_K: tl.constexpr,
     IMPRECISE_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     """W8A8 as _skinny_gemm_kernel computes it, its K tiles brought into shared memory by the copy
     engine (TMA: one request a tile, no address arithmetic in the program's warps; rows past M and
@@ -136,7 +135,7 @@ def _skinny_gemm_tma_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if SILU_MUL:
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         w = w_desc.load([pid_n * BLOCK_N, k0])
         x = x_desc.load([pid_m * BLOCK_M, k0])
         acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=IMPRECISE_K)
@@ -260,9 +259,7 @@ class SplitPartials(NamedTuple):
 
 
 class SkinnyGemmTile(NamedTuple):
-    """Weight rows and K elements per tile, rows of x per program, K splits, warps, pipeline stages;
-    warp_specialize: the copy-engine (TMA) kernel's K loop split by Triton into a warp group that
-    issues the loads and warp groups that multiply (the TMA kernel only)."""
+    """Weight rows and K elements per tile, rows of x per program, K splits, warps, pipeline stages."""
 
     block_n: int
     block_k: int
@@ -270,7 +267,6 @@ class SkinnyGemmTile(NamedTuple):
     split: int
     num_warps: int
     num_stages: int
-    warp_specialize: bool = False
 
 
 # shared memory the pipeline stages may take (an H200 SM has 227 KB; the compiler adds a little)
@@ -308,11 +304,11 @@ W8A8_TMA_MIN_ROWS = 33
 # against 16,640 tok/s, batch 1 353.3 against 355.6, one run each (decode_latency-h200-skinny-w8a8-tma-silu-ab-
 # 2026-12-03.json; the device time allowed no second pair), hence also from 33 rows.
 W8A8_TMA_SILU_MIN_ROWS = 33
-# The TMA kernel's warps a program (4: one warp group, the rows' 64 columns in one wgmma; 8: two, 32 each)
-# and whether its K loop is warp-specialized (Triton's producer / consumer warp groups, sm_90: 4 warps
-# given, 12 launched). To be measured (gpu_latency.sh tma-warps).
-W8A8_TMA_WARPS = 4
-W8A8_TMA_WARP_SPECIALIZE = False
+# Measured slower and removed (the code is at 4cd2fa2): the TMA kernel with 8 warps a program (two warp
+# groups, 32 of the 64 rows each), or its K loop warp-specialized by Triton 3.6 (a warp group issuing the
+# loads, 12 warps). Llama-3.1-8B FP8 batch 64, interleaved (decode_latency-h200-skinny-w8a8-tma-warps-ab-
+# 2026-12-03.json): 4 warps 16,642 / 16,561 tok/s, warp-specialized 13,623 / 13,510, 8 warps 16,068 / 15,971.
+# The warp-specialized kernel also computed NaNs with SiLU-and-mul fused (gpu_tests-h200-2026-12-03-tma-warps.log).
 
 
 def default_skinny_gemm_tile(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 1,
@@ -338,8 +334,6 @@ def default_skinny_gemm_tile(m: int, n: int, k: int, num_sms: int, weight_bytes:
     while not silu_mul and tiles * split * 2 <= num_sms and k // (split * 2) >= 1024:
         split *= 2
     tile = SkinnyGemmTile(block_n, tile_bytes // weight_bytes, block_m, split, 4, stages)
-    if w8a8 and 0 < (W8A8_TMA_SILU_MIN_ROWS if silu_mul else W8A8_TMA_MIN_ROWS) <= m:
-        tile = tile._replace(num_warps=W8A8_TMA_WARPS, warp_specialize=W8A8_TMA_WARP_SPECIALIZE)
     while (tile.num_stages > 2
            and tile.num_stages * stage_bytes(tile, weight_bytes, silu_mul, x_bytes) > SHARED_MEMORY_BUDGET):
         tile = tile._replace(num_stages=tile.num_stages - 1)
@@ -412,8 +406,7 @@ def skinny_gemm(
             m, n, k, k_per_split, out.stride(0),
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT=split, PDL=pdl, BLOCK_M=tile.block_m,
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IMPRECISE_K=min(128, tile.block_k),
-            NUM_STAGES=tile.num_stages, WARP_SPECIALIZE=tile.warp_specialize, num_warps=tile.num_warps,
-            launch_pdl=pdl)
+            NUM_STAGES=tile.num_stages, num_warps=tile.num_warps, launch_pdl=pdl)
     else:
         _skinny_gemm_kernel[grid](
             x, scale_args[0], weight, scale_args[1], bias_arg, out, part,

@@ -83,21 +83,11 @@ def w8a8_tma(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=[(4, False), (8, False), (4, True)], ids=["4-warps", "8-warps", "warp-specialized"])
-def tma_warps(request, monkeypatch):
-    """The copy-engine kernel's default tiles with 4 or 8 warps, or warp-specialized
-    (kernels.skinny_gemm.W8A8_TMA_WARPS, W8A8_TMA_WARP_SPECIALIZE)."""
-    monkeypatch.setattr(skinny_module, "W8A8_TMA_WARPS", request.param[0])
-    monkeypatch.setattr(skinny_module, "W8A8_TMA_WARP_SPECIALIZE", request.param[1])
-    return request.param
-
-
 # K a multiple of 16 bytes (the copy engine's row pitch) but not of the K tile; split K ragged
 TMA_CASES = [
     pytest.param(5, 40, 80, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="ragged-edges"),
     pytest.param(18, 24, 144, SkinnyGemmTile(16, 32, 16, 3, 4, 2), id="split-ragged-two-row-blocks"),
     pytest.param(3, 32, 128, SkinnyGemmTile(16, 32, 16, 4, 4, 2), id="split-4"),
-    pytest.param(5, 40, 80, SkinnyGemmTile(16, 32, 16, 2, 4, 2, True), id="warp-specialized"),
 ]
 
 
@@ -271,27 +261,6 @@ def test_gpu_fp8_model_shapes(m, n, k, w8a8_tma, poisoned_outputs):
     assert_close(out, ref, fp8_magnitude(xq, x_scale, wq, w_scale), 2.0 ** -11)
     cublas = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale[None, :], bias=b, out_dtype=torch.bfloat16)
     assert rel_err(out, ref) <= 2 * rel_err(cublas, ref) + 2.0 ** -11
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [33, 64])
-@pytest.mark.parametrize("n,k", SHAPES[:4])
-def test_gpu_fp8_tma_warps_model_shapes(m, n, k, tma_warps, poisoned_outputs):
-    """The copy-engine kernel with 8 warps or warp-specialized at its row counts: within the bound of
-    test_gpu_fp8_model_shapes, its split-K partials summed to the same bits, and gate_up's SiLU-and-mul
-    as the other warps compute it."""
-    xq, x_scale, wq, w_scale, b = fp8_operands(m, n, k, device="cuda", seed=m + n + k)
-    tile = skinny_module.default_skinny_gemm_tile(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
-    assert (tile.num_warps, tile.warp_specialize) == tma_warps
-    out = skinny_gemm(xq, wq, b, x_scale=x_scale, weight_scale=w_scale)
-    ref = skinny_gemm_ref(xq, wq, b, x_scale=x_scale, weight_scale=w_scale)
-    assert_close(out, ref, fp8_magnitude(xq, x_scale, wq, w_scale), 2.0 ** -11)
-    if tile.split > 1:
-        pending = skinny_gemm(xq, wq, b, x_scale=x_scale, weight_scale=w_scale, defer_reduce=True)
-        assert torch.equal(skinny_module.finish_split(pending), out)
-    if n == 28672:
-        fused = skinny_gemm(xq, wq, x_scale=x_scale, weight_scale=w_scale, silu_mul=True)
-        assert rel_err(fused, skinny_gemm_ref(xq, wq, x_scale=x_scale, weight_scale=w_scale, silu_mul=True)) <= 2.0 ** -7
 
 
 @pytest.mark.gpu
