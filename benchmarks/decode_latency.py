@@ -73,8 +73,6 @@ SWITCHES = {
                               "the last split merges the partials; off: the merge kernel"),
     "fp8-quant-row-chunks": ("kernels.fp8_quant", "ROW_CHUNKS", bool,
                              "a program per chunk of a row at few rows; off: one program a row"),
-    "fp8-quant-loads-first": ("kernels.fp8_quant", "ROW_CHUNK_LOADS_FIRST", bool,
-                              "a row-chunk program loads its chunk before the amax pass, the row in one block"),
     "fp8-quant-programs-per-sm": ("kernels.fp8_quant", "ROW_CHUNK_PROGRAMS_PER_SM", int,
                                   "the programs an SM the row chunks aim at"),
     "skinny-w8a8-deep": ("kernels.skinny_gemm", "W8A8_DEEP_PIPELINE", bool,

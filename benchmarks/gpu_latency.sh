@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|kconst|tma|tma-sweep|tma-silu|quant-loads
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|kconst|tma|tma-sweep|tma-silu
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -223,19 +223,6 @@ tma-silu)  # kernels/skinny_gemm.W8A8_TMA_SILU_MIN_ROWS: gate_up (SiLU-and-mul) 
       --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --skinny-w8a8-tma-silu-min-rows $arm \
       --out "$OUT/decode_8b_tma_silu_$arm-$i.json" 2>&1 | grep -E "B="
   done
-  ;;
-quant-loads)  # kernels/fp8_quant.ROW_CHUNK_LOADS_FIRST: a row-chunk program loads its chunk before the amax pass and the
-  # row in one block. Decode first, 8B FP8 at ${BATCHES:-8 64} interleaved ${ARMS:-on off on off}; then the quantization's
-  # GPU tests (model shapes both ways, strided rows, graph capture)
-  i=0
-  for arm in ${ARMS:-on off on off}; do
-    i=$((i + 1))
-    timeout 90 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches ${BATCHES:-8 64} --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --fp8-quant-loads-first $arm \
-      --out "$OUT/decode_8b_quant_loads_$arm-$i.json" 2>&1 | grep -E "B="
-  done
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_fp8_quant.py \
-    > "$OUT/gpu_tests_quant_loads.log" 2>&1; tail -3 "$OUT/gpu_tests_quant_loads.log"
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes

@@ -55,12 +55,10 @@ INV_FP8_MAX = float(torch.tensor(1.0) / FP8_MAX)  # 1/448 rounded to float32, as
 # --fp8-quant-programs-per-sm 4|2, decode_latency-h200-fp8-quant-programs-per-sm-ab-2026-12-02.json).
 ROW_CHUNKS = True
 ROW_CHUNK_PROGRAMS_PER_SM = 4
-# At decode's few rows a chunk program is a chain of L2 round trips: the amax blocks (two of 8192 for a
-# row of 14336), then its chunk. ROW_CHUNK_LOADS_FIRST loads the chunk first and the row for the amax in
-# one block of up to ROW_CHUNK_MAX_AMAX_BLOCK, so the loads overlap. To be measured
-# (decode_latency.py --fp8-quant-loads-first on|off).
-ROW_CHUNK_LOADS_FIRST = True
-ROW_CHUNK_MAX_AMAX_BLOCK = 16384
+# Measured slower and removed (the code is at 0036f23): each chunk program loading its chunk before the amax
+# pass and the row in one block of up to 16384 (two L2 round trips overlapped, in principle). 8B FP8 batch 64
+# 16,760 / 16,734 against 16,882 / 17,001 tok/s, interleaved (decode_latency-h200-fp8-quant-loads-first-ab-
+# 2026-12-03.json).
 _MIN_ROW_CHUNK = 1024
 _MAX_AMAX_BLOCK = 8192
 
@@ -144,29 +142,24 @@ def _quantize_row_chunks_fp8_kernel(
     AMAX_BLOCK: tl.constexpr,
     SCALE_BY_RECIPROCAL: tl.constexpr,
     PDL: tl.constexpr,
-    CHUNK_FIRST: tl.constexpr,
 ):
     """Program (row, c): the whole row's amax, then chunk c of the row quantized; chunk 0 also
-    writes the row's scale. The same amax and arithmetic as _quantize_rows_fp8_kernel: the same bits.
-    CHUNK_FIRST: the chunk is loaded before the amax pass, so their L2 round trips overlap."""
+    writes the row's scale. The same amax and arithmetic as _quantize_rows_fp8_kernel: the same bits."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if PDL:
         wait_for_previous_kernel()
     x_row = x_ptr + row * stride_x
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = offs < K
-    if CHUNK_FIRST:
-        x = tl.load(x_row + offs, mask=mask, other=0.0)
     offs_a = tl.arange(0, AMAX_BLOCK)
     running = tl.zeros([AMAX_BLOCK], dtype=tl.float32)
     for k0 in range(0, K, AMAX_BLOCK):
-        a = tl.load(x_row + k0 + offs_a, mask=k0 + offs_a < K, other=0.0).to(tl.float32)
-        running = tl.maximum(running, tl.abs(a))
-    if not CHUNK_FIRST:
-        x = tl.load(x_row + offs, mask=mask, other=0.0)
+        x = tl.load(x_row + k0 + offs_a, mask=k0 + offs_a < K, other=0.0).to(tl.float32)
+        running = tl.maximum(running, tl.abs(x))
     scale = _row_scale(tl.max(running, 0), inv_max, SCALE_BY_RECIPROCAL)
-    v = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < K
+    x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
     tl.store(q_ptr + row * stride_q + offs, _e4m3_bits(v).to(tl.uint8), mask=mask)
     if chunk == 0:
         tl.store(scale_ptr + row, scale)
@@ -228,16 +221,13 @@ def quantize_rows_fp8(x: torch.Tensor, *, block_k: int | None = None,
         row_chunk = default_row_chunk(rows, k, sm_count(x.device))
     if row_chunk is not None:
         chunk = min(row_chunk, triton.next_power_of_2(k))
-        amax_block = min(ROW_CHUNK_MAX_AMAX_BLOCK if ROW_CHUNK_LOADS_FIRST else _MAX_AMAX_BLOCK,
-                         triton.next_power_of_2(k))
         _quantize_row_chunks_fp8_kernel[(rows, triton.cdiv(k, chunk))](
             x, q.view(torch.uint8), scale,
             k, x.stride(0), q.stride(0), INV_FP8_MAX,
             CHUNK=chunk,
-            AMAX_BLOCK=amax_block,
+            AMAX_BLOCK=min(_MAX_AMAX_BLOCK, triton.next_power_of_2(k)),
             SCALE_BY_RECIPROCAL=x.is_cuda,
             PDL=pdl,
-            CHUNK_FIRST=ROW_CHUNK_LOADS_FIRST,
             num_warps=8,
             launch_pdl=pdl,
         )

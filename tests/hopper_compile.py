@@ -123,8 +123,7 @@ def cases() -> dict[str, dict]:
                                                                            SCALE_BY_RECIPROCAL=True, PDL=True),
                                            {"q_ptr": "*u8", "scale_ptr": "*fp32"}, num_warps=4)
     out["quantize_row_chunks_fp8"] = compile_ptx(_quantize_row_chunks_fp8_kernel,
-                                                 dict(CHUNK=2048, AMAX_BLOCK=16384, SCALE_BY_RECIPROCAL=True, PDL=True,
-                                                      CHUNK_FIRST=True),
+                                                 dict(CHUNK=4096, AMAX_BLOCK=8192, SCALE_BY_RECIPROCAL=True, PDL=True),
                                                  {"q_ptr": "*u8", "scale_ptr": "*fp32"}, num_warps=8)
     from kernels.decode_step import _record_step_kernel, _step_inputs_kernel
 

@@ -33,28 +33,18 @@ def assert_same(x: torch.Tensor, block_k: int | None = None,
     return q, scale
 
 
-@pytest.fixture(params=[True, False], ids=["loads-first", "loads-in-turn"])
-def loads_first(request, monkeypatch) -> bool:
-    """The chunk programs load their chunk before the amax pass, or after it
-    (kernels.fp8_quant.ROW_CHUNK_LOADS_FIRST)."""
-    monkeypatch.setattr(importlib.import_module("kernels.fp8_quant"), "ROW_CHUNK_LOADS_FIRST", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("k,block_k,row_chunk", PATHS)
-def test_matches_ref(dtype, k, block_k, row_chunk, loads_first, poisoned_outputs):
+def test_matches_ref(dtype, k, block_k, row_chunk, poisoned_outputs):
     gen = torch.Generator().manual_seed(k)
     x = (torch.randn(5, k, generator=gen) * 3).to(dtype)
     assert_same(x, block_k, row_chunk)
 
 
-def test_row_chunks_read_the_whole_row_for_the_amax(monkeypatch, loads_first, poisoned_outputs):
+def test_row_chunks_read_the_whole_row_for_the_amax(monkeypatch, poisoned_outputs):
     """A program per chunk, the amax read in pieces smaller than the row: each chunk's scale is its
     row's, wherever in the row the largest value is."""
-    module = importlib.import_module("kernels.fp8_quant")
-    monkeypatch.setattr(module, "_MAX_AMAX_BLOCK", 32)
-    monkeypatch.setattr(module, "ROW_CHUNK_MAX_AMAX_BLOCK", 32)
+    monkeypatch.setattr(importlib.import_module("kernels.fp8_quant"), "_MAX_AMAX_BLOCK", 32)
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(4, 100, generator=gen, dtype=torch.bfloat16)
     for row, col in enumerate((3, 40, 70, 99)):  # the amax in each chunk of 32 in turn, the last partial
@@ -143,9 +133,8 @@ def test_cuda_scale_rounding_in_interpreter(k, block_k, row_chunk):
     scale = torch.full((64, 1), float("nan"))
     args = (x, q, scale, k, x.stride(0), q.stride(0), INV_FP8_MAX)
     if row_chunk:
-        _quantize_row_chunks_fp8_kernel[(64, -(-k // row_chunk))](*args, CHUNK=row_chunk, AMAX_BLOCK=32,
-                                                                    SCALE_BY_RECIPROCAL=True, PDL=False,
-                                                                    CHUNK_FIRST=True)
+        _quantize_row_chunks_fp8_kernel[(64, -(-k // row_chunk))](*args, CHUNK=row_chunk, AMAX_BLOCK=128,
+                                                                    SCALE_BY_RECIPROCAL=True, PDL=False)
     else:
         _quantize_rows_fp8_kernel[(64,)](*args, BLOCK_K=block_k, SINGLE_BLOCK=block_k >= k, SCALE_BY_RECIPROCAL=True,
                                          PDL=False)
@@ -188,7 +177,7 @@ def test_rejects_bad_inputs():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k", [896, 4096, 4864, 14336])
 @pytest.mark.parametrize("m", [1, 7, 64, 256])
-def test_gpu_model_shapes(m, k, dtype, loads_first, poisoned_outputs):
+def test_gpu_model_shapes(m, k, dtype, poisoned_outputs):
     gen = torch.Generator(device="cuda").manual_seed(m * k)
     mags = 10.0 ** torch.empty(m, 1, device="cuda").uniform_(-3, 3, generator=gen)
     x = (torch.randn(m, k, device="cuda", generator=gen) * mags).to(dtype)
