@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import gc_stats
 from engine.kv_cache import DUMMY_BLOCK
 from engine.mask_feed import FeedJob, MaskFeed
 from engine.request import Sequence
@@ -184,21 +185,22 @@ class GraphDecoder:
         self.logits = torch.empty(self.max_bucket, self.runner.vocab_size, device=self.device,
                                   dtype=self.runner.model.lm_head_weight.dtype)
         todo = [(b, v) for b in reversed(self.buckets) for v in VARIANTS]
-        for bucket, variant in tqdm(todo, desc="capturing CUDA graphs", disable=not progress):
-            state = self._state(bucket, variant)
-            run = self._graph_body(bucket, variant, state)
-            self._reset_padding(0, self.max_bucket)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up outside the graph (Triton compiles, allocator settles)
+        with gc_stats.paused():
+            for bucket, variant in tqdm(todo, desc="capturing CUDA graphs", disable=not progress):
+                state = self._state(bucket, variant)
+                run = self._graph_body(bucket, variant, state)
+                self._reset_padding(0, self.max_bucket)
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):  # warm-up outside the graph (Triton compiles, allocator settles)
+                    self.step.zero_()
+                    run()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
                 self.step.zero_()
-                run()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            self.step.zero_()
-            with torch.cuda.graph(graph, pool=self.pool):
-                run()
-            self.graphs[(bucket, variant)] = _Graph(graph, state)
+                with torch.cuda.graph(graph, pool=self.pool):
+                    run()
+                self.graphs[(bucket, variant)] = _Graph(graph, state)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
         self.capture_gib = (torch.cuda.memory_reserved(self.device) - mem_before) / 1024**3

@@ -29,6 +29,7 @@ import time
 import numpy as np
 import torch
 
+from engine import gc_stats
 from engine.attention import AttentionMetadata
 from engine.kv_cache import DUMMY_BLOCK
 from engine.models.llama import LlamaModel
@@ -132,16 +133,18 @@ class PrefillGraphs:
         # stream they would share the decode graphs' workspace, and a replay running beside a
         # decode round would corrupt the GEMMs of both (pytorch/pytorch#193402 describes the sharing).
         capture_stream = self.stream
-        for bucket in tqdm(list(reversed(self.buckets)), desc="capturing prefill graphs", disable=not progress):
-            meta = self._meta(bucket)
-            capture_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(capture_stream):  # warm-up outside the graph (Triton compiles, allocator settles)
-                self._forward(bucket, meta)
-            torch.cuda.current_stream().wait_stream(capture_stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream):
-                self._forward(bucket, meta)
-            self.graphs[bucket] = graph
+        with gc_stats.paused():
+            for bucket in tqdm(list(reversed(self.buckets)), desc="capturing prefill graphs", disable=not progress):
+                meta = self._meta(bucket)
+                capture_stream.wait_stream(torch.cuda.current_stream())
+                # warm-up outside the graph (Triton compiles, allocator settles)
+                with torch.cuda.stream(capture_stream):
+                    self._forward(bucket, meta)
+                torch.cuda.current_stream().wait_stream(capture_stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream):
+                    self._forward(bucket, meta)
+                self.graphs[bucket] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
         logger.info("captured %d prefill CUDA graphs (up to %d tokens) in %.1fs", len(self.graphs),

@@ -66,3 +66,27 @@ def test_rounds_that_need_eager_fall_back(model_dir):
     static = _with_static_decoder(LLM(str(model_dir), device="cpu", num_kv_blocks=64, decode_chunk=4))
     static.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0, logprobs=2))
     assert static.engine.stats().eager_rounds == {"top_logprobs": 2}
+
+
+def test_no_garbage_collection_starts_inside_a_graph_capture():
+    """engine/gc_stats.paused, around both graph captures: a collection in the middle of a capture
+    may free another engine's graph pool (cudaFree), which invalidates the capture. Collections are
+    off inside, back on after (also after an error), and left off where they were off."""
+    import gc
+
+    from engine import gc_stats
+
+    assert gc.isenabled()
+    with gc_stats.paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_stats.paused():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_stats.paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
