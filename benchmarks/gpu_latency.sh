@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|kconst|tma|tma-sweep|tma-silu
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|kconst|tma|tma-sweep|tma-silu|suite
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -223,6 +223,11 @@ tma-silu)  # kernels/skinny_gemm.W8A8_TMA_SILU_MIN_ROWS: gate_up (SiLU-and-mul) 
       --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --skinny-w8a8-tma-silu-min-rows $arm \
       --out "$OUT/decode_8b_tma_silu_$arm-$i.json" 2>&1 | grep -E "B="
   done
+  ;;
+suite)  # every GPU test (-m gpu) in one process; the structured-output and tool-call files need jsonschema, which the
+  # device lacks (they hold no GPU tests)
+  timeout ${SUITE_TIMEOUT:-440} python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short --continue-on-collection-errors \
+    tests/ > "$OUT/gpu_tests_full.log" 2>&1; tail -6 "$OUT/gpu_tests_full.log"
   ;;
 targets)  # issue 13's target table in one call: graph vs eager on the GPU (the shipped kernels), both models at
   # 1 / 8 / 64, bf16 and FP8, then where a batch-64 step goes
