@@ -2,8 +2,10 @@
 kernel before it, and let the kernel after it launch.
 
 A kernel reads before its wait only what no kernel still running can write: its weights, and (decode
-attention) the step's context lengths, written before the step's embedding lookup, a kernel without PDL
-that every layer's kernels follow.
+attention) the step's context lengths, written by the step's first kernel, at least two launches before any
+attention. A kernel two launches back has completed: kernel N+2 launches only once every program of N+1 has
+passed its wait, which returns once N completed (whether or not the embedding lookup between them runs with
+PDL, engine/models/layers.PDL_EMBEDDING).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""Greedy sampling: the argmax of each row of logits and its log-probability, in two small kernels.
+"""Greedy sampling: the argmax of each row of logits and its log-probability, in two small kernels
+(or one, FUSED_MERGE).
 
 torch needs an argmax, a logsumexp (max, subtract, exp, sum, log) and a gather: about ten kernels
 per decode step over a [B, V] float32 copy of the logits. Here the first kernel reads the logits
 once, in their own dtype, each program keeping an online (max, first index of the max, sum of
-exp(x - max)) over a chunk of the vocabulary; the second merges the chunks of a row. The logprob
+exp(x - max)) over a chunk of the vocabulary; the second (or the row's last chunk) merges the chunks of a row. The logprob
 of the argmax is then -log(sum(exp(x - max))). Ties go to the lowest index, as torch.argmax.
 
 With a grammar's token bitmask ([B, ceil(V/32)] int32, bit j of word w allows token 32w + j), the
@@ -17,20 +18,37 @@ import torch
 import triton
 import triton.language as tl
 
-_CHUNK = 4096  # vocabulary entries per program of the first pass
+from kernels._common import use_pdl
+from kernels._pdl import wait_for_previous_kernel
+from kernels._split_counters import last_to_arrive, split_counters
+
 _BLOCK = 1024
+# Vocabulary entries a program of the first pass covers (a multiple of _BLOCK): a loop of CHUNK / _BLOCK
+# loads, each waiting on the one before. To be measured against 1024 (decode_latency.py --greedy-chunk).
+CHUNK = 4096
+# The last chunk of a row to finish merges the row's partials (kernels/_split_counters.py) instead of a
+# second kernel, and that one kernel launches with programmatic dependent launch (the step's record
+# kernel after it starts during its tail). Off until measured (decode_latency.py --greedy-fused-merge on|off).
+FUSED_MERGE = False
 
 
 @triton.jit
 def _argmax_partial_kernel(
-    logits_ptr, bitmask_ptr, part_max_ptr, part_idx_ptr, part_sum_ptr, part_lse_max_ptr,
+    logits_ptr, bitmask_ptr, part_max_ptr, part_idx_ptr, part_sum_ptr, part_lse_max_ptr, counter_ptr,
+    tokens_ptr, logprobs_ptr,
     stride_l, stride_m, vocab, num_chunks,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
     MASKED: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    """FUSED_MERGE: each program counts its chunk done on counter_ptr[row], and the row's last merges."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
+    if PDL:
+        wait_for_previous_kernel()
     offs = tl.arange(0, BLOCK)
     m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)  # running max of all logits (log-sum-exp)
     s = tl.zeros([BLOCK], dtype=tl.float32)
@@ -60,6 +78,10 @@ def _argmax_partial_kernel(
     tl.store(part_idx_ptr + out, first)
     tl.store(part_lse_max_ptr + out, lse_max)
     tl.store(part_sum_ptr + out, total)
+    if FUSED_MERGE:
+        if last_to_arrive(counter_ptr + row, num_chunks):
+            _merge_row(logits_ptr, part_max_ptr, part_idx_ptr, part_sum_ptr, part_lse_max_ptr, tokens_ptr,
+                       logprobs_ptr, row, stride_l, num_chunks, CHUNKS_PAD, ".cg")
 
 
 @triton.jit
@@ -68,13 +90,21 @@ def _argmax_merge_kernel(
     stride_l, num_chunks,
     CHUNKS_PAD: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    _merge_row(logits_ptr, part_max_ptr, part_idx_ptr, part_sum_ptr, part_lse_max_ptr, tokens_ptr, logprobs_ptr,
+               tl.program_id(0).to(tl.int64), stride_l, num_chunks, CHUNKS_PAD, "")
+
+
+@triton.jit
+def _merge_row(logits_ptr, part_max_ptr, part_idx_ptr, part_sum_ptr, part_lse_max_ptr, tokens_ptr, logprobs_ptr,
+               row, stride_l, num_chunks, CHUNKS_PAD: tl.constexpr, CACHE: tl.constexpr):
+    """A row's token and logprob from its chunks' partials (CACHE ".cg": written by other programs of the
+    same launch, read through L2)."""
     offs = tl.arange(0, CHUNKS_PAD)
     mask = offs < num_chunks
-    am = tl.load(part_max_ptr + row * num_chunks + offs, mask=mask, other=float("-inf"))
-    idx = tl.load(part_idx_ptr + row * num_chunks + offs, mask=mask, other=2147483647)
-    m = tl.load(part_lse_max_ptr + row * num_chunks + offs, mask=mask, other=float("-inf"))
-    s = tl.load(part_sum_ptr + row * num_chunks + offs, mask=mask, other=0.0)
+    am = tl.load(part_max_ptr + row * num_chunks + offs, mask=mask, other=float("-inf"), cache_modifier=CACHE)
+    idx = tl.load(part_idx_ptr + row * num_chunks + offs, mask=mask, other=2147483647, cache_modifier=CACHE)
+    m = tl.load(part_lse_max_ptr + row * num_chunks + offs, mask=mask, other=float("-inf"), cache_modifier=CACHE)
+    s = tl.load(part_sum_ptr + row * num_chunks + offs, mask=mask, other=0.0, cache_modifier=CACHE)
     best = tl.max(am, 0)
     first = tl.min(tl.where((am == best) & (idx != 2147483647), idx, 2147483647), 0)
     first = tl.where(first == 2147483647, 0, first)  # nothing allowed (a mask bug): token 0, not garbage
@@ -94,7 +124,7 @@ def greedy_sample(logits: torch.Tensor, bitmask: torch.Tensor | None = None) -> 
                                 or bitmask.dtype != torch.int32 or bitmask.stride(-1) != 1):
         raise ValueError(f"expected an int32 bitmask [B, ceil(V/32)], got {tuple(bitmask.shape)} {bitmask.dtype}")
     rows, vocab = logits.shape
-    num_chunks = triton.cdiv(vocab, _CHUNK)
+    num_chunks = triton.cdiv(vocab, CHUNK)
     dev = logits.device
     tokens = torch.empty(rows, dtype=torch.int64, device=dev)
     logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -104,15 +134,21 @@ def greedy_sample(logits: torch.Tensor, bitmask: torch.Tensor | None = None) -> 
     part_sum = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)
     part_idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=dev)
     part_lse_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)
+    counters = split_counters(dev, "greedy_sample", rows) if FUSED_MERGE else None
+    pdl = FUSED_MERGE and use_pdl(dev, elementwise=True)
+    chunks_pad = max(2, triton.next_power_of_2(num_chunks))
     _argmax_partial_kernel[(rows, num_chunks)](
         logits, bitmask if bitmask is not None else part_idx, part_max, part_idx, part_sum, part_lse_max,
+        counters if counters is not None else part_idx, tokens, logprobs,
         logits.stride(0), bitmask.stride(0) if bitmask is not None else 0, vocab, num_chunks,
-        CHUNK=_CHUNK, BLOCK=_BLOCK, MASKED=bitmask is not None, num_warps=4,
+        CHUNK=CHUNK, BLOCK=_BLOCK, MASKED=bitmask is not None, FUSED_MERGE=counters is not None,
+        CHUNKS_PAD=chunks_pad, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
-    _argmax_merge_kernel[(rows,)](
-        logits, part_max, part_idx, part_sum, part_lse_max, tokens, logprobs, logits.stride(0), num_chunks,
-        CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), num_warps=1,
-    )
+    if counters is None:
+        _argmax_merge_kernel[(rows,)](
+            logits, part_max, part_idx, part_sum, part_lse_max, tokens, logprobs, logits.stride(0), num_chunks,
+            CHUNKS_PAD=chunks_pad, num_warps=1,
+        )
     return tokens, logprobs
 
 

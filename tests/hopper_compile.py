@@ -125,6 +125,16 @@ def cases() -> dict[str, dict]:
     out["quantize_row_chunks_fp8"] = compile_ptx(_quantize_row_chunks_fp8_kernel,
                                                  dict(CHUNK=4096, AMAX_BLOCK=8192, SCALE_BY_RECIPROCAL=True, PDL=True),
                                                  {"q_ptr": "*u8", "scale_ptr": "*fp32"}, num_warps=8)
+    from kernels.embedding import _embedding_kernel
+
+    out["embedding"] = compile_ptx(_embedding_kernel, dict(BLOCK=1024, PDL=True), {"ids_ptr": "*i64"}, num_warps=4)
+    from kernels.sampling import _argmax_partial_kernel
+
+    # the row's last chunk merges (kernels/sampling.FUSED_MERGE), Qwen2.5-0.5B's vocabulary in chunks of 1024
+    out["greedy_fused"] = compile_ptx(
+        _argmax_partial_kernel, dict(CHUNK=1024, BLOCK=1024, MASKED=False, FUSED_MERGE=True, CHUNKS_PAD=256, PDL=True),
+        {"part_max_ptr": "*fp32", "part_idx_ptr": "*i32", "part_sum_ptr": "*fp32", "part_lse_max_ptr": "*fp32",
+         "counter_ptr": "*i32", "tokens_ptr": "*i64", "logprobs_ptr": "*fp32", "bitmask_ptr": "*i32"}, num_warps=4)
     from kernels.decode_step import _record_step_kernel, _step_inputs_kernel
 
     step_ptrs = {"step_ptr": "*i64", "positions_ptr": "*i64", "slots_ptr": "*i64", "context_lens_ptr": "*i32",

@@ -30,7 +30,8 @@ def compiled() -> dict[str, dict]:
 @pytest.mark.parametrize("kernel", ["rms_norm", "rms_norm_fp8", "rms_norm_split", "rms_norm_fp8_split", "rope_kv_store",
                                     "silu_and_mul", "quantize_rows_fp8", "quantize_row_chunks_fp8", "skinny_bf16", "skinny_w8a8_silu",
                                     "attention_qwen_prefetch0", "attention_qwen_prefetch2", "attention_llama_prefetch2",
-                                    "step_inputs", "record_step"])
+                                    "step_inputs", "record_step", "greedy_fused",
+                                    "embedding"])
 def test_the_pdl_variant_compiles_and_waits_for_the_kernel_before(compiled, kernel):
     assert compiled[kernel]["waits"] >= 1
     first = compiled[kernel]["first_line"]
@@ -67,6 +68,15 @@ def test_the_last_split_finishes_after_a_release(compiled, fused, unfused):
     assert kernel["cg_loads"] > 0
     assert kernel["first_line"]["atom."] < kernel["first_line"]["ld.global.cg"]
     assert kernel["first_line"]["griddepcontrol.wait"] < kernel["first_line"]["atom."]
+
+
+def test_the_last_chunk_of_a_row_picks_its_token_after_a_release(compiled):
+    """kernels/sampling.FUSED_MERGE: every thread's partial stored before a CTA barrier, one
+    acquire-release count at GPU scope after the PDL wait, the others' partials read through L2."""
+    kernel = compiled["greedy_fused"]
+    assert kernel["atomics"] == ["atom.global.gpu.acq_rel.add.u32"]
+    assert kernel["barrier_before_atomic"] and kernel["cg_loads"] > 0
+    assert kernel["first_line"]["griddepcontrol.wait"] < kernel["first_line"]["atom."] < kernel["first_line"]["ld.global.cg"]
 
 
 def test_record_step_advances_the_step_after_every_thread_read_it(compiled):

@@ -626,7 +626,17 @@ def test_default_gemv_tile_fills_the_gpu_and_bounds_registers():
 # ----------------------------------------------------------------------------- greedy sampling
 
 
-def test_greedy_sample():
+@pytest.fixture(params=[(4096, False), (1024, False), (4096, True), (1024, True)],
+                ids=["chunks-4096", "chunks-1024", "chunks-4096-fused", "chunks-1024-fused"])
+def greedy_variant(request, monkeypatch):
+    """kernels.sampling's CHUNK and FUSED_MERGE (the row's last chunk merges, in one kernel)."""
+    module = importlib.import_module("kernels.sampling")
+    monkeypatch.setattr(module, "CHUNK", request.param[0])
+    monkeypatch.setattr(module, "FUSED_MERGE", request.param[1])
+    return request.param
+
+
+def test_greedy_sample(greedy_variant):
     gen = torch.Generator().manual_seed(30)
     logits = torch.randn(4, 10_000, generator=gen) * 3  # several chunks, the last one partial
     logits[1, 9_999] = 50.0  # the maximum in the last, partial chunk
@@ -641,7 +651,7 @@ def test_greedy_sample():
     assert tokens16.tolist() == ref16[0].tolist() and torch.allclose(logprobs16, ref16[1], atol=1e-4)
 
 
-def test_greedy_sample_with_a_bitmask_picks_the_best_allowed_token():
+def test_greedy_sample_with_a_bitmask_picks_the_best_allowed_token(greedy_variant):
     """A grammar's bitmask: the argmax over allowed tokens only (even when they are -inf or the
     row's overall maximum is banned); the logprob is still the model's over the whole vocabulary."""
     gen = torch.Generator().manual_seed(33)
@@ -656,12 +666,46 @@ def test_greedy_sample_with_a_bitmask_picks_the_best_allowed_token():
     bitmask[3] = 0
     bitmask[3, 0] = 0b1100  # tokens 2 and 3 allowed, both -inf: the first allowed one
     logits[3, 2:4] = float("-inf")
-    tokens, logprobs = greedy_sample(logits, bitmask)
     ref_tokens, ref_logprobs = greedy_sample_ref(logits, bitmask)
-    assert tokens[:3].tolist() == ref_tokens[:3].tolist()
-    assert tokens[0] == logits[0].argmax() and tokens[1] == 9_999 and tokens[2] != 123 and tokens[3] == 2
-    assert torch.allclose(logprobs[:3], ref_logprobs[:3], atol=1e-5)
-    assert logprobs[3] == float("-inf")
+    for _ in range(2):  # twice: the fused merge's counters are back at 0
+        tokens, logprobs = greedy_sample(logits, bitmask)
+        assert tokens[:3].tolist() == ref_tokens[:3].tolist()
+        assert tokens[0] == logits[0].argmax() and tokens[1] == 9_999 and tokens[2] != 123 and tokens[3] == 2
+        assert torch.allclose(logprobs[:3], ref_logprobs[:3], atol=1e-5)
+        assert logprobs[3] == float("-inf")
+
+
+@pytest.mark.parametrize("hidden", [100, 2500], ids=["one-block", "three-blocks"])
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_embedding(hidden, id_dtype, poisoned_outputs):
+    """kernels/embedding.py: the table's rows, bit for bit, in the table's dtype; ids past the table
+    are clamped to it, never read out of bounds."""
+    from kernels.embedding import embedding, embedding_ref
+
+    gen = torch.Generator().manual_seed(hidden)
+    weight = torch.randn(300, hidden, generator=gen).to(torch.bfloat16)
+    ids = torch.tensor([0, 299, 17, 17, 150], dtype=id_dtype)
+    assert torch.equal(embedding(ids, weight), embedding_ref(ids.long(), weight))
+    assert torch.equal(embedding(torch.tensor([-5, 300, 10**6], dtype=id_dtype), weight), weight[[0, 299, 299]])
+    assert embedding(ids[:0], weight).shape == (0, hidden)
+
+
+def test_the_embedding_lookup_on_the_triton_path_is_the_tables_rows(monkeypatch):
+    """engine/models/layers.embed with PDL_EMBEDDING, as CUDA runs it (here in the interpreter): the
+    kernel's rows; off, torch's lookup."""
+    from engine.models import layers
+    module = importlib.import_module("kernels.embedding")
+
+    calls = []
+    kernel = module.embedding
+    monkeypatch.setattr(module, "embedding", lambda ids, weight: calls.append(ids) or kernel(ids, weight))
+    monkeypatch.setattr(layers, "_triton", lambda x: True)
+    weight = torch.randn(50, 64, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([3, 49, 0])
+    for on in (False, True):
+        monkeypatch.setattr(layers, "PDL_EMBEDDING", on)
+        assert torch.equal(layers.embed(ids, weight), F.embedding(ids, weight))
+        assert len(calls) == on
 
 
 def test_wait_for_host_returns_once_the_counter_is_reached_and_counts_a_timeout():

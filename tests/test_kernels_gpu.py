@@ -352,17 +352,61 @@ def test_gemv_real_shapes(name, rows, poisoned_outputs, monkeypatch):
     assert rel_err(out, gemv_ref(x, w, b, norm_weight=g, residual=res, silu_mul=silu)[0]) < 5e-3
 
 
+@pytest.fixture(params=[(4096, False), (1024, True)], ids=["chunks-4096", "chunks-1024-fused"])
+def greedy_variant(request, monkeypatch):
+    """kernels.sampling's CHUNK and FUSED_MERGE (the row's last chunk merges, one PDL kernel)."""
+    module = importlib.import_module("kernels.sampling")
+    monkeypatch.setattr(module, "CHUNK", request.param[0])
+    monkeypatch.setattr(module, "FUSED_MERGE", request.param[1])
+    return request.param
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("vocab", [151936, 128256])
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
-def test_greedy_sample_real_vocab(vocab, dtype, poisoned_outputs):
+def test_greedy_sample_real_vocab(vocab, dtype, greedy_variant, poisoned_outputs):
+    """Twenty launches in a row (the fused merge's counters return to 0; a chunk merged before it was
+    written would show), then under CUDA-graph replay with new logits."""
     gen = torch.Generator(device=DEV).manual_seed(vocab)
     logits = (torch.randn(64, vocab, device=DEV, generator=gen) * 4).to(dtype)
     logits[5, vocab - 1] = 100.0  # the maximum in the last vocabulary entry
-    tokens, logprobs = greedy_sample(logits)
     ref_tokens, ref_logprobs = greedy_sample_ref(logits)
-    assert torch.equal(tokens, ref_tokens) and tokens[5] == vocab - 1
-    assert torch.allclose(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)
+    for _ in range(20):
+        tokens, logprobs = greedy_sample(logits)
+        assert torch.equal(tokens, ref_tokens) and tokens[5] == vocab - 1
+        assert torch.allclose(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tokens, logprobs = greedy_sample(logits)
+    for _ in range(3):
+        logits.copy_((torch.randn(logits.shape, device=DEV, generator=gen) * 4).to(dtype))
+        tokens.fill_(-1)
+        logprobs.fill_(float("nan"))
+        graph.replay()
+        ref_tokens, ref_logprobs = greedy_sample_ref(logits)
+        assert torch.equal(tokens, ref_tokens)
+        assert torch.allclose(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab,hidden", [(151936, 896), (128256, 4096)], ids=["qwen", "llama"])
+def test_embedding_real_shapes(vocab, hidden, poisoned_outputs):
+    """kernels/embedding.py at the models' tables: the rows bit for bit, eagerly and under graph replay
+    with new ids."""
+    from kernels.embedding import embedding
+
+    gen = torch.Generator(device=DEV).manual_seed(hidden)
+    weight = torch.randn(vocab, hidden, device=DEV, dtype=BF16, generator=gen)
+    ids = torch.randint(0, vocab, (64,), device=DEV, generator=gen)
+    ids[0] = vocab - 1
+    assert torch.equal(embedding(ids, weight), weight[ids])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = embedding(ids, weight)
+    ids.copy_(torch.randint(0, vocab, (64,), device=DEV, generator=gen))
+    out.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(out, weight[ids])
 
 
 @pytest.mark.gpu
@@ -392,7 +436,7 @@ def test_wait_for_host_holds_the_stream_until_the_host_raises_the_counter():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("vocab", [151936, 128256])
-def test_greedy_sample_masked_real_vocab(vocab, poisoned_outputs):
+def test_greedy_sample_masked_real_vocab(vocab, greedy_variant, poisoned_outputs):
     gen = torch.Generator(device=DEV).manual_seed(vocab + 1)
     logits = (torch.randn(64, vocab, device=DEV, generator=gen) * 4).to(BF16)
     words = -(-vocab // 32)

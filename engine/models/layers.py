@@ -50,6 +50,10 @@ FP8_NORM_QUANT = True
 # 12,711 vs 12,448 / 12,454 tok/s, FP8 16,597 / 16,571 vs 16,371 / 16,400; 0.5B batch 64 63,910 vs
 # 62,144 (decode_latency-h200-defer-split-reduce-ab-2026-12-02.json).
 DEFER_SPLIT_REDUCE = True
+# On CUDA the embedding lookup runs as kernels/embedding.py's kernel, which launches with programmatic
+# dependent launch (the first layer's kernel then starts, and prefetches its weights, during the lookup),
+# instead of torch's index_select. Off until measured (decode_latency.py --pdl-embedding on|off).
+PDL_EMBEDDING = False
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -194,6 +198,15 @@ def fused_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_we
                                       v_cache, num_heads, norm_weight=norm_weight, residual=residual, eps=eps,
                                       weight_scale=qkv_proj.weight_scale)
     return q, x if residual is None else new_residual
+
+
+def embed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """weight[ids]: the embedding lookup (kernels/embedding.py on CUDA where PDL_EMBEDDING)."""
+    if PDL_EMBEDDING and _triton(ids):
+        from kernels.embedding import embedding
+
+        return embedding(ids, weight)
+    return F.embedding(ids, weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -18,6 +18,7 @@ from engine.models.layers import (
     Linear,
     add_rms_norm,
     defers_split_reduce,
+    embed,
     fused_qkv_rope_store,
     linear,
     norm_linear,
@@ -134,7 +135,7 @@ class LlamaModel(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self.embed_tokens(input_ids)
+            return embed(input_ids, self.embed_tokens.weight)
         start, end = self.shard.vocab
         local = input_ids - start
         mine = (local >= 0) & (local < end - start)  # the other ranks hold the other rows
