@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|kconst|tma|tma-sweep|tma-silu|suite
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|kconst|tma|tma-sweep|tma-silu|suite|step-kernels
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -223,6 +223,30 @@ tma-silu)  # kernels/skinny_gemm.W8A8_TMA_SILU_MIN_ROWS: gate_up (SiLU-and-mul) 
       --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --skinny-w8a8-tma-silu-min-rows $arm \
       --out "$OUT/decode_8b_tma_silu_$arm-$i.json" 2>&1 | grep -E "B="
   done
+  ;;
+step-kernels)  # prepared, off: the greedy argmax's row merged by its last chunk in one PDL kernel (kernels/sampling.
+  # FUSED_MERGE, CHUNK 1024) and the embedding lookup as a PDL kernel (engine/models/layers.PDL_EMBEDDING). Decode first,
+  # Qwen2.5-0.5B bf16 at 1 / 8, interleaved off / greedy / both, twice; then 8B FP8 at 1 off / both; then their GPU tests
+  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
+  i=0
+  for arm in off greedy both off greedy both; do
+    i=$((i + 1))
+    flags=""
+    [ $arm != off ] && flags="--greedy-fused-merge on --greedy-chunk 1024"
+    [ $arm = both ] && flags="$flags --pdl-embedding on"
+    # shellcheck disable=SC2086
+    timeout 60 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 8 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 $flags --out "$OUT/decode_qwen_step_kernels_$arm-$i.json" 2>&1 | grep -E "B="
+  done
+  for arm in off both; do
+    flags=$([ $arm = both ] && echo "--greedy-fused-merge on --greedy-chunk 1024 --pdl-embedding on")
+    # shellcheck disable=SC2086
+    timeout 60 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 $flags \
+      --out "$OUT/decode_8b_step_kernels_$arm.json" 2>&1 | grep -E "B="
+  done
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py tests/test_gpu_engine.py \
+    -k "greedy or embedding" > "$OUT/gpu_tests_step_kernels.log" 2>&1; tail -3 "$OUT/gpu_tests_step_kernels.log"
   ;;
 suite)  # every GPU test (-m gpu) in one process; the structured-output and tool-call files need jsonschema, which the
   # device lacks (they hold no GPU tests)

@@ -4,8 +4,9 @@
 torch needs an argmax, a logsumexp (max, subtract, exp, sum, log) and a gather: about ten kernels
 per decode step over a [B, V] float32 copy of the logits. Here the first kernel reads the logits
 once, in their own dtype, each program keeping an online (max, first index of the max, sum of
-exp(x - max)) over a chunk of the vocabulary; the second (or the row's last chunk) merges the chunks of a row. The logprob
-of the argmax is then -log(sum(exp(x - max))). Ties go to the lowest index, as torch.argmax.
+exp(x - max)) over a chunk of the vocabulary; the second (or the row's last chunk) merges the chunks
+of a row. The logprob of the argmax is then -log(sum(exp(x - max))). Ties go to the lowest index, as
+torch.argmax.
 
 With a grammar's token bitmask ([B, ceil(V/32)] int32, bit j of word w allows token 32w + j), the
 argmax is taken over the allowed tokens only, while the log-probability stays the model's own

@@ -147,6 +147,38 @@ def test_fused_step_bookkeeping_matches_the_torch_ops(llm, batch, monkeypatch):
     assert all(len(tokens) == 64 for tokens in runs[0][0])
 
 
+@pytest.mark.parametrize("batch", [1, 17])
+def test_fused_greedy_merge_and_pdl_embedding_give_the_same_tokens(llm, batch, monkeypatch):
+    """kernels/sampling.FUSED_MERGE with chunks of 1024 and engine/models/layers.PDL_EMBEDDING (each
+    off until measured): eager decode rounds give the greedy tokens of the shipped kernels, and their
+    logprobs within float32 reordering of the log-sum-exp."""
+    from engine import SamplingParams
+    from engine.models import layers
+    from kernels import sampling
+
+    engine = llm.engine.core
+    gen = torch.Generator().manual_seed(200 + batch)
+    prompts = [torch.randint(100, 30000, (int(n),), generator=gen).tolist()
+               for n in torch.randint(8, 200, (batch,), generator=gen)]
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=0)
+    caching, engine.block_manager.prefix_caching = engine.block_manager.prefix_caching, False
+    graphs, engine.graphs = engine.graphs, None
+    try:
+        runs = []
+        for on in (False, True):
+            monkeypatch.setattr(sampling, "FUSED_MERGE", on)
+            monkeypatch.setattr(sampling, "CHUNK", 1024 if on else 4096)
+            monkeypatch.setattr(layers, "PDL_EMBEDDING", on)
+            outs = llm.generate(prompts, params)
+            runs.append(([o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]))
+    finally:
+        engine.graphs = graphs
+        engine.block_manager.prefix_caching = caching
+    assert runs[1][0] == runs[0][0]
+    for got, want in zip(runs[1][1], runs[0][1]):
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+
+
 @pytest.mark.parametrize("batch", [1, 3, 17, 64])
 def test_graph_path_matches_eager_path(llm, batch):
     """Decode rounds through the CUDA graphs give the greedy tokens of eager decode steps.

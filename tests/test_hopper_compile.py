@@ -76,7 +76,8 @@ def test_the_last_chunk_of_a_row_picks_its_token_after_a_release(compiled):
     kernel = compiled["greedy_fused"]
     assert kernel["atomics"] == ["atom.global.gpu.acq_rel.add.u32"]
     assert kernel["barrier_before_atomic"] and kernel["cg_loads"] > 0
-    assert kernel["first_line"]["griddepcontrol.wait"] < kernel["first_line"]["atom."] < kernel["first_line"]["ld.global.cg"]
+    first = kernel["first_line"]
+    assert first["griddepcontrol.wait"] < first["atom."] < first["ld.global.cg"]
 
 
 def test_record_step_advances_the_step_after_every_thread_read_it(compiled):
