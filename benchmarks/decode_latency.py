@@ -73,6 +73,8 @@ SWITCHES = {
                               "the last split merges the partials; off: the merge kernel"),
     "fp8-quant-row-chunks": ("kernels.fp8_quant", "ROW_CHUNKS", bool,
                              "a program per chunk of a row at few rows; off: one program a row"),
+    "fp8-row-amax": ("engine.models.layers", "FP8_ROW_AMAX", bool,
+                     "an FP8 gate_up hands down_proj's row quantization each row's amax in parts"),
     "pdl-embedding": ("engine.models.layers", "PDL_EMBEDDING", bool,
                       "the embedding lookup as a PDL kernel; off: torch's index_select"),
     "greedy-chunk": ("kernels.sampling", "CHUNK", int, "vocabulary entries a program of the greedy argmax covers"),

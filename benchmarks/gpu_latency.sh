@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|kconst|tma|tma-sweep|tma-silu|suite|step-kernels
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|kconst|tma|tma-sweep|tma-silu|suite|step-kernels|row-amax
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -247,6 +247,19 @@ step-kernels)  # prepared, off: the greedy argmax's row merged by its last chunk
   done
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py tests/test_gpu_engine.py \
     -k "greedy or embedding" > "$OUT/gpu_tests_step_kernels.log" 2>&1; tail -3 "$OUT/gpu_tests_step_kernels.log"
+  ;;
+row-amax)  # prepared, off: engine/models/layers.FP8_ROW_AMAX, an FP8 gate_up hands down_proj's row quantization each
+  # row's amax in parts (kernels/skinny_gemm.py row_amax). Decode first, 8B FP8 at ${BATCHES:-8 64} interleaved
+  # ${ARMS:-on off on off}; then its GPU tests (the skinny GEMM's and the quantization's)
+  i=0
+  for arm in ${ARMS:-on off on off}; do
+    i=$((i + 1))
+    timeout 90 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches ${BATCHES:-8 64} --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --fp8-row-amax $arm \
+      --out "$OUT/decode_8b_row_amax_$arm-$i.json" 2>&1 | grep -E "B="
+  done
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py tests/test_fp8_quant.py \
+    -k "row_amax or model_shapes" > "$OUT/gpu_tests_row_amax.log" 2>&1; tail -3 "$OUT/gpu_tests_row_amax.log"
   ;;
 suite)  # every GPU test (-m gpu) in one process; the structured-output and tool-call files need jsonschema, which the
   # device lacks (they hold no GPU tests)

@@ -41,6 +41,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels._common import dot_precision, sm_count, use_pdl
 from kernels._pdl import wait_for_previous_kernel
+from kernels.fp8_quant import AmaxedRows
 
 FP8 = torch.float8_e4m3fn
 # weight-only FP8: x * 2^-8 in fp16 overflows only past 16.7M, and loses bits only below 2^-16
@@ -50,7 +51,7 @@ W_ONLY_X_SCALE = tl.constexpr(2.0**-8)
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, amax_ptr,
     M, N, K, k_per_split,
     stride_x, stride_w, stride_o,
     HAS_BIAS: tl.constexpr,
@@ -64,6 +65,7 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IMPRECISE_K: tl.constexpr,
+    ROW_AMAX: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -102,13 +104,14 @@ def _skinny_gemm_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
-    _store_tile(acc, acc_u if SILU_MUL else acc, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, M, N, stride_o,
-                pid_s, offs_n, offs_m, n_mask, m_mask, HAS_BIAS, HAS_SCALES, W_ONLY, SILU_MUL, SPLIT)
+    _store_tile(acc, acc_u if SILU_MUL else acc, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, amax_ptr, M, N,
+                stride_o, pid_n, pid_s, offs_n, offs_m, n_mask, m_mask, HAS_BIAS, HAS_SCALES, W_ONLY, SILU_MUL, SPLIT,
+                ROW_AMAX)
 
 
 @triton.jit
 def _skinny_gemm_tma_kernel(
-    x_desc, x_scale_ptr, w_desc, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
+    x_desc, x_scale_ptr, w_desc, w_scale_ptr, bias_ptr, out_ptr, part_ptr, amax_ptr,
     M, N, K, k_per_split, stride_o,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
@@ -119,6 +122,7 @@ def _skinny_gemm_tma_kernel(
     BLOCK_K: tl.constexpr,
     IMPRECISE_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    ROW_AMAX: tl.constexpr,
 ):
     """W8A8 as _skinny_gemm_kernel computes it, its K tiles brought into shared memory by the copy
     engine (TMA: one request a tile, no address arithmetic in the program's warps; rows past M and
@@ -142,16 +146,18 @@ def _skinny_gemm_tma_kernel(
         if SILU_MUL:  # up row N + n beside gate row n (a gate tile past N reads up rows: masked at the store)
             u = w_desc.load([N + pid_n * BLOCK_N, k0])
             acc_u = tl.dot(u, tl.trans(x), acc_u, max_num_imprecise_acc=IMPRECISE_K)
-    _store_tile(acc, acc_u if SILU_MUL else acc, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, M, N, stride_o,
-                pid_s, offs_n, offs_m, offs_n < N, offs_m < M, HAS_BIAS, True, False, SILU_MUL, SPLIT)
+    _store_tile(acc, acc_u if SILU_MUL else acc, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, amax_ptr, M, N,
+                stride_o, pid_n, pid_s, offs_n, offs_m, offs_n < N, offs_m < M, HAS_BIAS, True, False, SILU_MUL, SPLIT,
+                ROW_AMAX)
 
 
 @triton.jit
-def _store_tile(acc, acc_u, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, M, N, stride_o, pid_s, offs_n,
-                offs_m, n_mask, m_mask, HAS_BIAS: tl.constexpr, HAS_SCALES: tl.constexpr, W_ONLY: tl.constexpr,
-                SILU_MUL: tl.constexpr, SPLIT: tl.constexpr):
+def _store_tile(acc, acc_u, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, amax_ptr, M, N, stride_o, pid_n,
+                pid_s, offs_n, offs_m, n_mask, m_mask, HAS_BIAS: tl.constexpr, HAS_SCALES: tl.constexpr,
+                W_ONLY: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT: tl.constexpr, ROW_AMAX: tl.constexpr):
     """A program's [BLOCK_N, BLOCK_M] tile of out.T: float32 partials of its K split, or scaled,
-    biased (SiLU-and-mul-ed with acc_u) and rounded into out."""
+    biased (SiLU-and-mul-ed with acc_u) and rounded into out. ROW_AMAX (SPLIT 1): also the largest
+    |value| of each of its rows as stored, into amax_ptr[row, pid_n] (a [M, programs along N] array)."""
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT > 1:  # partials [SPLIT, M, N], float32, unscaled
         p_ptrs = part_ptr + (pid_s * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None]
@@ -177,6 +183,9 @@ def _store_tile(acc, acc_u, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, part_pt
             y = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
         o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
         tl.store(o_ptrs, y.to(dt), mask=mask)
+        if ROW_AMAX:
+            stored = tl.where(mask, tl.abs(y.to(dt).to(tl.float32)), 0.0)
+            tl.store(amax_ptr + offs_m.to(tl.int64) * tl.num_programs(0) + pid_n, tl.max(stored, 0), mask=m_mask)
 
 
 @triton.jit
@@ -351,7 +360,8 @@ def skinny_gemm(
     silu_mul: bool = False,
     defer_reduce: bool = False,
     tile: SkinnyGemmTile | None = None,
-) -> torch.Tensor | SplitPartials:
+    row_amax: bool = False,
+) -> torch.Tensor | SplitPartials | AmaxedRows:
     """x @ weight.T (+ bias) in float32, rounded to out_dtype (default x's dtype; bfloat16 for
     FP8 x): [M, N]. x [M, K] and weight [N, K] with contiguous rows, of one dtype, or (weight-only
     FP8) a float8 e4m3 weight with bf16 / fp16 x. FP8 weights need weight_scale float32 [N];
@@ -360,7 +370,8 @@ def skinny_gemm(
     a fused [gate; up] of 2I rows (no bias) and the result silu(x @ gate.T) * (x @ up.T), [M, I];
     K is never split then. defer_reduce: a product whose K is split comes back as its SplitPartials,
     for the next kernel to sum (no reduce kernel; not weight-only FP8). tile overrides the launch
-    shape (benchmark sweeps)."""
+    shape (benchmark sweeps). row_amax (K not split): the result as AmaxedRows, with the largest |value|
+    of each row's part that each program along N wrote, for the row quantization after it."""
     w_only = weight.dtype == FP8 and x.dtype in (torch.bfloat16, torch.float16)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or (x.dtype != weight.dtype and not w_only):
         raise ValueError(f"expected x [M, K] and weight [N, K] of one dtype (or an FP8 weight with bf16 / fp16 x), "
@@ -394,6 +405,8 @@ def skinny_gemm(
     k_per_split = triton.cdiv(triton.cdiv(k, split), tile.block_k) * tile.block_k
     split = triton.cdiv(k, k_per_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    row_amax = row_amax and split == 1
+    amax = torch.empty((m, triton.cdiv(n, tile.block_n)), dtype=torch.float32, device=x.device) if row_amax else part
     pdl = use_pdl(x.device)
     scale_args = (x_scale if fp8 else out, weight_scale if fp8 or w_only else out)
     bias_arg = bias if bias is not None else out
@@ -403,13 +416,13 @@ def skinny_gemm(
         _skinny_gemm_tma_kernel[grid](
             TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k]), x_scale,
             TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]), weight_scale, bias_arg, out, part,
-            m, n, k, k_per_split, out.stride(0),
+            amax, m, n, k, k_per_split, out.stride(0),
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT=split, PDL=pdl, BLOCK_M=tile.block_m,
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IMPRECISE_K=min(128, tile.block_k),
-            NUM_STAGES=tile.num_stages, num_warps=tile.num_warps, launch_pdl=pdl)
+            NUM_STAGES=tile.num_stages, ROW_AMAX=row_amax, num_warps=tile.num_warps, launch_pdl=pdl)
     else:
         _skinny_gemm_kernel[grid](
-            x, scale_args[0], weight, scale_args[1], bias_arg, out, part,
+            x, scale_args[0], weight, scale_args[1], bias_arg, out, part, amax,
             m, n, k, k_per_split,
             x.stride(0), weight.stride(0), out.stride(0),
             HAS_BIAS=bias is not None,
@@ -423,12 +436,13 @@ def skinny_gemm(
             BLOCK_N=tile.block_n,
             BLOCK_K=tile.block_k,
             IMPRECISE_K=min(128, tile.block_k),  # as DeepSeek-V3 does (and cuBLAS without fast accumulation)
+            ROW_AMAX=row_amax,
             num_warps=tile.num_warps,
             num_stages=tile.num_stages,
             launch_pdl=pdl,
         )
     if split == 1:
-        return out
+        return AmaxedRows(out, amax) if row_amax else out
     pending = SplitPartials(part, weight_scale if fp8 or w_only else None, x_scale if fp8 else None, bias, out.dtype)
     if defer_reduce and not w_only:
         return pending

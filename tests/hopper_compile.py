@@ -96,13 +96,17 @@ def cases() -> dict[str, dict]:
 
     out = {}
     skinny = dict(HAS_BIAS=False, HAS_SCALES=False, W_ONLY=False, SILU_MUL=False, SPLIT=1, PDL=True, DOT_PREC="tf32",
-                  BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, IMPRECISE_K=128)
-    fp32_scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "part_ptr": "*fp32"}
+                  BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, IMPRECISE_K=128, ROW_AMAX=False)
+    fp32_scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "part_ptr": "*fp32", "amax_ptr": "*fp32"}
     # the skinny GEMM as shipped, bf16 and W8A8 with the SiLU: the paths every decode batch of 2-64 rows takes
     out["skinny_bf16"] = compile_ptx(_skinny_gemm_kernel, skinny, fp32_scales, num_warps=4, num_stages=5)
     out["skinny_w8a8_silu"] = compile_ptx(_skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, SILU_MUL=True),
                                           dict(fp32_scales, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv"), num_warps=4,
                                           num_stages=3)
+    # with each row's amax in parts for the quantization after it (engine/models/layers.FP8_ROW_AMAX)
+    out["skinny_w8a8_silu_row_amax"] = compile_ptx(
+        _skinny_gemm_kernel, dict(skinny, HAS_SCALES=True, SILU_MUL=True, ROW_AMAX=True),
+        dict(fp32_scales, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv"), num_warps=4, num_stages=3)
     norm = dict(HAS_RESIDUAL=True, BLOCK=1024, QUANT_FP8=False, SCALE_BY_RECIPROCAL=True, PDL=True, X_SPLIT=0,
                 PART_W_SCALE=False, PART_X_SCALE=False, PART_BIAS=False)
     norm_ptrs = {"scale_ptr": "*fp32", "part_w_scale_ptr": "*fp32", "part_x_scale_ptr": "*fp32"}
@@ -122,9 +126,13 @@ def cases() -> dict[str, dict]:
     out["quantize_rows_fp8"] = compile_ptx(_quantize_rows_fp8_kernel, dict(BLOCK_K=1024, SINGLE_BLOCK=True,
                                                                            SCALE_BY_RECIPROCAL=True, PDL=True),
                                            {"q_ptr": "*u8", "scale_ptr": "*fp32"}, num_warps=4)
+    chunk_ptrs = {"q_ptr": "*u8", "scale_ptr": "*fp32", "part_amax_ptr": "*fp32"}
     out["quantize_row_chunks_fp8"] = compile_ptx(_quantize_row_chunks_fp8_kernel,
-                                                 dict(CHUNK=4096, AMAX_BLOCK=8192, SCALE_BY_RECIPROCAL=True, PDL=True),
-                                                 {"q_ptr": "*u8", "scale_ptr": "*fp32"}, num_warps=8)
+                                                 dict(CHUNK=4096, AMAX_BLOCK=8192, SCALE_BY_RECIPROCAL=True, PDL=True,
+                                                      PART_AMAX=False), chunk_ptrs, num_warps=8)
+    out["quantize_row_chunks_fp8_part_amax"] = compile_ptx(
+        _quantize_row_chunks_fp8_kernel, dict(CHUNK=2048, AMAX_BLOCK=256, SCALE_BY_RECIPROCAL=True, PDL=True,
+                                              PART_AMAX=True), chunk_ptrs, num_warps=8)
     from kernels.embedding import _embedding_kernel
 
     out["embedding"] = compile_ptx(_embedding_kernel, dict(BLOCK=1024, PDL=True), {"ids_ptr": "*i64"}, num_warps=4)

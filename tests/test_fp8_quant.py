@@ -131,13 +131,13 @@ def test_cuda_scale_rounding_in_interpreter(k, block_k, row_chunk):
     x = torch.randn(64, k, generator=gen, dtype=torch.bfloat16) * 3
     q = torch.full(x.shape, 0x7F, dtype=torch.uint8)  # NaN bytes
     scale = torch.full((64, 1), float("nan"))
-    args = (x, q, scale, k, x.stride(0), q.stride(0), INV_FP8_MAX)
     if row_chunk:
-        _quantize_row_chunks_fp8_kernel[(64, -(-k // row_chunk))](*args, CHUNK=row_chunk, AMAX_BLOCK=128,
-                                                                    SCALE_BY_RECIPROCAL=True, PDL=False)
+        _quantize_row_chunks_fp8_kernel[(64, -(-k // row_chunk))](
+            x, q, scale, scale, k, x.stride(0), q.stride(0), INV_FP8_MAX, 0, CHUNK=row_chunk, AMAX_BLOCK=128,
+            SCALE_BY_RECIPROCAL=True, PDL=False, PART_AMAX=False)
     else:
-        _quantize_rows_fp8_kernel[(64,)](*args, BLOCK_K=block_k, SINGLE_BLOCK=block_k >= k, SCALE_BY_RECIPROCAL=True,
-                                         PDL=False)
+        _quantize_rows_fp8_kernel[(64,)](x, q, scale, k, x.stride(0), q.stride(0), INV_FP8_MAX, BLOCK_K=block_k,
+                                         SINGLE_BLOCK=block_k >= k, SCALE_BY_RECIPROCAL=True, PDL=False)
     xf = x.float()
     scale_ref = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) * torch.tensor(1.0 / 448, dtype=torch.float32)
     assert not torch.equal(scale_ref, quantize_rows_fp8_ref(x)[1])  # the two roundings do differ here
@@ -171,6 +171,29 @@ def test_rejects_bad_inputs():
         quantize_rows_fp8(torch.randn(4, 8), block_k=24)
     with pytest.raises(ValueError):
         quantize_rows_fp8(torch.randn(4, 8), row_chunk=12)
+    from kernels.fp8_quant import AmaxedRows
+
+    for part_amax in (torch.ones(3, 2), torch.ones(4, 2, dtype=torch.float64), torch.ones(2, 4).t()):
+        with pytest.raises(ValueError):
+            quantize_rows_fp8(AmaxedRows(torch.randn(4, 8), part_amax))
+
+
+def test_rows_with_their_amax_in_parts_quantize_to_the_same_bits(poisoned_outputs):
+    """AmaxedRows (a producer's amax of each row's parts): the row chunks read those instead of the row;
+    the paths that read whole rows anyway (one program a row) read the rows. The same bits either way."""
+    from kernels.fp8_quant import AmaxedRows
+
+    gen = torch.Generator().manual_seed(8)
+    x = (torch.randn(5, 96, generator=gen) * 3).to(torch.bfloat16)
+    x[2, 90] = 40.0  # the row's amax in its last part
+    parts = x.float().abs().view(5, 3, 32).amax(-1)
+    for kw in (dict(row_chunk=32), dict(row_chunk=64), dict(block_k=32), {}):
+        want = quantize_rows_fp8(x, **kw)
+        got = quantize_rows_fp8(AmaxedRows(x, parts), **kw)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+        # which path read the parts: twice the parts, twice the scale (a power of two: exact)
+        doubled = quantize_rows_fp8(AmaxedRows(x, parts * 2), **kw)[1]
+        assert torch.equal(doubled, want[1] * (2 if "row_chunk" in kw else 1))
 
 
 @pytest.mark.gpu

@@ -31,7 +31,7 @@ def compiled() -> dict[str, dict]:
                                     "silu_and_mul", "quantize_rows_fp8", "quantize_row_chunks_fp8", "skinny_bf16", "skinny_w8a8_silu",
                                     "attention_qwen_prefetch0", "attention_qwen_prefetch2", "attention_llama_prefetch2",
                                     "step_inputs", "record_step", "greedy_fused",
-                                    "embedding"])
+                                    "embedding", "skinny_w8a8_silu_row_amax", "quantize_row_chunks_fp8_part_amax"])
 def test_the_pdl_variant_compiles_and_waits_for_the_kernel_before(compiled, kernel):
     assert compiled[kernel]["waits"] >= 1
     first = compiled[kernel]["first_line"]

@@ -159,3 +159,34 @@ def test_the_norm_after_a_split_projection_sums_it_and_changes_no_bit(monkeypatc
         results[defer] = layers.add_rms_norm(out, residual, norm_weight, 1e-6)
         assert reduces == ([] if defer else [(4, 128)])  # down_proj's split; o_proj's K of 128 is not split
     assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
+
+
+def test_an_fp8_gate_up_hands_down_proj_its_rows_amax_and_changes_no_bit(monkeypatch):
+    """layers.FP8_ROW_AMAX: with FP8 projections on the Triton path (in the interpreter), gate_up hands
+    down_proj its output as AmaxedRows (the same rows) and down_proj's row quantization reads each
+    row's amax from them (intermediate 2048: the row-chunk path): bit for bit the W8A8 product of
+    those rows quantized as they are otherwise. (Off, down_proj takes FP8's CPU path here, x.is_cuda
+    being false: no reference for the bits.)"""
+    from engine.models import layers
+    from engine.models.fp8 import fp8_gemm
+    from kernels.fp8_quant import AmaxedRows, quantize_rows_fp8
+
+    layer, run = one_layer_decode(monkeypatch, intermediate=2048)
+    for module in layer.modules():
+        if isinstance(module, layers.Linear):
+            module.to_fp8()
+    down = layer.mlp.down_proj
+    seen = []
+    real_forward = down.forward
+    monkeypatch.setattr(down, "forward", lambda x, **kw: seen.append((x, real_forward(x, **kw))) or seen[-1][1])
+    inputs = {}
+    for on in (False, True):
+        monkeypatch.setattr(layers, "FP8_ROW_AMAX", on)
+        seen.clear()
+        run()
+        (inputs[on], output), = seen
+    assert isinstance(inputs[True], AmaxedRows) and isinstance(inputs[False], torch.Tensor)
+    assert torch.equal(inputs[True].rows, inputs[False])
+    want = fp8_gemm(*quantize_rows_fp8(inputs[False]), down.weight, down.weight_scale, None, torch.float32,
+                    defer_reduce=True)
+    assert torch.equal(layers._summed(output), layers._summed(want))

@@ -361,6 +361,58 @@ def test_silu_mul_matches_the_unfused_path(m, n, k, tile, fp8, w8a8_tma, poisone
         skinny_gemm(xq, wq[:-1], silu_mul=True, **kw)  # an odd number of rows
 
 
+def part_amax_of(out: torch.Tensor, block_n: int) -> torch.Tensor:
+    """The largest |value| of each row's block_n-wide parts of out (the last part ragged)."""
+    m, n = out.shape
+    padded = torch.zeros(m, -(-n // block_n) * block_n, dtype=torch.float32)
+    padded[:, :n] = out.float().abs()
+    return padded.view(m, -1, block_n).amax(-1)
+
+
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu-mul"])
+@pytest.mark.parametrize("m,n,k,tile", [pytest.param(5, 40, 80, SkinnyGemmTile(16, 32, 16, 1, 4, 2), id="ragged"),
+                                        pytest.param(18, 64, 48, SkinnyGemmTile(16, 32, 16, 1, 4, 2),
+                                                     id="two-row-blocks")])
+def test_row_amax_is_each_parts_largest_stored_value(m, n, k, tile, silu_mul, w8a8_tma, poisoned_outputs):
+    """row_amax (layers.FP8_ROW_AMAX): the result as AmaxedRows, the same output and, per row, the
+    largest |value| each program along N stored; the row quantization given them gives the bits it
+    gives reading the rows. K split: no amax (the partials are not the output)."""
+    from kernels.fp8_quant import AmaxedRows, quantize_rows_fp8
+
+    xq, x_scale, wq, w_scale, _ = fp8_operands(m, 2 * n if silu_mul else n, k, seed=m + n)
+    kw = dict(x_scale=x_scale, weight_scale=w_scale, silu_mul=silu_mul, tile=tile)
+    plain = skinny_gemm(xq, wq, **kw)
+    got = skinny_gemm(xq, wq, row_amax=True, **kw)
+    assert isinstance(got, AmaxedRows) and torch.equal(got.rows, plain)
+    assert torch.equal(got.part_amax, part_amax_of(plain, tile.block_n))
+    for chunk in (16, 32):
+        want = quantize_rows_fp8(plain, row_chunk=chunk)
+        values, scales = quantize_rows_fp8(got, row_chunk=chunk)
+        assert torch.equal(values.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(scales, want[1])
+    if not silu_mul:
+        assert not isinstance(skinny_gemm(xq, wq, row_amax=True, **dict(kw, tile=tile._replace(split=2))), AmaxedRows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 8, 33, 64])
+def test_gpu_row_amax_model_shapes(m, w8a8_tma, poisoned_outputs):
+    """Llama-3.1-8B's gate_up with SiLU-and-mul handing its rows' amax in parts (layers.FP8_ROW_AMAX):
+    the same output, the parts' maxima of it, and down_proj's input quantized to the same bits."""
+    from kernels.fp8_quant import AmaxedRows, quantize_rows_fp8
+
+    xq, x_scale, wq, w_scale, _ = fp8_operands(m, 28672, 4096, device="cuda", seed=m)
+    kw = dict(x_scale=x_scale, weight_scale=w_scale, silu_mul=True)
+    plain = skinny_gemm(xq, wq, **kw)
+    got = skinny_gemm(xq, wq, row_amax=True, **kw)
+    tile = default_skinny_gemm_tile(m, 14336, 4096, torch.cuda.get_device_properties(0).multi_processor_count,
+                                    silu_mul=True)
+    assert isinstance(got, AmaxedRows) and torch.equal(got.rows, plain)
+    assert torch.equal(got.part_amax.cpu(), part_amax_of(plain.cpu(), tile.block_n))
+    want = quantize_rows_fp8(plain)
+    values, scales = quantize_rows_fp8(got)
+    assert torch.equal(values.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(scales, want[1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [2, 8, 16, 40, 64])
 @pytest.mark.parametrize("fp8", [False, True, "weight-only"])

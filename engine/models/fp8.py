@@ -51,7 +51,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                silu_mul: bool = False, defer_reduce: bool = False) -> torch.Tensor:
     """x [..., in] @ (q * scale).T (+ bias), in x's dtype; silu_mul: q is a fused [gate; up] and
-    the result silu(gate) * up; defer_reduce: see fp8_gemm (x [M, in] only)."""
+    the result silu(gate) * up; defer_reduce: see fp8_gemm (x [M, in] only). x may be AmaxedRows
+    [M, in] (kernels/fp8_quant.py): its rows, whose quantization then reads their amax from it."""
+    from kernels.fp8_quant import AmaxedRows, quantize_rows_fp8  # quantize_rows in one kernel, bit for bit
+
+    if isinstance(x, AmaxedRows):
+        xq, x_scale = quantize_rows_fp8(x)
+        return fp8_gemm(xq, x_scale, q, scale, bias, x.rows.dtype, silu_mul, defer_reduce=defer_reduce)
     if not x.is_cuda:
         y = F.linear(x, dequantize(q, scale, x.dtype), bias)
         if silu_mul:
@@ -59,7 +65,6 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
 
             y = silu_and_mul(y)
         return y
-    from kernels.fp8_quant import quantize_rows_fp8  # quantize_rows in one kernel, bit for bit
     from kernels.skinny_gemm import skinny_gemm
 
     rows = x.reshape(-1, x.shape[-1])
@@ -79,15 +84,16 @@ def quantizes_activations(rows: int) -> bool:
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
              bias: torch.Tensor | None, out_dtype: torch.dtype, silu_mul: bool = False,
-             defer_reduce: bool = False) -> torch.Tensor:
+             defer_reduce: bool = False, row_amax: bool = False) -> torch.Tensor:
     """W8A8 on CUDA: activations xq [M, in] e4m3 with scales x_scale [M, 1], weight q with scale;
     the result in out_dtype (silu(gate) * up when silu_mul). defer_reduce: a product the skinny
-    GEMM splits over K may come back unsummed (kernels/skinny_gemm.SplitPartials)."""
+    GEMM splits over K may come back unsummed (kernels/skinny_gemm.SplitPartials). row_amax: the
+    skinny GEMM's result may come as AmaxedRows, for the next W8A8 projection's quantization."""
     from kernels.skinny_gemm import skinny_gemm
 
     if xq.shape[0] <= FP8_GEMM_MAX_ROWS:
         return skinny_gemm(xq, q, bias, x_scale=x_scale, weight_scale=scale, out_dtype=out_dtype, silu_mul=silu_mul,
-                           defer_reduce=defer_reduce)
+                           defer_reduce=defer_reduce, row_amax=row_amax)
     y = torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale[None, :], bias=bias, out_dtype=out_dtype)
     if silu_mul:
         from kernels.activation import silu_and_mul

@@ -10,6 +10,7 @@ from torch import nn
 
 from engine import cpu_linear, cpu_ops
 from engine.models.fp8 import FP8, fp8_gemm, fp8_linear, quantize_per_channel, quantizes_activations
+from kernels.fp8_quant import AmaxedRows
 from kernels.skinny_gemm import SplitPartials, finish_split
 
 
@@ -54,6 +55,10 @@ DEFER_SPLIT_REDUCE = True
 # dependent launch (the first layer's kernel then starts, and prefetches its weights, during the lookup),
 # instead of torch's index_select. Off until measured (decode_latency.py --pdl-embedding on|off).
 PDL_EMBEDDING = False
+# An FP8 gate_up (SiLU-and-mul, W8A8 skinny GEMM) hands down_proj its output with each row's amax in parts
+# (kernels/skinny_gemm.py row_amax), so the row quantization before down_proj reads those instead of each
+# row whole. Off until measured (decode_latency.py --fp8-row-amax on|off).
+FP8_ROW_AMAX = False
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -88,6 +93,13 @@ def _fused_projection(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = Fa
     return None
 
 
+def hands_row_amax(x: torch.Tensor | SplitPartials, down_proj: "Linear") -> bool:
+    """Whether gate_up over x's rows hands down_proj its output as AmaxedRows (FP8_ROW_AMAX): down_proj
+    runs W8A8 there (FP8 weights on CUDA, rows the GEMV does not take)."""
+    return (FP8_ROW_AMAX and _triton(x) and down_proj.weight.dtype == FP8 and quantizes_activations(x.shape[0])
+            and not _gemv_applies(x, down_proj.weight))
+
+
 def _skinny_applies(x: torch.Tensor, lm_head: bool) -> bool:
     return (_triton(x) and not lm_head and 2 <= x.shape[0] <= SKINNY_GEMM_MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1)
@@ -99,17 +111,24 @@ def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     return cpu_linear.pack_panels(weight)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor | AmaxedRows, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
            scale: torch.Tensor | None = None, lm_head: bool = False, silu_mul: bool = False,
            defer_reduce: bool = False) -> torch.Tensor | SplitPartials:
     """x @ weight.T (+ bias); out_dtype: the result (rounded to x's dtype first) in this dtype.
-    An FP8 weight comes with its per-output-channel `scale` (engine/models/fp8.py).
+    An FP8 weight comes with its per-output-channel `scale` (engine/models/fp8.py); x may then be
+    AmaxedRows (hands_row_amax), whose quantization takes each row's amax from it.
     lm_head: the vocabulary projection (cuBLAS, never the GEMV). silu_mul: weight is a fused
     [gate; up] and the result silu(gate) * up, fused into the projection where its kernel can.
     defer_reduce (see defers_split_reduce): a product the skinny GEMM splits over K comes back as
     its SplitPartials, which norm_linear and add_rms_norm take."""
     defer_reduce = defer_reduce and out_dtype is None
+    if isinstance(x, AmaxedRows):
+        if weight.dtype != FP8:
+            x = x.rows
+        else:
+            y = fp8_linear(x, weight, scale, bias, silu_mul=silu_mul, defer_reduce=defer_reduce)
+            return y if out_dtype is None else y.to(out_dtype)
     kernel = None if lm_head else _fused_projection(x, weight, silu_mul)
     if kernel is not None:
         return kernel(x, weight, bias, out_dtype=out_dtype, weight_scale=scale, silu_mul=silu_mul)[0]
@@ -158,11 +177,13 @@ class Linear(nn.Linear):
 
 
 def norm_linear(x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                proj: Linear, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                proj: Linear, silu_mul: bool = False,
+                row_amax: bool = False) -> tuple[torch.Tensor | AmaxedRows, torch.Tensor]:
     """A decoder sub-block's input side: h = rmsnorm(x + residual) * norm_weight (rmsnorm(x) when
     residual is None), y = proj(h), then silu(gate) * up when silu_mul. Returns (y, x + residual).
     Decode-sized batches on CUDA do all of it in one kernel. x may be the previous projection's
-    split-K partials (defers_split_reduce), with a residual."""
+    split-K partials (defers_split_reduce), with a residual. row_amax (hands_row_amax): y may come
+    as AmaxedRows."""
     kernel = _fused_projection(x, proj.weight, silu_mul)
     if kernel is not None:
         y, new_residual = kernel(_summed(x), proj.weight, proj.bias, norm_weight=norm_weight, residual=residual,
@@ -173,7 +194,7 @@ def norm_linear(x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, 
         from kernels.rmsnorm import rms_norm_fp8
 
         xq, x_scale, new_residual = rms_norm_fp8(x, norm_weight, eps, residual)
-        y = fp8_gemm(xq, x_scale, proj.weight, proj.weight_scale, proj.bias, x.dtype, silu_mul)
+        y = fp8_gemm(xq, x_scale, proj.weight, proj.weight_scale, proj.bias, x.dtype, silu_mul, row_amax=row_amax)
         return y, x if residual is None else new_residual
     if residual is None:
         h, residual = rms_norm(x, norm_weight, eps), x

@@ -20,6 +20,7 @@ from engine.models.layers import (
     defers_split_reduce,
     embed,
     fused_qkv_rope_store,
+    hands_row_amax,
     linear,
     norm_linear,
     pack_weight_for_cpu,
@@ -99,7 +100,8 @@ class DecoderLayer(nn.Module):
         tensor or its down projection's split-K partials (layers.defers_split_reduce)."""
         h, residual = self.self_attn(x, residual, self.input_layernorm, positions, cos_sin, meta, k_cache, v_cache)
         norm, mlp = self.post_attention_layernorm, self.mlp
-        act, residual = norm_linear(h, residual, norm.weight, norm.eps, mlp.gate_up_proj, silu_mul=True)
+        act, residual = norm_linear(h, residual, norm.weight, norm.eps, mlp.gate_up_proj, silu_mul=True,
+                                    row_amax=hands_row_amax(h, mlp.down_proj))
         return self.tp.all_reduce(mlp.down_proj(act, defer_reduce=defers_split_reduce(self.tp.size))), residual
 
 
