@@ -120,44 +120,13 @@ def test_serving_compiles_no_kernels_after_start_up(llm):
     assert after == before, {name: (before.get(name), n) for name, n in after.items() if before.get(name) != n}
 
 
-@pytest.mark.parametrize("batch", [1, 17])
-def test_fused_step_bookkeeping_matches_the_torch_ops(llm, batch, monkeypatch):
-    """engine/runner.FUSED_STEP_BOOKKEEPING: decode rounds whose steps read their inputs and record
-    their tokens through kernels/decode_step.py give the greedy tokens and logprobs of the same
-    rounds through the torch ops (both eager: only the bookkeeping differs)."""
-    from engine import SamplingParams, runner
-
-    engine = llm.engine.core
-    gen = torch.Generator().manual_seed(100 + batch)
-    prompts = [torch.randint(100, 30000, (int(n),), generator=gen).tolist()
-               for n in torch.randint(8, 200, (batch,), generator=gen)]
-    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=0)
-    caching, engine.block_manager.prefix_caching = engine.block_manager.prefix_caching, False
-    graphs, engine.graphs = engine.graphs, None
-    try:
-        runs = []
-        for fused in (False, True):
-            monkeypatch.setattr(runner, "FUSED_STEP_BOOKKEEPING", fused)
-            outs = llm.generate(prompts, params)
-            runs.append(([o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]))
-    finally:
-        engine.graphs = graphs
-        engine.block_manager.prefix_caching = caching
-    assert runs[1] == runs[0]
-    assert all(len(tokens) == 64 for tokens in runs[0][0])
-
-
-@pytest.mark.parametrize("batch", [1, 17])
-def test_fused_greedy_merge_and_pdl_embedding_give_the_same_tokens(llm, batch, monkeypatch):
-    """kernels/sampling.FUSED_MERGE with chunks of 1024 and engine/models/layers.PDL_EMBEDDING (each
-    off until measured): eager decode rounds give the greedy tokens of the shipped kernels, and their
-    logprobs within float32 reordering of the log-sum-exp."""
+def eager_rounds_both_ways(llm, batch: int, seed: int, switch) -> list:
+    """The greedy tokens and logprobs of eager decode rounds (no graphs, no prefix-cache hits) over `batch`
+    random prompts, 64 tokens each, with switch(False) and then with switch(True)."""
     from engine import SamplingParams
-    from engine.models import layers
-    from kernels import sampling
 
     engine = llm.engine.core
-    gen = torch.Generator().manual_seed(200 + batch)
+    gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(100, 30000, (int(n),), generator=gen).tolist()
                for n in torch.randint(8, 200, (batch,), generator=gen)]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=0)
@@ -166,14 +135,42 @@ def test_fused_greedy_merge_and_pdl_embedding_give_the_same_tokens(llm, batch, m
     try:
         runs = []
         for on in (False, True):
-            monkeypatch.setattr(sampling, "FUSED_MERGE", on)
-            monkeypatch.setattr(sampling, "CHUNK", 1024 if on else 4096)
-            monkeypatch.setattr(layers, "PDL_EMBEDDING", on)
+            switch(on)
             outs = llm.generate(prompts, params)
             runs.append(([o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]))
     finally:
         engine.graphs = graphs
         engine.block_manager.prefix_caching = caching
+    assert all(len(tokens) == 64 for tokens in runs[0][0])
+    return runs
+
+
+@pytest.mark.parametrize("batch", [1, 17])
+def test_fused_step_bookkeeping_matches_the_torch_ops(llm, batch, monkeypatch):
+    """engine/runner.FUSED_STEP_BOOKKEEPING: decode rounds whose steps read their inputs and record
+    their tokens through kernels/decode_step.py give the greedy tokens and logprobs of the same
+    rounds through the torch ops (both eager: only the bookkeeping differs)."""
+    from engine import runner
+
+    runs = eager_rounds_both_ways(llm, batch, 100 + batch,
+                                  lambda on: monkeypatch.setattr(runner, "FUSED_STEP_BOOKKEEPING", on))
+    assert runs[1] == runs[0]
+
+
+@pytest.mark.parametrize("batch", [1, 17])
+def test_fused_greedy_merge_and_pdl_embedding_give_the_same_tokens(llm, batch, monkeypatch):
+    """kernels/sampling.FUSED_MERGE with chunks of 1024 and engine/models/layers.PDL_EMBEDDING (each
+    off until measured): eager decode rounds give the greedy tokens of the shipped kernels, and their
+    logprobs within float32 reordering of the log-sum-exp."""
+    from engine.models import layers
+    from kernels import sampling
+
+    def switch(on: bool) -> None:
+        monkeypatch.setattr(sampling, "FUSED_MERGE", on)
+        monkeypatch.setattr(sampling, "CHUNK", 1024 if on else 4096)
+        monkeypatch.setattr(layers, "PDL_EMBEDDING", on)
+
+    runs = eager_rounds_both_ways(llm, batch, 200 + batch, switch)
     assert runs[1][0] == runs[0][0]
     for got, want in zip(runs[1][1], runs[0][1]):
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4

@@ -273,7 +273,7 @@ def test_a_burst_of_sigusr1_while_serving_kills_no_process(tmp_path):
         stop.set()
         for client in clients:
             client.join(60)
-        assert not failures, failures[:3]
+        assert not failures, (failures[:3], server.log[-3000:])
         assert processes <= set(descendant_pids(server.process.pid)), server.log[-3000:]
         # signals that come while one is pending merge into it: at least one dump each, then one
         # more each for a signal to the now idle server (rank 1 waits in a collective: woken)
