@@ -124,6 +124,8 @@ def greedy_sample(logits: torch.Tensor, bitmask: torch.Tensor | None = None) -> 
     if bitmask is not None and (bitmask.shape != (logits.shape[0], triton.cdiv(logits.shape[1], 32))
                                 or bitmask.dtype != torch.int32 or bitmask.stride(-1) != 1):
         raise ValueError(f"expected an int32 bitmask [B, ceil(V/32)], got {tuple(bitmask.shape)} {bitmask.dtype}")
+    if CHUNK % _BLOCK:  # a program's loop steps a whole _BLOCK: a shorter chunk would overlap the next
+        raise ValueError(f"kernels.sampling.CHUNK must be a multiple of {_BLOCK}, got {CHUNK}")
     rows, vocab = logits.shape
     num_chunks = triton.cdiv(vocab, CHUNK)
     dev = logits.device

@@ -651,6 +651,14 @@ def test_greedy_sample(greedy_variant):
     assert tokens16.tolist() == ref16[0].tolist() and torch.allclose(logprobs16, ref16[1], atol=1e-4)
 
 
+def test_greedy_sample_refuses_a_chunk_its_loop_cannot_step(monkeypatch):
+    """kernels.sampling.CHUNK (an A/B switch) must be a whole number of the loop's 1024-wide blocks:
+    512 would have each program read into the next one's chunk and count those logits twice."""
+    monkeypatch.setattr(importlib.import_module("kernels.sampling"), "CHUNK", 512)
+    with pytest.raises(ValueError):
+        greedy_sample(torch.randn(2, 3000))
+
+
 def test_greedy_sample_with_a_bitmask_picks_the_best_allowed_token(greedy_variant):
     """A grammar's bitmask: the argmax over allowed tokens only (even when they are -inf or the
     row's overall maximum is banned); the logprob is still the model's over the whole vocabulary."""
