@@ -24,13 +24,15 @@ from kernels._pdl import wait_for_previous_kernel
 from kernels._split_counters import last_to_arrive, split_counters
 
 _BLOCK = 1024
-# Vocabulary entries a program of the first pass covers (a multiple of _BLOCK): a loop of CHUNK / _BLOCK
-# loads, each waiting on the one before. To be measured against 1024 (decode_latency.py --greedy-chunk).
-CHUNK = 4096
+# Vocabulary entries a program of the first pass covers (a multiple of _BLOCK): one load deep, so a row
+# spreads over more programs (149 for Qwen's vocabulary instead of 38 at 4096).
+CHUNK = 1024
 # The last chunk of a row to finish merges the row's partials (kernels/_split_counters.py) instead of a
 # second kernel, and that one kernel launches with programmatic dependent launch (the step's record
-# kernel after it starts during its tail). Off until measured (decode_latency.py --greedy-fused-merge on|off).
-FUSED_MERGE = False
+# kernel after it starts during its tail). With CHUNK 1024, H200, interleaved (decode_latency.py
+# --greedy-fused-merge, --greedy-chunk): Qwen2.5-0.5B batch 1 1,836 / 1,845 against 1,829 / 1,831 tok/s
+# without; with PDL_EMBEDDING too 1,844-1,852 (decode_latency-h200-step-kernels-ab-2026-12-03.json).
+FUSED_MERGE = True
 
 
 @triton.jit

@@ -53,12 +53,16 @@ FP8_NORM_QUANT = True
 DEFER_SPLIT_REDUCE = True
 # On CUDA the embedding lookup runs as kernels/embedding.py's kernel, which launches with programmatic
 # dependent launch (the first layer's kernel then starts, and prefetches its weights, during the lookup),
-# instead of torch's index_select. Off until measured (decode_latency.py --pdl-embedding on|off).
-PDL_EMBEDDING = False
+# instead of torch's index_select. H200, interleaved with sampling.FUSED_MERGE (decode_latency.py
+# --pdl-embedding): Qwen2.5-0.5B batch 1 1,844-1,852 against 1,836 / 1,845 tok/s with the merge alone, batch 8
+# 10,811 / 10,842 against 10,741 / 10,814 (decode_latency-h200-step-kernels-ab-2026-12-03.json).
+PDL_EMBEDDING = True
 # An FP8 gate_up (SiLU-and-mul, W8A8 skinny GEMM) hands down_proj its output with each row's amax in parts
 # (kernels/skinny_gemm.py row_amax), so the row quantization before down_proj reads those instead of each
-# row whole. Off until measured (decode_latency.py --fp8-row-amax on|off).
-FP8_ROW_AMAX = False
+# row whole. H200, interleaved (decode_latency.py --fp8-row-amax): Llama-3.1-8B FP8 batch 64 16,783 / 16,834
+# against 16,615 / 16,701 tok/s, batch 8 2,688 / 2,692 against 2,662 / 2,658
+# (decode_latency-h200-fp8-row-amax-ab-2026-12-03.json).
+FP8_ROW_AMAX = True
 
 
 def _triton(x: torch.Tensor) -> bool:
