@@ -21,7 +21,9 @@ tile before the barrier), both repeated in a CUDA graph, each layer with its own
 
 Measured on an H200 (barrier_probe-h200-2026-12-03.json): a PDL chain step 0.82-0.96 us against 1.15-1.86 for
 the grid barrier; the persistent MLP 20.1 us a layer at its best against 10.1 for the two GEMVs. A grid barrier
-costs more than the kernel boundary it would replace.
+costs more than the kernel boundary it would replace. Nor did splitting the MLP without a barrier pay (each program
+a slice of the intermediate features and its share of down, float32 partials summed by the last programs to finish;
+the code at b365b5a): 16-39 us a layer against 10.2 (split_mlp_probe-h200-2026-12-03.json).
 """
 
 from __future__ import annotations
@@ -170,19 +172,12 @@ def chain_ref(first: torch.Tensor, phases: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-# kernels/mlp_gemv.split_mlp tiles: (rows a chunk, chunks a program, programs a group, warps, L2 prefetch)
-SPLIT_MLP_CONFIGS = [(4, 8, 8, 4, True), (4, 8, 8, 4, False), (4, 4, 8, 4, True), (4, 4, 8, 4, False),
-                     (2, 4, 8, 4, True), (2, 8, 8, 4, True), (4, 4, 16, 4, True), (8, 2, 8, 8, True),
-                     (2, 2, 16, 4, True), (4, 2, 16, 4, True)]
-
-
 def mlp_rows(dev: torch.device, layers: int, hidden: int = 896, inter: int = 4864) -> list[dict]:
     """µs a layer of `layers` one-row MLPs (Qwen2.5-0.5B's shape, random weights a layer) in a CUDA graph:
     the persistent kernel with one and two programs an SM, then the engine's two GEMVs; each checked
     against the reference first."""
     from kernels._common import sm_count
     from kernels.gemv import gemv
-    from kernels.mlp_gemv import split_mlp, split_mlp_ref
 
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(1, hidden, device=dev, generator=gen).to(torch.bfloat16)
@@ -195,35 +190,8 @@ def mlp_rows(dev: torch.device, layers: int, hidden: int = 896, inter: int = 486
         for gate_up, down in weights:
             gemv(gemv(x, gate_up, silu_mul=True)[0], down)
 
-    def shipped_normed():
-        for gate_up, down in weights:
-            gemv(gemv(x, gate_up, silu_mul=True, **normed)[0], down)
-
     rows = []
     want = mlp_ref(x, *weights[0])
-    # with the MLP's input RMSNorm and residual add fused, as the engine runs it (the persistent kernel has none)
-    downs_t = [down.t().contiguous() for _, down in weights]
-    residual = torch.randn(1, hidden, device=dev, generator=gen).to(torch.bfloat16)
-    norm_w = (1 + 0.1 * torch.randn(hidden, device=dev, generator=gen)).to(torch.bfloat16)
-    normed = dict(norm_weight=norm_w, residual=residual)
-    want_normed = split_mlp_ref(x, weights[0][0], downs_t[0], **normed)[0]
-    for r, chunks, group, warps, prefetch in SPLIT_MLP_CONFIGS:
-        tiles = dict(rows_per_chunk=r, chunks=chunks, group=group, num_warps=warps, prefetch=prefetch)
-        got = split_mlp(x, weights[0][0], downs_t[0], **tiles, **normed)[0]
-        torch.cuda.synchronize()
-        err = ((got.float() - want_normed.float()).norm() / want_normed.float().norm()).item()
-        assert err < 1e-2, f"split MLP is wrong ({err})"
-
-        def split(tiles=tiles):
-            for (gate_up, _), down_t in zip(weights, downs_t):
-                split_mlp(x, gate_up, down_t, **tiles, **normed)
-
-        us = graph_ms([split], min_calls=4) * 1e3 / layers
-        programs = triton.cdiv(inter, r * chunks)
-        kind = (f"MLP, one kernel split by intermediate (R={r}, chunks={chunks}, group={group}, {warps} warps, "
-                f"prefetch {prefetch}, {programs} programs)")
-        rows.append(dict(kind=kind, layers=layers, us_per_mlp=us))
-        print(f"{kind}  {us:6.2f} us a layer", flush=True)
     got = gemv(gemv(x, weights[0][0], silu_mul=True)[0], weights[0][1])[0]
     for per_sm in (1, 2):
         programs = per_sm * sm_count(dev)
@@ -244,9 +212,6 @@ def mlp_rows(dev: torch.device, layers: int, hidden: int = 896, inter: int = 486
     us = graph_ms([shipped], min_calls=4) * 1e3 / layers
     rows.append(dict(kind="MLP, two PDL GEMVs (shipped)", layers=layers, us_per_mlp=us))
     print(f"MLP shipped (two PDL GEMVs)      {us:6.2f} us a layer", flush=True)
-    us = graph_ms([shipped_normed], min_calls=4) * 1e3 / layers
-    rows.append(dict(kind="MLP, two PDL GEMVs (shipped), RMSNorm and residual fused", layers=layers, us_per_mlp=us))
-    print(f"MLP shipped with the norm (two PDL GEMVs)  {us:6.2f} us a layer", flush=True)
     return rows
 
 
