@@ -224,22 +224,23 @@ tma-silu)  # kernels/skinny_gemm.W8A8_TMA_SILU_MIN_ROWS: gate_up (SiLU-and-mul) 
       --out "$OUT/decode_8b_tma_silu_$arm-$i.json" 2>&1 | grep -E "B="
   done
   ;;
-step-kernels)  # prepared, off: the greedy argmax's row merged by its last chunk in one PDL kernel (kernels/sampling.
+step-kernels)  # the A/B that shipped the greedy argmax's row merged by its last chunk in one PDL kernel (kernels/sampling.
   # FUSED_MERGE, CHUNK 1024) and the embedding lookup as a PDL kernel (engine/models/layers.PDL_EMBEDDING). Decode first,
   # Qwen2.5-0.5B bf16 at 1 / 8, interleaved off / greedy / both, twice; then 8B FP8 at 1 off / both; then their GPU tests
   python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
   i=0
   for arm in off greedy both off greedy both; do
     i=$((i + 1))
-    flags=""
-    [ $arm != off ] && flags="--greedy-fused-merge on --greedy-chunk 1024"
-    [ $arm = both ] && flags="$flags --pdl-embedding on"
+    flags="--greedy-fused-merge off --greedy-chunk 4096 --pdl-embedding off"  # the arms named explicitly: both ship
+    [ $arm != off ] && flags="--greedy-fused-merge on --greedy-chunk 1024 --pdl-embedding off"
+    [ $arm = both ] && flags="--greedy-fused-merge on --greedy-chunk 1024 --pdl-embedding on"
     # shellcheck disable=SC2086
     timeout 60 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 8 --chunks 8 --no-eager \
       --skip-transformers --max-num-seqs 64 $flags --out "$OUT/decode_qwen_step_kernels_$arm-$i.json" 2>&1 | grep -E "B="
   done
   for arm in off both; do
-    flags=$([ $arm = both ] && echo "--greedy-fused-merge on --greedy-chunk 1024 --pdl-embedding on")
+    flags="--greedy-fused-merge off --greedy-chunk 4096 --pdl-embedding off"
+    [ $arm = both ] && flags="--greedy-fused-merge on --greedy-chunk 1024 --pdl-embedding on"
     # shellcheck disable=SC2086
     timeout 60 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
       --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 $flags \
@@ -248,7 +249,7 @@ step-kernels)  # prepared, off: the greedy argmax's row merged by its last chunk
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py tests/test_gpu_engine.py \
     -k "greedy or embedding" > "$OUT/gpu_tests_step_kernels.log" 2>&1; tail -3 "$OUT/gpu_tests_step_kernels.log"
   ;;
-row-amax)  # prepared, off: engine/models/layers.FP8_ROW_AMAX, an FP8 gate_up hands down_proj's row quantization each
+row-amax)  # the A/B that shipped engine/models/layers.FP8_ROW_AMAX: an FP8 gate_up hands down_proj's row quantization each
   # row's amax in parts (kernels/skinny_gemm.py row_amax). Decode first, 8B FP8 at ${BATCHES:-8 64} interleaved
   # ${ARMS:-on off on off}; then its GPU tests (the skinny GEMM's and the quantization's)
   i=0
