@@ -5,8 +5,9 @@ target needs kernels outside Triton. Needs CUDA, nvcc and an sm_89+ GPU.
     python benchmarks/cuda_gemv_probe.py [--rows 1 8] [--out PATH]
 
 benchmarks/cuda/fp8_mma_gemv.cu (built here with nvcc into a shared library, called through ctypes) multiplies
-the e4m3 weights by e4m3 activations on the tensor cores straight from registers (W8A8, a scale a weight row
-and a scale an activation row); the Triton GEMV reads the same weights with bf16 activations (weight-only).
+the e4m3 weights on the tensor cores straight from registers, by e4m3 activations (W8A8, a scale a weight row
+and a scale an activation row, quantized by the engine's row kernel) or by the bf16 activations turned into
+f16 (weight-only); the Triton GEMV reads the same weights with bf16 activations (weight-only).
 Each is checked against a float32 reference first, then timed in a CUDA graph over enough distinct copies of
 the weights that none is read from L2, with programmatic dependent launch, as decode runs it.
 """
@@ -44,15 +45,18 @@ def build(out_dir: Path) -> ctypes.CDLL:
                     "-Xcompiler", "-fPIC", "-Xptxas", "-v", "-o", str(lib), str(SOURCE)], check=True)
     dll = ctypes.CDLL(str(lib))
     dll.fp8_mma_gemv.restype = ctypes.c_int
-    dll.fp8_mma_gemv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_void_p]
+    dll.fp8_mma_gemv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
     return dll
 
 
-def cuda_gemv(dll: ctypes.CDLL, w: torch.Tensor, w_scale: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor,
+def cuda_gemv(dll: ctypes.CDLL, w: torch.Tensor, w_scale: torch.Tensor, x: torch.Tensor, x_scale: torch.Tensor | None,
               y: torch.Tensor, unroll: int, warps_k: int) -> None:
+    """x: e4m3 [M, K] with x_scale [M] (W8A8), or bf16 [M, K] with x_scale None (weight-only)."""
     n, k = w.shape
-    err = dll.fp8_mma_gemv(w.data_ptr(), w_scale.data_ptr(), xq.data_ptr(), x_scale.data_ptr(), y.data_ptr(),
-                           n, k, xq.shape[0], unroll, warps_k, 1, torch.cuda.current_stream().cuda_stream)
+    weight_only = x_scale is None
+    err = dll.fp8_mma_gemv(w.data_ptr(), w_scale.data_ptr(), x.data_ptr(), 0 if weight_only else x_scale.data_ptr(),
+                           y.data_ptr(), n, k, x.shape[0], unroll, warps_k, int(weight_only), 1,
+                           torch.cuda.current_stream().cuda_stream)
     if err:
         raise RuntimeError(f"fp8_mma_gemv failed ({err}) for {tuple(w.shape)} unroll={unroll} warps_k={warps_k}")
 
@@ -100,34 +104,37 @@ def main() -> int:
                        gb_per_s=n * k / us / 1e3, fraction_of_copy=n * k / us / 1e3 / copy["gb_per_s"])
             rows.append(row)
             print(f"{name:8s} m={m} {row['kind']:40s} {us:7.2f} us {row['gb_per_s']:6.0f} GB/s", flush=True)
-            best = None  # (us, unroll, warps_k)
-            for unroll, warps_k in VARIANTS:
-                if k % (64 * unroll * warps_k):
-                    continue
-                y.fill_(float("nan"))
-                cuda_gemv(dll, w0, s0, xq, x_scale, y, unroll, warps_k)
-                torch.cuda.synchronize()
-                err = ((y.float() - want).norm() / want.norm()).item()
-                ok = err < 1e-2
-                if not ok:
-                    print(f"{name} m={m} unroll={unroll} warps_k={warps_k}: WRONG, relative error {err}", flush=True)
-                    rows.append(dict(projection=name, n=n, k=k, rows=m, kind="cuda mma W8A8", unroll=unroll,
-                                     warps_k=warps_k, relative_error=err, correct=False))
-                    continue
+            best = None  # (us, unroll, warps_k) of W8A8
+            for mode, want_mode, x_in, scale_in in (("cuda mma W8A8", want, xq, x_scale),
+                                                     ("cuda mma weight-only (bf16 x as f16)", want_weight_only, x,
+                                                      None)):
+                for unroll, warps_k in VARIANTS:
+                    if k % (64 * unroll * warps_k):
+                        continue
+                    y.fill_(float("nan"))
+                    cuda_gemv(dll, w0, s0, x_in, scale_in, y, unroll, warps_k)
+                    torch.cuda.synchronize()
+                    err = ((y.float() - want_mode).norm() / want_mode.norm()).item()
+                    if not err < 1e-2:
+                        print(f"{name} m={m} {mode} unroll={unroll} warps_k={warps_k}: WRONG, relative error {err}",
+                              flush=True)
+                        rows.append(dict(projection=name, n=n, k=k, rows=m, kind=mode, unroll=unroll,
+                                         warps_k=warps_k, relative_error=err, correct=False))
+                        continue
 
-                def cuda_run(unroll=unroll, warps_k=warps_k, xq=xq, x_scale=x_scale, y=y):
-                    for w, s in weights:
-                        cuda_gemv(dll, w, s, xq, x_scale, y, unroll, warps_k)
+                    def cuda_run(unroll=unroll, warps_k=warps_k, x_in=x_in, scale_in=scale_in, y=y):
+                        for w, s in weights:
+                            cuda_gemv(dll, w, s, x_in, scale_in, y, unroll, warps_k)
 
-                us = graph_ms([cuda_run], min_calls=4) * 1e3 / copies
-                row = dict(projection=name, n=n, k=k, rows=m, kind="cuda mma W8A8", unroll=unroll, warps_k=warps_k,
-                           relative_error=err, correct=True, us=us, gb_per_s=n * k / us / 1e3,
-                           fraction_of_copy=n * k / us / 1e3 / copy["gb_per_s"])
-                rows.append(row)
-                print(f"{name:8s} m={m} cuda mma unroll={unroll} warps_k={warps_k:<2d}{'':17s} {us:7.2f} us "
-                      f"{row['gb_per_s']:6.0f} GB/s", flush=True)
-                if best is None or us < best[0]:
-                    best = (us, unroll, warps_k)
+                    us = graph_ms([cuda_run], min_calls=4) * 1e3 / copies
+                    row = dict(projection=name, n=n, k=k, rows=m, kind=mode, unroll=unroll, warps_k=warps_k,
+                               relative_error=err, correct=True, us=us, gb_per_s=n * k / us / 1e3,
+                               fraction_of_copy=n * k / us / 1e3 / copy["gb_per_s"])
+                    rows.append(row)
+                    print(f"{name:8s} m={m} {mode} unroll={unroll} warps_k={warps_k:<2d} {us:7.2f} us "
+                          f"{row['gb_per_s']:6.0f} GB/s", flush=True)
+                    if scale_in is not None and (best is None or us < best[0]):
+                        best = (us, unroll, warps_k)
             if best is None:
                 continue
 
