@@ -627,3 +627,44 @@ def test_programmatic_dependent_launch_of_the_kernels_between_projections(monkey
     use_attention_prefetch(monkeypatch, 2)
     assert _common.use_pdl(torch.device(DEV), elementwise=True) == (torch.cuda.get_device_capability()[0] >= 9)
     assert_graph_replays_give(chain, expected)
+
+
+@pytest.mark.gpu
+def test_l2_prefetch_between_dependent_gemvs_in_a_graph_keeps_their_order():
+    """kernels/l2_prefetch.py between GEMVs that each read the one before's output, captured with PDL and
+    replayed on fresh inputs: the prefetch lets the next GEMV launch early, yet every GEMV still reads its
+    predecessor's finished output (a stale read would carry the last replay's values)."""
+    from kernels.l2_prefetch import prefetch_l2
+
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    weights = [(torch.randn(4096, 4096, device=DEV, generator=gen) / 64).to(BF16) for _ in range(6)]
+    x = torch.empty(1, 4096, device=DEV, dtype=BF16)
+    outs = []
+
+    def chain():
+        outs.clear()
+        h = x
+        for i, w in enumerate(weights):
+            if i + 1 < len(weights):
+                prefetch_l2(weights[i + 1], 24 << 20)
+            h = gemv(h, w)[0]
+            outs.append(h)
+
+    x.copy_(torch.randn(x.shape, device=DEV, generator=gen))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain()  # compile + warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, device=DEV, generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = x.float()
+        for w, got in zip(weights, outs):
+            want = want @ w.float().T
+            assert rel_err(got, want) < TOL
+            want = got.float()  # the next step from the GEMV's own bf16 output
