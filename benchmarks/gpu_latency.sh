@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|kconst|tma|tma-sweep|tma-silu|suite|step-kernels|row-amax|cuda-probe|l2-prefetch
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|kconst|tma|tma-sweep|tma-silu|suite|step-kernels|row-amax|cuda-probe
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -261,27 +261,6 @@ row-amax)  # the A/B that shipped engine/models/layers.FP8_ROW_AMAX: an FP8 gate
   done
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py tests/test_fp8_quant.py \
     -k "row_amax or model_shapes" > "$OUT/gpu_tests_row_amax.log" 2>&1; tail -3 "$OUT/gpu_tests_row_amax.log"
-  ;;
-l2-prefetch)  # engine/models/layers.L2_PREFETCH: bulk L2 prefetches of the next projections' weights (kernels/
-  # l2_prefetch.py). Its GPU tests first, then batch-1 decode interleaved over the arms: Qwen2.5-0.5B bf16, 8B FP8
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py \
-    tests/test_gpu_engine.py -k "l2_prefetch or graph_path" > "$OUT/gpu_tests_l2_prefetch.log" 2>&1
-  tail -3 "$OUT/gpu_tests_l2_prefetch.log"
-  python3 benchmarks/random_models.py qwen2.5-0.5b > /dev/null 2>&1
-  i=0
-  for arm in ${ARMS_QWEN:-none o o,gate_up o,gate_up,down,qkv none o o,gate_up o,gate_up,down,qkv}; do
-    i=$((i + 1))
-    timeout 60 python3 benchmarks/decode_latency.py --models qwen2.5-0.5b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --l2-prefetch "${arm/none/}" --out "$OUT/decode_qwen_l2_$i.json" 2>&1 \
-      | grep -E "B=" | sed "s/^/$arm /"
-  done
-  i=0
-  for arm in ${ARMS_8B:-none o o,gate_up o,gate_up,down,qkv none o}; do
-    i=$((i + 1))
-    timeout 80 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches 1 --chunks 8 --no-eager \
-      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization ${QUANT:-fp8} --l2-prefetch "${arm/none/}" \
-      --out "$OUT/decode_8b_l2_$i.json" 2>&1 | grep -E "B=" | sed "s/^/$arm /"
-  done
   ;;
 cuda-probe)  # benchmarks/cuda_gemv_probe.py: Llama-3.1-8B's FP8 projections at 1 and 8 rows through a hand-written CUDA
   # W8A8 kernel (benchmarks/cuda/fp8_mma_gemv.cu, tensor cores from registers) against the shipped Triton GEMV

@@ -75,9 +75,7 @@ def summary(kernel) -> dict:
     # happen before the one thread's release)
     stores = [i for i in range(atomics[0]) if lines[i].startswith("st.global")] if atomics else []
     barrier = bool(stores) and any(lines[i].startswith("bar.sync") for i in range(stores[-1], atomics[0]))
-    bulk = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in line]  # inside an asm block
     return dict(prefetches=sum(line.startswith("prefetch.global.L2") for line in lines),
-                bulk_prefetches=len(bulk), first_bulk_prefetch=bulk[0] if bulk else None,
                 first_line=first, last_line=last,
                 atomics=[lines[i].split()[0] for i in atomics if lines[i].startswith("atom.")],
                 barrier_before_atomic=barrier,
@@ -138,10 +136,6 @@ def cases() -> dict[str, dict]:
     from kernels.embedding import _embedding_kernel
 
     out["embedding"] = compile_ptx(_embedding_kernel, dict(BLOCK=1024, PDL=True), {"ids_ptr": "*i64"}, num_warps=4)
-    from kernels.l2_prefetch import _prefetch_l2_kernel
-
-    out["l2_prefetch"] = compile_ptx(_prefetch_l2_kernel, dict(CHUNK=16384, LANES=32, PDL=True), {"base_ptr": "*u8"},
-                                     num_warps=1)
     from kernels.sampling import _argmax_partial_kernel
 
     # the row's last chunk merges (kernels/sampling.FUSED_MERGE), Qwen2.5-0.5B's vocabulary in chunks of 1024

@@ -176,16 +176,6 @@ def test_fused_greedy_merge_and_pdl_embedding_give_the_same_tokens(llm, batch, m
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
 
 
-def test_l2_prefetch_of_the_next_weights_changes_no_token(llm, monkeypatch):
-    """engine/models/layers.L2_PREFETCH with every projection's weights prefetched ahead: one-row eager decode
-    rounds give the very tokens and logprobs of the rounds without (a prefetch is a hint)."""
-    from engine.models import layers
-
-    runs = eager_rounds_both_ways(llm, 1, 301, lambda on: monkeypatch.setattr(
-        layers, "L2_PREFETCH", "o,gate_up,down,qkv" if on else ""))
-    assert runs[1] == runs[0]
-
-
 @pytest.mark.parametrize("batch", [1, 3, 17, 64])
 def test_graph_path_matches_eager_path(llm, batch):
     """Decode rounds through the CUDA graphs give the greedy tokens of eager decode steps.

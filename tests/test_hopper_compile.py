@@ -38,17 +38,6 @@ def test_the_pdl_variant_compiles_and_waits_for_the_kernel_before(compiled, kern
     assert first["griddepcontrol.wait"] < first["griddepcontrol.launch_dependents"]
 
 
-def test_the_l2_prefetch_lets_the_next_kernel_launch_then_prefetches_then_waits(compiled):
-    """kernels/l2_prefetch.py: the kernel after it may launch first (it writes nothing), the bulk prefetch
-    is issued before the wait, and the wait comes last, so the kernel after, which waits on this one,
-    still runs after the kernel before it completed."""
-    kernel = compiled["l2_prefetch"]
-    first, last = kernel["first_line"], kernel["last_line"]
-    assert kernel["bulk_prefetches"] == 1 and kernel["waits"] == 1
-    assert first["griddepcontrol.launch_dependents"] < kernel["first_bulk_prefetch"] < first["griddepcontrol.wait"]
-    assert last["st.global"] is None
-
-
 def test_the_wider_down_proj_tile_takes_no_more_registers(compiled):
     """kernels/gemv.LONG_K_BLOCK_K: the one-row bf16 down_proj tile with 2048-wide K tiles holds twice
     the weight bytes in flight in no more registers than the 1024-wide one (as many programs an SM)."""

@@ -10,9 +10,7 @@ from torch import nn
 
 from engine import cpu_linear, cpu_ops
 from engine.models.fp8 import FP8, fp8_gemm, fp8_linear, quantize_per_channel, quantizes_activations
-from kernels._common import use_pdl
 from kernels.fp8_quant import AmaxedRows
-from kernels.l2_prefetch import prefetch_l2
 from kernels.skinny_gemm import SplitPartials, finish_split
 
 
@@ -65,27 +63,10 @@ PDL_EMBEDDING = True
 # against 16,615 / 16,701 tok/s, batch 8 2,688 / 2,692 against 2,662 / 2,658
 # (decode_latency-h200-fp8-row-amax-ab-2026-12-03.json).
 FP8_ROW_AMAX = True
-# Bulk L2 prefetches of a projection's weights launched a few kernels before it (kernels/l2_prefetch.py), at
-# decode with at most L2_PREFETCH_MAX_ROWS rows on sm_90+: a comma-separated choice of "o" (launched after the
-# qkv projection: the weights come in while rotary, the KV store and decode attention leave DRAM idle),
-# "gate_up" (after o_proj), "down" (before gate_up), "qkv" (the next layer's, before down_proj); "" none. Each
-# asks for at most L2_PREFETCH_MAX_BYTES of the weight (L2 holds 50 MiB on an H100 / H200).
-L2_PREFETCH = ""
-L2_PREFETCH_MAX_ROWS = 1
-L2_PREFETCH_MAX_BYTES = 24 << 20
 
 
 def _triton(x: torch.Tensor) -> bool:
     return x.is_cuda
-
-
-def prefetch_weight(rows: int, proj: Linear | None, which: str) -> None:
-    """Launch the L2 prefetch of proj's weights here in the stream when L2_PREFETCH names `which` and the
-    step decodes at most L2_PREFETCH_MAX_ROWS rows on a GPU that has it (sm_90+, with PDL)."""
-    if proj is None or rows > L2_PREFETCH_MAX_ROWS or which not in L2_PREFETCH.split(","):
-        return
-    if use_pdl(proj.weight.device):
-        prefetch_l2(proj.weight, L2_PREFETCH_MAX_BYTES)
 
 
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:

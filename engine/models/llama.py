@@ -24,7 +24,6 @@ from engine.models.layers import (
     linear,
     norm_linear,
     pack_weight_for_cpu,
-    prefetch_weight,
     rms_norm,
 )
 
@@ -66,7 +65,6 @@ class Attention(nn.Module):
                                          cos_sin, meta.slot_mapping, k_cache, v_cache)
         if fused is not None:
             q, residual = fused
-            prefetch_weight(num_tokens, self.o_proj, "o")
             out = self.backend.attend_decode(q, k_cache, v_cache, meta, self.scale)
         else:
             qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, self.qkv_proj)
@@ -74,7 +72,6 @@ class Attention(nn.Module):
             q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            prefetch_weight(num_tokens, self.o_proj, "o")
             out = self.backend.forward(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale)
         o_input = out.reshape(num_tokens, self.q_size)
         return self.tp.all_reduce(self.o_proj(o_input, defer_reduce=defers_split_reduce(self.tp.size))), residual
@@ -98,18 +95,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, residual, positions, cos_sin, meta, k_cache, v_cache, next_qkv: Linear | None = None):
+    def forward(self, x, residual, positions, cos_sin, meta, k_cache, v_cache):
         """x: the previous layer's output (the embeddings for the first, with residual None), a
-        tensor or its down projection's split-K partials (layers.defers_split_reduce). next_qkv: the next
-        layer's qkv projection, for layers.L2_PREFETCH."""
+        tensor or its down projection's split-K partials (layers.defers_split_reduce)."""
         h, residual = self.self_attn(x, residual, self.input_layernorm, positions, cos_sin, meta, k_cache, v_cache)
         norm, mlp = self.post_attention_layernorm, self.mlp
-        rows = residual.shape[0]
-        prefetch_weight(rows, mlp.gate_up_proj, "gate_up")
-        prefetch_weight(rows, mlp.down_proj, "down")
         act, residual = norm_linear(h, residual, norm.weight, norm.eps, mlp.gate_up_proj, silu_mul=True,
                                     row_amax=hands_row_amax(h, mlp.down_proj))
-        prefetch_weight(rows, next_qkv, "qkv")
         return self.tp.all_reduce(mlp.down_proj(act, defer_reduce=defers_split_reduce(self.tp.size))), residual
 
 
@@ -133,9 +125,8 @@ class LlamaModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x = self._embed(input_ids)
         residual = None
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            next_qkv = self.layers[i + 1].self_attn.qkv_proj if i + 1 < len(self.layers) else None
-            x, residual = layer(x, residual, positions, self.cos_sin, meta, k_cache, v_cache, next_qkv)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, positions, self.cos_sin, meta, k_cache, v_cache)
         x, _ = add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return x
 
