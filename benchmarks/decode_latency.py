@@ -65,6 +65,8 @@ SWITCHES = {
     "skinny-w8a8-tma-silu-min-rows": ("kernels.skinny_gemm", "W8A8_TMA_SILU_MIN_ROWS", int,
                                       "the same for gate_up with SiLU-and-mul; 0: never"),
     "gemv-long-k-block": ("kernels.gemv", "LONG_K_BLOCK_K", int, "bf16 down_proj's K tile at batch 1"),
+    "fp8-attention-amax": ("engine.models.layers", "FP8_ATTENTION_AMAX", bool,
+                           "decode attention hands an FP8 o_proj each KV head group's amax (one split)"),
     "attention-prefetch": ("kernels.decode_attention", "PREFETCH_TILES", int,
                            "tiles of KV rows each program asks L2 for before its PDL wait; 0: none"),
     "attention-min-split-tokens": ("kernels.decode_attention", "_MIN_TOKENS_PER_SPLIT", int,

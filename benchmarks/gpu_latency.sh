@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, and
 # decode latency in bf16 and fp8. Writes logs and JSON under $OUT. Each part fits one 10-minute
-# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|kconst|tma|tma-sweep|tma-silu|suite|step-kernels|row-amax|cuda-probe
+# device call:  bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|accuracy|profile|profile-b64|skinny-check|gemv-tiles|targets|fp8-b1-sweep|skinny-deep|round-gap|engine-tests|split-in-norm|norm-warps|pdl-early|stream-probe|barrier-probe|ncu|kconst|tma|tma-sweep|tma-silu|suite|step-kernels|row-amax|cuda-probe|attention-amax
 # (the A/B parts of settled switches are gone; each result JSON in benchmarks/results holds its commands)
 set -u
 PART=${1:-tests}
@@ -261,6 +261,18 @@ row-amax)  # the A/B that shipped engine/models/layers.FP8_ROW_AMAX: an FP8 gate
   done
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_skinny_gemm.py tests/test_fp8_quant.py \
     -k "row_amax or model_shapes" > "$OUT/gpu_tests_row_amax.log" 2>&1; tail -3 "$OUT/gpu_tests_row_amax.log"
+  ;;
+attention-amax)  # engine/models/layers.FP8_ATTENTION_AMAX: decode attention hands an FP8 o_proj each KV head group's
+  # amax (kernels/decode_attention.py row_amax). Its GPU tests, then 8B FP8 at ${BATCHES:-64} interleaved ${ARMS:-on off on off}
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py tests/test_fp8.py \
+    -k "row_amax or amax_changes_no_token" > "$OUT/gpu_tests_attention_amax.log" 2>&1; tail -3 "$OUT/gpu_tests_attention_amax.log"
+  i=0
+  for arm in ${ARMS:-on off on off}; do
+    i=$((i + 1))
+    timeout 90 python3 benchmarks/decode_latency.py --models llama-3.1-8b --batches ${BATCHES:-64} --chunks 8 --no-eager \
+      --skip-transformers --max-num-seqs 64 --load-format dummy --quantization fp8 --fp8-attention-amax $arm \
+      --out "$OUT/decode_8b_attention_amax_$arm-$i.json" 2>&1 | grep -E "B=" | sed "s/^/$arm /"
+  done
   ;;
 cuda-probe)  # benchmarks/cuda_gemv_probe.py: Llama-3.1-8B's FP8 projections at 1 and 8 rows through a hand-written CUDA
   # W8A8 kernel (benchmarks/cuda/fp8_mma_gemv.cu, tensor cores from registers) against the shipped Triton GEMV

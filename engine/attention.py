@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from engine.cpu_attention import paged_decode_attention
 from engine.models.layers import apply_rotary, rotary_tables
+from kernels.fp8_quant import AmaxedRows
 
 
 @dataclass
@@ -59,8 +60,9 @@ class TorchAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """Rotate q and k, write k and v into the cache, attend. Returns [T, Hq, D]."""
+                scale: float, row_amax: bool = False) -> torch.Tensor:
+        """Rotate q and k, write k and v into the cache, attend. Returns [T, Hq, D] (row_amax: the
+        Triton backend's; never asked for on CPU, layers.hands_row_amax)."""
         rope = meta.derived.get("rope")
         if rope is None or rope[0] is not positions:  # keyed by the positions tensor itself (held here)
             rope = meta.derived["rope"] = (positions, rotary_tables(positions, cos_sin, q.dtype))
@@ -71,7 +73,7 @@ class TorchAttention:
         return self._decode(q, k_cache, v_cache, meta, scale)
 
     def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float) -> torch.Tensor:
+                      scale: float, row_amax: bool = False) -> torch.Tensor:
         """Decode attention of rotated q over a cache that already holds this step's K/V."""
         return self._decode(q, k_cache, v_cache, meta, scale)
 
@@ -142,17 +144,18 @@ class TritonAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, row_amax: bool = False) -> torch.Tensor | AmaxedRows:
+        """row_amax: a decode's output may come as AmaxedRows (kernels/decode_attention.py)."""
         q = self._rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
             return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                                  meta.max_seqlen_q, scale, tiles=meta.attention_tiles)
-        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, row_amax=row_amax)
 
     def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float) -> torch.Tensor:
+                      scale: float, row_amax: bool = False) -> torch.Tensor | AmaxedRows:
         """Decode attention of rotated q over a cache that already holds this step's K/V."""
-        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, row_amax=row_amax)
 
 
 def make_attention_backend(device: torch.device, block_size: int) -> TorchAttention | TritonAttention:

@@ -20,6 +20,7 @@ from kernels._common import attention_output, check_kv_cache, dot_precision, sm_
 from kernels._pdl import wait_for_previous_kernel
 from kernels._prefetch import prefetch_l2
 from kernels._split_counters import last_to_arrive, split_counters
+from kernels.fp8_quant import AmaxedRows
 
 _LOG2E = 1.4426950408889634
 # Split-count heuristic, tuned on an H200 (benchmarks/kernel_bench.py --sweep): aim for about
@@ -66,7 +67,7 @@ _MERGE_CHUNK = 8  # splits merged per load
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr, amax_ptr,
     scale_log2,
     stride_qb, stride_qh,
     stride_cb, stride_ct,  # cache strides of a block and of a token (same for k and v)
@@ -86,11 +87,13 @@ def _decode_attention_kernel(
     FUSED_MERGE: tl.constexpr,
     MERGE_GROUP: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
+    ROW_AMAX: tl.constexpr,
 ):
     """PREFETCH_TILES: tiles of K and V rows to prefetch into L2 before the PDL wait (0: none).
     FUSED_MERGE (with WRITE_PARTIAL): the splits holding tokens count themselves finished on
     counter_ptr[pid] (kernels/_split_counters.py), and the last one merges their partials into out;
-    empty splits return at once."""
+    empty splits return at once. ROW_AMAX (not WRITE_PARTIAL): amax_ptr[pid] is the largest |value| the
+    program stored (its GROUP heads of row b), for the row quantization after it (fp8_quant.AmaxedRows)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // NUM_KV_HEADS
@@ -156,9 +159,12 @@ def _decode_attention_kernel(
                 _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh, active, num_splits,
                               stride_ob, stride_oh, NUM_KV_HEADS, GROUP, HEAD_DIM, MERGE_GROUP, MERGE_CHUNK)
     else:
-        out = acc / l_i[:, None]
+        out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        tl.store(o_ptrs, out, mask=g_mask[:, None])
+        if ROW_AMAX:  # of the stored (rounded) values; the padded heads' rows are 0 / 0
+            stored = tl.where(g_mask[:, None], tl.abs(out.to(tl.float32)), 0.0)
+            tl.store(amax_ptr + pid, tl.max(tl.max(stored, 1), 0))
 
 
 @triton.jit
@@ -299,7 +305,8 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     tile: DecodeTile | None = None,
-) -> torch.Tensor:
+    row_amax: bool = False,
+) -> torch.Tensor | AmaxedRows:
     """Attention of q [B, Hq, D] over each sequence's first context_lens[b] cached tokens.
 
     block_tables [B, max_blocks] int32, context_lens [B] int32 (>= 1; padded rows use 1 and block 0);
@@ -307,6 +314,8 @@ def paged_decode_attention(
     contiguous). Returns [B, Hq, D] in q's dtype, or writes `out` (same shape, last dim contiguous).
     num_splits=None picks the split count from (B, Hkv, max_blocks * block_size) and the SM count.
     tile overrides the launch shape (benchmark sweeps); None uses default_decode_tile.
+    row_amax (when one split covers each row's context): AmaxedRows of out as [B, Hq * D] (out contiguous)
+    with each KV head's group's largest |value| ([B, Hkv]), for the FP8 row quantization of o_proj's input.
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
     batch, num_heads, _ = q.shape
@@ -329,10 +338,12 @@ def paged_decode_attention(
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
 
+    row_amax = row_amax and num_splits == 1 and out.is_contiguous()
+    amax = torch.empty((batch, num_kv_heads), dtype=torch.float32, device=q.device) if row_amax else part_m
     pdl = use_pdl(q.device)
     _decode_attention_kernel[(batch * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
-        out, part_m, part_l, part_acc, out if counters is None else counters,
+        out, part_m, part_l, part_acc, out if counters is None else counters, amax,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
@@ -352,6 +363,7 @@ def paged_decode_attention(
         FUSED_MERGE=counters is not None,
         MERGE_GROUP=triton.next_power_of_2(group),
         MERGE_CHUNK=_MERGE_CHUNK,
+        ROW_AMAX=row_amax,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         launch_pdl=pdl,
@@ -368,7 +380,7 @@ def paged_decode_attention(
             num_warps=4,
             launch_pdl=pdl,
         )
-    return out
+    return AmaxedRows(out.view(batch, num_heads * head_dim), amax) if row_amax else out
 
 
 def paged_decode_attention_ref(

@@ -165,13 +165,14 @@ def cases() -> dict[str, dict]:
     from kernels.decode_attention import _decode_attention_kernel
 
     attention_ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_m_ptr": "*fp32",
-                      "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "counter_ptr": "*i32"}
+                      "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "counter_ptr": "*i32", "amax_ptr": "*fp32"}
     strides = ("stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_bt", "stride_ob", "stride_oh")
     # Qwen2.5-0.5B's (7 q heads a KV head, D 64, 128-token tiles) and Llama-3.1-8B's (4, D 128, 64-token tiles)
     for name, group, head_dim, block_n, stages in (("qwen", 7, 64, 128, 2), ("llama", 4, 128, 64, 3)):
         attention = dict(NUM_KV_HEADS=2 if name == "qwen" else 8, GROUP=group, GROUP_PAD=16, HEAD_DIM=head_dim,
                          BLOCK_SIZE=16, BLOCK_N=block_n, WRITE_PARTIAL=True, DOT_PREC="tf32", PDL=True,
-                         FUSED_MERGE=False, MERGE_GROUP=triton.next_power_of_2(group), MERGE_CHUNK=8)
+                         FUSED_MERGE=False, MERGE_GROUP=triton.next_power_of_2(group), MERGE_CHUNK=8,
+                         ROW_AMAX=False)
         for tiles in (0, 2):
             out[f"attention_{name}_prefetch{tiles}"] = compile_kernel(
                 _decode_attention_kernel, dict(attention, PREFETCH_TILES=tiles), attention_ptrs, strides,
@@ -180,6 +181,10 @@ def cases() -> dict[str, dict]:
         out[f"attention_{name}_fused_merge"] = compile_kernel(
             _decode_attention_kernel, dict(attention, PREFETCH_TILES=2, FUSED_MERGE=True), attention_ptrs, strides,
             num_warps=4, num_stages=stages)
+    # one split, each program's amax stored for o_proj's FP8 row quantization (layers.FP8_ATTENTION_AMAX)
+    out["attention_llama_row_amax"] = compile_kernel(
+        _decode_attention_kernel, dict(attention, PREFETCH_TILES=0, WRITE_PARTIAL=False, ROW_AMAX=True), attention_ptrs,
+        strides, num_warps=4, num_stages=stages)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from barrier_probe import _persistent_kernel, _persistent_mlp_kernel
 

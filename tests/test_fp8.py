@@ -201,6 +201,39 @@ def test_an_fp8_engine_decodes_through_the_cuda_graphs():
     assert sum(a == b for a, b in pairs) / len(pairs) >= 0.8, pairs[:10]
 
 
+@pytest.mark.gpu
+def test_attention_handing_o_proj_its_rows_amax_changes_no_token(monkeypatch):
+    """layers.FP8_ATTENTION_AMAX on the Llama-3.1-8B shape (random weights, FP8), 64 rows through the CUDA
+    graphs, where one split covers each row (8 KV heads) and decode attention hands o_proj its output as
+    AmaxedRows: the greedy tokens of the engine without it (two engines, each capturing its graphs)."""
+    import gc
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from random_models import random_model_config
+
+    from engine.models import layers
+    from kernels.decode_attention import pick_num_splits
+
+    assert pick_num_splits(64, 8, 256, torch.cuda.get_device_properties(0).multi_processor_count) == 1
+    prompts = [torch.randint(100, 30000, (int(n),), generator=torch.Generator().manual_seed(i)).tolist()
+               for i, n in enumerate(torch.randint(8, 120, (64,), generator=torch.Generator().manual_seed(64)))]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    tokens = {}
+    for on in (False, True):
+        monkeypatch.setattr(layers, "FP8_ATTENTION_AMAX", on)
+        llm = LLM(str(random_model_config("llama-3.1-8b")), device="cuda", dtype="bfloat16", load_format="dummy",
+                  quantization="fp8", max_num_seqs=64, max_model_len=256, prefix_caching=False,
+                  cuda_graph_max_batch=64, gpu_memory_utilization=0.5)
+        tokens[on] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.stats().graph_replays.get(64, 0) > 0
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert tokens[True] == tokens[False]
+
+
 def _fp8_accuracy():
     import sys
     from pathlib import Path

@@ -30,6 +30,7 @@ def compiled() -> dict[str, dict]:
 @pytest.mark.parametrize("kernel", ["rms_norm", "rms_norm_fp8", "rms_norm_split", "rms_norm_fp8_split", "rope_kv_store",
                                     "silu_and_mul", "quantize_rows_fp8", "quantize_row_chunks_fp8", "skinny_bf16", "skinny_w8a8_silu",
                                     "attention_qwen_prefetch0", "attention_qwen_prefetch2", "attention_llama_prefetch2",
+                                    "attention_llama_row_amax",
                                     "step_inputs", "record_step", "greedy_fused",
                                     "embedding", "skinny_w8a8_silu_row_amax", "quantize_row_chunks_fp8_part_amax"])
 def test_the_pdl_variant_compiles_and_waits_for_the_kernel_before(compiled, kernel):

@@ -140,6 +140,25 @@ def test_decode_attention(num_splits, fused_merge, monkeypatch):
     assert rel_err(out, ref) < TOL
 
 
+def test_decode_attention_row_amax_is_each_kv_groups_largest_stored_value():
+    """row_amax (layers.FP8_ATTENTION_AMAX): with one split, the output as AmaxedRows [B, Hq * D], the
+    very values of the plain call, and per row and KV head the largest |value| of its query heads; with
+    more splits (the partials' merge writes the output) the plain output."""
+    from kernels.fp8_quant import AmaxedRows
+
+    gen = torch.Generator().manual_seed(4)
+    q, k_cache, v_cache, bt, cl = decode_case(gen)
+    plain = paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=1)
+    got = paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=1, row_amax=True)
+    assert isinstance(got, AmaxedRows)
+    batch, heads, dim = q.shape
+    assert torch.equal(got.rows, plain.view(batch, heads * dim))
+    groups = plain.view(batch, k_cache.shape[2], -1).abs().amax(-1)
+    assert torch.equal(got.part_amax, groups)
+    split = paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=3, row_amax=True)
+    assert isinstance(split, torch.Tensor)
+
+
 @pytest.mark.parametrize("num_splits", [8, 20])
 def test_decode_attention_more_splits_than_tiles(num_splits, fused_merge):
     # more splits than KV tiles: most partitions are empty and must be neutral; 20 > one merge chunk

@@ -112,6 +112,23 @@ def test_decode_attention_real_shapes(batch, max_ctx, shape, num_splits, prefetc
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [LLAMA_8B, QWEN_05B])
+def test_decode_attention_row_amax_real_shapes(shape):
+    """row_amax (layers.FP8_ATTENTION_AMAX) at 64 rows, one split as the engine picks there: the plain
+    call's output bit for bit as [B, Hq * D], and each KV head group's largest |value|."""
+    from kernels.fp8_quant import AmaxedRows
+
+    q, k_cache, v_cache, bt, cl = decode_case(64, 512, **shape, seed=5)
+    scale = q.shape[-1] ** -0.5
+    plain = paged_decode_attention(q, k_cache, v_cache, bt, cl, scale, num_splits=1)
+    got = paged_decode_attention(q, k_cache, v_cache, bt, cl, scale, num_splits=1, row_amax=True)
+    assert isinstance(got, AmaxedRows)
+    assert torch.equal(got.rows, plain.view(64, -1))
+    assert torch.equal(got.part_amax, plain.view(64, shape["hkv"], -1).abs().amax(-1).float())
+    assert rel_err(plain, decode_ref(q, k_cache, v_cache, bt, cl)) < TOL
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [32, 64])
 def test_decode_attention_block_sizes(block_size):
     k_cache, v_cache, bt, gen = paged_setup(8, 1000, 8, 128, block_size=block_size)

@@ -96,8 +96,8 @@ def test_triton_path_matches_torch_path(monkeypatch, tmp_path, variant):
         assert rel_err(got, want) < 1e-5
 
 
-def one_layer_decode(monkeypatch, intermediate: int):
-    """A Llama decoder layer (hidden 128, two heads of 64, one KV head; float32, random weights) and
+def one_layer_decode(monkeypatch, intermediate: int, num_heads: int = 2):
+    """A Llama decoder layer (hidden 128, num_heads heads of 64, one KV head; float32, random weights) and
     a function that runs decode of 4 rows through it on the Triton path (in the interpreter: the
     interpreter's bf16 dot is not exact), on fresh copies of one paged KV cache each time."""
     from engine.attention import AttentionMetadata, TritonAttention
@@ -108,7 +108,7 @@ def one_layer_decode(monkeypatch, intermediate: int):
 
     monkeypatch.setattr(layers, "_triton", lambda x: True)
     args = ModelArgs("LlamaForCausalLM", vocab_size=256, hidden_size=128, intermediate_size=intermediate,
-                     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+                     num_layers=1, num_heads=num_heads, num_kv_heads=1, head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0,
                      rope_scaling=None, max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=False,
                      qk_norm=False, dtype="float32", eos_token_ids=(0,), bos_token_id=None)
     torch.manual_seed(5)
@@ -159,6 +159,37 @@ def test_the_norm_after_a_split_projection_sums_it_and_changes_no_bit(monkeypatc
         results[defer] = layers.add_rms_norm(out, residual, norm_weight, 1e-6)
         assert reduces == ([] if defer else [(4, 128)])  # down_proj's split; o_proj's K of 128 is not split
     assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
+
+
+def test_decode_attention_hands_an_fp8_o_proj_its_rows_amax_and_changes_no_bit(monkeypatch):
+    """layers.FP8_ATTENTION_AMAX: with FP8 projections on the Triton path (in the interpreter), decode
+    attention (one split here) hands o_proj its output as AmaxedRows (the same rows) and o_proj's row
+    quantization reads each row's amax from its KV heads' parts: bit for bit the W8A8 product of those
+    rows quantized as they are otherwise (32 heads: o_proj's K of 2048 takes the row-chunk path, which reads
+    the parts)."""
+    from engine.models import layers
+    from engine.models.fp8 import fp8_gemm
+    from kernels.fp8_quant import AmaxedRows, quantize_rows_fp8
+
+    layer, run = one_layer_decode(monkeypatch, intermediate=256, num_heads=32)
+    for module in layer.modules():
+        if isinstance(module, layers.Linear):
+            module.to_fp8()
+    o_proj = layer.self_attn.o_proj
+    seen = []
+    real_forward = o_proj.forward
+    monkeypatch.setattr(o_proj, "forward", lambda x, **kw: seen.append((x, real_forward(x, **kw))) or seen[-1][1])
+    inputs = {}
+    for on in (False, True):
+        monkeypatch.setattr(layers, "FP8_ATTENTION_AMAX", on)
+        seen.clear()
+        run()
+        (inputs[on], output), = seen
+    assert isinstance(inputs[True], AmaxedRows) and isinstance(inputs[False], torch.Tensor)
+    assert torch.equal(inputs[True].rows, inputs[False])
+    want = fp8_gemm(*quantize_rows_fp8(inputs[False]), o_proj.weight, o_proj.weight_scale, None, torch.float32,
+                    defer_reduce=True)
+    assert torch.equal(layers._summed(output), layers._summed(want))
 
 
 def test_an_fp8_gate_up_hands_down_proj_its_rows_amax_and_changes_no_bit(monkeypatch):

@@ -63,6 +63,9 @@ PDL_EMBEDDING = True
 # against 16,615 / 16,701 tok/s, batch 8 2,688 / 2,692 against 2,662 / 2,658
 # (decode_latency-h200-fp8-row-amax-ab-2026-12-03.json).
 FP8_ROW_AMAX = True
+# Decode attention hands an FP8 o_proj its output with each KV head group's amax the same way
+# (kernels/decode_attention.py row_amax, where one split covers each row: batch 64 on an H200).
+FP8_ATTENTION_AMAX = False
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -97,11 +100,13 @@ def _fused_projection(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = Fa
     return None
 
 
-def hands_row_amax(x: torch.Tensor | SplitPartials, down_proj: "Linear") -> bool:
-    """Whether gate_up over x's rows hands down_proj its output as AmaxedRows (FP8_ROW_AMAX): down_proj
-    runs W8A8 there (FP8 weights on CUDA, rows the GEMV does not take)."""
-    return (FP8_ROW_AMAX and _triton(x) and down_proj.weight.dtype == FP8 and quantizes_activations(x.shape[0])
-            and not _gemv_applies(x, down_proj.weight))
+def hands_row_amax(x: torch.Tensor | SplitPartials, proj: "Linear", after_attention: bool = False) -> bool:
+    """Whether the kernel before proj, over x's rows, hands proj its output as AmaxedRows: gate_up before
+    down_proj (FP8_ROW_AMAX), or decode attention before o_proj (after_attention, FP8_ATTENTION_AMAX). Where
+    proj runs W8A8: FP8 weights on CUDA, rows the GEMV does not take."""
+    switch = FP8_ATTENTION_AMAX if after_attention else FP8_ROW_AMAX
+    return (switch and _triton(x) and proj.weight.dtype == FP8 and quantizes_activations(x.shape[0])
+            and not _gemv_applies(x, proj.weight))
 
 
 def _skinny_applies(x: torch.Tensor, lm_head: bool) -> bool:

@@ -26,6 +26,7 @@ from engine.models.layers import (
     pack_weight_for_cpu,
     rms_norm,
 )
+from kernels.fp8_quant import AmaxedRows
 
 
 class RMSNorm(nn.Module):
@@ -59,21 +60,26 @@ class Attention(nn.Module):
         projection. Returns (output, x + residual); the output may be the o projection's split-K
         partials, for the norm after it to sum (layers.defers_split_reduce)."""
         num_tokens = x.shape[0]
+        row_amax = hands_row_amax(x, self.o_proj, after_attention=True)
         fused = None
         if not meta.is_prefill and self.q_norm is None:
             fused = fused_qkv_rope_store(x, residual, norm.weight, norm.eps, self.qkv_proj, self.num_heads, positions,
                                          cos_sin, meta.slot_mapping, k_cache, v_cache)
         if fused is not None:
             q, residual = fused
-            out = self.backend.attend_decode(q, k_cache, v_cache, meta, self.scale)
+            out = self.backend.attend_decode(q, k_cache, v_cache, meta, self.scale, row_amax=row_amax)
         else:
             qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, self.qkv_proj)
             heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
             q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            out = self.backend.forward(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale)
-        o_input = out.reshape(num_tokens, self.q_size)
+            out = self.backend.forward(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale,
+                                       row_amax=row_amax and not meta.is_prefill)
+        if isinstance(out, AmaxedRows):  # [T, Hq * D] already
+            o_input = out
+        else:
+            o_input = out.reshape(num_tokens, self.q_size)
         return self.tp.all_reduce(self.o_proj(o_input, defer_reduce=defers_split_reduce(self.tp.size))), residual
 
 
