@@ -108,7 +108,8 @@ def one_layer_decode(monkeypatch, intermediate: int, num_heads: int = 2):
 
     monkeypatch.setattr(layers, "_triton", lambda x: True)
     args = ModelArgs("LlamaForCausalLM", vocab_size=256, hidden_size=128, intermediate_size=intermediate,
-                     num_layers=1, num_heads=num_heads, num_kv_heads=1, head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+                     num_layers=1, num_heads=num_heads, num_kv_heads=1, head_dim=64, rms_norm_eps=1e-6,
+                     rope_theta=10000.0,
                      rope_scaling=None, max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=False,
                      qk_norm=False, dtype="float32", eos_token_ids=(0,), bos_token_id=None)
     torch.manual_seed(5)
