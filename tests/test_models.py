@@ -162,35 +162,42 @@ def test_the_norm_after_a_split_projection_sums_it_and_changes_no_bit(monkeypatc
     assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
 
 
+def assert_amaxed_input_changes_no_bit(monkeypatch, layer, run, proj_name: str, switch: str) -> None:
+    """With the layer's projections in FP8 and layers.<switch> off, then on: on, the projection named
+    proj_name (a dotted path in the layer) takes its input as AmaxedRows (the same rows as off), and its
+    output is bit for bit the W8A8 product of those rows quantized whole."""
+    from engine.models import layers
+    from engine.models.fp8 import fp8_gemm
+    from kernels.fp8_quant import AmaxedRows, quantize_rows_fp8
+
+    for module in layer.modules():
+        if isinstance(module, layers.Linear):
+            module.to_fp8()
+    proj = layer.get_submodule(proj_name)
+    seen = []
+    real_forward = proj.forward
+    monkeypatch.setattr(proj, "forward", lambda x, **kw: seen.append((x, real_forward(x, **kw))) or seen[-1][1])
+    inputs = {}
+    for on in (False, True):
+        monkeypatch.setattr(layers, switch, on)
+        seen.clear()
+        run()
+        (inputs[on], output), = seen
+    assert isinstance(inputs[True], AmaxedRows) and isinstance(inputs[False], torch.Tensor)
+    assert torch.equal(inputs[True].rows, inputs[False])
+    want = fp8_gemm(*quantize_rows_fp8(inputs[False]), proj.weight, proj.weight_scale, None, torch.float32,
+                    defer_reduce=True)
+    assert torch.equal(layers._summed(output), layers._summed(want))
+
+
 def test_decode_attention_hands_an_fp8_o_proj_its_rows_amax_and_changes_no_bit(monkeypatch):
     """layers.FP8_ATTENTION_AMAX: with FP8 projections on the Triton path (in the interpreter), decode
     attention (one split here) hands o_proj its output as AmaxedRows (the same rows) and o_proj's row
     quantization reads each row's amax from its KV heads' parts: bit for bit the W8A8 product of those
     rows quantized as they are otherwise (32 heads: o_proj's K of 2048 takes the row-chunk path, which reads
     the parts)."""
-    from engine.models import layers
-    from engine.models.fp8 import fp8_gemm
-    from kernels.fp8_quant import AmaxedRows, quantize_rows_fp8
-
     layer, run = one_layer_decode(monkeypatch, intermediate=256, num_heads=32)
-    for module in layer.modules():
-        if isinstance(module, layers.Linear):
-            module.to_fp8()
-    o_proj = layer.self_attn.o_proj
-    seen = []
-    real_forward = o_proj.forward
-    monkeypatch.setattr(o_proj, "forward", lambda x, **kw: seen.append((x, real_forward(x, **kw))) or seen[-1][1])
-    inputs = {}
-    for on in (False, True):
-        monkeypatch.setattr(layers, "FP8_ATTENTION_AMAX", on)
-        seen.clear()
-        run()
-        (inputs[on], output), = seen
-    assert isinstance(inputs[True], AmaxedRows) and isinstance(inputs[False], torch.Tensor)
-    assert torch.equal(inputs[True].rows, inputs[False])
-    want = fp8_gemm(*quantize_rows_fp8(inputs[False]), o_proj.weight, o_proj.weight_scale, None, torch.float32,
-                    defer_reduce=True)
-    assert torch.equal(layers._summed(output), layers._summed(want))
+    assert_amaxed_input_changes_no_bit(monkeypatch, layer, run, "self_attn.o_proj", "FP8_ATTENTION_AMAX")
 
 
 def test_an_fp8_gate_up_hands_down_proj_its_rows_amax_and_changes_no_bit(monkeypatch):
@@ -199,26 +206,5 @@ def test_an_fp8_gate_up_hands_down_proj_its_rows_amax_and_changes_no_bit(monkeyp
     row's amax from them (intermediate 2048: the row-chunk path): bit for bit the W8A8 product of
     those rows quantized as they are otherwise. (Off, down_proj takes FP8's CPU path here, x.is_cuda
     being false: no reference for the bits.)"""
-    from engine.models import layers
-    from engine.models.fp8 import fp8_gemm
-    from kernels.fp8_quant import AmaxedRows, quantize_rows_fp8
-
     layer, run = one_layer_decode(monkeypatch, intermediate=2048)
-    for module in layer.modules():
-        if isinstance(module, layers.Linear):
-            module.to_fp8()
-    down = layer.mlp.down_proj
-    seen = []
-    real_forward = down.forward
-    monkeypatch.setattr(down, "forward", lambda x, **kw: seen.append((x, real_forward(x, **kw))) or seen[-1][1])
-    inputs = {}
-    for on in (False, True):
-        monkeypatch.setattr(layers, "FP8_ROW_AMAX", on)
-        seen.clear()
-        run()
-        (inputs[on], output), = seen
-    assert isinstance(inputs[True], AmaxedRows) and isinstance(inputs[False], torch.Tensor)
-    assert torch.equal(inputs[True].rows, inputs[False])
-    want = fp8_gemm(*quantize_rows_fp8(inputs[False]), down.weight, down.weight_scale, None, torch.float32,
-                    defer_reduce=True)
-    assert torch.equal(layers._summed(output), layers._summed(want))
+    assert_amaxed_input_changes_no_bit(monkeypatch, layer, run, "mlp.down_proj", "FP8_ROW_AMAX")
