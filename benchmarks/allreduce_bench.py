@@ -48,7 +48,7 @@ def _graph_us(fn, calls: int) -> float:
 
 
 def _rank(rank: int, size: int, init_method: str, calls: int, shapes: list[tuple[int, int]]) -> list[dict]:
-    from engine.distributed import init_tensor_parallel
+    from graphserve.engine.distributed import init_tensor_parallel
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/allreduce.json"))
     args = parser.parse_args()
 
-    from engine.distributed import run_on_ranks
+    from graphserve.engine.distributed import run_on_ranks
     from measure import run_info, write_json
     from workload import provenance
 

@@ -43,8 +43,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from measure import graph_ms, run_info, write_json  # noqa: E402
 
-from kernels._pdl import wait_for_previous_kernel  # noqa: E402
-from kernels._prefetch import prefetch_l2  # noqa: E402
+from graphserve.kernels._pdl import wait_for_previous_kernel  # noqa: E402
+from graphserve.kernels._prefetch import prefetch_l2  # noqa: E402
 
 
 @triton.jit
@@ -144,7 +144,7 @@ def persistent_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, c
 
 def mlp_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """The engine's MLP at one row (kernels.gemv's reference: SiLU-and-mul, then down)."""
-    from kernels.gemv import gemv_ref
+    from graphserve.kernels.gemv import gemv_ref
 
     act, _ = gemv_ref(x, gate_up, silu_mul=True)
     return gemv_ref(act, down)[0]
@@ -176,8 +176,8 @@ def mlp_rows(dev: torch.device, layers: int, hidden: int = 896, inter: int = 486
     """µs a layer of `layers` one-row MLPs (Qwen2.5-0.5B's shape, random weights a layer) in a CUDA graph:
     the persistent kernel with one and two programs an SM, then the engine's two GEMVs; each checked
     against the reference first."""
-    from kernels._common import sm_count
-    from kernels.gemv import gemv
+    from graphserve.kernels._common import sm_count
+    from graphserve.kernels.gemv import gemv
 
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(1, hidden, device=dev, generator=gen).to(torch.bfloat16)

@@ -44,7 +44,7 @@ def main() -> None:
 
     import transformers
 
-    from engine import LLM, SamplingParams
+    from graphserve import LLM, SamplingParams
 
     llm = LLM(device="cpu", dtype=args.dtype, num_threads=args.threads)
     prompt_ids = llm.tokenizer.encode(PROMPT)

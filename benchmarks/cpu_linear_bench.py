@@ -1,4 +1,4 @@
-"""CPU projections at decode sizes: engine/cpu_linear.py's panel kernel against MKL (F.linear on
+"""CPU projections at decode sizes: engine/cpu/linear.py's panel kernel against MKL (F.linear on
 the plain weight) and oneDNN (a weight packed by torch.ops.mkldnn), over the embedded model's
 30 layers of fresh weights (qkv, o, gate_up, down: more than the caches hold, as in a decode
 step) and its LM head, at each row count: the best of --repeats runs, the kinds taking turns.
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from engine import cpu_linear  # noqa: E402
+from graphserve.engine.cpu import linear as cpu_linear  # noqa: E402
 from workload import provenance, write_json  # noqa: E402
 
 # SmolLM2-135M (the embedded model): hidden 576, 9 + 2 x 3 heads of 64, MLP 1536, 30 layers

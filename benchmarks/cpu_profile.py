@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def run(llm, batch: int, rounds: int, profile: bool, top: int, seed: int = 0) -> dict:
-    from engine import SamplingParams
+    from graphserve import SamplingParams
 
     core = llm.engine.core
     rng = random.Random(seed)
@@ -69,7 +69,7 @@ def run(llm, batch: int, rounds: int, profile: bool, top: int, seed: int = 0) ->
 def prefill(llm, lengths: list[int], repeats: int = 3) -> dict:
     """Seconds of the prefill step(s) of prompts of these lengths submitted together (best of
     `repeats`; max_tokens 1, so nothing but the prefill and the first token)."""
-    from engine import SamplingParams
+    from graphserve import SamplingParams
 
     core = llm.engine.core
     rng = random.Random(1)
@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    from engine import LLM
+    from graphserve import LLM
 
     llm = LLM(device="cpu", dtype="float32", num_threads=args.threads, decode_chunk=args.decode_chunk)
     out = dict(threads=torch.get_num_threads(), torch=torch.__version__, command=" ".join(sys.argv), results=[])

@@ -67,8 +67,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results" / f"cuda_gemv_probe-{dt.date.today()}.json")
     p.add_argument("--build-dir", type=Path, default=Path("/tmp/graphserve-cuda-probe"))
     args = p.parse_args()
-    from kernels.fp8_quant import quantize_rows_fp8
-    from kernels.gemv import gemv
+    from graphserve.kernels.fp8_quant import quantize_rows_fp8
+    from graphserve.kernels.gemv import gemv
 
     dll = build(args.build_dir)
     dev = torch.device("cuda")

@@ -47,51 +47,51 @@ from workload import provenance, resolve_model  # noqa: E402
 # The A/B switches: --FLAG sets MODULE.NAME for the run (bool: on / off; int: the value); unset, the
 # shipped value stays.
 SWITCHES = {
-    "pdl-elementwise": ("kernels._common", "PDL_ELEMENTWISE", bool, "PDL for the kernels between the projections too"),
-    "fp8-weight-only-max-rows": ("engine.models.fp8", "FP8_WEIGHT_ONLY_MAX_ROWS", int, "0: W8A8 from 2 rows"),
-    "fp8-gemv-max-rows": ("engine.models.layers", "FP8_GEMV_MAX_ROWS", int,
+    "pdl-elementwise": ("graphserve.kernels._common", "PDL_ELEMENTWISE", bool, "PDL for the kernels between the projections too"),
+    "fp8-weight-only-max-rows": ("graphserve.engine.models.fp8", "FP8_WEIGHT_ONLY_MAX_ROWS", int, "0: W8A8 from 2 rows"),
+    "fp8-gemv-max-rows": ("graphserve.engine.models.layers", "FP8_GEMV_MAX_ROWS", int,
                           "0: batch 1 goes W8A8 through the norm's quantization and the skinny GEMM"),
-    "fp8-gate-up-gemv-max-rows": ("engine.models.layers", "FP8_GATE_UP_GEMV_MAX_ROWS", int,
+    "fp8-gate-up-gemv-max-rows": ("graphserve.engine.models.layers", "FP8_GATE_UP_GEMV_MAX_ROWS", int,
                                   "1: batch 1's gate_up takes the GEMV, as the other projections do"),
-    "skinny-gemm-max-rows": ("engine.models.layers", "SKINNY_GEMM_MAX_ROWS", int,
+    "skinny-gemm-max-rows": ("graphserve.engine.models.layers", "SKINNY_GEMM_MAX_ROWS", int,
                              "bf16 rows that take the skinny GEMM instead of cuBLAS"),
-    "fp8-norm-quant": ("engine.models.layers", "FP8_NORM_QUANT", bool,
+    "fp8-norm-quant": ("graphserve.engine.models.layers", "FP8_NORM_QUANT", bool,
                        "the RMSNorm before an FP8 projection quantizes its input (off: a separate kernel)"),
-    "gemv-k-constexpr-max-k": ("kernels.gemv", "K_CONSTEXPR_MAX_K", int,
+    "gemv-k-constexpr-max-k": ("graphserve.kernels.gemv", "K_CONSTEXPR_MAX_K", int,
                                "the one-row GEMV compiled for its K where K is at most this; 0: never"),
-    "skinny-w8a8-tma-min-rows": ("kernels.skinny_gemm", "W8A8_TMA_MIN_ROWS", int,
+    "skinny-w8a8-tma-min-rows": ("graphserve.kernels.skinny_gemm", "W8A8_TMA_MIN_ROWS", int,
                                  "W8A8 qkv / o / down from this many rows load their K tiles with the copy engine "
                                  "(TMA); 0: never"),
-    "skinny-w8a8-tma-silu-min-rows": ("kernels.skinny_gemm", "W8A8_TMA_SILU_MIN_ROWS", int,
+    "skinny-w8a8-tma-silu-min-rows": ("graphserve.kernels.skinny_gemm", "W8A8_TMA_SILU_MIN_ROWS", int,
                                       "the same for gate_up with SiLU-and-mul; 0: never"),
-    "gemv-long-k-block": ("kernels.gemv", "LONG_K_BLOCK_K", int, "bf16 down_proj's K tile at batch 1"),
-    "fp8-attention-amax": ("engine.models.layers", "FP8_ATTENTION_AMAX", bool,
+    "gemv-long-k-block": ("graphserve.kernels.gemv", "LONG_K_BLOCK_K", int, "bf16 down_proj's K tile at batch 1"),
+    "fp8-attention-amax": ("graphserve.engine.models.layers", "FP8_ATTENTION_AMAX", bool,
                            "decode attention hands an FP8 o_proj each KV head group's amax (one split)"),
-    "attention-prefetch": ("kernels.decode_attention", "PREFETCH_TILES", int,
+    "attention-prefetch": ("graphserve.kernels.decode_attention", "PREFETCH_TILES", int,
                            "tiles of KV rows each program asks L2 for before its PDL wait; 0: none"),
-    "attention-min-split-tokens": ("kernels.decode_attention", "_MIN_TOKENS_PER_SPLIT", int,
+    "attention-min-split-tokens": ("graphserve.kernels.decode_attention", "_MIN_TOKENS_PER_SPLIT", int,
                                    "the fewest KV tokens per split"),
-    "attention-fused-merge": ("kernels.decode_attention", "FUSED_MERGE", bool,
+    "attention-fused-merge": ("graphserve.kernels.decode_attention", "FUSED_MERGE", bool,
                               "the last split merges the partials; off: the merge kernel"),
-    "fp8-quant-row-chunks": ("kernels.fp8_quant", "ROW_CHUNKS", bool,
+    "fp8-quant-row-chunks": ("graphserve.kernels.fp8_quant", "ROW_CHUNKS", bool,
                              "a program per chunk of a row at few rows; off: one program a row"),
-    "fp8-row-amax": ("engine.models.layers", "FP8_ROW_AMAX", bool,
+    "fp8-row-amax": ("graphserve.engine.models.layers", "FP8_ROW_AMAX", bool,
                      "an FP8 gate_up hands down_proj's row quantization each row's amax in parts"),
-    "pdl-embedding": ("engine.models.layers", "PDL_EMBEDDING", bool,
+    "pdl-embedding": ("graphserve.engine.models.layers", "PDL_EMBEDDING", bool,
                       "the embedding lookup as a PDL kernel; off: torch's index_select"),
-    "greedy-chunk": ("kernels.sampling", "CHUNK", int, "vocabulary entries a program of the greedy argmax covers"),
-    "greedy-fused-merge": ("kernels.sampling", "FUSED_MERGE", bool,
+    "greedy-chunk": ("graphserve.kernels.sampling", "CHUNK", int, "vocabulary entries a program of the greedy argmax covers"),
+    "greedy-fused-merge": ("graphserve.kernels.sampling", "FUSED_MERGE", bool,
                            "the greedy argmax's last chunk of a row merges, one PDL kernel; off: a merge kernel"),
-    "fp8-quant-programs-per-sm": ("kernels.fp8_quant", "ROW_CHUNK_PROGRAMS_PER_SM", int,
+    "fp8-quant-programs-per-sm": ("graphserve.kernels.fp8_quant", "ROW_CHUNK_PROGRAMS_PER_SM", int,
                                   "the programs an SM the row chunks aim at"),
-    "skinny-w8a8-deep": ("kernels.skinny_gemm", "W8A8_DEEP_PIPELINE", bool,
+    "skinny-w8a8-deep": ("graphserve.kernels.skinny_gemm", "W8A8_DEEP_PIPELINE", bool,
                          "W8A8 K tiles of 128 bytes 8 stages deep; off: 256 x 5"),
-    "fused-step-bookkeeping": ("engine.runner", "FUSED_STEP_BOOKKEEPING", bool,
+    "fused-step-bookkeeping": ("graphserve.engine.runner.model_runner", "FUSED_STEP_BOOKKEEPING", bool,
                                "a step's input rows and token records in two kernels; off: seven torch ops"),
-    "defer-split-reduce": ("engine.models.layers", "DEFER_SPLIT_REDUCE", bool,
+    "defer-split-reduce": ("graphserve.engine.models.layers", "DEFER_SPLIT_REDUCE", bool,
                            "the norm after o / down sums their split-K partials; off: a reduce kernel each"),
-    "norm-max-warps": ("kernels.rmsnorm", "MAX_WARPS", int, "warps a row's RMSNorm program takes at most"),
-    "pdl-early-trigger": ("kernels._pdl", "EARLY_TRIGGER", bool,
+    "norm-max-warps": ("graphserve.kernels.rmsnorm", "MAX_WARPS", int, "warps a row's RMSNorm program takes at most"),
+    "pdl-early-trigger": ("graphserve.kernels._pdl", "EARLY_TRIGGER", bool,
                           "a PDL kernel lets the next one launch before its own wait"),
 }
 
@@ -133,7 +133,7 @@ def time_engine(llm, prompts, new_tokens: int, repeats: int = 2) -> EngineTiming
     """prompts: a function giving fresh prompts for each run (no prefix-cache hits). Busy and idle
     come from the fastest runs; idle is time the host kept no work queued, and wall time past busy +
     idle is host time before the first batch and after the last."""
-    from engine import SamplingParams
+    from graphserve import SamplingParams
 
     timeline = llm.engine.core.timeline
 
@@ -159,7 +159,7 @@ def _tp_rank(rank: int, size: int, init_method: str, path: str | None, device: s
              prompt_len: int, new_tokens: int, engine: dict) -> dict[int, float]:
     """One rank of a tensor-parallel engine (its own process): the same prompts and runs as every
     other rank; seconds per decode step for each batch."""
-    from engine import LLM
+    from graphserve import LLM
 
     llm = LLM(path, device=device, tensor_parallel_size=size, tp_rank=rank, tp_init_method=init_method, **engine)
     llm.engine.core.config.decode_chunk = k
@@ -171,7 +171,7 @@ def _tp_rank(rank: int, size: int, init_method: str, path: str | None, device: s
 def time_tensor_parallel(size: int, path: str | None, device: str, batches: list[int], k: int, prompt_len: int,
                          new_tokens: int, engine: dict) -> dict[int, float]:
     """Seconds per decode step for each batch, with the model sharded over `size` ranks (rank 0's)."""
-    from engine.distributed import run_on_ranks
+    from graphserve.engine.distributed import run_on_ranks
 
     return run_on_ranks(_tp_rank, size, (path, device, batches, k, prompt_len, new_tokens, engine), timeout=1800)[0]
 
@@ -179,9 +179,9 @@ def time_tensor_parallel(size: int, path: str | None, device: str, batches: list
 def meta_shape(path: str | None, quantization: str | None) -> tuple[int, object]:
     """(weight bytes a decode step reads, ModelArgs) of the whole bf16 (or FP8) model, from its
     config alone (a model built on the meta device: nothing allocated)."""
-    from engine.models.config import ModelArgs
-    from engine.models.layers import Linear
-    from engine.models.llama import LlamaModel
+    from graphserve.engine.models.config import ModelArgs
+    from graphserve.engine.models.layers import Linear
+    from graphserve.engine.models.llama import LlamaModel
 
     args = ModelArgs.from_dir(Path(path))
     with torch.device("meta"):
@@ -250,9 +250,9 @@ def main() -> None:
 
     import transformers
 
-    from engine import LLM
-    from engine.models import fp8, layers
-    from kernels import _common
+    from graphserve import LLM
+    from graphserve.engine.models import fp8, layers
+    from graphserve.kernels import _common
 
     _common.PDL = args.pdl == "on"
     for flag, (module, name, kind, _) in SWITCHES.items():

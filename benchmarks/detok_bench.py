@@ -46,8 +46,8 @@ import tokenizers  # noqa: E402
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 from tokenizers import decoders, models, pre_tokenizers  # noqa: E402
 
-from engine import tokenizer as engine_tokenizer  # noqa: E402
-from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer, _StopAutomaton  # noqa: E402
+from graphserve.engine import tokenizer as engine_tokenizer  # noqa: E402
+from graphserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer, _StopAutomaton  # noqa: E402
 
 TEXT = (
     "The engine core is a busy loop with no asyncio and no text; the front ends never touch tensors. "
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     toks: list[tuple[str, Tokenizer]] = []
     path = args.tokenizer
     if path is None:
-        from engine.models.default_model import default_model_path
+        from graphserve.engine.models.default_model import default_model_path
 
         candidate = default_model_path()
         path = str(candidate) if (candidate / "tokenizer.json").is_file() else None

@@ -24,8 +24,8 @@ from teacher_forced import compare, teacher_forced_logits  # noqa: E402
 
 
 def _load(path: str, dtype: torch.dtype, device: torch.device, quantization: str | None):
-    from engine.attention import make_attention_backend
-    from engine.models.loader import load_model
+    from graphserve.engine.models.attention import make_attention_backend
+    from graphserve.engine.models.loader import load_model
 
     return load_model(path, dtype, device, make_attention_backend(device, 16), 1024, quantization=quantization)
 
@@ -35,8 +35,8 @@ def fp8_accuracy(path: str, device: torch.device, dtype: torch.dtype, prompts: i
                  steps: int = 64) -> dict:
     """{"fp8": compare(...), "fake_quantized": compare(...)} against the `dtype` model, over
     `prompts` random sequences of prompt_len + steps tokens."""
-    from engine.models.fp8 import dequantize, quantize_per_channel
-    from engine.models.layers import Linear
+    from graphserve.engine.models.fp8 import dequantize, quantize_per_channel
+    from graphserve.engine.models.layers import Linear
 
     model = _load(path, dtype, device, None)
     gen = torch.Generator().manual_seed(0)

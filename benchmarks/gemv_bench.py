@@ -51,7 +51,7 @@ def projections(model: str) -> list[tuple[str, int, int, bool, bool, bool]]:
 
 def make_inputs(rows: int, n: int, k: int, norm: bool, bias: bool, copies: int, fp8: bool = False):
     """fp8: weights as (e4m3 weight, float32 row scales) pairs."""
-    from engine.models.fp8 import quantize_per_channel
+    from graphserve.engine.models.fp8 import quantize_per_channel
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, k, device="cuda", dtype=BF16, generator=gen)
@@ -65,11 +65,11 @@ def make_inputs(rows: int, n: int, k: int, norm: bool, bias: bool, copies: int, 
 
 def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles: list, fp8: bool = False,
                      pdl_settings: tuple[bool, ...] = (True,)) -> list[dict]:
-    from engine.models.fp8 import fp8_linear
-    from kernels import _common
-    from kernels.activation import silu_and_mul
-    from kernels.gemv import gemv
-    from kernels.rmsnorm import fused_add_rms_norm
+    from graphserve.engine.models.fp8 import fp8_linear
+    from graphserve.kernels import _common
+    from graphserve.kernels.activation import silu_and_mul
+    from graphserve.kernels.gemv import gemv
+    from graphserve.kernels.rmsnorm import fused_add_rms_norm
 
     name, n, k, norm, bias, silu = proj
     weight_bytes = n * k * (1 if fp8 else 2) + (n * 4 if fp8 else 0)
@@ -117,7 +117,7 @@ def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles:
 
 def sweep_tiles(fp8: bool = False):
     """Tiles whose accumulator takes at most 64 registers a thread; bf16 2048-wide K tiles for one or two rows."""
-    from kernels.gemv import GemvTile
+    from graphserve.kernels.gemv import GemvTile
 
     return [GemvTile(bn, bk, w) for bn in (1, 2, 4, 8, 16, 32, 64) for bk in (256, 512, 1024, 2048)
             for w in (4, 8) if bn * bk <= w * 32 * 64 and (fp8 or bk <= 1024 or bn <= 2)]
@@ -140,7 +140,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results" / f"gemv_bench-{dt.date.today()}.json")
     args = p.parse_args()
 
-    gemv_module = importlib.import_module("kernels.gemv")  # the package's `gemv` is the function
+    gemv_module = importlib.import_module("graphserve.kernels.gemv")  # the package's `gemv` is the function
 
     copy = args.copy = copy_bandwidth(2048, 100)
     print(f"device-to-device copy: {copy['gb_per_s']:.0f} GB/s")
@@ -156,8 +156,8 @@ def main() -> int:
 
 
 def bench_all(args, k_constexpr_max_k: int) -> list[dict]:
-    from kernels._common import sm_count
-    from kernels.gemv import GemvTile, default_gemv_tile
+    from graphserve.kernels._common import sm_count
+    from graphserve.kernels.gemv import GemvTile, default_gemv_tile
 
     copy = args.copy
     pdl_settings = {"on": (True,), "off": (False,), "both": (True, False)}[args.pdl]

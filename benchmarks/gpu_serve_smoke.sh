@@ -9,7 +9,7 @@
 set -u
 . benchmarks/gpu_env.sh
 MODEL=$(python3 -c "import sys; sys.path[:0] = ['benchmarks']; from random_models import random_model; print(random_model('qwen2.5-0.5b'))" 2>/dev/null | tail -1)
-python3 -m server serve --config configs/gpu-h200.toml --model "$MODEL" --port 8000 --max-model-len 1024 > "$OUT/server.log" 2>&1 &
+python3 -m graphserve serve --config configs/gpu-h200.toml --model "$MODEL" --port 8000 --max-model-len 1024 > "$OUT/server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 120); do curl -sf localhost:8000/health > /dev/null && break; sleep 1; done
 curl -sN localhost:8000/v1/completions -H 'Content-Type: application/json' \

@@ -24,7 +24,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from random_models import random_model  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
+from graphserve import LLM, SamplingParams  # noqa: E402
 
 
 def compiled_kernels(cache: str) -> set[str]:

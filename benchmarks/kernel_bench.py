@@ -69,8 +69,8 @@ def decode_inputs(batch: int, ctx: int, hq: int, hkv: int, head_dim: int, block_
 
 
 def bench_decode(case: tuple, block_size: int, rep: int, copy_gbs: float, sweep: bool) -> list[dict]:
-    from kernels._common import sm_count
-    from kernels.decode_attention import (
+    from graphserve.kernels._common import sm_count
+    from graphserve.kernels.decode_attention import (
         DecodeTile,
         default_decode_tile,
         paged_decode_attention,
@@ -124,7 +124,7 @@ def bench_decode(case: tuple, block_size: int, rep: int, copy_gbs: float, sweep:
 
 
 def bench_prefill(case: tuple, block_size: int, rep: int, sweep: bool) -> list[dict]:
-    from kernels.prefill_attention import (
+    from graphserve.kernels.prefill_attention import (
         PrefillTile,
         default_prefill_tile,
         paged_prefill_attention,

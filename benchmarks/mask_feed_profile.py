@@ -71,8 +71,8 @@ def main() -> int:
 
     import torch
 
-    from engine import LLM, SamplingParams
-    from engine.structured import GrammarSpec
+    from graphserve import LLM, SamplingParams
+    from graphserve.engine.structured.grammar import GrammarSpec
 
     model = resolve_model(args.model)
     config_path, config = engine_config(args, model)

@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from engine import LLM
+    from graphserve import LLM
 
     llm = LLM(resolve_model(args.model), device="cuda", dtype="bfloat16", max_num_seqs=64, max_model_len=1024)
     graphs = llm.engine.core.graphs

@@ -209,7 +209,7 @@ def summarize(records: list[dict]) -> dict:
 def run_server(args, model: str | None, caching: bool, extra: list[str], work) -> dict:
     """Start the server (with or without --no-prefix-caching), warm it, run work(url) ->
     (records, wall), and add the server's counters over the run."""
-    from server.testing import ServerProcess
+    from graphserve.server.testing import ServerProcess
 
     serve = ["--config", args.config, *(["--model", model] if model else []), *extra,
              *([] if caching else ["--no-prefix-caching"])]

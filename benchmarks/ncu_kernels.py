@@ -29,8 +29,8 @@ BF16 = torch.bfloat16
 
 def projection_targets(model: str, rows: int, fp8: bool) -> dict:
     """name -> a function launching that projection as the engine does at this many rows."""
-    from engine.models.fp8 import fp8_linear
-    from kernels.gemv import gemv
+    from graphserve.engine.models.fp8 import fp8_linear
+    from graphserve.kernels.gemv import gemv
 
     out = {}
     for name, n, k, norm, bias, silu in projections(model):
@@ -49,7 +49,7 @@ def projection_targets(model: str, rows: int, fp8: bool) -> dict:
 
 
 def attention_target(batch: int, context: int, hq: int, hkv: int, head_dim: int) -> dict:
-    from kernels.decode_attention import paged_decode_attention
+    from graphserve.kernels.decode_attention import paged_decode_attention
 
     block = 16
     blocks = -(-context // block)

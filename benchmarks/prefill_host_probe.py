@@ -46,9 +46,9 @@ def main() -> int:
 
     import torch
 
-    from engine import LLM
-    from engine.attention import AttentionMetadata
-    from engine.models.layers import add_rms_norm, linear, rms_norm
+    from graphserve import LLM
+    from graphserve.engine.models.attention import AttentionMetadata
+    from graphserve.engine.models.layers import add_rms_norm, linear, rms_norm
 
     model = resolve_model(args.model)
     _, config = engine_config(args, model)

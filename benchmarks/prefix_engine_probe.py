@@ -76,7 +76,7 @@ class StepTimer:
 
 def run_waves(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, profile_wave: int = -1,
               cprofile_wave: int = -1, timer: StepTimer | None = None) -> list[dict]:
-    from engine import SamplingParams
+    from graphserve import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     engine = llm.engine
@@ -167,7 +167,7 @@ def main() -> int:
                              "the forward's launch and its device time after (device syncs around the forward)")
     args = parser.parse_args()
 
-    from engine import LLM
+    from graphserve import LLM
 
     model = resolve_model(args.model)
     vocab_size, specials = vocabulary(model)

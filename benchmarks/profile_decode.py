@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    from engine import LLM, SamplingParams
+    from graphserve import LLM, SamplingParams
 
     path = random_model_config(args.model) if args.load_format == "dummy" else random_model(args.model)
     llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=max(args.batch, 1),

@@ -1,4 +1,4 @@
-"""HTTP serving benchmark: the production command (`python -m server serve --config
+"""HTTP serving benchmark: the production command (`python -m graphserve serve --config
 configs/gpu-h200.toml --model PATH`, launched here on a free loopback port, or a running
 server with --url) driven by streaming clients spread over several processes.
 
@@ -431,7 +431,7 @@ def main() -> int:
     url = args.url
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if url is None:
-        from server.testing import ServerProcess
+        from graphserve.server.testing import ServerProcess
 
         config = args.config
         if config is None:

@@ -32,7 +32,7 @@ def sweep_tiles(rows: int, weight_bytes: int, deep: bool = False, tma: bool = Fa
     """The sweep's tiles; deep: pipelines 4 to 12 stages deep and 8 warps too, where the stages fit
     the kernel's shared-memory budget (more weight bytes in flight a program); tma:
     2, 4 or 8 stages of 128- or 256-byte K tiles, K split up to 4 (several programs an SM where the stages fit)."""
-    from kernels.skinny_gemm import SHARED_MEMORY_BUDGET, SkinnyGemmTile, stage_bytes
+    from graphserve.kernels.skinny_gemm import SHARED_MEMORY_BUDGET, SkinnyGemmTile, stage_bytes
 
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     if tma:
@@ -50,9 +50,9 @@ def sweep_tiles(rows: int, weight_bytes: int, deep: bool = False, tma: bool = Fa
 
 
 def bench(model: str, proj: tuple, rows: int, copy_gbs: float, weights: str, tiles: list) -> list[dict]:
-    from engine.models.fp8 import quantize_per_channel
-    from kernels.fp8_quant import quantize_rows_fp8
-    from kernels.skinny_gemm import default_skinny_gemm_tile, skinny_gemm
+    from graphserve.engine.models.fp8 import quantize_per_channel
+    from graphserve.kernels.fp8_quant import quantize_rows_fp8
+    from graphserve.kernels.skinny_gemm import default_skinny_gemm_tile, skinny_gemm
 
     name, n, k, _, bias, _ = proj
     fp8_bytes = n * k + 4 * n
@@ -130,7 +130,7 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.w8a8_tma:
-        skinny = importlib.import_module("kernels.skinny_gemm")
+        skinny = importlib.import_module("graphserve.kernels.skinny_gemm")
         skinny.W8A8_TMA_MIN_ROWS = skinny.W8A8_TMA_SILU_MIN_ROWS = 1 if args.w8a8_tma == "on" else 0
     copy = copy_bandwidth()
     rows = []

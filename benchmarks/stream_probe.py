@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from gemv_bench import SHAPES, make_inputs, projections  # noqa: E402
 from measure import copy_bandwidth, graph_ms, run_info, write_json  # noqa: E402
 
-from kernels._pdl import wait_for_previous_kernel  # noqa: E402
+from graphserve.kernels._pdl import wait_for_previous_kernel  # noqa: E402
 
 
 @triton.jit
@@ -79,8 +79,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results" / f"stream_probe-{dt.date.today()}.json")
     args = p.parse_args()
 
-    from kernels._common import sm_count
-    from kernels.gemv import default_gemv_tile, gemv
+    from graphserve.kernels._common import sm_count
+    from graphserve.kernels.gemv import default_gemv_tile, gemv
 
     copy = copy_bandwidth(2048, 100)
     print(f"device-to-device copy: {copy['gb_per_s']:.0f} GB/s")

@@ -23,7 +23,7 @@ compile, and what the host's mask fill costs per step.
    the same spec again (cached), and unconstrained; and GrammarCompiler.compile alone for
    a new and a cached schema. Also, once: the first constrained request of the process
    (the compiler's start-up: xgrammar's view of the vocabulary).
-4. Mask time: StructuredOutputs.bitmask(seqs) (engine/structured.py; one call per
+4. Mask time: StructuredOutputs.bitmask(seqs) (engine/structured/grammar.py; one call per
    constrained decode round) for 1, 8 and 64 constrained rows, and 8 of a 64-row batch,
    the matchers replaying complete constrained outputs of part 1/2 (topped up with
    seeded random walks through the grammar) token by token; with the engine's
@@ -465,8 +465,8 @@ class Throughput:
     best run of each, the ratios and every run; `save(summary)` after every run."""
 
     def __init__(self, llm, probe, args, prompts, validate, log, skipped, save):
-        from engine import SamplingParams
-        from engine.structured import GrammarSpec
+        from graphserve import SamplingParams
+        from graphserve.engine.structured.grammar import GrammarSpec
 
         self.llm, self.probe, self.args, self.validate, self.log = llm, probe, args, validate, log
         self.skipped, self.save = skipped, save
@@ -562,8 +562,8 @@ def single_latency(llm, prompt, params, tag) -> dict:
 
 
 def compile_part(llm, args, prompt_pool, log) -> dict:
-    from engine import SamplingParams
-    from engine.structured import GrammarSpec
+    from graphserve import SamplingParams
+    from graphserve.engine.structured.grammar import GrammarSpec
 
     compiler = llm.engine.core.structured.compiler
     trials = args.compile_trials
@@ -614,7 +614,7 @@ def mask_part(compiler, outputs: list[list[int]], rows_list: list[int], steps: i
     waiting for the device's step, so the matcher's worker threads have gone idle)."""
     import xgrammar as xgr
 
-    from engine.structured import GrammarSpec, StructuredOutputs
+    from graphserve.engine.structured.grammar import GrammarSpec, StructuredOutputs
 
     compiled = compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMA)))
     result: dict = dict(what="ms per StructuredOutputs.bitmask(seqs) call (one per constrained decode round), "
@@ -736,8 +736,8 @@ def main() -> int:
                   engine_config=dataclasses.asdict(config))
     log(f"{args.model}: engine {config}")
 
-    from engine import LLM, SamplingParams
-    from engine.structured import GrammarSpec
+    from graphserve import LLM, SamplingParams
+    from graphserve.engine.structured.grammar import GrammarSpec
 
     started = time.perf_counter()
     llm = LLM(**dataclasses.asdict(config))
@@ -823,7 +823,7 @@ def random_walks(compiler, n: int, seed: int, max_len: int = 2000) -> list[list[
     import numpy as np
     import xgrammar as xgr
 
-    from engine.structured import GrammarSpec
+    from graphserve.engine.structured.grammar import GrammarSpec
 
     compiled = compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMA)))
     rng = random.Random(seed)
@@ -850,11 +850,11 @@ def mask_only(args, report, threads, log, name) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from engine.structured import GrammarCompiler
+    from graphserve.engine.structured.grammar import GrammarCompiler
 
     model = args.model
     if model in (None, "", "default"):
-        from engine.models.default_model import ensure_default_model
+        from graphserve.engine.models.default_model import ensure_default_model
 
         folder = Path(ensure_default_model())
     else:

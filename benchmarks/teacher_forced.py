@@ -16,8 +16,8 @@ def teacher_forced_logits(model, ids: torch.Tensor, prompt_len: int, block_size:
     """float32 logits [len(ids) - prompt_len, vocab]: row i predicts ids[prompt_len + i] (the
     prefill's last position, then each decode step). `model`: engine.models.llama.LlamaModel
     with an attention backend of `block_size`; len(ids) <= 144."""
-    from engine.attention import AttentionMetadata
-    from engine.kv_cache import allocate_kv_cache
+    from graphserve.engine.models.attention import AttentionMetadata
+    from graphserve.engine.sched.kv_cache import allocate_kv_cache
 
     dev = ids.device
     kv = allocate_kv_cache(model.kv_args, max(_TABLE) + 1, block_size, model.embed_tokens.weight.dtype, dev)

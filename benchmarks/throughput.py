@@ -63,7 +63,7 @@ def engine_parser(description: str, model: str = "qwen2.5-0.5b") -> argparse.Arg
 
 def engine_config(args: argparse.Namespace, model: str | None):
     """EngineConfig from the config file < flags < --set, as `graphserve serve` merges them."""
-    from server.settings import ENGINE_KEYS, merge_settings, read_config_file, resolve_config_path
+    from graphserve.server.settings import ENGINE_KEYS, merge_settings, read_config_file, resolve_config_path
 
     config_name = args.config
     if config_name is None:
@@ -115,7 +115,7 @@ def engine_stats(llm) -> dict:
 
 def run(llm, requests, temperature: float, timeout: float, progress_every: float = 10.0) -> dict:
     """Submit all, step until all finish (or the timeout); the time and tokens of it."""
-    from engine import SamplingParams
+    from graphserve import SamplingParams
 
     engine = llm.engine
     expected = {}
@@ -198,7 +198,7 @@ def main() -> int:
     print(f"{args.model}: {workload['num_requests']} requests, {workload['prompt_tokens']:,} prompt + "
           f"{workload['output_tokens']:,} output tokens; engine {config}", flush=True)
 
-    from engine import LLM, SamplingParams
+    from graphserve import LLM, SamplingParams
 
     started = time.perf_counter()
     llm = LLM(**dataclasses.asdict(config))

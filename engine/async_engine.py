@@ -15,9 +15,9 @@ import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from engine.config import EngineConfig
-from engine.core_client import CoreClient
-from engine.core_messages import (
+from graphserve.engine.config import EngineConfig
+from graphserve.engine.core.client import CoreClient
+from graphserve.engine.core.messages import (
     Abort,
     AddRequest,
     CoreDied,
@@ -27,14 +27,14 @@ from engine.core_messages import (
     RoundOutputs,
     Shutdown,
 )
-from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
-from engine.inputs import InputProcessor, ModelLimits
-from engine.output import OutputProcessor
-from engine.prefix_hash import prompt_keys
-from engine.request import RequestOutput, SamplingParams
-from engine.stats import EngineStats
-from engine.structured import GrammarCompiler, GrammarSpec
-from engine.tokenizer import Tokenizer
+from graphserve.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from graphserve.engine.inputs import InputProcessor, ModelLimits
+from graphserve.engine.output import OutputProcessor
+from graphserve.engine.sched.prefix_hash import prompt_keys
+from graphserve.engine.request import RequestOutput, SamplingParams
+from graphserve.engine.stats import EngineStats
+from graphserve.engine.structured.grammar import GrammarCompiler, GrammarSpec
+from graphserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("graphserve.engine")
 
@@ -70,7 +70,7 @@ class AsyncEngine:
         self._core_ready = self._loop.create_future()
         address = self._core_address
         if address is None:
-            from engine.core_process import new_core_address
+            from graphserve.engine.core.process import new_core_address
 
             address = new_core_address()
             self._thread = threading.Thread(target=self._run_core_thread, args=(address,),
@@ -96,8 +96,8 @@ class AsyncEngine:
     def _run_core_thread(self, address: str) -> None:
         import zmq
 
-        from engine.core import EngineCore
-        from engine.core_loop import CoreLoop, bind_core_socket
+        from graphserve.engine.core.engine_core import EngineCore
+        from graphserve.engine.core.loop import CoreLoop, bind_core_socket
 
         context = zmq.Context()
         socket = bind_core_socket(context, address)

@@ -21,8 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.errors import InvalidConfigError
-from engine.models.config import ModelArgs
+from graphserve.engine.errors import InvalidConfigError
+from graphserve.engine.models.config import ModelArgs
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.request import SamplingParams
-from engine.structured import check_spec
-from engine.tokenizer import Tokenizer
+from graphserve.engine.errors import InvalidRequestError, PromptTooLongError
+from graphserve.engine.request import SamplingParams
+from graphserve.engine.structured.grammar import check_spec
+from graphserve.engine.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.request import RequestOutput, SamplingParams
+from graphserve.engine.config import EngineConfig
+from graphserve.engine.llm_engine import LLMEngine
+from graphserve.engine.request import RequestOutput, SamplingParams
 
 
 class LLM:

@@ -4,13 +4,13 @@ touched; a stop string found in the text ends the request in the core at once.""
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.inputs import InputProcessor, ModelLimits
-from engine.output import OutputProcessor
-from engine.request import RequestOutput, SamplingParams, Sequence
-from engine.stats import EngineStats
-from engine.tokenizer import Tokenizer
+from graphserve.engine.config import EngineConfig
+from graphserve.engine.core.engine_core import EngineCore
+from graphserve.engine.inputs import InputProcessor, ModelLimits
+from graphserve.engine.output import OutputProcessor
+from graphserve.engine.request import RequestOutput, SamplingParams, Sequence
+from graphserve.engine.stats import EngineStats
+from graphserve.engine.tokenizer import Tokenizer
 
 
 class LLMEngine:

@@ -5,9 +5,9 @@ caller tells the core to end the request."""
 
 from __future__ import annotations
 
-from engine.core_messages import CoreOutput
-from engine.request import RequestOutput, SamplingParams
-from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from graphserve.engine.core.messages import CoreOutput
+from graphserve.engine.request import RequestOutput, SamplingParams
+from graphserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 
 class _TextState:

@@ -8,8 +8,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError
-from engine.structured import GrammarSpec
+from graphserve.engine.errors import InvalidRequestError
+from graphserve.engine.structured.grammar import GrammarSpec
 
 MAX_LOGPROBS = 20
 # Bounds on what one request may ask for: each is checked by the HTTP protocol (a 400 naming

@@ -19,7 +19,7 @@ class EngineStats:
     decode_rounds: int = 0
     decode_rounds_ahead: int = 0  # rounds launched before the previous round's tokens were read
     prefill_steps: int = 0
-    prefill_graph_steps: int = 0  # of them, replayed as a CUDA graph (engine/prefill_graphs.py)
+    prefill_graph_steps: int = 0  # of them, replayed as a CUDA graph (engine/runner/prefill_graphs.py)
     prefill_steps_ahead: int = 0  # of those, run ahead of the decode rounds queued on the device
     prompt_tokens: int = 0
     generation_tokens: int = 0

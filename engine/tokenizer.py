@@ -15,7 +15,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
 
-from engine.errors import InvalidRequestError, ModelFilesError
+from graphserve.engine.errors import InvalidRequestError, ModelFilesError
 
 
 def _token_text(value: Any) -> str | None:

@@ -12,7 +12,7 @@ stream priority, allocates them) and reset to 0 by the programs that use them, s
 after every launch, eager or replayed. Launches that share them must run one after another. They
 do: the engine launches on one stream per priority, decode rounds and eager work on default-priority
 streams, the prefill graphs that overtake decode rounds on a high-priority one
-(engine/prefill_graphs.py), which may run beside a round and so get counters of their own; on one
+(engine/runner/prefill_graphs.py), which may run beside a round and so get counters of their own; on one
 stream, a kernel reads the counters only after its PDL wait, when the launch before it completed.
 """
 

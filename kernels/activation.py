@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import use_pdl
-from kernels._pdl import wait_for_previous_kernel
+from graphserve.kernels._common import use_pdl
+from graphserve.kernels._pdl import wait_for_previous_kernel
 
 
 @triton.jit

@@ -16,11 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import attention_output, check_kv_cache, dot_precision, sm_count, use_pdl
-from kernels._pdl import wait_for_previous_kernel
-from kernels._prefetch import prefetch_l2
-from kernels._split_counters import last_to_arrive, split_counters
-from kernels.fp8_quant import AmaxedRows
+from graphserve.kernels._common import attention_output, check_kv_cache, dot_precision, sm_count, use_pdl
+from graphserve.kernels._pdl import wait_for_previous_kernel
+from graphserve.kernels._prefetch import prefetch_l2
+from graphserve.kernels._split_counters import last_to_arrive, split_counters
+from graphserve.kernels.fp8_quant import AmaxedRows
 
 _LOG2E = 1.4426950408889634
 # Split-count heuristic, tuned on an H200 (benchmarks/kernel_bench.py --sweep): aim for about

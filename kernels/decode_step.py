@@ -1,6 +1,6 @@
 """A decode round's per-step bookkeeping in one kernel each side of the model.
 
-Each step of a round (engine/runner.py) reads row `step` of the round's [K, B] positions, slots and
+Each step of a round (engine/runner/model_runner.py) reads row `step` of the round's [K, B] positions, slots and
 context lengths, and after sampling writes the tokens and their logprobs into row `step` of the
 round's outputs, feeds the tokens back in and advances `step` and each row's output position. In
 torch that is three index_selects before and two index_copies, a copy and two adds after: seven
@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import use_pdl
-from kernels._pdl import wait_for_previous_kernel
+from graphserve.kernels._common import use_pdl
+from graphserve.kernels._pdl import wait_for_previous_kernel
 
 _BLOCK = 256  # rows a program covers at once (the record kernel's one program loops past it)
 

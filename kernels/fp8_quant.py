@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import sm_count, use_pdl
-from kernels._pdl import wait_for_previous_kernel
+from graphserve.kernels._common import sm_count, use_pdl
+from graphserve.kernels._pdl import wait_for_previous_kernel
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -275,7 +275,7 @@ def quantize_rows_fp8(x: torch.Tensor | AmaxedRows, *, block_k: int | None = Non
 
 
 def quantize_rows_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """engine.models.fp8.quantize_rows: scale = max(amax|x_row|, 1e-12) / 448 in float32,
+    """graphserve.engine.models.fp8.quantize_rows: scale = max(amax|x_row|, 1e-12) / 448 in float32,
     q = (x / scale).clamp(±448) cast to e4m3. Its scale's last bit depends on the device (see the
     module docstring)."""
     xf = x.float()

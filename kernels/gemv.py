@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import rope_store_shapes, sm_count, use_pdl
-from kernels._pdl import wait_for_previous_kernel
+from graphserve.kernels._common import rope_store_shapes, sm_count, use_pdl
+from graphserve.kernels._pdl import wait_for_previous_kernel
 
 
 # K compiled into the kernel (one variant a model width) instead of a run-time argument: loops of one
@@ -443,7 +443,7 @@ def gemv_ref(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The unfused path in float32 arithmetic, rounded to x's dtype where the decoder rounds
     (an FP8 weight dequantized in float32)."""
-    from kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
+    from graphserve.kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 
     new_residual = None
     h = x
@@ -469,7 +469,7 @@ def gemv_rope_store_ref(x, weight, bias, positions, cos_sin_cache, slot_mapping,
                         norm_weight=None, residual=None, eps=1e-6,
                         weight_scale=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """gemv_ref, then rotary and the cache write as kernels.rope_kv_store's reference does."""
-    from kernels.rope_kv_store import rope_and_store_kv_ref
+    from graphserve.kernels.rope_kv_store import rope_and_store_kv_ref
 
     qkv, new_residual = gemv_ref(x, weight, bias, norm_weight=norm_weight, residual=residual, eps=eps,
                                  weight_scale=weight_scale)

@@ -7,7 +7,7 @@ Query token i of sequence b sits at absolute position context_lens[b] - q_len_b 
 The launch grid is either (query tiles of the longest sequence, sequences, heads), or, with a
 tile map, (tiles, heads): tile t is query block tiles[1, t] of sequence tiles[0, t], and a tile
 whose sequence is -1 does nothing. A tile map has a fixed size however the tokens fall into
-sequences, which is what a CUDA graph of padded prefills needs (engine/prefill_graphs.py).
+sequences, which is what a CUDA graph of padded prefills needs (engine/runner/prefill_graphs.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import attention_output, check_kv_cache, dot_precision
+from graphserve.kernels._common import attention_output, check_kv_cache, dot_precision
 
 _LOG2E = 1.4426950408889634
 

@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import use_pdl
-from kernels._pdl import wait_for_previous_kernel
-from kernels.fp8_quant import INV_FP8_MAX, FP8, quantize_row_values
-from kernels.skinny_gemm import SplitPartials, split_sum
+from graphserve.kernels._common import use_pdl
+from graphserve.kernels._pdl import wait_for_previous_kernel
+from graphserve.kernels.fp8_quant import INV_FP8_MAX, FP8, quantize_row_values
+from graphserve.kernels.skinny_gemm import SplitPartials, split_sum
 
 
 # Warps a row's program takes at most (one per 256 values below that). 16, 8 and 4 measured alike for the

@@ -10,10 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_kv_cache, use_pdl
-from kernels._pdl import wait_for_previous_kernel
-from kernels.kv_store import store_kv_ref
-from kernels.rotary import _rotate_heads, apply_rotary_ref
+from graphserve.kernels._common import check_kv_cache, use_pdl
+from graphserve.kernels._pdl import wait_for_previous_kernel
+from graphserve.kernels.kv_store import store_kv_ref
+from graphserve.kernels.rotary import _rotate_heads, apply_rotary_ref
 
 
 @triton.jit

@@ -10,7 +10,7 @@ torch.argmax.
 
 With a grammar's token bitmask ([B, ceil(V/32)] int32, bit j of word w allows token 32w + j), the
 argmax is taken over the allowed tokens only, while the log-probability stays the model's own
-(the log-sum-exp runs over every token), as the torch path of engine/sampler.py does.
+(the log-sum-exp runs over every token), as the torch path of engine/runner/sampler.py does.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import use_pdl
-from kernels._pdl import wait_for_previous_kernel
-from kernels._split_counters import last_to_arrive, split_counters
+from graphserve.kernels._common import use_pdl
+from graphserve.kernels._pdl import wait_for_previous_kernel
+from graphserve.kernels._split_counters import last_to_arrive, split_counters
 
 _BLOCK = 1024
 # Vocabulary entries a program of the first pass covers (a multiple of _BLOCK): one load deep, so a row
@@ -129,7 +129,7 @@ def greedy_sample(logits: torch.Tensor, bitmask: torch.Tensor | None = None) -> 
                                 or bitmask.dtype != torch.int32 or bitmask.stride(-1) != 1):
         raise ValueError(f"expected an int32 bitmask [B, ceil(V/32)], got {tuple(bitmask.shape)} {bitmask.dtype}")
     if CHUNK % _BLOCK:  # a program's loop steps a whole _BLOCK: a shorter chunk would overlap the next
-        raise ValueError(f"kernels.sampling.CHUNK must be a multiple of {_BLOCK}, got {CHUNK}")
+        raise ValueError(f"graphserve.kernels.sampling.CHUNK must be a multiple of {_BLOCK}, got {CHUNK}")
     rows, vocab = logits.shape
     num_chunks = triton.cdiv(vocab, CHUNK)
     dev = logits.device
@@ -163,7 +163,7 @@ def greedy_sample_ref(logits: torch.Tensor, bitmask: torch.Tensor | None = None)
     logits = logits.float()
     allowed = logits
     if bitmask is not None:
-        from engine.structured import unpack_bitmask
+        from graphserve.engine.structured.grammar import unpack_bitmask
 
         allowed = logits.masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
     tokens = allowed.argmax(dim=-1)

@@ -39,9 +39,9 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels._common import dot_precision, sm_count, use_pdl
-from kernels._pdl import wait_for_previous_kernel
-from kernels.fp8_quant import AmaxedRows
+from graphserve.kernels._common import dot_precision, sm_count, use_pdl
+from graphserve.kernels._pdl import wait_for_previous_kernel
+from graphserve.kernels.fp8_quant import AmaxedRows
 
 FP8 = torch.float8_e4m3fn
 # weight-only FP8: x * 2^-8 in fp16 overflows only past 16.7M, and loses bits only below 2^-16

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.errors import bad_request, queue_full
+from graphserve.server.errors import bad_request, queue_full
 
 RETRY_AFTER_S = 1
 

@@ -17,13 +17,13 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
-from server import routes_chat, routes_completions, routes_debug, routes_health, routes_models, routes_tokenize
-from server.admission import Admission
-from server.errors import install_error_handlers
-from server.generation import ClientDisconnected
-from server.metrics import ServerMetrics
-from server.settings import ServerSettings
-from server.state import ServerState
+from graphserve.server import routes_chat, routes_completions, routes_debug, routes_health, routes_models, routes_tokenize
+from graphserve.server.admission import Admission
+from graphserve.server.errors import install_error_handlers
+from graphserve.server.generation import ClientDisconnected
+from graphserve.server.metrics import ServerMetrics
+from graphserve.server.settings import ServerSettings
+from graphserve.server.state import ServerState
 
 logger = logging.getLogger("graphserve.server")
 

@@ -6,8 +6,8 @@ import hmac
 
 from fastapi import Request
 
-from server.errors import APIError
-from server.state import get_state
+from graphserve.server.errors import APIError
+from graphserve.server.state import get_state
 
 
 async def require_api_key(request: Request) -> None:

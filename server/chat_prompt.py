@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.protocol import ChatMessage
+from graphserve.server.protocol import ChatMessage
 
 
 def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage] | list[dict[str, Any]], add_generation_prompt: bool,

@@ -9,8 +9,8 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig
-from server.settings import (
+from graphserve.engine.config import EngineConfig
+from graphserve.server.settings import (
     API_KEY_ENV,
     ServerSettings,
     SettingsError,
@@ -205,7 +205,7 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from server import supervisor
+    from graphserve.server import supervisor
 
     server_settings, engine_config, config_path = load_settings(args)
     _setup_logging(server_settings.log_level)
@@ -217,9 +217,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
-    from server.chat_prompt import render_chat_prompt
-    from server.protocol import ChatMessage
+    from graphserve import LLM, SamplingParams
+    from graphserve.server.chat_prompt import render_chat_prompt
+    from graphserve.server.protocol import ChatMessage
 
     _, engine_config, _ = load_settings(args)
     _setup_logging("warning")
@@ -248,7 +248,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_model(args: argparse.Namespace) -> int:
-    from engine.models.default_model import main as prepare_default_model
+    from graphserve.engine.models.default_model import main as prepare_default_model
 
     return prepare_default_model([])
 

@@ -35,7 +35,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.settings import ServerSettings
+from graphserve.server.settings import ServerSettings
 
 logger = logging.getLogger("graphserve.connections")
 

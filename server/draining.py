@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import uvicorn
 
-from server.errors import shutting_down
-from server.state import ServerState
+from graphserve.server.errors import shutting_down
+from graphserve.server.state import ServerState
 
 logger = logging.getLogger("graphserve.server")
 

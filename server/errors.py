@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
+from graphserve.engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
 
 logger = logging.getLogger("graphserve.server")
 

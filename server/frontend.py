@@ -13,8 +13,8 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.config import EngineConfig
-from server.settings import ServerSettings, fault_injection_enabled
+from graphserve.engine.config import EngineConfig
+from graphserve.server.settings import ServerSettings, fault_injection_enabled
 
 logger = logging.getLogger("graphserve.server")
 
@@ -24,18 +24,18 @@ def run_frontend(index: int, server: ServerSettings, engine_config: EngineConfig
                  log_format: str) -> None:
     """The process's entry point: serve until SIGTERM (drain, then exit 0) or until the
     engine core goes away (exit 1)."""
-    from engine.core_process import die_with_parent, dump_stacks_on_sigusr1, freeze_startup_objects
+    from graphserve.engine.core.process import die_with_parent, dump_stacks_on_sigusr1, freeze_startup_objects
 
     die_with_parent(parent_pid)
     os.setpgrp()  # Ctrl-C in a terminal reaches the supervisor alone, which forwards one SIGTERM
     dump_stacks_on_sigusr1()
     logging.basicConfig(level=getattr(logging, server.log_level.upper(), logging.INFO),
                         format=log_format.replace("%(name)s", f"%(name)s[api{index}]"), datefmt="%H:%M:%S")
-    from engine.async_engine import AsyncEngine
-    from server import connections
-    from server.app import create_app
-    from server.draining import FLUSH_TIMEOUT_S, DrainingServer
-    from server.state import ServerState
+    from graphserve.engine.async_engine import AsyncEngine
+    from graphserve.server import connections
+    from graphserve.server.app import create_app
+    from graphserve.server.draining import FLUSH_TIMEOUT_S, DrainingServer
+    from graphserve.server.state import ServerState
 
     failures: list[BaseException] = []
     http_server: DrainingServer | None = None

@@ -15,13 +15,13 @@ import anyio
 from fastapi import Request
 from pydantic import BaseModel
 
-from engine.request import RequestOutput, SamplingParams
-from server.admission import Admission
-from server.errors import APIError, from_engine_error, internal_error
-from server.metrics import ServerMetrics
-from server.protocol import PromptTokensDetails, UsageInfo
-from server.sampling import summarize_params
-from server.sse import DONE_EVENT, sse_event
+from graphserve.engine.request import RequestOutput, SamplingParams
+from graphserve.server.admission import Admission
+from graphserve.server.errors import APIError, from_engine_error, internal_error
+from graphserve.server.metrics import ServerMetrics
+from graphserve.server.protocol import PromptTokensDetails, UsageInfo
+from graphserve.server.sampling import summarize_params
+from graphserve.server.sse import DONE_EVENT, sse_event
 
 logger = logging.getLogger("graphserve.server")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from engine.request import TokenLogprob
-from server.protocol import ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
+from graphserve.engine.request import TokenLogprob
+from graphserve.server.protocol import ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
 
 TokenText = Callable[[int], str]
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
-from engine.request import (
+from graphserve.engine.request import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGIT_BIAS_VALUE,
     MAX_LOGPROBS,

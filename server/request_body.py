@@ -16,9 +16,9 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from server.errors import bad_request, body_too_large, from_validation_errors
-from server.generation import ClientDisconnected
-from server.state import get_state
+from graphserve.server.errors import bad_request, body_too_large, from_validation_errors
+from graphserve.server.generation import ClientDisconnected
+from graphserve.server.state import get_state
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 

@@ -10,11 +10,11 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from server import openapi
-from server.auth import require_api_key
-from server.chat_prompt import render_chat_prompt
-from server.structured_request import grammar_from_request
-from server.tools import (
+from graphserve.server import openapi
+from graphserve.server.auth import require_api_key
+from graphserve.server.chat_prompt import render_chat_prompt
+from graphserve.server.structured_request import grammar_from_request
+from graphserve.server.tools import (
     CallFormat,
     ToolCallParser,
     call_format,
@@ -24,8 +24,8 @@ from server.tools import (
     parse_tool_calls,
     tool_grammar,
 )
-from server.errors import bad_request
-from server.generation import (
+from graphserve.server.errors import bad_request
+from graphserve.server.generation import (
     ChoiceJob,
     ChoiceProgress,
     GenerationGroup,
@@ -34,8 +34,8 @@ from server.generation import (
     stream_events,
     usage_of,
 )
-from server.logprobs import chat_logprobs
-from server.protocol import (
+from graphserve.server.logprobs import chat_logprobs
+from graphserve.server.protocol import (
     ChatChoiceLogprobs,
     ChatChunkChoice,
     ChatCompletionChoice,
@@ -44,10 +44,10 @@ from server.protocol import (
     ChatCompletionResponse,
     ChatResponseMessage,
 )
-from server.request_body import parse_body
-from server.sampling import build_sampling_params, for_choice
-from server.sse import EventStreamResponse, json_response, sse_event
-from server.state import ServerState, get_state, new_request_id
+from graphserve.server.request_body import parse_body
+from graphserve.server.sampling import build_sampling_params, for_choice
+from graphserve.server.sse import EventStreamResponse, json_response, sse_event
+from graphserve.server.state import ServerState, get_state, new_request_id
 
 router = APIRouter()
 

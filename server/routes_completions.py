@@ -10,11 +10,11 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from engine.request import RequestOutput
-from server import openapi
-from server.auth import require_api_key
-from server.errors import bad_request
-from server.generation import (
+from graphserve.engine.request import RequestOutput
+from graphserve.server import openapi
+from graphserve.server.auth import require_api_key
+from graphserve.server.errors import bad_request
+from graphserve.server.generation import (
     ChoiceJob,
     ChoiceProgress,
     GenerationGroup,
@@ -23,8 +23,8 @@ from server.generation import (
     stream_events,
     usage_of,
 )
-from server.logprobs import append_completion_logprobs
-from server.protocol import (
+from graphserve.server.logprobs import append_completion_logprobs
+from graphserve.server.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     CompletionChoice,
     CompletionChunk,
@@ -32,11 +32,11 @@ from server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from server.request_body import parse_body
-from server.sampling import build_sampling_params, for_choice
-from server.structured_request import grammar_from_request
-from server.sse import EventStreamResponse, json_response, sse_event
-from server.state import ServerState, get_state, new_request_id
+from graphserve.server.request_body import parse_body
+from graphserve.server.sampling import build_sampling_params, for_choice
+from graphserve.server.structured_request import grammar_from_request
+from graphserve.server.sse import EventStreamResponse, json_response, sse_event
+from graphserve.server.state import ServerState, get_state, new_request_id
 
 router = APIRouter()
 

@@ -15,10 +15,10 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from server.auth import require_api_key
-from server.protocol import _Request
-from server.request_body import parse_body
-from server.state import get_state
+from graphserve.server.auth import require_api_key
+from graphserve.server.protocol import _Request
+from graphserve.server.request_body import parse_body
+from graphserve.server.state import get_state
 
 router = APIRouter(dependencies=[Depends(require_api_key)], include_in_schema=False)
 

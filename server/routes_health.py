@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from server.state import get_state
+from graphserve.server.state import get_state
 
 router = APIRouter()
 

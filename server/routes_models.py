@@ -5,10 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from server.auth import require_api_key
-from server.protocol import ModelCard, ModelList
-from server.sse import json_response
-from server.state import ServerState, get_state
+from graphserve.server.auth import require_api_key
+from graphserve.server.protocol import ModelCard, ModelList
+from graphserve.server.sse import json_response
+from graphserve.server.state import ServerState, get_state
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 

@@ -8,15 +8,15 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from server import openapi
-from server.auth import require_api_key
-from server.chat_prompt import render_chat_prompt
-from server.errors import bad_request
-from server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from server.request_body import parse_body
-from server.sampling import check_token_id
-from server.sse import json_response
-from server.state import get_state
+from graphserve.server import openapi
+from graphserve.server.auth import require_api_key
+from graphserve.server.chat_prompt import render_chat_prompt
+from graphserve.server.errors import bad_request
+from graphserve.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from graphserve.server.request_body import parse_body
+from graphserve.server.sampling import check_token_id
+from graphserve.server.sse import json_response
+from graphserve.server.state import get_state
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 

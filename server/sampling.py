@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import fields, replace
 from typing import Any
 
-from engine.request import SEED_MAX, SEED_MIN, SamplingParams
-from engine.structured import GrammarSpec
-from server.errors import bad_request
-from server.protocol import _SamplingFields
+from graphserve.engine.request import SEED_MAX, SEED_MIN, SamplingParams
+from graphserve.engine.structured.grammar import GrammarSpec
+from graphserve.server.errors import bad_request
+from graphserve.server.protocol import _SamplingFields
 
 # Body fields that SamplingParams takes as they are; one the client left out (None) keeps
 # SamplingParams' default, and SamplingParams itself turns a `stop` string into a list.

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig
+from graphserve.engine.config import EngineConfig
 
 DEFAULT_CONFIG_NAME = "default.toml"
 API_KEY_ENV = "GRAPHSERVE_API_KEY"

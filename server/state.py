@@ -10,9 +10,9 @@ from typing import Any, Literal
 
 from fastapi import Request
 
-from server.admission import Admission
-from server.errors import engine_dead, model_not_found, not_ready, shutting_down
-from server.metrics import ServerMetrics
+from graphserve.server.admission import Admission
+from graphserve.server.errors import engine_dead, model_not_found, not_ready, shutting_down
+from graphserve.server.metrics import ServerMetrics
 
 Status = Literal["failed", "dead", "draining", "loading", "ok"]
 

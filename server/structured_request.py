@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.structured import GrammarSpec
-from server.errors import bad_request
-from server.protocol import _SamplingFields
+from graphserve.engine.structured.grammar import GrammarSpec
+from graphserve.server.errors import bad_request
+from graphserve.server.protocol import _SamplingFields
 
 
 def _schema_text(schema: dict[str, Any] | str, param: str) -> str:

@@ -1,6 +1,6 @@
 """`graphserve serve`: the supervisor of the server's processes.
 
-    supervisor ─┬─ engine core (engine/core_process.py): scheduler, KV cache, model, graphs
+    supervisor ─┬─ engine core (engine/core/process.py): scheduler, KV cache, model, graphs
                 └─ front end × N (server/frontend.py): HTTP, tokenize, detokenize, SSE
 
 It binds one listening socket per front end on the one port (SO_REUSEPORT: the kernel
@@ -28,8 +28,8 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig
-from server.settings import ServerSettings
+from graphserve.engine.config import EngineConfig
+from graphserve.server.settings import ServerSettings
 
 logger = logging.getLogger("graphserve.server")
 
@@ -64,7 +64,7 @@ def bind_listeners(host: str, port: int, count: int) -> list[socket.socket]:
 
 
 def serve(server: ServerSettings, engine: EngineConfig) -> int:
-    from engine.core_process import start_core_process
+    from graphserve.engine.core.process import start_core_process
 
     count = frontend_count(server, engine)
     url = f"http://{server.host}:{server.port}"
@@ -73,7 +73,7 @@ def serve(server: ServerSettings, engine: EngineConfig) -> int:
     listeners = bind_listeners(server.host, server.port, count)
     core, address = start_core_process(engine)
     spawn = multiprocessing.get_context("spawn")
-    from server.frontend import run_frontend
+    from graphserve.server.frontend import run_frontend
 
     frontends, waiting_ready = [], []
     for index in range(count):

@@ -1,6 +1,6 @@
 """Run a real graphserve server on loopback for tests and benchmarks: in a background
 thread of this process (`BackgroundServer`), or as its own process (`ServerProcess`,
-`python -m server serve`, for signals, exit codes and load without sharing the GIL).
+`python -m graphserve serve`, for signals, exit codes and load without sharing the GIL).
 
     with BackgroundServer(create_app(AsyncEngine(EngineConfig(device="cpu")))) as server:
         server.wait_ready()
@@ -103,13 +103,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerProcess:
-    """`python -m server serve --port P ARGS...` as a child process; its output is kept in
+    """`python -m graphserve serve --port P ARGS...` as a child process; its output is kept in
     `self.lines` (read by a thread, so a chatty server never blocks on a full pipe)."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None, host: str = "127.0.0.1"):
         self.host = host
         self.port = free_port(host)
-        command = [sys.executable, "-m", "server", "serve", "--host", host, "--port", str(self.port), *args]
+        command = [sys.executable, "-m", "graphserve", "serve", "--host", host, "--port", str(self.port), *args]
         self.process = subprocess.Popen(
             command,
             cwd=Path(__file__).resolve().parent.parent,

@@ -21,9 +21,9 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.structured import GrammarSpec
-from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, ChatTool, ResponseFunction, ResponseToolCall
+from graphserve.engine.structured.grammar import GrammarSpec
+from graphserve.server.errors import bad_request
+from graphserve.server.protocol import ChatCompletionRequest, ChatTool, ResponseFunction, ResponseToolCall
 
 
 @dataclass(frozen=True)

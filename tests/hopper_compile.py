@@ -88,11 +88,11 @@ def summary(kernel) -> dict:
 
 
 def cases() -> dict[str, dict]:
-    from kernels.activation import _silu_and_mul_kernel
-    from kernels.fp8_quant import _quantize_row_chunks_fp8_kernel, _quantize_rows_fp8_kernel
-    from kernels.rmsnorm import _rms_norm_kernel
-    from kernels.rope_kv_store import _rope_kv_store_kernel
-    from kernels.skinny_gemm import _skinny_gemm_kernel
+    from graphserve.kernels.activation import _silu_and_mul_kernel
+    from graphserve.kernels.fp8_quant import _quantize_row_chunks_fp8_kernel, _quantize_rows_fp8_kernel
+    from graphserve.kernels.rmsnorm import _rms_norm_kernel
+    from graphserve.kernels.rope_kv_store import _rope_kv_store_kernel
+    from graphserve.kernels.skinny_gemm import _skinny_gemm_kernel
 
     out = {}
     skinny = dict(HAS_BIAS=False, HAS_SCALES=False, W_ONLY=False, SILU_MUL=False, SPLIT=1, PDL=True, DOT_PREC="tf32",
@@ -133,17 +133,17 @@ def cases() -> dict[str, dict]:
     out["quantize_row_chunks_fp8_part_amax"] = compile_ptx(
         _quantize_row_chunks_fp8_kernel, dict(CHUNK=2048, AMAX_BLOCK=256, SCALE_BY_RECIPROCAL=True, PDL=True,
                                               PART_AMAX=True), chunk_ptrs, num_warps=8)
-    from kernels.embedding import _embedding_kernel
+    from graphserve.kernels.embedding import _embedding_kernel
 
     out["embedding"] = compile_ptx(_embedding_kernel, dict(BLOCK=1024, PDL=True), {"ids_ptr": "*i64"}, num_warps=4)
-    from kernels.sampling import _argmax_partial_kernel
+    from graphserve.kernels.sampling import _argmax_partial_kernel
 
     # the row's last chunk merges (kernels/sampling.FUSED_MERGE), Qwen2.5-0.5B's vocabulary in chunks of 1024
     out["greedy_fused"] = compile_ptx(
         _argmax_partial_kernel, dict(CHUNK=1024, BLOCK=1024, MASKED=False, FUSED_MERGE=True, CHUNKS_PAD=256, PDL=True),
         {"part_max_ptr": "*fp32", "part_idx_ptr": "*i32", "part_sum_ptr": "*fp32", "part_lse_max_ptr": "*fp32",
          "counter_ptr": "*i32", "tokens_ptr": "*i64", "logprobs_ptr": "*fp32", "bitmask_ptr": "*i32"}, num_warps=4)
-    from kernels.decode_step import _record_step_kernel, _step_inputs_kernel
+    from graphserve.kernels.decode_step import _record_step_kernel, _step_inputs_kernel
 
     step_ptrs = {"step_ptr": "*i64", "positions_ptr": "*i64", "slots_ptr": "*i64", "context_lens_ptr": "*i32",
                  "pos_out_ptr": "*i64", "slot_out_ptr": "*i64", "ctx_out_ptr": "*i32", "tokens_ptr": "*i64",
@@ -151,7 +151,7 @@ def cases() -> dict[str, dict]:
                  "input_ids_ptr": "*i64", "output_pos_ptr": "*i64"}
     out["step_inputs"] = compile_ptx(_step_inputs_kernel, dict(BLOCK=256, PDL=True), step_ptrs, num_warps=4)
     out["record_step"] = compile_ptx(_record_step_kernel, dict(BLOCK=256, PDL=True), step_ptrs, num_warps=4)
-    from kernels.gemv import _gemv_kernel
+    from graphserve.kernels.gemv import _gemv_kernel
 
     gemv = dict(HAS_NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, HAS_W_SCALE=False, SILU_MUL=False, ROPE_STORE=False,
                 Q_SIZE=0, KV_SIZE=0, HALF=1, PDL=True, K_CONST=0, BLOCK_N=1,
@@ -162,7 +162,7 @@ def cases() -> dict[str, dict]:
     for block_k in (1024, 2048):
         out[f"gemv_down_k{block_k}"] = compile_kernel(_gemv_kernel, dict(gemv, BLOCK_K=block_k), gemv_ptrs, sizes,
                                                       num_warps=8)
-    from kernels.decode_attention import _decode_attention_kernel
+    from graphserve.kernels.decode_attention import _decode_attention_kernel
 
     attention_ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_m_ptr": "*fp32",
                       "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "counter_ptr": "*i32", "amax_ptr": "*fp32"}

@@ -5,7 +5,7 @@ prompts x n checked before tokenizing); the event loop keeps answering while max
 requests are tokenized; connections that never finish a request are timed out and a
 flood past --max-connections is refused or evicted instead of starving /health; a client
 that leaves mid-upload is no 500; log lines stay bounded. One real server process
-(`python -m server serve`, the embedded model on CPU) with small limits serves the file.
+(`python -m graphserve serve`, the embedded model on CPU) with small limits serves the file.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.errors import InvalidRequestError
-from engine.request import (
+from graphserve.engine.errors import InvalidRequestError
+from graphserve.engine.request import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -34,12 +34,12 @@ from engine.request import (
     SEED_MIN,
     SamplingParams,
 )
-from server.cli import build_parser, load_settings
-from server.connections import RateLimitFilter, raise_fd_limit
-from server.protocol import MAX_CHAT_MESSAGES, MAX_PROMPTS
-from server.sampling import SUMMARY_MAX_CHARS, for_choice, summarize_params
-from server.settings import SettingsError, merge_settings
-from server.testing import ServerProcess
+from graphserve.server.cli import build_parser, load_settings
+from graphserve.server.connections import RateLimitFilter, raise_fd_limit
+from graphserve.server.protocol import MAX_CHAT_MESSAGES, MAX_PROMPTS
+from graphserve.server.sampling import SUMMARY_MAX_CHARS, for_choice, summarize_params
+from graphserve.server.settings import SettingsError, merge_settings
+from graphserve.server.testing import ServerProcess
 
 MAX_CONNECTIONS = 50
 HEADER_TIMEOUT = 0.5
@@ -477,9 +477,9 @@ def test_a_frame_the_core_cannot_take_fails_its_request_not_the_core():
     with an error output, and the core loop goes on."""
     import msgspec
 
-    from engine.core_loop import CoreLoop
-    from engine.core_messages import AddRequest, decode_from_core, encode
-    from engine.request import SamplingParams
+    from graphserve.engine.core.loop import CoreLoop
+    from graphserve.engine.core.messages import AddRequest, decode_from_core, encode
+    from graphserve.engine.request import SamplingParams
 
     class Socket:
         def __init__(self):

@@ -1,4 +1,4 @@
-"""The CPU backend's decode attention: the C kernel (engine/cpu_attention.py) and the gather +
+"""The CPU backend's decode attention: the C kernel (engine/cpu/attention.py) and the gather +
 SDPA fallback both equal attention over each row's own context, for ragged lengths, GQA and a
 strided q (a slice of the fused qkv tensor)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_attention
-from engine.attention import AttentionMetadata, TorchAttention
+from graphserve.engine.cpu import attention as cpu_attention
+from graphserve.engine.models.attention import AttentionMetadata, TorchAttention
 
 BLOCK = 16
 # (KV heads, query heads, head_dim): SmolLM2-135M, Qwen2.5-0.5B, Llama-3.1-8B (the kernel's
@@ -54,7 +54,7 @@ def test_loading_the_kernel_keeps_denormals():
     """The kernel is compiled with -ffast-math but not linked with it: linking it pulls in
     crtfastmath.o, which sets flush-to-zero for the whole process, and the engine core then
     read a request's top_p of 5e-324 as 0.0 (and died on it)."""
-    from engine import cpu_attention
+    from graphserve.engine.cpu import attention as cpu_attention
 
     cpu_attention.available()  # loads the library when the machine can build it
     tiny = float("5e-324")

@@ -1,4 +1,4 @@
-"""The CPU backend's decode-sized projection (engine/cpu_linear.py) equals x @ W.T + bias for
+"""The CPU backend's decode-sized projection (engine/cpu/linear.py) equals x @ W.T + bias for
 every row count it takes, ragged output widths, strided rows and no bias; the engine takes it
 for decode batches and keeps torch for prefill-sized ones."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_linear
-from engine.models import layers
+from graphserve.engine.cpu import linear as cpu_linear
+from graphserve.engine.models import layers
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="no C compiler: the kernel is unavailable")
 

@@ -1,4 +1,4 @@
-"""The CPU backend's elementwise fusions (engine/cpu_ops.py) equal torch's ops to float32
+"""The CPU backend's elementwise fusions (engine/cpu/ops.py) equal torch's ops to float32
 rounding: RMSNorm with and without the residual add, strided rows; SiLU-and-mul over widths that
 are not a multiple of the vector, and at the exp's extremes. The engine takes them on CPU."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_ops
-from engine.models import layers
+from graphserve.engine.cpu import ops as cpu_ops
+from graphserve.engine.models import layers
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler: the kernels are unavailable")
 

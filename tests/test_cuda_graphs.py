@@ -5,8 +5,8 @@ real CUDA graphs."""
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.cuda_graphs import GraphDecoder, batch_buckets, eager_reason
+from graphserve import LLM, SamplingParams
+from graphserve.engine.runner.cuda_graphs import GraphDecoder, batch_buckets, eager_reason
 from tiny_models import make_tiny_model
 
 PROMPTS = [[5 + (11 * i + j) % 250 for j in range(n)] for i, n in enumerate((3, 17, 30, 8, 50))]
@@ -21,7 +21,7 @@ def test_buckets():
 
 
 def test_eager_reasons():
-    from engine.request import Sequence
+    from graphserve.engine.request import Sequence
 
     plain = Sequence("a", [1, 2], SamplingParams(max_tokens=4))
     assert eager_reason([plain], 8) is None
@@ -74,7 +74,7 @@ def test_no_garbage_collection_starts_inside_a_graph_capture():
     off inside, back on after (also after an error), and left off where they were off."""
     import gc
 
-    from engine import gc_stats
+    from graphserve.engine import gc_stats
 
     assert gc.isenabled()
     with gc_stats.paused():

@@ -1,4 +1,4 @@
-"""kernels/decode_step.py: a decode step's bookkeeping in two kernels (engine/runner.py's
+"""kernels/decode_step.py: a decode step's bookkeeping in two kernels (engine/runner/model_runner.py's
 FUSED_STEP_BOOKKEEPING) against what it must do and against the torch ops it replaces (its refs,
 the engine's path elsewhere), on the strided [K, B] views the CUDA graphs hand it (a batch bucket's
 columns of buffers sized for the largest one). In Triton's interpreter here; on CUDA in
@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_step import record_step, record_step_ref, step_inputs, step_inputs_ref
+from graphserve.kernels.decode_step import record_step, record_step_ref, step_inputs, step_inputs_ref
 
 
 def bucket_views(k: int, batch: int, width: int, seed: int):
-    """[K, batch] column slices of [K, width] buffers, as engine/cuda_graphs.py makes them."""
+    """[K, batch] column slices of [K, width] buffers, as engine/runner/cuda_graphs.py makes them."""
     gen = torch.Generator().manual_seed(seed)
     positions = torch.randint(0, 4096, (k, width), generator=gen)
     slots = torch.randint(-1, 1 << 20, (k, width), generator=gen)

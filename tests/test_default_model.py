@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.errors import ModelFilesError
-from engine.models import default_model as dm
+from graphserve.engine.errors import ModelFilesError
+from graphserve.engine.models import default_model as dm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,7 +134,7 @@ def test_second_call_does_not_reconvert(model_dir, monkeypatch):
 def test_main_prints_the_path(model_dir):
     env = {**os.environ, "GRAPHSERVE_CACHE": str(dm.cache_root()), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(
-        [sys.executable, "-m", "engine.models.default_model", "--quiet"],
+        [sys.executable, "-m", "graphserve.engine.models.default_model", "--quiet"],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -306,7 +306,7 @@ _CONCURRENT_SCRIPT = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from engine.models import default_model as dm
+    from graphserve.engine.models import default_model as dm
 
     target, log = Path(sys.argv[1]), Path(sys.argv[2])
 

@@ -164,8 +164,8 @@ def option_value(argv: list[str], flag: str) -> str | None:
 def shutdown_seconds(argv: list[str]) -> float:
     """How long the server may take after SIGTERM with these arguments: the drain
     (--shutdown-timeout, else the built-in default) plus the final flush of open streams."""
-    from server.draining import FLUSH_TIMEOUT_S
-    from server.settings import ServerSettings
+    from graphserve.server.draining import FLUSH_TIMEOUT_S
+    from graphserve.server.settings import ServerSettings
 
     drain = option_value(argv, "--shutdown-timeout")
     return (float(drain) if drain else ServerSettings().shutdown_timeout) + FLUSH_TIMEOUT_S
@@ -310,7 +310,7 @@ def test_entrypoint_console_script_is_declared():
     scripts = tomllib.loads(PYPROJECT.read_text())["project"]["scripts"]
     assert ENTRYPOINT[0] in scripts, f"[project.scripts] must declare `{ENTRYPOINT[0]}`"
     module, _, func = scripts[ENTRYPOINT[0]].partition(":")
-    assert module.split(".")[0] in {"engine", "server", "kernels"} and func
+    assert module.split(".")[0] == "graphserve" and func
 
 
 def test_dockerignore_keeps_the_context_small_but_complete():
@@ -337,7 +337,7 @@ def test_dockerignore_keeps_the_context_small_but_complete():
                  "engine/__pycache__", "models"):
         assert ignored(path), f".dockerignore must exclude {path}"
     needed = ["pyproject.toml", "Makefile", "README.md", "configs/default.toml", "configs/gpu-h200.toml"]
-    needed += [str(p.relative_to(ROOT)) for d in ("engine", "server", "kernels") for p in (ROOT / d).rglob("*.py")
+    needed += [str(p.relative_to(ROOT)) for d in ("engine", "server", "kernels", "src") for p in (ROOT / d).rglob("*.py")
                if "__pycache__" not in p.parts]
     for path in needed:
         assert not ignored(path), f".dockerignore excludes {path}, which the image needs"

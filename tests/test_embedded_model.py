@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from engine import LLM, SamplingParams
+from graphserve import LLM, SamplingParams
 
 PROMPTS = [
     "The capital of France is",

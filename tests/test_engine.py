@@ -5,8 +5,8 @@ import pytest
 import torch
 import transformers
 
-from engine import LLM, SamplingParams
-from engine.errors import InvalidRequestError, ModelFilesError, PromptTooLongError, UnsupportedModelError
+from graphserve import LLM, SamplingParams
+from graphserve.engine.errors import InvalidRequestError, ModelFilesError, PromptTooLongError, UnsupportedModelError
 from tiny_models import make_tiny_model
 
 PROMPTS = [[5 + (7 * i + j) % 250 for j in range(n)] for i, n in enumerate((3, 17, 30, 8, 50, 1, 23, 12))]
@@ -145,8 +145,8 @@ def test_sampling_follows_the_distribution(llm):
 
 
 def _next_token_logits(engine, prompt):
-    from engine.attention import AttentionMetadata
-    from engine.kv_cache import allocate_kv_cache
+    from graphserve.engine.models.attention import AttentionMetadata
+    from graphserve.engine.sched.kv_cache import allocate_kv_cache
 
     kv = allocate_kv_cache(engine.args, 8, 16, torch.float32, torch.device("cpu"))
     n = len(prompt)
@@ -273,8 +273,8 @@ def test_params_object_is_not_changed_by_the_engine(llm):
 def test_async_engine_validates_before_streaming_and_dies_cleanly(model_dir):
     import asyncio
 
-    from engine import AsyncEngine, EngineConfig
-    from engine.errors import EngineDeadError, RequestFailedError
+    from graphserve import AsyncEngine, EngineConfig
+    from graphserve.engine.errors import EngineDeadError, RequestFailedError
 
     async def scenario():
         engine = AsyncEngine(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=64))
@@ -300,7 +300,7 @@ def test_async_engine_validates_before_streaming_and_dies_cleanly(model_dir):
 def test_closing_an_unread_stream_aborts_the_request(model_dir):
     import asyncio
 
-    from engine import AsyncEngine, EngineConfig
+    from graphserve import AsyncEngine, EngineConfig
 
     async def scenario():
         engine = AsyncEngine(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=64))

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
-from engine.errors import UnsupportedModelError
-from engine.models.config import checkpoint_quantization
-from engine.models.fp8 import FP8, FP8_MAX, dequantize, fp8_linear, fp8_linear_ref, quantize_per_channel
+from graphserve import LLM, SamplingParams
+from graphserve.engine.errors import UnsupportedModelError
+from graphserve.engine.models.config import checkpoint_quantization
+from graphserve.engine.models.fp8 import FP8, FP8_MAX, dequantize, fp8_linear, fp8_linear_ref, quantize_per_channel
 from tiny_models import make_tiny_model
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -59,10 +59,10 @@ def test_an_fp8_projection_after_a_norm_takes_its_input_quantized_by_the_norm(mo
     """layers.norm_linear with an FP8 weight on the Triton path (run here in the interpreter):
     the norm's kernel quantizes (rms_norm_fp8) and the W8A8 GEMM takes that, bit for bit the
     norm, the quantization and the GEMM as three kernels; the residual is passed on."""
-    from engine.models import layers
-    from engine.models.fp8 import fp8_gemm
-    from kernels.fp8_quant import quantize_rows_fp8
-    from kernels.rmsnorm import fused_add_rms_norm, rms_norm
+    from graphserve.engine.models import layers
+    from graphserve.engine.models.fp8 import fp8_gemm
+    from graphserve.kernels.fp8_quant import quantize_rows_fp8
+    from graphserve.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 
     monkeypatch.setattr(layers, "_triton", lambda x: True)
     gen = torch.Generator().manual_seed(3)
@@ -162,7 +162,7 @@ def test_quantization_schemes_it_cannot_load_are_clear_errors():
 def test_fp8_projection_on_the_gpu_matches_its_reference(rows, n, k):
     """Up to FP8_WEIGHT_ONLY_MAX_ROWS rows the weights alone are FP8 (against the dequantized
     product); beyond, W8A8 (activations quantized per token, against the same math in float32)."""
-    from engine.models.fp8 import FP8_WEIGHT_ONLY_MAX_ROWS
+    from graphserve.engine.models.fp8 import FP8_WEIGHT_ONLY_MAX_ROWS
 
     gen = torch.Generator(device="cuda").manual_seed(n + rows)
     x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -213,8 +213,8 @@ def test_attention_handing_o_proj_its_rows_amax_changes_no_token(monkeypatch):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from random_models import random_model_config
 
-    from engine.models import layers
-    from kernels.decode_attention import pick_num_splits
+    from graphserve.engine.models import layers
+    from graphserve.kernels.decode_attention import pick_num_splits
 
     assert pick_num_splits(64, 8, 256, torch.cuda.get_device_properties(0).multi_processor_count) == 1
     prompts = [torch.randint(100, 30000, (int(n),), generator=torch.Generator().manual_seed(i)).tolist()

@@ -1,4 +1,4 @@
-"""kernels.fp8_quant: per-row e4m3 quantization, bit for bit against the torch reference
+"""graphserve.kernels.fp8_quant: per-row e4m3 quantization, bit for bit against the torch reference
 (engine/models/fp8.py's quantize_rows). CPU tests run in Triton's interpreter at small shapes;
 the `gpu` ones at model shapes on CUDA."""
 
@@ -9,7 +9,7 @@ import importlib
 import pytest
 import torch
 
-from kernels.fp8_quant import quantize_rows_fp8, quantize_rows_fp8_ref
+from graphserve.kernels.fp8_quant import quantize_rows_fp8, quantize_rows_fp8_ref
 
 FP8 = torch.float8_e4m3fn
 # (K, block_k, row_chunk): K=100 in one block (128 wide, masked tail); block_k=32: four chunks, the
@@ -44,7 +44,7 @@ def test_matches_ref(dtype, k, block_k, row_chunk, poisoned_outputs):
 def test_row_chunks_read_the_whole_row_for_the_amax(monkeypatch, poisoned_outputs):
     """A program per chunk, the amax read in pieces smaller than the row: each chunk's scale is its
     row's, wherever in the row the largest value is."""
-    monkeypatch.setattr(importlib.import_module("kernels.fp8_quant"), "_MAX_AMAX_BLOCK", 32)
+    monkeypatch.setattr(importlib.import_module("graphserve.kernels.fp8_quant"), "_MAX_AMAX_BLOCK", 32)
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(4, 100, generator=gen, dtype=torch.bfloat16)
     for row, col in enumerate((3, 40, 70, 99)):  # the amax in each chunk of 32 in turn, the last partial
@@ -56,7 +56,7 @@ def test_default_row_chunk(monkeypatch):
     """With ROW_CHUNKS: up to half as many rows as SMs get chunks of at least 1024, about four
     programs an SM (Llama-3.1-8B's down_proj input at 64 rows: 7 chunks of 2048); more rows, one
     program each."""
-    module = importlib.import_module("kernels.fp8_quant")
+    module = importlib.import_module("graphserve.kernels.fp8_quant")
     monkeypatch.setattr(module, "ROW_CHUNKS", True)
     monkeypatch.setattr(module, "ROW_CHUNK_PROGRAMS_PER_SM", 4)
     assert module.default_row_chunk(64, 14336, 132) == 2048
@@ -125,7 +125,7 @@ def test_rounding_to_e4m3(block_k, row_chunk):
 def test_cuda_scale_rounding_in_interpreter(k, block_k, row_chunk):
     """The CUDA scale (amax times 1/448 rounded to float32, as torch's CUDA division by a Python
     scalar computes it), run in the interpreter by launching the kernel with that flag."""
-    from kernels.fp8_quant import INV_FP8_MAX, _quantize_row_chunks_fp8_kernel, _quantize_rows_fp8_kernel
+    from graphserve.kernels.fp8_quant import INV_FP8_MAX, _quantize_row_chunks_fp8_kernel, _quantize_rows_fp8_kernel
 
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(64, k, generator=gen, dtype=torch.bfloat16) * 3
@@ -146,7 +146,7 @@ def test_cuda_scale_rounding_in_interpreter(k, block_k, row_chunk):
 
 
 def test_default_block_k():
-    from kernels.fp8_quant import default_block_k
+    from graphserve.kernels.fp8_quant import default_block_k
 
     for k in [1, 3, 100, 896, 1100, 3584, 4096, 4864, 8192, 8193, 14336, 18944, 28672]:
         b = default_block_k(k)
@@ -171,7 +171,7 @@ def test_rejects_bad_inputs():
         quantize_rows_fp8(torch.randn(4, 8), block_k=24)
     with pytest.raises(ValueError):
         quantize_rows_fp8(torch.randn(4, 8), row_chunk=12)
-    from kernels.fp8_quant import AmaxedRows
+    from graphserve.kernels.fp8_quant import AmaxedRows
 
     for part_amax in (torch.ones(3, 2), torch.ones(4, 2, dtype=torch.float64), torch.ones(2, 4).t()):
         with pytest.raises(ValueError):
@@ -181,7 +181,7 @@ def test_rejects_bad_inputs():
 def test_rows_with_their_amax_in_parts_quantize_to_the_same_bits(poisoned_outputs):
     """AmaxedRows (a producer's amax of each row's parts): the row chunks read those instead of the row;
     the paths that read whole rows anyway (one program a row) read the rows. The same bits either way."""
-    from kernels.fp8_quant import AmaxedRows
+    from graphserve.kernels.fp8_quant import AmaxedRows
 
     gen = torch.Generator().manual_seed(8)
     x = (torch.randn(5, 96, generator=gen) * 3).to(torch.bfloat16)
@@ -239,10 +239,10 @@ def test_gpu_strided_and_graph_capture():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("residual", [False, True], ids=["norm", "add-norm"])
 def test_rms_norm_fp8_is_the_norm_then_the_quantization(dtype, residual, poisoned_outputs):
-    """kernels.rmsnorm.rms_norm_fp8: bit for bit rms_norm (or the residual add + rms_norm) in x's
+    """graphserve.kernels.rmsnorm.rms_norm_fp8: bit for bit rms_norm (or the residual add + rms_norm) in x's
     dtype followed by quantize_rows_fp8, and the same new residual; widths that fill their block
     and widths that do not; rows scaled far apart (their scales differ by 1e6)."""
-    from kernels.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_fp8
+    from graphserve.kernels.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_fp8
 
     for hidden in (64, 100):
         gen = torch.Generator().manual_seed(hidden)
@@ -262,7 +262,7 @@ def test_rms_norm_fp8_is_the_norm_then_the_quantization(dtype, residual, poisone
 
 
 def test_rms_norm_fp8_refuses_what_it_cannot_take():
-    from kernels.rmsnorm import rms_norm_fp8
+    from graphserve.kernels.rmsnorm import rms_norm_fp8
 
     x = torch.randn(2, 8)
     with pytest.raises(ValueError):
@@ -276,7 +276,7 @@ def test_rms_norm_fp8_refuses_what_it_cannot_take():
 @pytest.mark.parametrize("m", [2, 64, 300])
 def test_gpu_rms_norm_fp8_model_shapes(m, hidden, poisoned_outputs):
     """The fused norm + quantization at the two shapes' hidden sizes, bit for bit the two kernels."""
-    from kernels.rmsnorm import fused_add_rms_norm, rms_norm_fp8
+    from graphserve.kernels.rmsnorm import fused_add_rms_norm, rms_norm_fp8
 
     gen = torch.Generator(device="cuda").manual_seed(m * hidden)
     x = torch.randn(m, hidden, device="cuda", generator=gen, dtype=torch.bfloat16) * 4

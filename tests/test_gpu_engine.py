@@ -33,8 +33,8 @@ def test_teacher_forced_logits_match_transformers(model_path):
     import transformers
     from teacher_forced import teacher_forced_logits
 
-    from engine.attention import TritonAttention
-    from engine.models.loader import load_model
+    from graphserve.engine.models.attention import TritonAttention
+    from graphserve.engine.models.loader import load_model
 
     dev = torch.device("cuda")
     prompt_len, steps, bs = 64, 64, 16
@@ -68,7 +68,7 @@ def test_teacher_forced_logits_match_transformers(model_path):
 
 @pytest.fixture(scope="module")
 def llm(model_path):
-    from engine import LLM
+    from graphserve import LLM
 
     # no prefix caching: the eager run repeats the graph run's prompts, and a cache hit prefills
     # only their tails, whose bf16 rounding differs from a whole prefill (on the random 8B shape
@@ -85,12 +85,12 @@ def _compiled_kernel_variants() -> dict[str, int]:
     import importlib
     import pkgutil
 
-    import kernels
+    import graphserve.kernels
     from triton.runtime.jit import JITFunction
 
     counts = {}
     for info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"kernels.{info.name}")
+        module = importlib.import_module(f"graphserve.kernels.{info.name}")
         for name, fn in vars(module).items():
             if isinstance(fn, JITFunction):
                 counts[f"{info.name}.{name}"] = sum(len(cache[0]) for cache in fn.device_caches.values())
@@ -103,7 +103,7 @@ def test_serving_compiles_no_kernels_after_start_up(llm):
     alone and together, then decoded greedily, sampled and with logprobs, compile nothing. (Runs
     first on its engine: the tests after it would compile what it checks for.) Before, the eager
     prefill's first table 16 or 32 blocks wide compiled the attention kernel while serving."""
-    from engine import SamplingParams
+    from graphserve import SamplingParams
 
     before = _compiled_kernel_variants()
     gen = torch.Generator().manual_seed(0)
@@ -123,7 +123,7 @@ def test_serving_compiles_no_kernels_after_start_up(llm):
 def eager_rounds_both_ways(llm, batch: int, seed: int, switch) -> list:
     """The greedy tokens and logprobs of eager decode rounds (no graphs, no prefix-cache hits) over `batch`
     random prompts, 64 tokens each, with switch(False) and then with switch(True)."""
-    from engine import SamplingParams
+    from graphserve import SamplingParams
 
     engine = llm.engine.core
     gen = torch.Generator().manual_seed(seed)
@@ -150,7 +150,7 @@ def test_fused_step_bookkeeping_matches_the_torch_ops(llm, batch, monkeypatch):
     """engine/runner.FUSED_STEP_BOOKKEEPING: decode rounds whose steps read their inputs and record
     their tokens through kernels/decode_step.py give the greedy tokens and logprobs of the same
     rounds through the torch ops (both eager: only the bookkeeping differs)."""
-    from engine import runner
+    from graphserve.engine.runner import model_runner as runner
 
     runs = eager_rounds_both_ways(llm, batch, 100 + batch,
                                   lambda on: monkeypatch.setattr(runner, "FUSED_STEP_BOOKKEEPING", on))
@@ -162,8 +162,8 @@ def test_fused_greedy_merge_and_pdl_embedding_give_the_same_tokens(llm, batch, m
     """kernels/sampling.FUSED_MERGE with chunks of 1024 and engine/models/layers.PDL_EMBEDDING (each
     off until measured): eager decode rounds give the greedy tokens of the shipped kernels, and their
     logprobs within float32 reordering of the log-sum-exp."""
-    from engine.models import layers
-    from kernels import sampling
+    from graphserve.engine.models import layers
+    from graphserve.kernels import sampling
 
     def switch(on: bool) -> None:
         monkeypatch.setattr(sampling, "FUSED_MERGE", on)
@@ -183,7 +183,7 @@ def test_graph_path_matches_eager_path(llm, batch):
     another row count (padded to a bucket, or only the uncached tail) round differently in
     bf16, which on the random 8B changes greedy tokens; test_prefill_graphs_match_eager_prefill
     holds the prefill graphs to their own padded forward."""
-    from engine import SamplingParams
+    from graphserve import SamplingParams
 
     engine = llm.engine.core
     assert engine.graphs is not None
@@ -217,7 +217,7 @@ def test_prefill_graphs_match_eager_prefill(llm, lengths):
     for the LM head's rounding at its own row count) and greedy generations are too. (With
     padding every projection runs at another row count, which may round differently in bf16:
     its logprob difference is reported.)"""
-    from engine import SamplingParams
+    from graphserve import SamplingParams
 
     engine = llm.engine.core
     graphs = engine.runner.prefill_graphs
@@ -272,8 +272,8 @@ def test_constrained_rows_replay_masked_graphs(llm):
     import json
     import re
 
-    from engine import SamplingParams
-    from engine.structured import GrammarSpec
+    from graphserve import SamplingParams
+    from graphserve.engine.structured.grammar import GrammarSpec
 
     engine = llm.engine.core
     gen = torch.Generator().manual_seed(7)

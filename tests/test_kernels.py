@@ -18,38 +18,17 @@ import triton.language as tl
 import torch.nn.functional as F
 from tensor_checks import rel_err
 
-from kernels.prefill_attention import default_prefill_tile
-from kernels import (
-    GemvTile,
-    apply_rotary,
-    apply_rotary_ref,
-    build_cos_sin_cache,
-    default_gemv_tile,
-    fused_add_rms_norm,
-    fused_add_rms_norm_ref,
-    gemv,
-    gemv_ref,
-    gemv_rope_store,
-    gemv_rope_store_ref,
-    greedy_sample,
-    greedy_sample_ref,
-    wait_for_host,
-    wait_for_host_ref,
-    paged_decode_attention,
-    paged_decode_attention_ref,
-    paged_prefill_attention,
-    paged_prefill_attention_ref,
-    prefill_tile_map,
-    pick_num_splits,
-    rms_norm,
-    rms_norm_ref,
-    rope_and_store_kv,
-    rope_and_store_kv_ref,
-    silu_and_mul,
-    silu_and_mul_ref,
-    store_kv,
-    store_kv_ref,
-)
+from graphserve.kernels.prefill_attention import default_prefill_tile
+from graphserve.kernels.gemv import GemvTile, default_gemv_tile, gemv, gemv_ref, gemv_rope_store, gemv_rope_store_ref
+from graphserve.kernels.rotary import apply_rotary, apply_rotary_ref, build_cos_sin_cache
+from graphserve.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from graphserve.kernels.sampling import greedy_sample, greedy_sample_ref
+from graphserve.kernels.host_wait import wait_for_host, wait_for_host_ref
+from graphserve.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref, pick_num_splits
+from graphserve.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref, prefill_tile_map
+from graphserve.kernels.rope_kv_store import rope_and_store_kv, rope_and_store_kv_ref
+from graphserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+from graphserve.kernels.kv_store import store_kv, store_kv_ref
 
 def _benchmark(module: str, *names: str):
     """Kernels and references from a script in benchmarks/ (not a package)."""
@@ -123,7 +102,7 @@ def test_decode_ref_matches_dense():
 def fused_merge(request, monkeypatch) -> bool:
     """Decode attention's splits merged by the merge kernel or by the last split to finish
     (kernels/decode_attention.FUSED_MERGE)."""
-    monkeypatch.setattr(importlib.import_module("kernels.decode_attention"), "FUSED_MERGE", request.param)
+    monkeypatch.setattr(importlib.import_module("graphserve.kernels.decode_attention"), "FUSED_MERGE", request.param)
     return request.param
 
 
@@ -132,7 +111,7 @@ def test_decode_attention(num_splits, fused_merge, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     q, k_cache, v_cache, bt, cl = decode_case(gen)
     if num_splits is None:  # the automatic choice, made to split this small cache
-        monkeypatch.setattr("kernels.decode_attention._MIN_TOKENS_PER_SPLIT", 16)
+        monkeypatch.setattr("graphserve.kernels.decode_attention._MIN_TOKENS_PER_SPLIT", 16)
         assert pick_num_splits(q.shape[0], k_cache.shape[2], bt.shape[1] * k_cache.shape[1], 132) > 1
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=num_splits, out=out)
@@ -144,7 +123,7 @@ def test_decode_attention_row_amax_is_each_kv_groups_largest_stored_value():
     """row_amax (layers.FP8_ATTENTION_AMAX): with one split, the output as AmaxedRows [B, Hq * D], the
     very values of the plain call, and per row and KV head the largest |value| of its query heads; with
     more splits (the partials' merge writes the output) the plain output."""
-    from kernels.fp8_quant import AmaxedRows
+    from graphserve.kernels.fp8_quant import AmaxedRows
 
     gen = torch.Generator().manual_seed(4)
     q, k_cache, v_cache, bt, cl = decode_case(gen)
@@ -467,7 +446,7 @@ def _gemv_case(rows: int, n: int, k: int, seed: int, strided: bool = False):
 @pytest.fixture(params=[0, 1 << 20], ids=["k-runtime", "k-compiled"])
 def gemv_k(request, monkeypatch):
     """The GEMV with K a run-time argument or compiled in (kernels.gemv.K_CONSTEXPR_MAX_K)."""
-    monkeypatch.setattr(importlib.import_module("kernels.gemv"), "K_CONSTEXPR_MAX_K", request.param)
+    monkeypatch.setattr(importlib.import_module("graphserve.kernels.gemv"), "K_CONSTEXPR_MAX_K", request.param)
     return request.param
 
 
@@ -496,7 +475,7 @@ def test_gemv(rows, n, k, bias):
 def test_gemv_long_k_default_tile(long_k_block, monkeypatch):
     """A down_proj-like K past 4096 takes one row a program with LONG_K_BLOCK_K-wide tiles (the last
     one masked)."""
-    gemv_module = importlib.import_module("kernels.gemv")
+    gemv_module = importlib.import_module("graphserve.kernels.gemv")
     monkeypatch.setattr(gemv_module, "LONG_K_BLOCK_K", long_k_block)
     assert gemv_module.default_gemv_tile(1, 8, 4864, 132) == gemv_module.GemvTile(1, long_k_block, 8)
     _, x, w = _gemv_case(1, 8, 4864, seed=27)
@@ -648,8 +627,8 @@ def test_default_gemv_tile_fills_the_gpu_and_bounds_registers():
 @pytest.fixture(params=[(4096, False), (1024, False), (4096, True), (1024, True)],
                 ids=["chunks-4096", "chunks-1024", "chunks-4096-fused", "chunks-1024-fused"])
 def greedy_variant(request, monkeypatch):
-    """kernels.sampling's CHUNK and FUSED_MERGE (the row's last chunk merges, in one kernel)."""
-    module = importlib.import_module("kernels.sampling")
+    """graphserve.kernels.sampling's CHUNK and FUSED_MERGE (the row's last chunk merges, in one kernel)."""
+    module = importlib.import_module("graphserve.kernels.sampling")
     monkeypatch.setattr(module, "CHUNK", request.param[0])
     monkeypatch.setattr(module, "FUSED_MERGE", request.param[1])
     return request.param
@@ -671,9 +650,9 @@ def test_greedy_sample(greedy_variant):
 
 
 def test_greedy_sample_refuses_a_chunk_its_loop_cannot_step(monkeypatch):
-    """kernels.sampling.CHUNK (an A/B switch) must be a whole number of the loop's 1024-wide blocks:
+    """graphserve.kernels.sampling.CHUNK (an A/B switch) must be a whole number of the loop's 1024-wide blocks:
     512 would have each program read into the next one's chunk and count those logits twice."""
-    monkeypatch.setattr(importlib.import_module("kernels.sampling"), "CHUNK", 512)
+    monkeypatch.setattr(importlib.import_module("graphserve.kernels.sampling"), "CHUNK", 512)
     with pytest.raises(ValueError):
         greedy_sample(torch.randn(2, 3000))
 
@@ -707,7 +686,7 @@ def test_greedy_sample_with_a_bitmask_picks_the_best_allowed_token(greedy_varian
 def test_embedding(hidden, id_dtype, poisoned_outputs):
     """kernels/embedding.py: the table's rows, bit for bit, in the table's dtype; ids past the table
     are clamped to it, never read out of bounds."""
-    from kernels.embedding import embedding, embedding_ref
+    from graphserve.kernels.embedding import embedding, embedding_ref
 
     gen = torch.Generator().manual_seed(hidden)
     weight = torch.randn(300, hidden, generator=gen).to(torch.bfloat16)
@@ -720,8 +699,8 @@ def test_embedding(hidden, id_dtype, poisoned_outputs):
 def test_the_embedding_lookup_on_the_triton_path_is_the_tables_rows(monkeypatch):
     """engine/models/layers.embed with PDL_EMBEDDING, as CUDA runs it (here in the interpreter): the
     kernel's rows; off, torch's lookup."""
-    from engine.models import layers
-    module = importlib.import_module("kernels.embedding")
+    from graphserve.engine.models import layers
+    module = importlib.import_module("graphserve.kernels.embedding")
 
     calls = []
     kernel = module.embedding

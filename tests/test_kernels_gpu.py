@@ -8,32 +8,25 @@ import pytest
 import torch
 from tensor_checks import rel_err
 
-from kernels import (
-    apply_rotary,
-    apply_rotary_ref,
-    build_cos_sin_cache,
-    fused_add_rms_norm,
-    fused_add_rms_norm_ref,
-    gemv,
-    gemv_ref,
-    gemv_rope_store,
-    gemv_rope_store_ref,
-    greedy_sample,
-    greedy_sample_ref,
-    wait_for_host,
-    paged_decode_attention,
-    paged_decode_attention_ref,
-    paged_prefill_attention,
-    paged_prefill_attention_ref,
-    rms_norm,
-    rms_norm_ref,
-    rope_and_store_kv,
-    rope_and_store_kv_ref,
-    silu_and_mul,
-    silu_and_mul_ref,
-    store_kv,
-    store_kv_ref,
-)
+from graphserve.kernels.rotary import apply_rotary, apply_rotary_ref, build_cos_sin_cache
+
+from graphserve.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+
+from graphserve.kernels.gemv import gemv, gemv_ref, gemv_rope_store, gemv_rope_store_ref
+
+from graphserve.kernels.sampling import greedy_sample, greedy_sample_ref
+
+from graphserve.kernels.host_wait import wait_for_host
+
+from graphserve.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+
+from graphserve.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+
+from graphserve.kernels.rope_kv_store import rope_and_store_kv, rope_and_store_kv_ref
+
+from graphserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+
+from graphserve.kernels.kv_store import store_kv, store_kv_ref
 
 TOL = 1e-2
 DEV = "cuda"
@@ -76,14 +69,14 @@ def decode_ref(q, k_cache, v_cache, block_tables, context_lens):
 
 def use_attention_prefetch(monkeypatch, tiles: int) -> None:
     """Decode attention prefetches `tiles` KV tiles before its PDL wait, whatever the batch."""
-    module = importlib.import_module("kernels.decode_attention")
+    module = importlib.import_module("graphserve.kernels.decode_attention")
     monkeypatch.setattr(module, "PREFETCH_TILES", tiles)
     monkeypatch.setattr(module, "PREFETCH_MAX_BATCH", 1 << 30)
 
 
 def use_fused_merge(monkeypatch, on: bool) -> None:
     """Decode attention's splits are merged by the last one to finish (on) or by the merge kernel."""
-    monkeypatch.setattr(importlib.import_module("kernels.decode_attention"), "FUSED_MERGE", on)
+    monkeypatch.setattr(importlib.import_module("graphserve.kernels.decode_attention"), "FUSED_MERGE", on)
 
 
 @pytest.mark.gpu
@@ -116,7 +109,7 @@ def test_decode_attention_real_shapes(batch, max_ctx, shape, num_splits, prefetc
 def test_decode_attention_row_amax_real_shapes(shape):
     """row_amax (layers.FP8_ATTENTION_AMAX) at 64 rows, one split as the engine picks there: the plain
     call's output bit for bit as [B, Hq * D], and each KV head group's largest |value|."""
-    from kernels.fp8_quant import AmaxedRows
+    from graphserve.kernels.fp8_quant import AmaxedRows
 
     q, k_cache, v_cache, bt, cl = decode_case(64, 512, **shape, seed=5)
     scale = q.shape[-1] ** -0.5
@@ -219,8 +212,8 @@ def test_prefill_attention_tile_map_padded_like_a_graph(shape):
     reference; padded rows are never written."""
     import numpy as np
 
-    from kernels import prefill_tile_map
-    from kernels.prefill_attention import default_prefill_tile
+    from graphserve.kernels.prefill_attention import prefill_tile_map
+    from graphserve.kernels.prefill_attention import default_prefill_tile
 
     q_lens = [32, 1, 45, 7, 130]
     prefixes = [2000, 64, 1999, 0, 300]
@@ -348,7 +341,7 @@ GEMV_SHAPES = {
 def test_gemv_real_shapes(name, rows, poisoned_outputs, monkeypatch):
     """*-2048: down_proj with 2048-wide K tiles (kernels/gemv.LONG_K_BLOCK_K)."""
     if name.endswith("-2048"):
-        monkeypatch.setattr(importlib.import_module("kernels.gemv"), "LONG_K_BLOCK_K", 2048)
+        monkeypatch.setattr(importlib.import_module("graphserve.kernels.gemv"), "LONG_K_BLOCK_K", 2048)
         name = name.removesuffix("-2048")
     n, k, norm, bias, silu = GEMV_SHAPES[name]
     gen = torch.Generator(device=DEV).manual_seed(rows)
@@ -371,8 +364,8 @@ def test_gemv_real_shapes(name, rows, poisoned_outputs, monkeypatch):
 
 @pytest.fixture(params=[(4096, False), (1024, True)], ids=["chunks-4096", "chunks-1024-fused"])
 def greedy_variant(request, monkeypatch):
-    """kernels.sampling's CHUNK and FUSED_MERGE (the row's last chunk merges, one PDL kernel)."""
-    module = importlib.import_module("kernels.sampling")
+    """graphserve.kernels.sampling's CHUNK and FUSED_MERGE (the row's last chunk merges, one PDL kernel)."""
+    module = importlib.import_module("graphserve.kernels.sampling")
     monkeypatch.setattr(module, "CHUNK", request.param[0])
     monkeypatch.setattr(module, "FUSED_MERGE", request.param[1])
     return request.param
@@ -410,7 +403,7 @@ def test_greedy_sample_real_vocab(vocab, dtype, greedy_variant, poisoned_outputs
 def test_embedding_real_shapes(vocab, hidden, poisoned_outputs):
     """kernels/embedding.py at the models' tables: the rows bit for bit, eagerly and under graph replay
     with new ids."""
-    from kernels.embedding import embedding
+    from graphserve.kernels.embedding import embedding
 
     gen = torch.Generator(device=DEV).manual_seed(hidden)
     weight = torch.randn(vocab, hidden, device=DEV, dtype=BF16, generator=gen)
@@ -503,7 +496,7 @@ def test_gemv_rope_store_real_shapes(shape, hidden, bias, poisoned_outputs):
 def test_gemv_fp8_weights_real_shapes(name, rows, poisoned_outputs):
     """FP8 weights (e4m3, a float32 scale per row) dequantized in registers: the float32 product
     with the dequantized weight."""
-    from engine.models.fp8 import quantize_per_channel
+    from graphserve.engine.models.fp8 import quantize_per_channel
 
     n, k, norm, bias, silu = GEMV_SHAPES[name]
     gen = torch.Generator(device=DEV).manual_seed(rows + 100)
@@ -531,7 +524,7 @@ def test_programmatic_dependent_launch_keeps_a_chain_of_kernels_in_order(prefetc
     (decode_attention.PREFETCH_TILES) it asks L2 for that row before its wait, and must still see the
     value the qkv kernel before it wrote. fused_merge: the attention's two splits merge in the last
     one to finish (decode_attention.FUSED_MERGE), before the o_proj GEMV reads the result."""
-    from kernels import _common
+    from graphserve.kernels import _common
 
     use_attention_prefetch(monkeypatch, prefetch_tiles)
     use_fused_merge(monkeypatch, fused_merge)
@@ -595,12 +588,12 @@ def test_programmatic_dependent_launch_of_the_kernels_between_projections(monkey
     them, and decode attention asking L2 for its KV before it waits) captured in a CUDA graph with
     every kernel launched with PDL gives bit for bit what it gives launched one by one without: each
     waits for the kernel before it."""
-    from kernels import _common
-    from kernels.fp8_quant import quantize_rows_fp8
-    from kernels.rmsnorm import rms_norm_fp8
-    from kernels.skinny_gemm import skinny_gemm
+    from graphserve.kernels import _common
+    from graphserve.kernels.fp8_quant import quantize_rows_fp8
+    from graphserve.kernels.rmsnorm import rms_norm_fp8
+    from graphserve.kernels.skinny_gemm import skinny_gemm
 
-    from engine.models.fp8 import quantize_per_channel
+    from graphserve.engine.models.fp8 import quantize_per_channel
 
     gen = torch.Generator(device=DEV).manual_seed(8)
     rows, hidden, hq, hkv, head_dim, inter = 8, 896, 14, 2, 64, 4864

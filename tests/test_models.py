@@ -9,9 +9,9 @@ import transformers
 from tensor_checks import rel_err
 from tiny_models import VARIANTS, make_tiny_model
 
-from engine.attention import AttentionMetadata, TorchAttention
-from engine.kv_cache import allocate_kv_cache
-from engine.models.loader import load_model
+from graphserve.engine.models.attention import AttentionMetadata, TorchAttention
+from graphserve.engine.sched.kv_cache import allocate_kv_cache
+from graphserve.engine.models.loader import load_model
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -72,8 +72,8 @@ def test_triton_path_matches_torch_path(monkeypatch, tmp_path, variant):
     """The CUDA code path (Triton kernels for norms, rotary, SiLU, KV store and paged
     attention; the decode step's projections as fused norm + GEMV (+ SiLU) kernels), run in
     Triton's interpreter on CPU, equals the torch path."""
-    from engine.attention import TritonAttention
-    from engine.models import layers
+    from graphserve.engine.models.attention import TritonAttention
+    from graphserve.engine.models import layers
 
     path = make_tiny_model(tmp_path / variant, variant)
     torch_model = load_model(path, torch.float32, torch.device("cpu"), TorchAttention(16), 128)
@@ -100,11 +100,11 @@ def one_layer_decode(monkeypatch, intermediate: int, num_heads: int = 2):
     """A Llama decoder layer (hidden 128, num_heads heads of 64, one KV head; float32, random weights) and
     a function that runs decode of 4 rows through it on the Triton path (in the interpreter: the
     interpreter's bf16 dot is not exact), on fresh copies of one paged KV cache each time."""
-    from engine.attention import AttentionMetadata, TritonAttention
-    from engine.models import layers
-    from engine.models.config import ModelArgs
-    from engine.models.llama import DecoderLayer
-    from kernels.rotary import build_cos_sin_cache
+    from graphserve.engine.models.attention import AttentionMetadata, TritonAttention
+    from graphserve.engine.models import layers
+    from graphserve.engine.models.config import ModelArgs
+    from graphserve.engine.models.llama import DecoderLayer
+    from graphserve.kernels.rotary import build_cos_sin_cache
 
     monkeypatch.setattr(layers, "_triton", lambda x: True)
     args = ModelArgs("LlamaForCausalLM", vocab_size=256, hidden_size=128, intermediate_size=intermediate,
@@ -142,9 +142,9 @@ def test_the_norm_after_a_split_projection_sums_it_and_changes_no_bit(monkeypatc
     running its reduce kernel: the same bits as with the reduce kernel. (The skinny GEMM with float32
     operands: the engine gives it bf16 / fp16, whose dot the interpreter does not compute exactly. FP8
     projections take a CPU path here; tests/test_skinny_gemm.py holds the FP8 partials to the bit.)"""
-    from engine.models import layers
+    from graphserve.engine.models import layers
 
-    skinny = importlib.import_module("kernels.skinny_gemm")  # the package exports a function of that name
+    skinny = importlib.import_module("graphserve.kernels.skinny_gemm")  # the package exports a function of that name
     reduces = []
     real_finish = skinny.finish_split
     monkeypatch.setattr(skinny, "finish_split", lambda p, *a: reduces.append(p.shape) or real_finish(p, *a))
@@ -166,9 +166,9 @@ def assert_amaxed_input_changes_no_bit(monkeypatch, layer, run, proj_name: str, 
     """With the layer's projections in FP8 and layers.<switch> off, then on: on, the projection named
     proj_name (a dotted path in the layer) takes its input as AmaxedRows (the same rows as off), and its
     output is bit for bit the W8A8 product of those rows quantized whole."""
-    from engine.models import layers
-    from engine.models.fp8 import fp8_gemm
-    from kernels.fp8_quant import AmaxedRows, quantize_rows_fp8
+    from graphserve.engine.models import layers
+    from graphserve.engine.models.fp8 import fp8_gemm
+    from graphserve.kernels.fp8_quant import AmaxedRows, quantize_rows_fp8
 
     for module in layer.modules():
         if isinstance(module, layers.Linear):

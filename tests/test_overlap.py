@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.cuda_graphs import GraphDecoder
+from graphserve import LLM, SamplingParams
+from graphserve.engine.runner.cuda_graphs import GraphDecoder
 from tiny_models import make_tiny_model
 
 K = 4  # decode_chunk: a request's first token comes from its prefill, so rounds end at 1 + 4r tokens

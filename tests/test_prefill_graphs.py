@@ -1,4 +1,4 @@
-"""The prefill graphs' static-buffer path (engine/prefill_graphs.py): token buckets, padded
+"""The prefill graphs' static-buffer path (engine/runner/prefill_graphs.py): token buckets, padded
 tokens, sequences and attention tiles. On CPU it runs the captured forward eagerly over the
 same buffers; the CUDA replay is checked on the GPU (tests/test_gpu_engine.py)."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.prefill_graphs import PrefillGraphs, prefill_buckets
-from engine.prefill_inputs import prefill_inputs
-from engine.request import Sequence
-from engine.scheduler import PrefillBatch
+from graphserve import LLM, SamplingParams
+from graphserve.engine.runner.prefill_graphs import PrefillGraphs, prefill_buckets
+from graphserve.engine.runner.prefill_inputs import prefill_inputs
+from graphserve.engine.request import Sequence
+from graphserve.engine.sched.scheduler import PrefillBatch
 from tensor_checks import report
 from tiny_models import make_tiny_model
 
@@ -255,7 +255,7 @@ def test_newcomers_are_prefilled_while_the_core_waits_for_a_round(model_dir, pre
     times): outputs made so far, first tokens included, go to on_wait before the round is
     collected; requests arriving there are admitted (with prefill_ahead, prefilled at once);
     and every request's tokens are an eager engine's."""
-    from engine.cuda_graphs import GraphDecoder
+    from graphserve.engine.runner.cuda_graphs import GraphDecoder
 
     lengths = [9, 17, 30, 12, 21, 26, 5, 14]
     prompts = [PROMPTS[i % len(PROMPTS)][:20 + 4 * i] for i in range(len(lengths))]
@@ -305,10 +305,10 @@ def test_the_captured_forward_with_the_triton_backend_gives_the_eager_logits(mod
     tiles padded."""
     import torch
 
-    from engine.attention import TritonAttention
-    from engine.kv_cache import BlockManager, allocate_kv_cache
-    from engine.models.loader import load_model
-    from engine.runner import ModelRunner
+    from graphserve.engine.models.attention import TritonAttention
+    from graphserve.engine.sched.kv_cache import BlockManager, allocate_kv_cache
+    from graphserve.engine.models.loader import load_model
+    from graphserve.engine.runner.model_runner import ModelRunner
 
     model = load_model(str(model_dir), torch.float32, torch.device("cpu"), TritonAttention(BS), 512)
     kv = allocate_kv_cache(model.kv_args, 64, BS, torch.float32, torch.device("cpu"))

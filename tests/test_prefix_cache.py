@@ -1,13 +1,15 @@
-"""Prefix caching (engine/kv_cache.py): a prompt's cached full blocks are shared, only the
+"""Prefix caching (engine/sched/kv_cache.py): a prompt's cached full blocks are shared, only the
 rest is prefilled, and the tokens are exactly those of a run without the cache."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams, prefix_hash
-from engine.kv_cache import BlockManager
-from engine.request import Sequence
+from graphserve import LLM, SamplingParams
+
+from graphserve.engine.sched import prefix_hash
+from graphserve.engine.sched.kv_cache import BlockManager
+from graphserve.engine.request import Sequence
 from tiny_models import make_tiny_model
 
 BS = 16
@@ -198,9 +200,9 @@ def test_the_front_end_hashes_the_prompt_and_the_core_thread_does_not(model_dir,
 
     import httpx
 
-    from engine import AsyncEngine, EngineConfig
-    from server.app import create_app
-    from server.testing import BackgroundServer
+    from graphserve import AsyncEngine, EngineConfig
+    from graphserve.server.app import create_app
+    from graphserve.server.testing import BackgroundServer
 
     threads = []
     real = prefix_hash.block_key
@@ -249,9 +251,9 @@ def test_a_cached_1500_token_prefix_cuts_time_to_first_token_over_http():
 
     import httpx
 
-    from engine import AsyncEngine, EngineConfig
-    from server.app import create_app
-    from server.testing import BackgroundServer
+    from graphserve import AsyncEngine, EngineConfig
+    from graphserve.server.app import create_app
+    from graphserve.server.testing import BackgroundServer
 
     config = EngineConfig(device="cpu", max_model_len=2048, kv_cache_bytes=256 * 1024**2,
                           max_num_batched_tokens=2048)

@@ -1,4 +1,4 @@
-"""The server as processes (issue 9): `python -m server serve` is a supervisor with one
+"""The server as processes (issue 9): `python -m graphserve serve` is a supervisor with one
 engine-core process and N front-end processes. Against real processes on loopback (CPU,
 the embedded model):
 
@@ -34,12 +34,12 @@ import httpx
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.request import SamplingParams
-from server.app import create_app
-from server.testing import BackgroundServer, ServerProcess, child_pids, descendant_pids, sse_payloads, still_running
+from graphserve.engine.async_engine import AsyncEngine
+from graphserve.engine.config import EngineConfig
+from graphserve.engine.llm import LLM
+from graphserve.engine.request import SamplingParams
+from graphserve.server.app import create_app
+from graphserve.server.testing import BackgroundServer, ServerProcess, child_pids, descendant_pids, sse_payloads, still_running
 
 DECODE_CHUNK = 8  # K: tokens per decode round
 MAX_MODEL_LEN = 512
@@ -593,7 +593,7 @@ def test_sigusr1_prints_the_stacks_and_the_server_goes_on(one_frontend: Served) 
         assert time.monotonic() < deadline, server.log[-3000:]
         time.sleep(0.05)
     dumped = "".join(server.lines[logged:])
-    assert "engine/core_loop.py" in dumped  # the core's main thread, in its loop
+    assert "engine/core/loop.py" in dumped  # the core's main thread, in its loop
     assert "uvicorn" in dumped or "asyncio" in dumped  # the front end's event loop
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120.0)
     model = client.models.list().data[0].id
@@ -652,7 +652,7 @@ def test_a_full_collection_after_start_up_skips_the_start_up_objects():
     collector's sight, so a full collection no longer walks them while requests wait."""
     import gc
 
-    from engine.core_process import freeze_startup_objects
+    from graphserve.engine.core.process import freeze_startup_objects
 
     startup = [[i] for i in range(300_000)]  # long-lived, as a loaded engine's objects are
 

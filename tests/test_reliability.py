@@ -1,4 +1,4 @@
-"""Reliability under stress, against real `python -m server serve` processes on loopback
+"""Reliability under stress, against real `python -m graphserve serve` processes on loopback
 (CPU, the embedded model): a soak of 1,000 requests at concurrency 64, schemathesis
 fuzzing of the server's own OpenAPI schema, SIGTERM during 32 streams, and engine
 faults injected through the tests-only /debug/fault route. Every test is bounded in
@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server.testing import ServerProcess, sse_payloads
+from graphserve.server.testing import ServerProcess, sse_payloads
 
 REPO = Path(__file__).resolve().parent.parent
 FAULTS_ENV = {"GRAPHSERVE_ENABLE_FAULT_INJECTION": "1"}

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.config import EngineConfig
-from server.cli import build_parser, load_settings, main
-from server.settings import (
+from graphserve.engine.config import EngineConfig
+from graphserve.server.cli import build_parser, load_settings, main
+from graphserve.server.settings import (
     SettingsError,
     default_config_path,
     parse_size,
@@ -25,7 +25,7 @@ from server.settings import (
     repo_configs_dir,
     resolve_config_path,
 )
-from server.testing import free_port
+from graphserve.server.testing import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -103,7 +103,7 @@ def test_serve_process_streams_and_drains_on_sigterm() -> None:
     command = [
         sys.executable,
         "-m",
-        "server",
+        "graphserve",
         "serve",
         "--port",
         str(port),
@@ -171,7 +171,7 @@ def test_generate_prints_the_completion() -> None:
         [
             sys.executable,
             "-m",
-            "server",
+            "graphserve",
             "generate",
             "The capital of France is",
             "--max-tokens",

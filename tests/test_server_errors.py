@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
-from engine import AsyncEngine, EngineConfig
-from server.app import create_app
-from server.testing import BackgroundServer
+from graphserve import AsyncEngine, EngineConfig
+from graphserve.server.app import create_app
+from graphserve.server.testing import BackgroundServer
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -12,12 +12,12 @@ from typing import Any
 import httpx
 import pytest
 
-from engine import AsyncEngine, EngineConfig
-from engine.llm_engine import EngineStats
-from server.app import create_app
-from server.cli import build_parser, load_settings
-from server.settings import SettingsError, fault_injection_enabled, merge_settings
-from server.testing import BackgroundServer
+from graphserve import AsyncEngine, EngineConfig
+from graphserve.engine.llm_engine import EngineStats
+from graphserve.server.app import create_app
+from graphserve.server.cli import build_parser, load_settings
+from graphserve.server.settings import SettingsError, fault_injection_enabled, merge_settings
+from graphserve.server.testing import BackgroundServer
 
 API_KEY = "limits-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -1,4 +1,4 @@
-"""kernels.skinny_gemm: decode-batch projections on the tensor cores (float operands, W8A8 FP8, or
+"""graphserve.kernels.skinny_gemm: decode-batch projections on the tensor cores (float operands, W8A8 FP8, or
 FP8 weights with bf16 activations)
 against the float32 reference, with and without split K, bias, ragged edges. CPU tests run in
 Triton's interpreter at small shapes (float32: its bf16 dot is not exact); the `gpu` ones at model
@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.skinny_gemm import (SHARED_MEMORY_BUDGET, SkinnyGemmTile, default_skinny_gemm_tile, skinny_gemm,
+from graphserve.kernels.skinny_gemm import (SHARED_MEMORY_BUDGET, SkinnyGemmTile, default_skinny_gemm_tile, skinny_gemm,
                                  skinny_gemm_ref, stage_bytes)
 from tensor_checks import rel_err
 
-skinny_module = importlib.import_module("kernels.skinny_gemm")
+skinny_module = importlib.import_module("graphserve.kernels.skinny_gemm")
 
 FP8 = torch.float8_e4m3fn
 
@@ -140,8 +140,8 @@ def test_the_norm_after_a_split_projection_sums_its_partials_bit_for_bit(fp8, qu
     """defer_reduce: a product split over K comes back unsummed (SplitPartials), and the residual-add
     + RMSNorm kernel after it (or its FP8-quantizing variant) sums it itself: bit for bit the reduce
     kernel's product, then the norm; the product itself is skinny_gemm's without defer_reduce."""
-    from kernels.rmsnorm import fused_add_rms_norm, rms_norm_fp8
-    from kernels.skinny_gemm import SplitPartials, finish_split
+    from graphserve.kernels.rmsnorm import fused_add_rms_norm, rms_norm_fp8
+    from graphserve.kernels.skinny_gemm import SplitPartials, finish_split
 
     m, n, k = 5, 64, 128
     tile = SkinnyGemmTile(16, 32, 16, 2, 4, 2)
@@ -271,8 +271,8 @@ def test_gpu_norm_sums_split_partials_model_shapes(m, n, k, fp8, poisoned_output
     """The o / down projection's split-K partials summed by the residual-add + RMSNorm after it (and
     its FP8-quantizing variant): bit for bit the reduce kernel's product, then the norm, at default
     tiles."""
-    from kernels.rmsnorm import fused_add_rms_norm, rms_norm_fp8
-    from kernels.skinny_gemm import SplitPartials, finish_split
+    from graphserve.kernels.rmsnorm import fused_add_rms_norm, rms_norm_fp8
+    from graphserve.kernels.skinny_gemm import SplitPartials, finish_split
 
     if fp8:
         xq, x_scale, wq, w_scale, _ = fp8_operands(m, n, k, device="cuda", seed=m + k)
@@ -377,7 +377,7 @@ def test_row_amax_is_each_parts_largest_stored_value(m, n, k, tile, silu_mul, w8
     """row_amax (layers.FP8_ROW_AMAX): the result as AmaxedRows, the same output and, per row, the
     largest |value| each program along N stored; the row quantization given them gives the bits it
     gives reading the rows. K split: no amax (the partials are not the output)."""
-    from kernels.fp8_quant import AmaxedRows, quantize_rows_fp8
+    from graphserve.kernels.fp8_quant import AmaxedRows, quantize_rows_fp8
 
     xq, x_scale, wq, w_scale, _ = fp8_operands(m, 2 * n if silu_mul else n, k, seed=m + n)
     kw = dict(x_scale=x_scale, weight_scale=w_scale, silu_mul=silu_mul, tile=tile)
@@ -398,7 +398,7 @@ def test_row_amax_is_each_parts_largest_stored_value(m, n, k, tile, silu_mul, w8
 def test_gpu_row_amax_model_shapes(m, w8a8_tma, poisoned_outputs):
     """Llama-3.1-8B's gate_up with SiLU-and-mul handing its rows' amax in parts (layers.FP8_ROW_AMAX):
     the same output, the parts' maxima of it, and down_proj's input quantized to the same bits."""
-    from kernels.fp8_quant import AmaxedRows, quantize_rows_fp8
+    from graphserve.kernels.fp8_quant import AmaxedRows, quantize_rows_fp8
 
     xq, x_scale, wq, w_scale, _ = fp8_operands(m, 28672, 4096, device="cuda", seed=m)
     kw = dict(x_scale=x_scale, weight_scale=w_scale, silu_mul=True)
@@ -432,7 +432,7 @@ def test_gpu_silu_mul_model_shapes(m, fp8, w8a8_tma, poisoned_outputs):
     unfused = skinny_gemm_ref(xq, wq, **kw)  # the projection alone, then the activation kernel's rounding
     assert out.shape == (m, n // 2) and not out.isnan().any()
     assert rel_err(out, ref) <= 2.0 ** -7, rel_err(out, ref)
-    from kernels.activation import silu_and_mul
+    from graphserve.kernels.activation import silu_and_mul
 
     assert rel_err(silu_and_mul(unfused), ref) <= 2.0 ** -7
 
@@ -444,7 +444,7 @@ def test_gpu_silu_mul_model_shapes(m, fp8, w8a8_tma, poisoned_outputs):
                                  (896, 4864)])
 def test_default_tiles_fit_in_shared_memory(n, k, m, weight_bytes, x_bytes, silu_mul):
     """Every default launch's pipeline fits the budget (a tile that does not fails only on a GPU)."""
-    from kernels.skinny_gemm import SHARED_MEMORY_BUDGET, stage_bytes
+    from graphserve.kernels.skinny_gemm import SHARED_MEMORY_BUDGET, stage_bytes
 
     tile = default_skinny_gemm_tile(m, n, k, 132, weight_bytes, silu_mul, x_bytes)
     assert tile.num_stages * stage_bytes(tile, weight_bytes, silu_mul, x_bytes) <= SHARED_MEMORY_BUDGET

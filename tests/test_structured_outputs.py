@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding (engine/structured.py, server/structured_request.py): every
+"""Grammar-constrained decoding (engine/structured/grammar.py, server/structured_request.py): every
 constrained output parses and validates, greedy and sampled; unconstrained requests beside
 constrained ones keep their solo tokens; streamed equals not streamed; bad specs are 400s
 naming the field; compilation is bounded and never holds up the engine; nothing leaks."""
@@ -18,11 +18,11 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
-from engine.errors import InvalidRequestError
-from engine.structured import GrammarCompiler, GrammarSpec, unpack_bitmask
-from server.app import create_app
-from server.testing import BackgroundServer
+from graphserve import LLM, AsyncEngine, EngineConfig, SamplingParams
+from graphserve.engine.errors import InvalidRequestError
+from graphserve.engine.structured.grammar import GrammarCompiler, GrammarSpec, unpack_bitmask
+from graphserve.server.app import create_app
+from graphserve.server.testing import BackgroundServer
 
 PERSON = {
     "type": "object",
@@ -200,7 +200,7 @@ def test_constrained_rows_keep_k_step_rounds_with_the_tokens_of_one_step_rounds(
 def test_a_failed_round_rolls_the_matchers_back(llm):
     """Tokens a matcher took inside a round that then failed are rolled back, so the retry
     (or the next round) starts from the matcher state the host's tokens say."""
-    from engine.request import Sequence
+    from graphserve.engine.request import Sequence
 
     structured = llm.engine.core.structured
     compiled = structured.compiler.compile(SPECS["regex"])
@@ -227,7 +227,7 @@ def test_graph_decoder_feeds_masks_into_rounds_launched_ahead(llm):
     by the mask feed's worker thread while the round runs, and rounds with grammar rows are
     launched ahead of the one in flight. Every token equals the plain eager path's (which
     computes each mask between the steps itself), greedy and seeded-sampled, constrained and free."""
-    from engine.cuda_graphs import GraphDecoder
+    from graphserve.engine.runner.cuda_graphs import GraphDecoder
 
     core = llm.engine.core
     free = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -366,7 +366,7 @@ def test_nothing_leaks_after_all_requests(served):
 
 def test_sampling_never_draws_a_masked_token():
     """Gumbel noise stays finite (a +inf once made a token win whatever its logit, mask or not)."""
-    from engine.sampler import SamplingTensors, _hash_uniform, sample
+    from graphserve.engine.runner.sampler import SamplingTensors, _hash_uniform, sample
 
     vocab, rows = 49152, 256
     u = _hash_uniform(torch.arange(rows), torch.arange(rows) * 7, vocab)

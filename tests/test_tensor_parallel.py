@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.distributed import TensorParallel, check_tensor_parallel, run_on_ranks, shard_for
-from engine.errors import InvalidConfigError, ModelFilesError
-from engine.models.config import ModelArgs
-from server.testing import ServerProcess, child_pids, descendant_pids, still_running
+from graphserve import LLM, SamplingParams
+from graphserve.engine.distributed import TensorParallel, check_tensor_parallel, run_on_ranks, shard_for
+from graphserve.engine.errors import InvalidConfigError, ModelFilesError
+from graphserve.engine.models.config import ModelArgs
+from graphserve.server.testing import ServerProcess, child_pids, descendant_pids, still_running
 from tiny_models import make_tiny_model
 
 PROMPTS = [[5 + (11 * i + j) % 250 for j in range(n)] for i, n in enumerate((9, 23, 4, 40))]
@@ -57,7 +57,7 @@ PAYLOADS = [b"", b"x" * 10, bytes(range(256)) * 15 + b"abc", b"y" * 4088, b"z" *
 
 
 def _broadcast_rank(rank: int, size: int, init_method: str) -> list[bytes]:
-    from engine.distributed import init_tensor_parallel
+    from graphserve.engine.distributed import init_tensor_parallel
 
     tp = init_tensor_parallel(rank, size, torch.device("cpu"), init_method)
     return [tp.broadcast_bytes(p if rank == 0 else None) for p in PAYLOADS]
@@ -85,8 +85,8 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs(tiny):
 def test_each_rank_reads_only_its_slices(tmp_path, monkeypatch):
     """Loading rank 1 of 2 reads half the rows of the column-parallel projections and the
     vocabulary, half the columns of the row-parallel ones, and whole norms; never a whole split tensor."""
-    import engine.models.loader as loader
-    from engine.attention import make_attention_backend
+    import graphserve.engine.models.loader as loader
+    from graphserve.engine.models.attention import make_attention_backend
     from safetensors import safe_open
 
     path = make_tiny_model(tmp_path / "m", "qwen2", seed=1)
@@ -119,7 +119,7 @@ def test_each_rank_reads_only_its_slices(tmp_path, monkeypatch):
 
 
 def _dummy_rank(rank: int, size: int, init_method: str, model: str):
-    from engine.models.fp8 import FP8
+    from graphserve.engine.models.fp8 import FP8
 
     torch.set_num_threads(1)
     llm = LLM(model, device="cpu", num_kv_blocks=64, max_model_len=256, tensor_parallel_size=size, tp_rank=rank,
@@ -193,10 +193,10 @@ def test_server_with_two_ranks_serves_one_ranks_tokens_and_dies_with_a_rank(tmp_
         server.dump_stacks(settle=0.0)  # SIGUSR1 to the core, the front end and rank 1: stacks, and they go on
         deadline = time.monotonic() + 10
         # each process writes its stacks when it gets the signal: wait for both, not the first
-        while not ("engine/tp_worker.py" in server.log and "engine/core_loop.py" in server.log) \
+        while not ("engine/core/rank_worker.py" in server.log and "engine/core/loop.py" in server.log) \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert "engine/tp_worker.py" in server.log and "engine/core_loop.py" in server.log, server.log[-2000:]
+        assert "engine/core/rank_worker.py" in server.log and "engine/core/loop.py" in server.log, server.log[-2000:]
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
         for prompt, params, expected in zip(PROMPTS, [PARAMS[0], PARAMS[1], PARAMS[0], PARAMS[1]], want):
             got = client.completions.create(model="m", prompt=prompt, max_tokens=params.max_tokens,
@@ -278,7 +278,7 @@ def test_a_burst_of_sigusr1_while_serving_kills_no_process(tmp_path):
         # signals that come while one is pending merge into it: at least one dump each, then one
         # more each for a signal to the now idle server (rank 1 waits in a collective: woken)
         def dumps() -> tuple[int, int]:
-            return server.log.count("engine/core_loop.py"), server.log.count("engine/tp_worker.py")
+            return server.log.count("engine/core/loop.py"), server.log.count("engine/core/rank_worker.py")
 
         time.sleep(1.0)
         before = dumps()

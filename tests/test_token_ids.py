@@ -13,10 +13,10 @@ import httpx
 import openai
 import pytest
 
-from engine import AsyncEngine, EngineConfig, SamplingParams
-from engine.llm import LLM
-from server.app import create_app
-from server.testing import BackgroundServer
+from graphserve import AsyncEngine, EngineConfig, SamplingParams
+from graphserve.engine.llm import LLM
+from graphserve.server.app import create_app
+from graphserve.server.testing import BackgroundServer
 
 MAX_MODEL_LEN = 512
 MAX_TOKENS = 12

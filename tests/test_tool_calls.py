@@ -14,12 +14,12 @@ import jsonschema
 import openai
 import pytest
 
-from engine import AsyncEngine, EngineConfig
-from engine.tokenizer import Tokenizer
-from server.app import create_app
-from server.protocol import ChatCompletionRequest
-from server.testing import BackgroundServer
-from server.tools import FALLBACK, HERMES, LLAMA3_JSON, ToolCallParser, call_format, conversation, parse_tool_calls
+from graphserve import AsyncEngine, EngineConfig
+from graphserve.engine.tokenizer import Tokenizer
+from graphserve.server.app import create_app
+from graphserve.server.protocol import ChatCompletionRequest
+from graphserve.server.testing import BackgroundServer
+from graphserve.server.tools import FALLBACK, HERMES, LLAMA3_JSON, ToolCallParser, call_format, conversation, parse_tool_calls
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                              "unit": {"type": "string", "enum": ["C", "F"]}},

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ModelFilesError, UnsupportedModelError
+from graphserve.engine.errors import ModelFilesError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

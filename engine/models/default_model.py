@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from engine.errors import ModelFilesError
+from graphserve.engine.errors import ModelFilesError
 
 logger = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
     """x [..., in] @ (q * scale).T (+ bias), in x's dtype; silu_mul: q is a fused [gate; up] and
     the result silu(gate) * up; defer_reduce: see fp8_gemm (x [M, in] only). x may be AmaxedRows
     [M, in] (kernels/fp8_quant.py): its rows, whose quantization then reads their amax from it."""
-    from kernels.fp8_quant import AmaxedRows, quantize_rows_fp8  # quantize_rows in one kernel, bit for bit
+    from graphserve.kernels.fp8_quant import AmaxedRows, quantize_rows_fp8  # quantize_rows in one kernel, bit for bit
 
     if isinstance(x, AmaxedRows):
         xq, x_scale = quantize_rows_fp8(x)
@@ -61,11 +61,11 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
     if not x.is_cuda:
         y = F.linear(x, dequantize(q, scale, x.dtype), bias)
         if silu_mul:
-            from engine.models.layers import silu_and_mul  # here: layers imports this module
+            from graphserve.engine.models.layers import silu_and_mul  # here: layers imports this module
 
             y = silu_and_mul(y)
         return y
-    from kernels.skinny_gemm import skinny_gemm
+    from graphserve.kernels.skinny_gemm import skinny_gemm
 
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] <= FP8_WEIGHT_ONLY_MAX_ROWS and rows.stride(-1) == 1:
@@ -89,14 +89,14 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, q: torch.Tensor, scale: to
     the result in out_dtype (silu(gate) * up when silu_mul). defer_reduce: a product the skinny
     GEMM splits over K may come back unsummed (kernels/skinny_gemm.SplitPartials). row_amax: the
     skinny GEMM's result may come as AmaxedRows, for the next W8A8 projection's quantization."""
-    from kernels.skinny_gemm import skinny_gemm
+    from graphserve.kernels.skinny_gemm import skinny_gemm
 
     if xq.shape[0] <= FP8_GEMM_MAX_ROWS:
         return skinny_gemm(xq, q, bias, x_scale=x_scale, weight_scale=scale, out_dtype=out_dtype, silu_mul=silu_mul,
                            defer_reduce=defer_reduce, row_amax=row_amax)
     y = torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale[None, :], bias=bias, out_dtype=out_dtype)
     if silu_mul:
-        from kernels.activation import silu_and_mul
+        from graphserve.kernels.activation import silu_and_mul
 
         y = silu_and_mul(y)
     return y

@@ -8,10 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_linear, cpu_ops
-from engine.models.fp8 import FP8, fp8_gemm, fp8_linear, quantize_per_channel, quantizes_activations
-from kernels.fp8_quant import AmaxedRows
-from kernels.skinny_gemm import SplitPartials, finish_split
+from graphserve.engine.cpu import linear as cpu_linear
+
+from graphserve.engine.cpu import ops as cpu_ops
+from graphserve.engine.models.fp8 import FP8, fp8_gemm, fp8_linear, quantize_per_channel, quantizes_activations
+from graphserve.kernels.fp8_quant import AmaxedRows
+from graphserve.kernels.skinny_gemm import SplitPartials, finish_split
 
 
 # A decoder projection on CUDA runs as our Triton GEMV (kernels/gemv.py), with the RMSNorm before
@@ -96,7 +98,7 @@ def _fused_projection(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = Fa
     """The Triton kernel that runs this projection with its neighbours fused in (kernels.gemv.gemv),
     or None (the skinny GEMM, cuBLAS or W8A8, and separate kernels)."""
     if _gemv_applies(x, weight, silu_mul):
-        from kernels.gemv import gemv
+        from graphserve.kernels.gemv import gemv
 
         return gemv
     return None
@@ -117,7 +119,7 @@ def _skinny_applies(x: torch.Tensor, lm_head: bool) -> bool:
 
 
 def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
-    """A float32 CPU weight [out, in] repacked for decode-sized batches (engine/cpu_linear.py),
+    """A float32 CPU weight [out, in] repacked for decode-sized batches (engine/cpu/linear.py),
     or None where that does not apply."""
     return cpu_linear.pack_panels(weight)
 
@@ -147,7 +149,7 @@ def linear(x: torch.Tensor | AmaxedRows, weight: torch.Tensor, bias: torch.Tenso
         y = fp8_linear(x, weight, scale, bias, silu_mul=silu_mul, defer_reduce=defer_reduce)
         return y if out_dtype is None else y.to(out_dtype)
     if _skinny_applies(x, lm_head):
-        from kernels.skinny_gemm import skinny_gemm
+        from graphserve.kernels.skinny_gemm import skinny_gemm
 
         y = skinny_gemm(x, weight, bias, silu_mul=silu_mul, defer_reduce=defer_reduce)
         return y if out_dtype is None else y.to(out_dtype)
@@ -202,7 +204,7 @@ def norm_linear(x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, 
         return y, x if residual is None else new_residual
     if _triton(x) and proj.weight.dtype == FP8 and FP8_NORM_QUANT and quantizes_activations(x.shape[0]):
         # the norm hands the projection its input already quantized: one kernel fewer
-        from kernels.rmsnorm import rms_norm_fp8
+        from graphserve.kernels.rmsnorm import rms_norm_fp8
 
         xq, x_scale, new_residual = rms_norm_fp8(x, norm_weight, eps, residual)
         y = fp8_gemm(xq, x_scale, proj.weight, proj.weight_scale, proj.bias, x.dtype, silu_mul, row_amax=row_amax)
@@ -223,7 +225,7 @@ def fused_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_we
     x + residual), or None elsewhere (the caller runs norm_linear and the backend's rotary + store)."""
     if not _gemv_applies(x, qkv_proj.weight):
         return None
-    from kernels.gemv import gemv_rope_store
+    from graphserve.kernels.gemv import gemv_rope_store
 
     x = _summed(x)
     q, new_residual = gemv_rope_store(x, qkv_proj.weight, qkv_proj.bias, positions, cos_sin, slot_mapping, k_cache,
@@ -235,7 +237,7 @@ def fused_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_we
 def embed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """weight[ids]: the embedding lookup (kernels/embedding.py on CUDA where PDL_EMBEDDING)."""
     if PDL_EMBEDDING and _triton(ids):
-        from kernels.embedding import embedding
+        from graphserve.kernels.embedding import embedding
 
         return embedding(ids, weight)
     return F.embedding(ids, weight)
@@ -243,7 +245,7 @@ def embed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _triton(x):
-        from kernels.rmsnorm import rms_norm as rms_norm_kernel
+        from graphserve.kernels.rmsnorm import rms_norm as rms_norm_kernel
 
         return rms_norm_kernel(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
@@ -262,7 +264,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) * weight, x + residual); x may be split-K partials (on CUDA)."""
     if _triton(x):
-        from kernels.rmsnorm import fused_add_rms_norm
+        from graphserve.kernels.rmsnorm import fused_add_rms_norm
 
         return fused_add_rms_norm(x, residual, weight, eps)
     fused = cpu_ops.add_rms_norm(x, residual, weight, eps)
@@ -311,7 +313,7 @@ def apply_rotary(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _triton(x):
-        from kernels.activation import silu_and_mul as silu_and_mul_kernel
+        from graphserve.kernels.activation import silu_and_mul as silu_and_mul_kernel
 
         return silu_and_mul_kernel(x)
     fused = cpu_ops.silu_mul(x)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
-from engine.distributed import SINGLE, TensorParallel, shard_for
-from engine.models.config import ModelArgs
-from engine.models.layers import (
+from graphserve.engine.models.attention import AttentionMetadata
+from graphserve.engine.distributed import SINGLE, TensorParallel, shard_for
+from graphserve.engine.models.config import ModelArgs
+from graphserve.engine.models.layers import (
     Linear,
     add_rms_norm,
     defers_split_reduce,
@@ -26,7 +26,7 @@ from engine.models.layers import (
     pack_weight_for_cpu,
     rms_norm,
 )
-from kernels.fp8_quant import AmaxedRows
+from graphserve.kernels.fp8_quant import AmaxedRows
 
 
 class RMSNorm(nn.Module):

@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.distributed import SINGLE, Shard, TensorParallel
-from engine.errors import ModelFilesError
-from engine.models.config import ModelArgs
-from engine.models.layers import Linear
-from engine.models.llama import LlamaModel
-from kernels.rotary import build_cos_sin_cache
+from graphserve.engine.distributed import SINGLE, Shard, TensorParallel
+from graphserve.engine.errors import ModelFilesError
+from graphserve.engine.models.config import ModelArgs
+from graphserve.engine.models.layers import Linear
+from graphserve.engine.models.llama import LlamaModel
+from graphserve.kernels.rotary import build_cos_sin_cache
 
 # HF tensor name -> (our parameter name, shard index within a fused parameter)
 _FUSED = {

@@ -1,7 +1,7 @@
 """A tensor-parallel rank other than 0: its own process and device, an EngineCore over its
 shard of the model, following rank 0 step by step.
 
-Rank 0 (the engine-core process, engine/core_loop.py) sends, before each of its steps, what
+Rank 0 (the engine-core process, engine/core/loop.py) sends, before each of its steps, what
 it took from the front ends since the last one (StepInputs: new requests with their seeds,
 aborts). This rank applies the same inputs and runs the same step; its scheduler makes the
 same decisions, its collectives meet rank 0's, and it samples the same tokens from the
@@ -14,14 +14,14 @@ import logging
 import os
 import signal
 
-from engine.config import EngineConfig
+from graphserve.engine.config import EngineConfig
 
 logger = logging.getLogger("graphserve.engine")
 
 
 def run_worker(config: EngineConfig, rank: int, init_method: str, parent_pid: int, log_level: int) -> None:
     """The process's entry point."""
-    from engine.core_process import die_with_parent, dump_stacks_on_sigusr1, freeze_startup_objects
+    from graphserve.engine.core.process import die_with_parent, dump_stacks_on_sigusr1, freeze_startup_objects
 
     die_with_parent(parent_pid)
     dump_stacks_on_sigusr1()
@@ -29,8 +29,8 @@ def run_worker(config: EngineConfig, rank: int, init_method: str, parent_pid: in
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s",
                         datefmt="%H:%M:%S")
-    from engine.core import EngineCore
-    from engine.core_messages import decode_step_inputs
+    from graphserve.engine.core.engine_core import EngineCore
+    from graphserve.engine.core.messages import decode_step_inputs
 
     try:
         core = EngineCore(config, rank, init_method)

@@ -1,6 +1,6 @@
 """Paged decode attention for the CPU backend, reading each sequence's KV blocks where they
 lie (no gathered copy, no padding to the longest row, no mask): a small C function (built
-by engine/cpu_build.py), one sequence at a time, its blocks read whole and in order (one
+by engine/cpu/build.py), one sequence at a time, its blocks read whole and in order (one
 (sequence, KV head) pair at a time when there are few sequences).
 
 `paged_decode_attention()` returns None where it does not apply (no compiler, not float32,
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from engine.cpu_build import AVX512_EXP16, CLibrary
+from graphserve.engine.cpu.build import AVX512_EXP16, CLibrary
 
 _SOURCE = r"""
 #include <math.h>

@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from engine.errors import InvalidRequestError
+from graphserve.engine.errors import InvalidRequestError
 
 # what a spec may hold before anything is compiled: xgrammar's work grows with it
 MAX_SPEC_CHARS = 64 * 1024
@@ -195,7 +195,7 @@ class StructuredOutputs:
         # per request, (token, accepted, grammar finished) of what advance() took inside a round
         # and the host has not appended yet
         self._taken: dict[str, deque[tuple[int, bool, bool]]] = {}
-        # advance() runs on the mask feed's worker thread (engine/mask_feed.py); the engine's
+        # advance() runs on the mask feed's worker thread (engine/structured/mask_feed.py); the engine's
         # thread accepts, releases and adds matchers
         self._lock = threading.Lock()
 

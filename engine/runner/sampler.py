@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Sequence
-from engine.structured import unpack_bitmask
+from graphserve.engine.request import Sequence
+from graphserve.engine.structured.grammar import unpack_bitmask
 
 _MASK32 = 0xFFFFFFFF
 
@@ -166,7 +166,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     """logits: [B, V] raw model logits (float32 or the model's dtype). Returns the next tokens and
     their logprobs (computed in float32)."""
     if logits.is_cuda and st.all_greedy and st.num_logprobs == 0 and not st.has_processors:
-        from kernels.sampling import greedy_sample
+        from graphserve.kernels.sampling import greedy_sample
 
         return SamplerOutput(*greedy_sample(logits, st.token_bitmask))  # two kernels instead of about ten
     logits = logits.float()

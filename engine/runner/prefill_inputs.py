@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.kv_cache import DUMMY_BLOCK
-from engine.scheduler import PrefillBatch
+from graphserve.engine.sched.kv_cache import DUMMY_BLOCK
+from graphserve.engine.sched.scheduler import PrefillBatch
 
 
 @dataclass

@@ -7,7 +7,7 @@ sampling included, and feeds the sampled token into the next step on the device.
 
 A round with grammar-constrained rows replays, per step, a forward graph (the logits into
 a static buffer) and a masked sampling graph, with the step's masks fed in between while
-the round runs (engine/mask_feed.py), so those rows keep K-step rounds, launched ahead too.
+the round runs (engine/structured/mask_feed.py), so those rows keep K-step rounds, launched ahead too.
 
 A round is launched (staged, replayed, its tokens queued for the host) and collected
 (wait, read) separately, so the engine can launch the next round before it waits for
@@ -27,13 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import gc_stats
-from engine.kv_cache import DUMMY_BLOCK
-from engine.mask_feed import FeedJob, MaskFeed
-from engine.request import Sequence
-from engine.runner import DecodeState, ModelRunner, StepTokens, plan_steps
-from engine.sampler import SamplingTensors, build_sampling_tensors
-from engine.scheduler import DecodeRound
+from graphserve.engine import gc_stats
+from graphserve.engine.sched.kv_cache import DUMMY_BLOCK
+from graphserve.engine.structured.mask_feed import FeedJob, MaskFeed
+from graphserve.engine.request import Sequence
+from graphserve.engine.runner.model_runner import DecodeState, ModelRunner, StepTokens, plan_steps
+from graphserve.engine.runner.sampler import SamplingTensors, build_sampling_tensors
+from graphserve.engine.sched.scheduler import DecodeRound
 
 logger = logging.getLogger("graphserve.engine")
 

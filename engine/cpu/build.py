@@ -1,4 +1,4 @@
-"""Builds the CPU backend's C kernels (engine/cpu_attention.py, engine/cpu_linear.py) with the
+"""Builds the CPU backend's C kernels (engine/cpu/attention.py, engine/cpu/linear.py) with the
 system's C compiler on first use, for this machine (-march=native), into ~/.cache/graphserve
 (a second or so each), and loads them through ctypes. Their OpenMP threads are torch's own: the
 same libgomp runtime, already loaded by torch."""

@@ -29,11 +29,11 @@ import time
 import numpy as np
 import torch
 
-from engine import gc_stats
-from engine.attention import AttentionMetadata
-from engine.kv_cache import DUMMY_BLOCK
-from engine.models.llama import LlamaModel
-from engine.prefill_inputs import PrefillInputs
+from graphserve.engine import gc_stats
+from graphserve.engine.models.attention import AttentionMetadata
+from graphserve.engine.sched.kv_cache import DUMMY_BLOCK
+from graphserve.engine.models.llama import LlamaModel
+from graphserve.engine.runner.prefill_inputs import PrefillInputs
 
 logger = logging.getLogger("graphserve.engine")
 
@@ -61,7 +61,7 @@ class PrefillGraphs:
         self.max_seqs = max_seqs
         self.device = device
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
-        from kernels.prefill_attention import default_prefill_tile
+        from graphserve.kernels.prefill_attention import default_prefill_tile
 
         # the query rows of the attention kernel's tiles: what the tile map is built for
         self.tile_rows = default_prefill_tile(model.args.head_dim, model.lm_head_weight.dtype).block_m
@@ -170,7 +170,7 @@ class PrefillGraphs:
         self._stage("cu_seqlens", inputs.cu_seqlens, inputs.num_tokens, s + 1)
         self._stage("context_lens", inputs.context_lens, 0, s)
         self._stage("last_rows", inputs.last_rows, 0, s)
-        from kernels.prefill_attention import prefill_tile_map
+        from graphserve.kernels.prefill_attention import prefill_tile_map
 
         self._stage("tiles", prefill_tile_map(inputs.query_lens, self.tile_rows, n).reshape(-1), -1, 2 * n)
         width = inputs.block_tables.shape[1]

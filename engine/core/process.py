@@ -3,7 +3,7 @@ socket, loads the model and runs CoreLoop until it is stopped (SIGTERM from the 
 supervisor) or its parent dies (it is killed with its parent, so no orphan holds the GPU).
 A failure to start or an engine error exits non-zero; the front ends see the exit.
 
-With tensor_parallel_size N > 1 it is rank 0 and spawns ranks 1..N-1 (engine/tp_worker.py),
+With tensor_parallel_size N > 1 it is rank 0 and spawns ranks 1..N-1 (engine/core/rank_worker.py),
 each of which dies with it; it dies as soon as one of them has."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import tempfile
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
-from engine import gc_stats
-from engine.config import EngineConfig
+from graphserve.engine import gc_stats
+from graphserve.engine.config import EngineConfig
 
 logger = logging.getLogger("graphserve.engine")
 
@@ -81,8 +81,8 @@ def run_core(config: EngineConfig, address: str, parent_pid: int, log_level: int
                         datefmt="%H:%M:%S")
     import zmq
 
-    from engine.core import EngineCore
-    from engine.core_loop import CoreLoop, bind_core_socket
+    from graphserve.engine.core.engine_core import EngineCore
+    from graphserve.engine.core.loop import CoreLoop, bind_core_socket
 
     context = zmq.Context()
     socket = bind_core_socket(context, address)
@@ -107,8 +107,8 @@ def start_tp_workers(config: EngineConfig, log_level: int) -> tuple[list[BasePro
     """Ranks 1..N-1 of a tensor-parallel engine, and the ranks' rendezvous (None for one rank)."""
     if config.tensor_parallel_size <= 1:
         return [], None
-    from engine.distributed import local_init_method
-    from engine.tp_worker import run_worker
+    from graphserve.engine.distributed import local_init_method
+    from graphserve.engine.core.rank_worker import run_worker
 
     init_method = local_init_method()
     context = multiprocessing.get_context("spawn")

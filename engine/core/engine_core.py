@@ -21,22 +21,22 @@ from collections.abc import Callable
 
 import torch
 
-from engine import gc_stats
-from engine.config import EngineConfig
-from engine.core_messages import CoreOutput
-from engine.cuda_graphs import GraphDecoder, RoundHandle, eager_reason
-from engine.device_time import DeviceTimeline
-from engine.distributed import check_tensor_parallel, init_tensor_parallel
-from engine.errors import InvalidConfigError, InvalidRequestError
-from engine.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block
-from engine.models.config import ModelArgs
-from engine.prefill_graphs import PREFILL_GRAPH_MAX_SEQS, PrefillGraphs
-from engine.request import SamplingParams, Sequence, TokenLogprob
-from engine.runner import ModelRunner, StepTokens
-from engine.scheduler import DecodeRound, PrefillBatch, Scheduler
-from engine.stats import EngineStats
-from engine.structured import GrammarCompiler, StructuredOutputs
-from engine.tokenizer import Tokenizer
+from graphserve.engine import gc_stats
+from graphserve.engine.config import EngineConfig
+from graphserve.engine.core.messages import CoreOutput
+from graphserve.engine.runner.cuda_graphs import GraphDecoder, RoundHandle, eager_reason
+from graphserve.engine.runner.device_time import DeviceTimeline
+from graphserve.engine.distributed import check_tensor_parallel, init_tensor_parallel
+from graphserve.engine.errors import InvalidConfigError, InvalidRequestError
+from graphserve.engine.sched.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block
+from graphserve.engine.models.config import ModelArgs
+from graphserve.engine.runner.prefill_graphs import PREFILL_GRAPH_MAX_SEQS, PrefillGraphs
+from graphserve.engine.request import SamplingParams, Sequence, TokenLogprob
+from graphserve.engine.runner.model_runner import ModelRunner, StepTokens
+from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch, Scheduler
+from graphserve.engine.stats import EngineStats
+from graphserve.engine.structured.grammar import GrammarCompiler, StructuredOutputs
+from graphserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("graphserve.engine")
 
@@ -72,7 +72,7 @@ def cpu_has_native_bf16() -> bool:
 
 def resolve_model_path(model: str | None) -> str:
     if model is None:
-        from engine.models.default_model import ensure_default_model
+        from graphserve.engine.models.default_model import ensure_default_model
 
         return str(ensure_default_model())
     return model
@@ -84,8 +84,8 @@ class EngineCore:
         this rank and the ranks' rendezvous (tcp://host:port). Every rank runs an EngineCore
         on the same requests in the same order: the scheduler's decisions are deterministic,
         and every rank samples the same tokens from the gathered logits."""
-        from engine.attention import make_attention_backend
-        from engine.models.loader import load_model
+        from graphserve.engine.models.attention import make_attention_backend
+        from graphserve.engine.models.loader import load_model
 
         self.config = config
         self.model_path = resolve_model_path(config.model)

@@ -1,7 +1,7 @@
 """Paged KV cache: the block pool (BlockManager) and the per-layer cache tensors.
 
 Prefix caching: a full block whose KV is computed is registered under a hash chain,
-sha256(parent block's hash, its token ids) (engine/prefix_hash.py). A block whose last user ends stays cached
+sha256(parent block's hash, its token ids) (engine/sched/prefix_hash.py). A block whose last user ends stays cached
 ("cached-free": counted as free, evicted least-recently-used only when no truly free
 block is left). A new prompt shares the longest run of cached full blocks by reference
 count; a hit is checked against the stored token ids, never trusted on the hash alone.
@@ -14,9 +14,9 @@ from collections import OrderedDict, deque
 
 import torch
 
-from engine.models.config import ModelArgs
-from engine.prefix_hash import block_bytes, chain_keys, chain_root, num_prompt_blocks
-from engine.request import Sequence
+from graphserve.engine.models.config import ModelArgs
+from graphserve.engine.sched.prefix_hash import block_bytes, chain_keys, chain_root, num_prompt_blocks
+from graphserve.engine.request import Sequence
 
 # Block 0 is never handed out: padded rows of a CUDA-graph batch and the steps a
 # sequence runs past its end write their K/V there.
@@ -145,7 +145,7 @@ class BlockManager:
         return self._chain(seq, count)[:count]
 
     def adopt_prompt_keys(self, seq: Sequence, keys: list[bytes] | None) -> None:
-        """Take the prompt keys a front end computed (engine/prefix_hash.py prompt_keys) for a
+        """Take the prompt keys a front end computed (engine/sched/prefix_hash.py prompt_keys) for a
         new sequence, when they have the right count (a wrong key costs a miss, never wrong KV:
         cached_prefix compares the tokens)."""
         if (self.prefix_caching and keys and not seq.block_keys

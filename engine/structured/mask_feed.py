@@ -82,7 +82,7 @@ class MaskFeed:
         self._thread: threading.Thread | None = None
         self._wait_for_host = None
         if self.cuda:
-            from kernels.host_wait import wait_for_host  # triton: imported where a GPU runs rounds
+            from graphserve.kernels.host_wait import wait_for_host  # triton: imported where a GPU runs rounds
 
             self._wait_for_host = wait_for_host
             self._wait_for_host(self.counter, self.timeouts, 0)  # compiles the kernel now, not in a round

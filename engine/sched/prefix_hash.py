@@ -1,4 +1,4 @@
-"""The prefix cache's block keys, decided here for the core (engine/kv_cache.py) and for the front
+"""The prefix cache's block keys, decided here for the core (engine/sched/kv_cache.py) and for the front
 ends, which hash a prompt's full blocks beside its tokenization, so the engine core's thread does
 not (Qwen2.5-0.5B on an H200, 32 prompts of 2,032 tokens: the hashing was about a quarter of the
 time from submission to the first tokens of a wave whose prefix was cached).

@@ -12,16 +12,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.kv_cache import DUMMY_BLOCK, BlockManager
-from engine.models.llama import LlamaModel
-from engine.prefill_graphs import PrefillGraphs
-from engine.prefill_inputs import PrefillInputs, prefill_inputs
-from engine.request import Sequence, TokenLogprob
-from engine.sampler import SamplingTensors, build_sampling_tensors, count_output_tokens, sample
-from engine.scheduler import DecodeRound, PrefillBatch
-from engine.structured import StructuredOutputs
-from kernels.decode_step import record_step, record_step_ref, step_inputs, step_inputs_ref
+from graphserve.engine.models.attention import AttentionMetadata
+from graphserve.engine.sched.kv_cache import DUMMY_BLOCK, BlockManager
+from graphserve.engine.models.llama import LlamaModel
+from graphserve.engine.runner.prefill_graphs import PrefillGraphs
+from graphserve.engine.runner.prefill_inputs import PrefillInputs, prefill_inputs
+from graphserve.engine.request import Sequence, TokenLogprob
+from graphserve.engine.runner.sampler import SamplingTensors, build_sampling_tensors, count_output_tokens, sample
+from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch
+from graphserve.engine.structured.grammar import StructuredOutputs
+from graphserve.kernels.decode_step import record_step, record_step_ref, step_inputs, step_inputs_ref
 
 
 # On CUDA, a decode step's bookkeeping (reading its row of the round's positions, slots and context
@@ -193,7 +193,7 @@ class ModelRunner:
         compiles their kernels at start-up and not during the first requests (measured on an H200:
         ~0.45 s added to the first requests' time to first token). Two sequences of 129 and 7 tokens,
         written only into the dummy block."""
-        from kernels.sampling import greedy_sample
+        from graphserve.kernels.sampling import greedy_sample
 
         lens = np.minimum([129, 7], self.model.cos_sin.shape[0]).astype(np.int64)  # within the rotary table
         positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])

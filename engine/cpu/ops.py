@@ -1,5 +1,5 @@
 """The CPU backend's elementwise fusions, float32: RMSNorm with the residual add before it, and
-SiLU-and-mul, each one pass in a small C function (built by engine/cpu_build.py) where torch
+SiLU-and-mul, each one pass in a small C function (built by engine/cpu/build.py) where torch
 runs several ops and temporaries (a 16-stream decode step of the embedded model spent ~5 ms in
 them). Each returns None where it does not apply (no compiler, GRAPHSERVE_CPU_OPS=torch, not
 float32 on CPU), and the caller runs torch. Results equal torch's to float32 rounding (the
@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from engine.cpu_build import AVX512_EXP16, CLibrary
+from graphserve.engine.cpu.build import AVX512_EXP16, CLibrary
 
 _SOURCE = r"""
 #include <math.h>

@@ -4,8 +4,8 @@ A busy loop, no asyncio: take whatever arrived without blocking (new requests, a
 run one engine step, send each front end one RoundOutputs with its requests' new tokens.
 With nothing to run it blocks on the socket, waking every STATS_INTERVAL_S to send
 fresh stats. Under tensor parallelism this is rank 0: before each step it sends the other
-ranks (engine/tp_worker.py) what it took since the last one (StepInputs), and it dies as
-soon as one of them has. It runs in its own process when serving (engine/core_process.py), or in a
+ranks (engine/core/rank_worker.py) what it took since the last one (StepInputs), and it dies as
+soon as one of them has. It runs in its own process when serving (engine/core/process.py), or in a
 thread of the front end's process (tests, `AsyncEngine` without a core address).
 """
 
@@ -17,8 +17,8 @@ import time
 import msgspec
 import zmq
 
-from engine.core import EngineCore
-from engine.core_messages import (
+from graphserve.engine.core.engine_core import EngineCore
+from graphserve.engine.core.messages import (
     Abort,
     AddRequest,
     CoreDied,
@@ -32,7 +32,7 @@ from engine.core_messages import (
     decode_to_core,
     encode,
 )
-from engine.errors import InvalidRequestError
+from graphserve.engine.errors import InvalidRequestError
 
 logger = logging.getLogger("graphserve.engine")
 

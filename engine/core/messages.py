@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.request import SamplingParams, TokenLogprob
-from engine.stats import EngineStats
+from graphserve.engine.request import SamplingParams, TokenLogprob
+from graphserve.engine.stats import EngineStats
 
 # ---- front end -> core ----------------------------------------------------------------
 
@@ -26,7 +26,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    # the prefix cache's keys of the prompt's full blocks (engine/prefix_hash.py prompt_keys),
+    # the prefix cache's keys of the prompt's full blocks (engine/sched/prefix_hash.py prompt_keys),
     # hashed in the front end so that the core does not; None: the core hashes
     prompt_block_keys: list[bytes] | None = None
 
@@ -96,7 +96,7 @@ class CoreDied(msgspec.Struct, tag=True, array_like=True):
 
 class StepInputs(msgspec.Struct, array_like=True):
     """What rank 0 took from its front ends since its last step, in order, for every other
-    rank to apply before the same step (engine/tp_worker.py): so every rank's scheduler makes
+    rank to apply before the same step (engine/core/rank_worker.py): so every rank's scheduler makes
     the same decisions. seeds: each added request's sampling seed (rank 0 draws them).
     wake_only: rank 0 does not step after this one; it is sent so that the ranks leave their
     wait (CoreLoop.wake_ranks, on SIGUSR1)."""

@@ -7,9 +7,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
-from engine.kv_cache import BlockManager
-from engine.request import Sequence, SequenceStatus
+from graphserve.engine.config import EngineConfig
+from graphserve.engine.sched.kv_cache import BlockManager
+from graphserve.engine.request import Sequence, SequenceStatus
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The CPU backend's decode-sized projections (1 to 32 rows, float32): out = x @ W.T + bias over
 a weight repacked once at load into panels of 16 output rows, [ceil(N / 16), K, 16], so that
 the whole batch's rows take each weight vector once, in one streaming pass over the weight, with a
-software prefetch ahead of it (a small C function, built by engine/cpu_build.py).
+software prefetch ahead of it (a small C function, built by engine/cpu/build.py).
 
 Why not oneDNN or MKL: at these batch sizes a decode step is bound by reading the weights from
 memory, and both libraries either re-read the weight per block of rows or leave the memory
@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from engine.cpu_build import CLibrary
+from graphserve.engine.cpu.build import CLibrary
 
 PANEL = 16
 

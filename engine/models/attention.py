@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_attention import paged_decode_attention
-from engine.models.layers import apply_rotary, rotary_tables
-from kernels.fp8_quant import AmaxedRows
+from graphserve.engine.cpu.attention import paged_decode_attention
+from graphserve.engine.models.layers import apply_rotary, rotary_tables
+from graphserve.kernels.fp8_quant import AmaxedRows
 
 
 @dataclass
@@ -42,7 +42,7 @@ class AttentionMetadata:
 
 class TorchAttention:
     """CPU backend: writes K/V with index_copy; decode attention in a small C kernel that reads
-    the blocks in place (engine/cpu_attention.py), or gather + SDPA where it is unavailable;
+    the blocks in place (engine/cpu/attention.py), or gather + SDPA where it is unavailable;
     prefill gathers each sequence's blocks and runs SDPA.
 
     What depends only on the step (rotary tables of the positions, the flat block list and
@@ -50,7 +50,7 @@ class TorchAttention:
 
     def __init__(self, block_size: int, use_kernel: bool = True):
         self.block_size = block_size
-        self.use_kernel = use_kernel  # decode through engine/cpu_attention.py where it applies
+        self.use_kernel = use_kernel  # decode through engine/cpu/attention.py where it applies
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -113,7 +113,7 @@ class TorchAttention:
         return made
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """The C kernel where it applies (engine/cpu_attention.py), else every row's blocks
+        """The C kernel where it applies (engine/cpu/attention.py), else every row's blocks
         gathered into [B, Hkv, W * block_size, D] and SDPA with the padding masked."""
         if self.use_kernel:
             out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
@@ -133,11 +133,9 @@ class TritonAttention:
     """CUDA backend: fused rotary + KV store, paged prefill and paged (split-K) decode kernels."""
 
     def __init__(self, block_size: int):
-        from kernels import (
-            paged_decode_attention,
-            paged_prefill_attention,
-            rope_and_store_kv,
-        )
+        from graphserve.kernels.decode_attention import paged_decode_attention
+        from graphserve.kernels.prefill_attention import paged_prefill_attention
+        from graphserve.kernels.rope_kv_store import rope_and_store_kv
 
         self.block_size = block_size
         self._rope_store, self._prefill, self._decode = rope_and_store_kv, paged_prefill_attention, paged_decode_attention

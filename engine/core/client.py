@@ -6,7 +6,7 @@ from __future__ import annotations
 import zmq
 import zmq.asyncio
 
-from engine.core_messages import FromCore, ToCore, decode_from_core, encode
+from graphserve.engine.core.messages import FromCore, ToCore, decode_from_core, encode
 
 
 class CoreClient:

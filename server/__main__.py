@@ -1,7 +1,0 @@
-"""`python -m server` is the `graphserve` command."""
-
-import sys
-
-from server.cli import main
-
-sys.exit(main())

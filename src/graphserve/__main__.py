@@ -1,0 +1,7 @@
+"""`python -m graphserve` is the `graphserve` command."""
+
+import sys
+
+from graphserve.server.cli import main
+
+sys.exit(main())
