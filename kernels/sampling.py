@@ -21,6 +21,7 @@ import triton.language as tl
 
 from graphserve.kernels._common import use_pdl
 from graphserve.kernels._pdl import wait_for_previous_kernel
+from graphserve.kernels.bitmask import unpack_bitmask
 from graphserve.kernels._split_counters import last_to_arrive, split_counters
 
 _BLOCK = 1024
@@ -163,8 +164,6 @@ def greedy_sample_ref(logits: torch.Tensor, bitmask: torch.Tensor | None = None)
     logits = logits.float()
     allowed = logits
     if bitmask is not None:
-        from graphserve.engine.structured.grammar import unpack_bitmask
-
         allowed = logits.masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
     tokens = allowed.argmax(dim=-1)
     return tokens, logits.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)

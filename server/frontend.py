@@ -24,7 +24,7 @@ def run_frontend(index: int, server: ServerSettings, engine_config: EngineConfig
                  log_format: str) -> None:
     """The process's entry point: serve until SIGTERM (drain, then exit 0) or until the
     engine core goes away (exit 1)."""
-    from graphserve.engine.core.process import die_with_parent, dump_stacks_on_sigusr1, freeze_startup_objects
+    from graphserve.engine.child_process import die_with_parent, dump_stacks_on_sigusr1, freeze_startup_objects
 
     die_with_parent(parent_pid)
     os.setpgrp()  # Ctrl-C in a terminal reaches the supervisor alone, which forwards one SIGTERM

@@ -12,7 +12,7 @@ front ends are ready, and keeps the processes' fates tied together:
 - the core dies: the front ends end their open requests with an error and exit 1;
   so does the supervisor.
 - a front end dies: everything is stopped; exit 1.
-- the supervisor dies: the kernel kills the children (engine.core_process.die_with_parent).
+- the supervisor dies: the kernel kills the children (engine/child_process.py, die_with_parent).
 """
 
 from __future__ import annotations

@@ -647,12 +647,12 @@ def test_metrics_count_the_core_processes_full_garbage_collections(one_frontend:
 
 
 def test_a_full_collection_after_start_up_skips_the_start_up_objects():
-    """engine/core_process.freeze_startup_objects (the core, each front end and each tensor-
+    """engine/child_process.freeze_startup_objects (the core, each front end and each tensor-
     parallel rank call it once started): the objects alive then are out of the garbage
     collector's sight, so a full collection no longer walks them while requests wait."""
     import gc
 
-    from graphserve.engine.core.process import freeze_startup_objects
+    from graphserve.engine.child_process import freeze_startup_objects
 
     startup = [[i] for i in range(300_000)]  # long-lived, as a loaded engine's objects are
 

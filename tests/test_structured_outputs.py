@@ -20,7 +20,8 @@ from pydantic import BaseModel
 
 from graphserve import LLM, AsyncEngine, EngineConfig, SamplingParams
 from graphserve.engine.errors import InvalidRequestError
-from graphserve.engine.structured.grammar import GrammarCompiler, GrammarSpec, unpack_bitmask
+from graphserve.engine.structured.grammar import GrammarCompiler, GrammarSpec
+from graphserve.kernels.bitmask import unpack_bitmask
 from graphserve.server.app import create_app
 from graphserve.server.testing import BackgroundServer
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from graphserve import LLM, SamplingParams
-from graphserve.engine.distributed import TensorParallel, check_tensor_parallel, run_on_ranks, shard_for
+from graphserve.engine.distributed import TensorParallel, run_on_ranks
+from graphserve.engine.models.sharding import check_tensor_parallel, shard_for
 from graphserve.engine.errors import InvalidConfigError, ModelFilesError
 from graphserve.engine.models.config import ModelArgs
 from graphserve.server.testing import ServerProcess, child_pids, descendant_pids, still_running

@@ -26,7 +26,8 @@ from graphserve.engine.config import EngineConfig
 from graphserve.engine.core.messages import CoreOutput
 from graphserve.engine.runner.cuda_graphs import GraphDecoder, RoundHandle, eager_reason
 from graphserve.engine.runner.device_time import DeviceTimeline
-from graphserve.engine.distributed import check_tensor_parallel, init_tensor_parallel
+from graphserve.engine.distributed import init_tensor_parallel
+from graphserve.engine.models.sharding import check_tensor_parallel
 from graphserve.engine.errors import InvalidConfigError, InvalidRequestError
 from graphserve.engine.sched.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block
 from graphserve.engine.models.config import ModelArgs

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from graphserve.engine.models.activation import silu_and_mul
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 _TINY = 1e-12  # an all-zero row still gets a usable scale
@@ -61,8 +63,6 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
     if not x.is_cuda:
         y = F.linear(x, dequantize(q, scale, x.dtype), bias)
         if silu_mul:
-            from graphserve.engine.models.layers import silu_and_mul  # here: layers imports this module
-
             y = silu_and_mul(y)
         return y
     from graphserve.kernels.skinny_gemm import skinny_gemm
@@ -96,8 +96,6 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, q: torch.Tensor, scale: to
                            defer_reduce=defer_reduce, row_amax=row_amax)
     y = torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale[None, :], bias=bias, out_dtype=out_dtype)
     if silu_mul:
-        from graphserve.kernels.activation import silu_and_mul
-
         y = silu_and_mul(y)
     return y
 

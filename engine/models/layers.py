@@ -11,6 +11,7 @@ from torch import nn
 from graphserve.engine.cpu import linear as cpu_linear
 
 from graphserve.engine.cpu import ops as cpu_ops
+from graphserve.engine.models.activation import silu_and_mul
 from graphserve.engine.models.fp8 import FP8, fp8_gemm, fp8_linear, quantize_per_channel, quantizes_activations
 from graphserve.kernels.fp8_quant import AmaxedRows
 from graphserve.kernels.skinny_gemm import SplitPartials, finish_split
@@ -309,15 +310,3 @@ def apply_rotary(
         rotated = rotate(qk)
         return rotated[:, :num_q], rotated[:, num_q:]
     return rotate(q), rotate(k)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if _triton(x):
-        from graphserve.kernels.activation import silu_and_mul as silu_and_mul_kernel
-
-        return silu_and_mul_kernel(x)
-    fused = cpu_ops.silu_mul(x)
-    if fused is not None:
-        return fused
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up

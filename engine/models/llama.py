@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from graphserve.engine.models.attention import AttentionMetadata
-from graphserve.engine.distributed import SINGLE, TensorParallel, shard_for
+from graphserve.engine.distributed import SINGLE, TensorParallel
+from graphserve.engine.models.sharding import shard_for
 from graphserve.engine.models.config import ModelArgs
 from graphserve.engine.models.layers import (
     Linear,

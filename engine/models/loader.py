@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from graphserve.engine.distributed import SINGLE, Shard, TensorParallel
+from graphserve.engine.distributed import SINGLE, TensorParallel
+from graphserve.engine.models.sharding import Shard
 from graphserve.engine.errors import ModelFilesError
 from graphserve.engine.models.config import ModelArgs
 from graphserve.engine.models.layers import Linear

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from graphserve.engine.request import Sequence
-from graphserve.engine.structured.grammar import unpack_bitmask
+from graphserve.kernels.bitmask import unpack_bitmask
 
 _MASK32 = 0xFFFFFFFF
 

@@ -313,11 +313,3 @@ class StructuredOutputs:
                     matcher.rollback(sum(1 for _, accepted, _ in taken if accepted))
             self._taken.clear()
 
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, ceil(V/32)] int32 (bit j of word w: token 32w + j is allowed) -> [B, V] bool.
-    Pure tensor ops: it runs inside captured CUDA graphs."""
-    vocab = torch.arange(vocab_size, device=bitmask.device)
-    words = bitmask.index_select(1, vocab // 32)
-    return ((words >> (vocab % 32).to(torch.int32)) & 1).bool()
-

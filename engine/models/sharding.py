@@ -1,0 +1,61 @@
+"""How a model's layers split over tensor-parallel ranks: which heads, KV heads, MLP columns and
+vocabulary rows each rank holds, and a clear error for a size the model cannot take."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from graphserve.engine.distributed import TensorParallel
+from graphserve.engine.errors import InvalidConfigError
+from graphserve.engine.models.config import ModelArgs
+
+
+def check_tensor_parallel(args: ModelArgs, size: int, device: torch.device) -> None:
+    """A clear error for a tensor-parallel size this model or machine cannot take."""
+    if size < 1:
+        raise InvalidConfigError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size == 1:
+        return
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        raise InvalidConfigError(f"tensor_parallel_size {size} exceeds the {torch.cuda.device_count()} visible GPUs")
+    if args.num_heads % size:
+        raise InvalidConfigError(f"tensor_parallel_size {size} does not divide the model's {args.num_heads} "
+                                 "attention heads")
+    if args.num_kv_heads % size and size % args.num_kv_heads:
+        raise InvalidConfigError(f"tensor_parallel_size {size} neither divides nor is a multiple of the model's "
+                                 f"{args.num_kv_heads} KV heads")
+    if args.intermediate_size % size:
+        raise InvalidConfigError(f"tensor_parallel_size {size} does not divide the model's intermediate size "
+                                 f"{args.intermediate_size}")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's part of the model: its heads, KV heads, MLP columns and vocabulary rows."""
+
+    local: ModelArgs  # the shapes this rank's layers have (heads, KV heads, intermediate size)
+    q_heads: tuple[int, int]  # [start, end) of the query heads
+    kv_heads: tuple[int, int]  # [start, end) of the KV heads (one replicated head when they are fewer than ranks)
+    inter: tuple[int, int]  # [start, end) of the MLP's intermediate columns
+    vocab: tuple[int, int]  # [start, end) of the vocabulary rows (end - start <= vocab_rows)
+    vocab_rows: int  # rows of the local embedding / LM head (the last rank's padded with zeros)
+
+
+def shard_for(args: ModelArgs, tp: TensorParallel) -> Shard:
+    n, r = tp.size, tp.rank
+    hq = args.num_heads // n
+    if args.num_kv_heads >= n:
+        hkv = args.num_kv_heads // n
+        kv = (r * hkv, (r + 1) * hkv)
+    else:
+        hkv = 1
+        head = r * args.num_kv_heads // n
+        kv = (head, head + 1)
+    inter = args.intermediate_size // n
+    rows = -(-args.vocab_size // n)
+    vocab = (min(r * rows, args.vocab_size), min((r + 1) * rows, args.vocab_size))
+    local = dataclasses.replace(args, num_heads=hq, num_kv_heads=hkv, intermediate_size=inter)
+    return Shard(local, (r * hq, (r + 1) * hq), kv, (r * inter, (r + 1) * inter), vocab, rows)

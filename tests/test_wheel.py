@@ -1,0 +1,92 @@
+"""graphserve as a user installs it: the built wheel in a fresh virtual environment, beside the newest
+transformers and Hugging Face's `kernels` package (whose top-level name our kernels/ folder shares).
+
+The wheel installs one top-level module, `graphserve`; from the repository root and from any other
+folder, transformers imports as it should, `graphserve serve` starts on the embedded model and answers
+the official openai client. The environment is built once per test run (a few minutes on two cores:
+torch installs from the machine's local file, the rest from pip's cache)."""
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from graphserve.engine.models.default_model import MODEL_NAME
+from graphserve.server.testing import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+# The folders pyproject maps into the graphserve package, and where they land in it.
+PACKAGE_FOLDERS = {"src/graphserve": "graphserve", "server": "graphserve/server", "engine": "graphserve/engine",
+                   "kernels": "graphserve/kernels", "configs": "graphserve/configs"}
+# Each import resolves to the distribution that owns the name, not to a folder of the repository.
+IMPORT_CHECK = """
+import transformers, kernels, graphserve, graphserve.server.app, graphserve.engine.core.engine_core
+from transformers import LlamaConfig
+for module in (transformers, kernels, graphserve):
+    assert "site-packages" in module.__file__, module.__file__
+print(transformers.__version__, LlamaConfig.model_type)
+"""
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
+                    str(ROOT)], check=True, cwd=out, timeout=300)
+    (built,) = out.glob("graphserve-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def wheel_python(wheel, tmp_path_factory) -> str:
+    venv = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    # --no-compile: byte-compiling all of torch would triple the time; what runs compiles as it imports
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check"]
+    torch_spec = os.environ.get("TORCH_SPEC", "torch==2.13.0")  # the Makefile's CPU pin
+    subprocess.run([*pip, torch_spec], check=True, timeout=900)
+    # transformers and kernels unpinned: the newest releases the index has
+    subprocess.run([*pip, str(wheel), "transformers", "kernels"], check=True, timeout=900)
+    return str(venv / "bin" / "python")
+
+
+def test_the_wheel_holds_graphserve_only_and_every_source_file(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    top_level = {name.split("/")[0] for name in names}
+    assert top_level == {"graphserve", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}, top_level
+    top_level_txt = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
+    assert zipfile.ZipFile(wheel).read(top_level_txt).decode().split() == ["graphserve"]
+    tracked = subprocess.run(["git", "ls-files", *PACKAGE_FOLDERS], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    wanted = [f for f in tracked if f.endswith((".py", ".toml"))]
+    assert len(wanted) > 50
+    for folder, package in PACKAGE_FOLDERS.items():
+        for path in (p for p in wanted if p.startswith(folder + "/")):
+            assert package + path[len(folder):] in names, f"{path} is not in the wheel: add its folder to pyproject"
+
+
+@pytest.mark.parametrize("where", ["repository root", "another folder"])
+def test_the_installed_wheel_imports_and_serves(wheel_python, where, tmp_path):
+    cwd = ROOT if where == "repository root" else tmp_path
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    checked = subprocess.run([wheel_python, "-c", IMPORT_CHECK], cwd=cwd, env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stdout.split()[1] == "llama"
+
+    script = Path(wheel_python).with_name("graphserve")
+    help_text = subprocess.run([str(script), "--help"], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert help_text.returncode == 0 and "serve" in help_text.stdout, help_text.stderr
+
+    with ServerProcess(["--max-model-len", "256", "--max-num-seqs", "2"], python=wheel_python, cwd=cwd) as server:
+        server.wait_ready()
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+        completion = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=4,
+                                               temperature=0)
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == 4
+    assert completion.choices[0].text.strip()
