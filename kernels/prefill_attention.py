@@ -27,7 +27,7 @@ _LOG2E = 1.4426950408889634
 # The tile count and the block table's width change with every batch's lengths. Specialised (Triton
 # compiles a variant per integer argument that is 1 or a multiple of 16), each first batch whose
 # table was 16 or 32 blocks wide compiled the kernel while serving: every request of a multi-turn
-# benchmark's fourth turn waited ~0.4 s for it (H200, benchmarks/jit_probe.py).
+# benchmark's fourth turn waited ~0.4 s for it (H200, the JIT probe (commit 636caa0, docs/benchmarks.md)).
 @triton.jit(do_not_specialize=["num_tiles", "stride_bt"])
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,

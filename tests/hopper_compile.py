@@ -185,14 +185,6 @@ def cases() -> dict[str, dict]:
     out["attention_llama_row_amax"] = compile_kernel(
         _decode_attention_kernel, dict(attention, PREFETCH_TILES=0, WRITE_PARTIAL=False, ROW_AMAX=True), attention_ptrs,
         strides, num_warps=4, num_stages=stages)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from barrier_probe import _persistent_kernel, _persistent_mlp_kernel
-
-    out["barrier_probe_persistent"] = compile_kernel(_persistent_kernel, dict(PHASES=64),
-                                                     {"buf_ptr": "*i32", "counter_ptr": "*i32"}, num_warps=4)
-    out["barrier_probe_mlp"] = compile_kernel(
-        _persistent_mlp_kernel, dict(PHASE=0, BLOCK_N1=8, BLOCK_K1=1024, BLOCK_N2=4, BLOCK_K2=1024),
-        {"counter_ptr": "*i32"}, num_warps=4)
     return {name: summary(kernel) for name, kernel in out.items()}
 
 

@@ -86,18 +86,3 @@ def test_record_step_advances_the_step_after_every_thread_read_it(compiled):
     (a warp still to read the old step must not see the new one)."""
     kernel = compiled["record_step"]
     assert kernel["last_line"]["bar.sync"] < kernel["last_line"]["st.global"]
-
-
-def test_the_barrier_probe_arrives_after_its_stores_and_spins_with_acquire(compiled):
-    """benchmarks/barrier_probe.py's grid barrier: a CTA barrier between each program's store and its
-    release arrival (one atomic add, or a reduction where its result goes unused), then acquire reads of
-    the counter (the spin: Triton turns the atomic add of 0 into a load) before the next step's load
-    through L2."""
-    kernel = compiled["barrier_probe_persistent"]
-    assert kernel["release_arrivals"] == 1
-    assert kernel["barrier_before_atomic"]
-    assert kernel["acquire_loads"] >= 1 and kernel["cg_loads"] == 1
-    # the persistent MLP: its down tile asked of L2 before the barrier, act read through L2 after it
-    mlp = compiled["barrier_probe_mlp"]
-    assert mlp["release_arrivals"] == 1 and mlp["barrier_before_atomic"] and mlp["acquire_loads"] >= 1
-    assert mlp["first_line"]["prefetch.global.L2"] < mlp["first_line"]["ld.global.cg"]

@@ -7,8 +7,6 @@ references themselves are checked once against a naive dense computation.
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,15 +27,6 @@ from graphserve.kernels.prefill_attention import paged_prefill_attention, paged_
 from graphserve.kernels.rope_kv_store import rope_and_store_kv, rope_and_store_kv_ref
 from graphserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from graphserve.kernels.kv_store import store_kv, store_kv_ref
-
-def _benchmark(module: str, *names: str):
-    """Kernels and references from a script in benchmarks/ (not a package)."""
-    path = str(Path(__file__).resolve().parents[1] / "benchmarks")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    mod = importlib.import_module(module)
-    return [getattr(mod, name) for name in names]
-
 
 TOL = 1e-4
 
@@ -534,48 +523,6 @@ def test_gemv_fp8_weights_dequantized_in_registers(silu_mul, gemv_k):
     assert rel_err(out, unscaled) > 0.5  # the scales were applied
     with pytest.raises(ValueError):
         gemv(x, q, weight_scale=scale[:-1])
-
-
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16])
-def test_stream_probe_reads_every_weight_word(dtype):
-    """benchmarks/stream_probe.py's bare weight stream (the GEMV's tile walk without its math) reads each
-    row's words once: their XOR, over several tiles and a partial last one, matches torch's."""
-    stream_rows, stream_rows_ref = _benchmark("stream_probe", "stream_rows", "stream_rows_ref")
-
-    gen = torch.Generator().manual_seed(33)
-    w = torch.randint(-128, 128, (10, 88), generator=gen, dtype=torch.int8).view(torch.uint8)
-    w = w.view(torch.float8_e4m3fn) if dtype != torch.bfloat16 else w.view(torch.bfloat16)
-    out = torch.full((w.shape[0],), -7, dtype=torch.int32)
-    stream_rows(w, out, 4, 16, 4)
-    assert torch.equal(out, stream_rows_ref(w))
-
-
-def test_barrier_probe_chain_steps_read_the_step_before():
-    """benchmarks/barrier_probe.py's kernel chain (one kernel a step, each program reading another's
-    value of the step before): the reference rotation, step after step. (Its persistent twin spins on
-    a grid barrier, which the interpreter's one-program-at-a-time run cannot pass: sm_90 compile test.)"""
-    chain, chain_ref = _benchmark("barrier_probe", "chain", "chain_ref")
-
-    first = torch.arange(5, dtype=torch.int32) * 3
-    buf = torch.zeros(4, 5, dtype=torch.int32)
-    buf[0] = first
-    chain(buf, pdl=False)
-    assert torch.equal(buf, chain_ref(first, 3))
-    assert buf[3, 0].item() == first[3].item() + 3
-
-
-def test_barrier_probe_persistent_mlp_halves_are_the_engines_mlp():
-    """benchmarks/barrier_probe.py's persistent MLP, its two halves launched one after the other (the
-    interpreter cannot pass its grid barrier; the fused launch is compiled for sm_90 in
-    test_hopper_compile.py): SiLU-and-mul then down, as kernels.gemv computes the MLP at one row, with 3
-    programs taking every third block of outputs."""
-    mlp_ref, persistent_mlp = _benchmark("barrier_probe", "mlp_ref", "persistent_mlp")
-
-    gen = torch.Generator().manual_seed(34)
-    x = torch.randn(1, 40, generator=gen)
-    gate_up, down = torch.randn(2 * 96, 40, generator=gen) / 6, torch.randn(40, 96, generator=gen) / 10
-    out = persistent_mlp(x, gate_up, down, torch.zeros(1, dtype=torch.int32), 3, fused=False)
-    assert rel_err(out, mlp_ref(x, gate_up, down)) < TOL
 
 
 def test_gemv_rope_store_fp8_weights(gemv_k):
