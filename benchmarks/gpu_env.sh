@@ -1,4 +1,4 @@
-# Sourced by the GPU scripts: $OUT made, unbuffered Python, and the server's wheels
+# Sourced by the GPU scripts: $OUT made, unbuffered Python, graphserve installed, and the server's wheels
 # (../shared/gpu/fetch-wheels put them in .whl/) installed where the GPU image lacks them.
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -12,3 +12,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} \
     || { echo "gpu_env.sh: error installing .whl/:" >&2; tail -3 /tmp/pip.log >&2; exit 1; }
 fi
+# graphserve itself (the GPU image has setuptools but no network: no build isolation), into its own
+# target so the tests and benchmarks import graphserve.* as a user's install would
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/graphserve . \
+    2>/tmp/pip-graphserve.log && export PYTHONPATH=/tmp/graphserve:${PYTHONPATH:-} \
+  || { echo "gpu_env.sh: error installing graphserve:" >&2; tail -3 /tmp/pip-graphserve.log >&2; exit 1; }

@@ -4,9 +4,7 @@
 # 10-minute device call; "all" runs both)
 set -u
 PART=${1:-all}
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+. benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >> "$OUT/gpu.txt"
 if [ "$PART" = tests ] || [ "$PART" = all ]; then

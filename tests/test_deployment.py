@@ -447,7 +447,7 @@ def test_cli_accepts_the_flags_the_deployment_files_pass():
     flags |= {a for a in k8s_container().get("args") or [] if a.startswith("--")}
     flags |= {a for a in RUN_CMD.split(" graphserve ", 1)[1].split() if a.startswith("--")}
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from server.cli import main; sys.argv[0] = 'graphserve'; main()",
+        [sys.executable, "-c", "import sys; from graphserve.server.cli import main; sys.argv[0] = 'graphserve'; main()",
          "serve", "--help"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )

@@ -89,7 +89,7 @@ def _compiled_kernel_variants() -> dict[str, int]:
     from triton.runtime.jit import JITFunction
 
     counts = {}
-    for info in pkgutil.iter_modules(kernels.__path__):
+    for info in pkgutil.iter_modules(graphserve.kernels.__path__):
         module = importlib.import_module(f"graphserve.kernels.{info.name}")
         for name, fn in vars(module).items():
             if isinstance(fn, JITFunction):

