@@ -1,13 +1,18 @@
 """engine/tokenizer.py and server/chat_prompt.py: the stop-string matcher (against the
 previous implementation on random inputs, and its cost), the incremental detokenizer
-(tokenizers' streaming decoder), and chat contents that hold special-token text."""
+(each character released in the round that completes it, against an incremental UTF-8
+decoder over the tokens' bytes), and chat contents that hold special-token text."""
 
 from __future__ import annotations
 
+import codecs
+import functools
 import random
 import time
 
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, normalizers
 
 from graphserve.engine import tokenizer as engine_tokenizer
 from graphserve.engine.models.default_model import ensure_default_model
@@ -166,36 +171,126 @@ def test_detokenizer_holds_back_an_incomplete_character_and_flush_releases_it(to
     assert detok.add(ids[:1]) + detok.add(ids[1:]) == "🚀"
 
 
-class ReferenceWindowDetokenizer:
-    """The previous IncrementalDetokenizer, verbatim in effect: two decodes of a window per add."""
-
-    def __init__(self, tok: Tokenizer):
-        self.tok, self.ids, self.prefix_offset, self.read_offset = tok, [], 0, 0
-
-    def add(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
-        full_text = self.tok.decode(self.ids[self.prefix_offset:])
-        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd") and full_text.startswith(prefix_text):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return full_text[len(prefix_text):]
-        return ""
-
-    def flush(self) -> str:
-        prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
-        full_text = self.tok.decode(self.ids[self.prefix_offset:])
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
+@functools.cache
+def byte_level_map() -> dict[str, int]:
+    """GPT-2's printable symbol -> byte map, which a ByteLevel vocabulary spells its tokens in."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    return {(chr(b) if b in keep else chr(next(extra))): b for b in range(256)}
 
 
-def test_detokenizer_matches_the_two_decode_window_reference(tok: Tokenizer) -> None:
-    ids = tok.encode(DETOK_TEXTS[0] + DETOK_TEXTS[1], add_special_tokens=False)
-    fast = IncrementalDetokenizer(tok)
-    slow = ReferenceWindowDetokenizer(tok)
-    for i in range(0, len(ids), 2):
-        assert fast.add(ids[i:i + 2]) == slow.add(ids[i:i + 2])
-        assert (fast.prefix_offset, fast.read_offset) == (slow.prefix_offset, slow.read_offset)
-    assert fast.flush() == slow.flush()
+def token_bytes(tok: Tokenizer, ids: list[int]) -> bytes:
+    symbols = byte_level_map()
+    return bytes(symbols[c] for i in ids for c in tok._tok.id_to_token(i))
+
+
+def byte_token_ids(tok: Tokenizer, text: str) -> list[int]:
+    """`text` spelled with one single-byte token per byte (the vocabulary's byte tokens)."""
+    symbol = {b: c for c, b in byte_level_map().items()}
+    return [tok._tok.token_to_id(symbol[b]) for b in text.encode()]
+
+
+# Characters of 2, 3 and 4 bytes split across tokens in every way the embedded vocabulary
+# does it: a 2-byte character as two byte tokens, "■" (3 bytes) as 2 tokens or as 3 byte
+# tokens, a space and half a "■" in one token, "🚀" (4 bytes) as 3 tokens or 4 byte tokens.
+SPLIT_UNITS = {
+    "Öa": lambda tok: tok.encode("Öa", add_special_tokens=False),
+    "■": lambda tok: tok.encode("■", add_special_tokens=False),
+    "■ byte tokens": lambda tok: byte_token_ids(tok, "■"),
+    " ■": lambda tok: tok.encode(" ■", add_special_tokens=False),
+    "🚀": lambda tok: tok.encode("🚀", add_special_tokens=False),
+    "🚀 byte tokens": lambda tok: byte_token_ids(tok, "🚀"),
+    "mixed": lambda tok: tok.encode(DETOK_TEXTS[0], add_special_tokens=False),
+}
+
+
+def _rounds(ids: list[int], chunk: int, first: int) -> list[list[int]]:
+    """The ids as the engine returns them: `first` from the prefill (0 or 1), then rounds of `chunk`."""
+    return ([ids[:first]] if first else []) + [ids[i:i + chunk] for i in range(first, len(ids), chunk)]
+
+
+@pytest.mark.parametrize("first", [0, 1])
+@pytest.mark.parametrize("chunk", [1, 2, 3, 8])
+@pytest.mark.parametrize("unit", list(SPLIT_UNITS))
+def test_detokenizer_releases_every_character_in_the_round_that_completes_it(
+        tok: Tokenizer, unit: str, chunk: int, first: int) -> None:
+    """Per round, exactly the characters whose bytes are all in by then: what an incremental
+    UTF-8 decoder gives for the same bytes (it keeps only an incomplete last character).
+    Every alignment of the characters to the round boundaries, starting mid-character too."""
+    unit_ids = SPLIT_UNITS[unit](tok)
+    assert any(tok.decode(unit_ids[:n]).endswith("\ufffd") for n in range(len(unit_ids)))  # it splits a character
+    repeats = 1 if unit == "mixed" else 6
+    for shift in range(len(unit_ids) if unit != "mixed" else 1):
+        ids = (unit_ids * repeats)[shift:]
+        detok = IncrementalDetokenizer(tok)
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        deltas = []
+        for i, round_ids in enumerate(_rounds(ids, chunk, first)):
+            deltas.append(detok.add(round_ids))
+            assert deltas[-1] == utf8.decode(token_bytes(tok, round_ids)), (shift, i, deltas)
+        deltas.append(detok.flush())
+        assert deltas[-1] == utf8.decode(b"", final=True)
+        assert "".join(deltas) == tok.decode(ids)
+
+
+def test_detokenizer_on_random_tokens_and_rounds(tok: Tokenizer) -> None:
+    """Random runs of byte tokens (stray and invalid bytes too), split characters, words and
+    EOS, in random rounds, with and without special tokens skipped: each round gives what an
+    incremental UTF-8 decoder gives for its bytes, and all of it equals decode(ids)."""
+    symbols = byte_level_map()
+    # 0xED is left out: CPython's incremental decoder waits on ED A0..BF (a surrogate's
+    # start), where decode (and the stream) give U+FFFD at once
+    byte_ids = [i for c, b in symbols.items() if b != 0xED and (i := tok._tok.token_to_id(c)) is not None]
+    pool = byte_ids + tok.encode("■ 🚀 Öa 東京タワー é ∑ hello", add_special_tokens=False)
+    eos = tok.eos_token_id
+
+    def bytes_of(ids: list[int], skip: bool) -> bytes:
+        return b"".join((b"" if skip else tok.decode([i], False).encode()) if i == eos else token_bytes(tok, [i])
+                        for i in ids)
+
+    rng = random.Random(0)
+    for case in range(600):
+        ids = [eos if rng.random() < 0.05 else rng.choice(pool) for _ in range(rng.randint(1, 24))]
+        skip = case % 2 == 0
+        detok = IncrementalDetokenizer(tok, skip)
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        deltas, i = [], 0
+        while i < len(ids):
+            round_ids = ids[i:i + rng.randint(1, 5)]
+            i += len(round_ids)
+            deltas.append(detok.add(round_ids))
+            assert deltas[-1] == utf8.decode(bytes_of(round_ids, skip)), (ids, skip, deltas)
+        deltas.append(detok.flush())
+        assert deltas[-1] == utf8.decode(b"", final=True)
+        assert "".join(deltas) == tok.decode(ids, skip), (ids, skip)
+
+
+def test_detokenizer_with_byte_fallback_tokens(tmp_path) -> None:
+    """A SentencePiece-style vocabulary: characters it lacks are <0xNN> byte tokens, and a
+    run of them decodes to U+FFFD per byte until the run is valid UTF-8."""
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "a": 258, "▁a": 259}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[("▁", "a")], unk_token="<unk>", byte_fallback=True))
+    hf.normalizer = normalizers.Replace(" ", "▁")
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path)
+    text = "a■ a Ö🚀a ■■é a🚀"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text and "<0xE2>" in [tok._tok.id_to_token(i) for i in ids]
+
+    def byte_of(i: int) -> bytes:
+        piece = tok._tok.id_to_token(i)
+        return bytes([int(piece[3:5], 16)]) if piece.startswith("<0x") else piece.replace("▁", " ").encode()
+
+    for chunk in (1, 2, 3, 8):
+        for first in (0, 1):
+            detok = IncrementalDetokenizer(tok)
+            utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            deltas = []
+            for i, round_ids in enumerate(_rounds(ids, chunk, first)):
+                deltas.append(detok.add(round_ids))
+                assert deltas[-1] == utf8.decode(b"".join(map(byte_of, round_ids))), (chunk, first, i, deltas)
+            assert "".join(deltas) + detok.flush() == text
 
 
 # ---- chat contents stay text --------------------------------------------------------------
