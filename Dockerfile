@@ -16,6 +16,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     GRAPHSERVE_CACHE=/var/cache/graphserve \
+    TRITON_CACHE_DIR=/var/cache/graphserve/triton \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1
 
@@ -30,8 +31,8 @@ RUN apt-get update \
 RUN groupadd --gid 10001 graphserve \
     && useradd -l --uid 10001 --gid 10001 --create-home --home-dir /home/graphserve \
        --shell /usr/sbin/nologin graphserve \
-    && mkdir -p /app /models "${GRAPHSERVE_CACHE}" \
-    && chown graphserve:graphserve /app /models "${GRAPHSERVE_CACHE}"
+    && mkdir -p /app /models "${GRAPHSERVE_CACHE}" "${TRITON_CACHE_DIR}" \
+    && chown graphserve:graphserve /app /models "${GRAPHSERVE_CACHE}" "${TRITON_CACHE_DIR}"
 
 WORKDIR /app
 USER 10001:10001

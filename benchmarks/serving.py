@@ -390,6 +390,10 @@ def main() -> int:
                         help="server config (default: gpu-h200 when CUDA is there and no --device cpu, else default)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256, 512])
     parser.add_argument("--client-procs", type=int, default=4, help="client processes P")
+    parser.add_argument("--cold-start", action="store_true",
+                        help="no warm-up requests: the first --concurrency level runs right after the server says "
+                             "ready, then the same level again with other prompts, lengths from the same distribution (so it "
+                             "hits no prefix the first cached); the report compares them (cold_start)")
     parser.add_argument("--doubling-check", action="store_true",
                         help="run the highest concurrency again with 2P client processes")
     parser.add_argument("--poisson-fraction", type=float, default=0.8,
@@ -445,6 +449,7 @@ def main() -> int:
         server_command = shlex.join(server.process.args)
         print(f"launched: {server_command}", flush=True)
     report: dict = {}
+    ready_s = None
     levels: list[dict] = []
     skipped: list[str] = []
     exit_code = 0
@@ -466,19 +471,29 @@ def main() -> int:
     try:
         if server is not None:
             server.wait_ready(args.server_timeout)
-            print(f"server ready in {time.perf_counter() - started:.1f}s at {server.url}", flush=True)
+            ready_s = time.perf_counter() - started
+            print(f"server ready in {ready_s:.1f}s at {server.url}", flush=True)
             SERVER_PROCESSES.update(server_processes(server.log))
             url = server.url
         model_name = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-        # warm-up (not measured): a few short requests through the same path
-        warm = make_requests(2 * args.client_procs, 16, 32, vocab_size, specials, args.seed + 1)
-        run_level(args, url, model_name, warm, min(len(warm), 2 * args.client_procs), args.client_procs)
+        if not args.cold_start:  # warm-up (not measured): a few short requests through the same path
+            warm = make_requests(2 * args.client_procs, 16, 32, vocab_size, specials, args.seed + 1)
+            run_level(args, url, model_name, warm, min(len(warm), 2 * args.client_procs), args.client_procs)
 
-        for c in sorted(args.concurrency):
+        concurrencies = sorted(args.concurrency)
+        if args.cold_start:
+            concurrencies = [concurrencies[0]] * 2
+        for i, c in enumerate(concurrencies):
             if (timeout := budget(f"closed C={c}")) is None:
                 continue
-            row = run_level(args, url, model_name, request_set[:level_size(args, c)], c, args.client_procs,
+            requests = request_set
+            if args.cold_start and i == 1:  # other prompts of the same lengths: no prefix-cache hit on the first's
+                requests = make_requests(args.num_requests, args.min_len, args.max_len, vocab_size, specials,
+                                         args.seed + 1)
+            row = run_level(args, url, model_name, requests[:level_size(args, c)], c, args.client_procs,
                             timeout=timeout)
+            if args.cold_start:
+                row["first_after_ready"] = i == 0
             levels.append(row)
             print(fmt(row), flush=True)
         closed = [r for r in levels if r["requests_per_s"]]
@@ -539,6 +554,18 @@ def main() -> int:
             print(f"doubling check at C={top}: P={a['client_procs']} {a['output_tok_s'] or 0:,.0f} tok/s, "
                   f"P={b['client_procs']} {b['output_tok_s'] or 0:,.0f} tok/s "
                   f"(ratio {doubling['ratio_2p_over_p'] or float('nan'):.3f})", flush=True)
+    cold_start = None
+    if args.cold_start and len(levels) >= 2 and levels[0]["output_tok_s"] and levels[1]["output_tok_s"]:
+        first, again = levels[0], levels[1]
+        cold_start = dict(concurrency=first["concurrency"],
+                          output_tok_s=[first["output_tok_s"], again["output_tok_s"]],
+                          ttft_p50_s=[first["ttft_p50_s"], again["ttft_p50_s"]],
+                          ttft_p99_s=[first["ttft_p99_s"], again["ttft_p99_s"]],
+                          throughput_first_over_again=first["output_tok_s"] / again["output_tok_s"],
+                          ttft_p99_first_over_again=first["ttft_p99_s"] / again["ttft_p99_s"])
+        print(f"cold start at C={first['concurrency']}: first level {first['output_tok_s']:,.0f} tok/s, TTFT p99 "
+              f"{first['ttft_p99_s'] * 1e3:.0f} ms; again {again['output_tok_s']:,.0f} tok/s, "
+              f"{again['ttft_p99_s'] * 1e3:.0f} ms", flush=True)
     report = dict(**provenance("serving"), model=args.model, model_path=str(model) if model else None,
                   url=url if args.url else None, server_command=server_command, client_procs=args.client_procs,
                   workload=dict(**describe(request_set), min_len=args.min_len, max_len=args.max_len, seed=args.seed,
@@ -557,7 +584,8 @@ def main() -> int:
                                                       "(to the prefill step that takes it), "
                                                       "server_prefill_time_mean_s, server_first_token_return_mean_s "
                                                       "(from the engine's host back to the front end)"),
-                  offline_output_tok_s=offline, doubling_check=doubling, levels=levels, skipped_levels=skipped,
+                  offline_output_tok_s=offline, doubling_check=doubling, cold_start=cold_start, levels=levels,
+                  skipped_levels=skipped, server_ready_s=ready_s,
                   **report)
     write_json(out_dir / f"{stem}.json", report)
     try:

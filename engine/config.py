@@ -34,6 +34,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks (devices of one host) the model is sharded over (engine/distributed.py)
     quantization: str | None = None  # "fp8": projection weights in float8 e4m3 with per-channel scales
     load_format: str = "safetensors"  # "dummy": random weights, no weight file read (benchmarks of big shapes)
+    # CUDA: before ready, a burst of dummy requests through every path a first burst takes (engine/core/warm_up.py)
+    warm_up: bool = True
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import zmq
 import zmq.asyncio
-
 from graphserve.engine.core.messages import FromCore, ToCore, decode_from_core, encode
 
 

@@ -20,20 +20,27 @@ import time
 from collections.abc import Callable
 
 import torch
-
 from graphserve.engine import gc_stats
 from graphserve.engine.config import EngineConfig
 from graphserve.engine.core.messages import CoreOutput
+from graphserve.engine.core.warm_up import warm_up
+from graphserve.engine.distributed import init_tensor_parallel
+from graphserve.engine.errors import InvalidConfigError, InvalidRequestError
+from graphserve.engine.models.config import ModelArgs
+from graphserve.engine.models.sharding import check_tensor_parallel
+from graphserve.engine.request import SamplingParams, Sequence, TokenLogprob
 from graphserve.engine.runner.cuda_graphs import GraphDecoder, RoundHandle, eager_reason
 from graphserve.engine.runner.device_time import DeviceTimeline
-from graphserve.engine.distributed import init_tensor_parallel
-from graphserve.engine.models.sharding import check_tensor_parallel
-from graphserve.engine.errors import InvalidConfigError, InvalidRequestError
-from graphserve.engine.sched.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block
-from graphserve.engine.models.config import ModelArgs
-from graphserve.engine.runner.prefill_graphs import PREFILL_GRAPH_MAX_SEQS, PrefillGraphs
-from graphserve.engine.request import SamplingParams, Sequence, TokenLogprob
 from graphserve.engine.runner.model_runner import ModelRunner, StepTokens
+from graphserve.engine.runner.prefill_graphs import (
+    PREFILL_GRAPH_MAX_SEQS,
+    PrefillGraphs,
+)
+from graphserve.engine.sched.kv_cache import (
+    BlockManager,
+    allocate_kv_cache,
+    kv_bytes_per_block,
+)
 from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch, Scheduler
 from graphserve.engine.stats import EngineStats
 from graphserve.engine.structured.grammar import GrammarCompiler, StructuredOutputs
@@ -146,8 +153,7 @@ class EngineCore:
         if self.device.type == "cuda":
             self.runner.warm_up_eager_prefill()
         self.sequences: dict[str, Sequence] = {}
-        self.stats_counters = EngineStats(kv_blocks_total=self.block_manager.num_usable_blocks)
-        self.timeline = DeviceTimeline(self.device)
+        self.reset_stats()
         self._injected_fault: str | None = None
         self._poisoned: set[str] = set()  # tests: requests whose every batch fails
         self._in_flight: RoundHandle | None = None  # a launched decode round, not collected yet
@@ -163,6 +169,15 @@ class EngineCore:
         logger.info("loaded %s (%s, %d layers) on %s in %s: %.1fs; KV pool %d blocks x %d tokens, max_model_len %d",
                     self.model_path, args.architecture, args.num_layers, self.device, str(self.dtype).split(".")[-1],
                     time.perf_counter() - started, num_blocks, config.block_size, self.max_model_len)
+        if config.warm_up and self.device.type == "cuda":  # a CPU has no kernels to compile or load
+            warm_up(self)
+
+    def reset_stats(self) -> None:
+        """Counters and device timeline from zero (at start-up, and after the warm-up burst)."""
+        self.stats_counters = EngineStats(kv_blocks_total=self.block_manager.num_usable_blocks)
+        self.timeline = DeviceTimeline(self.device)
+        self.scheduler.num_preemptions = self.scheduler.num_queried_tokens = self.scheduler.num_cached_tokens = 0
+        self.runner.num_graph_prefills = self.runner.num_overtaking_prefills = 0
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config

@@ -16,7 +16,6 @@ import time
 
 import msgspec
 import zmq
-
 from graphserve.engine.core.engine_core import EngineCore
 from graphserve.engine.core.messages import (
     Abort,
@@ -24,11 +23,11 @@ from graphserve.engine.core.messages import (
     CoreDied,
     CoreOutput,
     CoreReady,
-    StepInputs,
     Hello,
     InjectFault,
     RoundOutputs,
     Shutdown,
+    StepInputs,
     decode_to_core,
     encode,
 )

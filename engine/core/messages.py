@@ -9,7 +9,6 @@ ROUTER end and knows every front end by its socket identity. Frames are msgpack
 from __future__ import annotations
 
 import msgspec
-
 from graphserve.engine.request import SamplingParams, TokenLogprob
 from graphserve.engine.stats import EngineStats
 

@@ -16,7 +16,11 @@ import tempfile
 from multiprocessing.process import BaseProcess
 
 from graphserve.engine import gc_stats
-from graphserve.engine.child_process import die_with_parent, dump_stacks_on_sigusr1, freeze_startup_objects
+from graphserve.engine.child_process import (
+    die_with_parent,
+    dump_stacks_on_sigusr1,
+    freeze_startup_objects,
+)
 from graphserve.engine.config import EngineConfig
 
 logger = logging.getLogger("graphserve.engine")
@@ -35,7 +39,6 @@ def run_core(config: EngineConfig, address: str, parent_pid: int, log_level: int
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s",
                         datefmt="%H:%M:%S")
     import zmq
-
     from graphserve.engine.core.engine_core import EngineCore
     from graphserve.engine.core.loop import CoreLoop, bind_core_socket
 
@@ -62,8 +65,8 @@ def start_tp_workers(config: EngineConfig, log_level: int) -> tuple[list[BasePro
     """Ranks 1..N-1 of a tensor-parallel engine, and the ranks' rendezvous (None for one rank)."""
     if config.tensor_parallel_size <= 1:
         return [], None
-    from graphserve.engine.distributed import local_init_method
     from graphserve.engine.core.rank_worker import run_worker
+    from graphserve.engine.distributed import local_init_method
 
     init_method = local_init_method()
     context = multiprocessing.get_context("spawn")

@@ -21,7 +21,11 @@ logger = logging.getLogger("graphserve.engine")
 
 def run_worker(config: EngineConfig, rank: int, init_method: str, parent_pid: int, log_level: int) -> None:
     """The process's entry point."""
-    from graphserve.engine.child_process import die_with_parent, dump_stacks_on_sigusr1, freeze_startup_objects
+    from graphserve.engine.child_process import (
+        die_with_parent,
+        dump_stacks_on_sigusr1,
+        freeze_startup_objects,
+    )
 
     die_with_parent(parent_pid)
     dump_stacks_on_sigusr1()

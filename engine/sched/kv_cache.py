@@ -131,6 +131,14 @@ class BlockManager:
                 self._by_hash[key] = block
                 self._block_key[block] = (key, tokens)
 
+    def forget_cached_blocks(self) -> None:
+        """Empty the prefix cache of blocks no request uses (the engine's warm-up burst's): they
+        become truly free, as at start-up."""
+        while self._cached_free:
+            block, _ = self._cached_free.popitem(last=False)
+            self._unregister(block)
+            self.free_blocks.append(block)
+
     def _unregister(self, block: int) -> None:
         key, _ = self._block_key.pop(block)
         if self._by_hash.get(key) == block:

@@ -1,0 +1,59 @@
+"""The warm-up burst a CUDA engine runs before it says ready (engine/core/warm_up.py), run here on the
+CPU: it goes through the real scheduler, runner and sampler, and leaves nothing a client could see:
+no request, no cached prefix, no counted token, and the same outputs as an engine that never ran it."""
+
+import pytest
+from tiny_models import make_tiny_model
+
+from graphserve import EngineConfig, SamplingParams
+from graphserve.engine.core.engine_core import EngineCore
+from graphserve.engine.core.warm_up import burst, warm_up
+
+PROMPTS = [[5 + (7 * i + j) % 250 for j in range(n)] for i, n in enumerate((3, 17, 40, 1))]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
+def run(core: EngineCore, params: SamplingParams) -> list[list[int]]:
+    seqs = [core.make_sequence(f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
+    for seq in seqs:
+        core.add_sequence(seq)
+    while core.has_unfinished():
+        core.step()
+    return [list(seq.output_token_ids) for seq in seqs]
+
+
+def test_the_gpu_burst_covers_every_size_class_sampling_variant_and_a_cache_hit():
+    wave, (repeat, _) = burst(max_model_len=4096, max_num_seqs=256, budget=1024, decode_chunk=8, vocab_size=1000,
+                              on_gpu=True, grammar=True)
+    lengths = {len(p) for p, _ in wave}
+    assert {1, 16, 17, 1000} <= lengths and max(lengths) > 1024  # one block, a partial one, chunked
+    assert max(lengths) <= 4096 - 17 - 1
+    assert len(wave) >= 64  # the decode batch grows to a burst's size
+    params = [p for _, p in wave]
+    assert any(p.temperature == 0 for p in params) and any(p.top_p < 1 and p.top_k > 0 for p in params)
+    assert any(p.logprobs for p in params) and any(p.presence_penalty for p in params)
+    assert sum(p.grammar is not None for p in params) == 1
+    assert repeat in [p for p, _ in wave] and len(repeat) >= 16  # at least one full block to hit
+    assert all(max(p) < 1000 for p, _ in wave)
+
+
+def test_warm_up_leaves_no_trace_and_changes_no_output(model_dir):
+    config = EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=96, decode_chunk=4, max_model_len=256)
+    fresh = EngineCore(config)
+    core = EngineCore(config)
+    free_at_start = core.block_manager.num_free_blocks
+    seconds = warm_up(core)
+    assert seconds > 0
+    stats = core.stats()
+    assert stats.prompt_tokens == 0 and stats.generation_tokens == 0 and stats.prefill_steps == 0
+    assert stats.prefix_cache_queries == 0 and stats.decode_rounds == 0
+    assert not core.sequences and not core.has_unfinished()
+    assert core.block_manager.num_free_blocks == free_at_start
+    assert core.block_manager.num_cached_free_blocks == 0
+    for params in (SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                   SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)):
+        assert run(core, params) == run(fresh, params)
