@@ -48,5 +48,25 @@ test-gpu: install
 bench-cpu: model
 	$(PY) benchmarks/cpu_decode.py
 
+# Mutation testing (cosmic-ray, tests/mutate.toml), not part of `make test`. It runs in a copy of the
+# working tree under MUTATE_DIR (cosmic-ray edits files in place), with cosmic-ray in its own venv there.
+# SESSIONS="sampler tools" picks sessions (default: all); STOP_AT=HH:MM (UTC) stops then; RESUME=1 goes on;
+# REPORT=1 only prints the scores of the sessions there. Scores are kept in docs/mutation.md.
+MUTATE_DIR ?= $(or $(TMPDIR),/tmp)/graphserve-mutate
+SESSIONS ?=
+STOP_AT ?=
+RESUME ?=
+REPORT ?=
+MUTATE_TOOL := $(MUTATE_DIR)/venv/.installed-cosmic-ray-8.7.0
+
+$(MUTATE_TOOL):
+	test -x $(MUTATE_DIR)/venv/bin/python || $(PYTHON) -m venv $(MUTATE_DIR)/venv
+	$(MUTATE_DIR)/venv/bin/python -m pip install -q "cosmic-ray==8.7.0"
+	touch $@
+
+mutate: model $(MUTATE_TOOL)
+	$(MUTATE_DIR)/venv/bin/python tests/mutate.py --python $(PY) --workdir $(MUTATE_DIR) \
+		$(foreach s,$(SESSIONS),--session $(s)) $(if $(STOP_AT),--stop-at $(STOP_AT)) $(if $(RESUME),--resume) $(if $(REPORT),--report)
+
 clean:
 	rm -rf $(VENV) build *.egg-info

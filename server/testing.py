@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-import httpx
 import uvicorn
 from fastapi import FastAPI
 
@@ -62,6 +61,8 @@ class BackgroundServer:
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         """Poll /health until it answers 200 (the model is loaded)."""
+        import httpx  # a dev extra: imported here, so that importing this module needs only the runtime
+
         deadline = time.monotonic() + timeout
         with httpx.Client(base_url=self.url, timeout=5.0) as client:
             while True:

@@ -20,8 +20,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
+
+httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
 
 from graphserve.engine.errors import InvalidRequestError
 from graphserve.engine.request import (

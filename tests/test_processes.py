@@ -30,9 +30,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
-import openai
 import pytest
+
+httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
+openai = pytest.importorskip("openai", reason="the openai client (a dev extra) drives the HTTP server")
 
 from graphserve.engine.async_engine import AsyncEngine
 from graphserve.engine.config import EngineConfig

@@ -17,9 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
-import jsonschema
 import pytest
+
+httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema (a dev extra) validates the outputs")
 
 from graphserve import AsyncEngine, EngineConfig
 from graphserve.server.app import create_app

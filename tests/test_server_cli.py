@@ -12,8 +12,9 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-import httpx
 import pytest
+
+httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
 
 from graphserve.engine.config import EngineConfig
 from graphserve.server.cli import build_parser, load_settings, main

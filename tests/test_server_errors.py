@@ -7,9 +7,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
-import openai
 import pytest
+
+httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
+openai = pytest.importorskip("openai", reason="the openai client (a dev extra) drives the HTTP server")
 
 from graphserve import AsyncEngine, EngineConfig
 from graphserve.server.app import create_app

@@ -9,8 +9,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import pytest
+
+httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
 
 from graphserve import AsyncEngine, EngineConfig
 from graphserve.engine.llm_engine import EngineStats

@@ -11,12 +11,13 @@ import threading
 import time
 from collections.abc import Iterator
 
-import httpx
-import jsonschema
-import openai
 import pytest
 import torch
 from pydantic import BaseModel
+
+httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema (a dev extra) validates the outputs")
+openai = pytest.importorskip("openai", reason="the openai client (a dev extra) drives the HTTP server")
 
 from graphserve import LLM, AsyncEngine, EngineConfig, SamplingParams
 from graphserve.engine.errors import InvalidRequestError

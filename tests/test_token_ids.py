@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
-import openai
 import pytest
+
+httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
+openai = pytest.importorskip("openai", reason="the openai client (a dev extra) drives the HTTP server")
 
 from graphserve import AsyncEngine, EngineConfig, SamplingParams
 from graphserve.engine.llm import LLM

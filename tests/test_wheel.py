@@ -13,7 +13,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from openai import OpenAI
+
+OpenAI = pytest.importorskip("openai", reason="the openai client (a dev extra) drives the HTTP server").OpenAI
 
 from graphserve.engine.models.default_model import MODEL_NAME
 from graphserve.server.testing import ServerProcess
