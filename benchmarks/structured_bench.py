@@ -10,9 +10,10 @@ compile, and what the host's mask fill costs per step.
    every string to its bound: ~250 tokens) or at --constrained-max-tokens (384, a cap);
    its actual tokens are counted. Output tok/s against the same N requests unconstrained,
    in the same process: ratio = mixed / unconstrained (target >= 0.7, aim 0.9). The
-   constrained requests' own tok/s; whether each output parses as JSON (strict, and
-   lenient: raw control characters inside strings allowed) and validates against the
-   schema (the jsonschema package where installed, else check_schema here). Greedy, then
+   constrained requests' own tok/s; success per output is a strict JSON parse (no raw
+   control characters inside strings) that validates against the schema (the jsonschema
+   package where installed, and check_schema here); the lenient parse is reported
+   beside it for diagnosis. Greedy, then
    the constrained rows sampled (temperature 1, seeded); the free rows stay greedy and
    their tokens are compared with the unconstrained run's (a request's output must not
    depend on its batch mates).
@@ -244,29 +245,31 @@ def _strings(value):
 
 
 def check_outputs(texts: list[str], schema: dict, validate) -> dict:
-    """How many of `texts` parse as JSON (strict, as json.loads: no raw control characters
-    in strings; and lenient, json.loads(strict=False)) and validate against `schema` (by
-    the validator package and by check_schema), the lenient parse where the strict one
-    fails; outputs with raw control characters (U+0000-U+001F) inside strings counted."""
+    """How many of `texts` succeed: parse as strict JSON (json.loads: no raw control
+    characters in strings, as pydantic and the OpenAI SDK's parse) and validate against
+    `schema` (by the validator package and by check_schema). For diagnosis also the lenient
+    parse (json.loads(strict=False)) and the outputs with raw control characters (U+0000-001F)
+    inside strings."""
     strict = lenient = valid = valid_builtin = control = 0
     failures = []
     for text in texts:
         try:
-            value = json.loads(text)
+            value, is_strict = json.loads(text), True
             strict += 1
         except ValueError as exc:
             try:
-                value = json.loads(text, strict=False)
+                value, is_strict = json.loads(text, strict=False), False
             except ValueError:
                 failures.append({"text": text[:300], "error": f"json: {exc}"})
                 continue
+            failures.append({"text": text[:300], "error": f"strict json: {exc}"})
         lenient += 1
         if any(_CONTROL.search(x) for x in _strings(value)):
             control += 1
         errors = validate(value, schema)
-        valid += not errors
         own = check_schema(value, schema)
-        valid_builtin += not own
+        valid += is_strict and not errors
+        valid_builtin += is_strict and not own
         if errors or own:
             failures.append({"text": text[:300], "errors": (errors or own)[:3]})
     return dict(count=len(texts), parse_json=strict, parse_json_lenient=lenient, with_raw_control_chars=control,

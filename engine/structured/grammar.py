@@ -23,6 +23,7 @@ import msgspec
 import torch
 
 from graphserve.engine.errors import InvalidRequestError
+from graphserve.engine.structured.vocabulary import Utf8Matcher, Utf8Tables, tokenizer_info
 
 # what a spec may hold before anything is compiled: xgrammar's work grows with it
 MAX_SPEC_CHARS = 64 * 1024
@@ -78,33 +79,42 @@ def check_spec(spec: GrammarSpec) -> None:
     _grammar(spec)
 
 
+# xgrammar 0.2.9 writes the characters of a JSON string with a length bound as this class, which
+# lets raw control characters (U+0000-001F) through: strict JSON parsers (json.loads, pydantic)
+# reject them. Its unbounded strings already exclude them, as here.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def json_strings_without_controls(grammar):
+    """`grammar` with every JSON string character class excluding the control characters."""
+    import xgrammar as xgr
+
+    ebnf = str(grammar)
+    if _BOUNDED_STRING_CHAR not in ebnf:
+        return grammar
+    return xgr.Grammar.from_ebnf(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+
+
 def _grammar(spec: GrammarSpec):
     import xgrammar as xgr
 
     try:
         if spec.kind == "json_schema":
-            return xgr.Grammar.from_json_schema(spec.value, any_whitespace=False, strict_mode=True)
-        if spec.kind == "json_object":  # any object, as OpenAI's JSON mode (the builtin grammar takes any value)
-            return xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
-        if spec.kind == "regex":
+            grammar = xgr.Grammar.from_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+        elif spec.kind == "json_object":  # any object, as OpenAI's JSON mode (the builtin grammar takes any value)
+            grammar = xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
+        elif spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.value)
-        if spec.kind == "choice":
+        elif spec.kind == "choice":
             return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(spec.value)))
-        if spec.kind == "grammar":
+        elif spec.kind == "grammar":
             return xgr.Grammar.from_ebnf(spec.value)
-        return xgr.Grammar.from_structural_tag(spec.value)
+        else:
+            grammar = xgr.Grammar.from_structural_tag(spec.value)
+        return json_strings_without_controls(grammar)
     except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own errors
         raise InvalidRequestError(f"invalid {spec.kind}: {_clean(exc)}", param=spec.param) from None
-
-
-def tokenizer_info(model_path: str | Path, vocab_size: int, stop_token_ids: list[int]):
-    """xgrammar's view of the tokenizer: every id's bytes, with the model's logits width
-    (padding ids beyond the tokenizer are never allowed) and its end-of-sequence ids."""
-    import xgrammar as xgr
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(model_path) / "tokenizer.json"))
-    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
 
 
 class GrammarCompiler:
@@ -118,6 +128,7 @@ class GrammarCompiler:
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
         self._compiler = None
+        self.utf8_tables: Utf8Tables | None = None  # with the compiler
         self._lock = threading.Lock()
         self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()  # recent specs: no re-parse
 
@@ -131,8 +142,15 @@ class GrammarCompiler:
                 import xgrammar as xgr
 
                 info = tokenizer_info(self.model_path, self.vocab_size, self.stop_token_ids)
+                self.utf8_tables = Utf8Tables(info.decoded_vocab, -(-self.vocab_size // 32))
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
             return self._compiler
+
+    def matcher(self, compiled) -> Utf8Matcher:
+        """A matcher of a grammar this compiler compiled."""
+        import xgrammar as xgr
+
+        return Utf8Matcher(xgr.GrammarMatcher(compiled), self.utf8_tables)
 
     def compile(self, spec: GrammarSpec):
         """The compiled grammar (blocking; a worker thread calls it)."""
@@ -231,7 +249,7 @@ class StructuredOutputs:
                     failed.append((entry.seq, _clean(exc)))
                     continue
                 with self._lock:
-                    self.matchers[request_id] = xgr.GrammarMatcher(compiled)
+                    self.matchers[request_id] = self.compiler.matcher(compiled)
                 ready.append(entry.seq)
             elif now > entry.deadline:
                 del self.compiling[request_id]
