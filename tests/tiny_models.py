@@ -25,6 +25,16 @@ VARIANTS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32)),
 }
 
+# Mixtures of experts (tests/test_moe.py): Mixtral's intermediate_size is each expert's.
+MOE_VARIANTS = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        tie_word_embeddings=False, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=None)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        tie_word_embeddings=False, head_dim=16, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4,
+        norm_topk_prob=True)),
+}
+
 
 def _byte_tokenizer() -> Tokenizer:
     """A byte-level tokenizer: one id per byte (ids 3..258), specials 0-2, the rest unused."""
@@ -44,7 +54,7 @@ def make_tiny_model(path: Path, variant: str = "llama", seed: int = 0, dtype: to
     """overrides: config fields over the variant's (e.g. num_key_value_heads=1)."""
     import transformers
 
-    config_cls, model_cls, extra = VARIANTS[variant]
+    config_cls, model_cls, extra = {**VARIANTS, **MOE_VARIANTS}[variant]
     config = getattr(transformers, config_cls)(**{**_BASE, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(dtype)

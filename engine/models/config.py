@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from graphserve.engine.errors import ModelFilesError, UnsupportedModelError
+from graphserve.engine.models.moe_config import MOE_ARCHITECTURES, MoeArgs, moe_sliding_window, parse_moe
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *MOE_ARCHITECTURES,  # CPU backend only for now (moe_config.check_moe_servable)
 )
 
 
@@ -38,6 +40,9 @@ class ModelArgs:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     quantization: str | None = None  # the checkpoint's weights: "fp8" (compressed-tensors), None: unquantized
+    moe: MoeArgs | None = None  # routed experts in every layer's MLP (Qwen3-MoE, Mixtral); None: dense
+    # the attention window, read for the MoE architectures only (dense Mistral's is not read: README)
+    sliding_window: int | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelArgs":
@@ -90,12 +95,15 @@ class ModelArgs:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            # Mixtral's attention has no bias whatever its config says
+            qkv_bias=arch == "Qwen2ForCausalLM" or (arch != "MixtralForCausalLM" and bool(cfg.get("attention_bias"))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             dtype=str(dtype).replace("torch.", ""),
             eos_token_ids=eos_ids,
             bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
             quantization=quantization,
+            moe=parse_moe(cfg, arch),
+            sliding_window=moe_sliding_window(cfg, arch),
         )
 
 

@@ -1,4 +1,5 @@
-"""Decoder for the Llama family: Llama 2/3/3.1, Mistral, SmolLM2, Qwen2 (QKV bias), Qwen3 (q/k norm).
+"""Decoder for the Llama family: Llama 2/3/3.1, Mistral, SmolLM2, Qwen2 (QKV bias), Qwen3 (q/k norm),
+and the mixtures of experts on that frame: Qwen3-MoE and Mixtral (engine/models/moe.py as the MLP).
 
 Weights use fused projections (qkv, gate_up); the loader fills them from HF tensors.
 The model reads attention metadata and the KV cache from its arguments only. Under tensor
@@ -15,6 +16,7 @@ from graphserve.engine.models.attention import AttentionMetadata
 from graphserve.engine.distributed import SINGLE, TensorParallel
 from graphserve.engine.models.sharding import shard_for
 from graphserve.engine.models.config import ModelArgs
+from graphserve.engine.models.moe import SparseMoE
 from graphserve.engine.models.layers import (
     Linear,
     add_rms_norm,
@@ -98,7 +100,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.tp = tp
         self.self_attn = Attention(args, backend, tp)
-        self.mlp = MLP(args)
+        self.mlp = SparseMoE(args.hidden_size, args.moe) if args.moe is not None else MLP(args)
+        self.is_moe = args.moe is not None
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -107,6 +110,9 @@ class DecoderLayer(nn.Module):
         tensor or its down projection's split-K partials (layers.defers_split_reduce)."""
         h, residual = self.self_attn(x, residual, self.input_layernorm, positions, cos_sin, meta, k_cache, v_cache)
         norm, mlp = self.post_attention_layernorm, self.mlp
+        if self.is_moe:  # one tensor-parallel rank (sharding.check_tensor_parallel): nothing to all-reduce
+            experts_input, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
+            return mlp(experts_input), residual
         act, residual = norm_linear(h, residual, norm.weight, norm.eps, mlp.gate_up_proj, silu_mul=True,
                                     row_amax=hands_row_amax(h, mlp.down_proj))
         return self.tp.all_reduce(mlp.down_proj(act, defer_reduce=defers_split_reduce(self.tp.size))), residual

@@ -1,4 +1,5 @@
 """Load a Hugging Face folder (config.json + single or sharded safetensors) into LlamaModel.
+A mixture of experts' per-expert tensors are stacked into [E, ...] parameters (moe_weights.py).
 
 Under tensor parallelism each rank reads only its own slice of every split weight
 (safetensors slices read just those bytes): rows for the column-parallel projections and the
@@ -19,6 +20,8 @@ from graphserve.engine.errors import ModelFilesError
 from graphserve.engine.models.config import ModelArgs
 from graphserve.engine.models.layers import Linear
 from graphserve.engine.models.llama import LlamaModel
+from graphserve.engine.models.moe_config import check_moe_servable
+from graphserve.engine.models.moe_weights import ROUTER_NAMES, complete_stacks, copy_expert, expert_slot, part_name
 from graphserve.kernels.rotary import build_cos_sin_cache
 
 # HF tensor name -> (our parameter name, shard index within a fused parameter)
@@ -61,6 +64,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
     device, no weight file read (config.json and the tokenizer are still the folder's)."""
     path = Path(path)
     args = ModelArgs.from_dir(path)
+    check_moe_servable(args.architecture, args.moe, args.sliding_window, args.quantization, device, max_positions,
+                       quantization)
     files = weight_files(path) if load_format != "dummy" else []
     cos_sin = build_cos_sin_cache(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
     with torch.device("meta"):
@@ -98,6 +103,7 @@ def _read_checkpoint(model: LlamaModel, path: Path, files: list[Path]) -> None:
                     _load_tensor(model.shard, params, loaded, name, f)
     if model.args.tie_word_embeddings:
         loaded.add("lm_head.weight")
+    loaded |= complete_stacks(params, loaded)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelFilesError(f"{path}: weights missing from the checkpoint: {', '.join(missing[:5])}"
@@ -154,6 +160,15 @@ def _load_tensor(shard: Shard, params: dict, loaded: set, name: str, f) -> None:
     match = _LAYER_NAME.match(name)
     if match:
         layer, module, kind = match.groups()
+        slot = expert_slot(module)
+        if slot is not None:  # one expert's projection, into its rows of the layer's stacked parameter
+            target = f"layers.{layer}.{slot.param}"
+            if kind != "weight" or target not in params:
+                raise ModelFilesError(f"unexpected tensor {name!r} in checkpoint for {args.architecture}")
+            copy_expert(params[target].data, slot, read_tensor(f, name, None, None), name)
+            loaded.add(part_name(target, slot.expert, slot.half))
+            return
+        module = ROUTER_NAMES.get(module, module)
         # a weight_scale (one per output row) is split like its weight's rows
         rows, cols = _split(shard, module, "weight" if kind == "weight_scale" else kind)
         if module in _FUSED:

@@ -19,6 +19,9 @@ def check_tensor_parallel(args: ModelArgs, size: int, device: torch.device) -> N
         raise InvalidConfigError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
+    if args.moe is not None:
+        raise InvalidConfigError(f"tensor_parallel_size {size}: mixture-of-experts models ({args.architecture}) "
+                                 "are not sharded yet; they run on one device")
     if device.type == "cuda" and size > torch.cuda.device_count():
         raise InvalidConfigError(f"tensor_parallel_size {size} exceeds the {torch.cuda.device_count()} visible GPUs")
     if args.num_heads % size:

@@ -1,0 +1,104 @@
+"""The mixture-of-experts part of a Hugging Face config (Qwen3-MoE, Mixtral): MoeArgs, and a clear
+UnsupportedModelError for any field whose value changes the math in a way graphserve does not
+implement. What the first MoE increment can serve (one CPU device, no FP8, a sliding window no
+shorter than the context served) is checked at load by check_moe_servable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphserve.engine.errors import InvalidConfigError, UnsupportedModelError
+
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+
+# Config fields of other MoE families (Qwen2-MoE, DeepSeek, ...) whose presence with a value other
+# than the one given here means math this layer does not do: shared experts, grouped or biased
+# routing, scaled routing weights, dense layers mixed in.
+_MUST_EQUAL = {
+    "shared_expert_intermediate_size": (None, 0),
+    "n_shared_experts": (None, 0),
+    "num_shared_experts": (None, 0),
+    "scoring_func": (None, "softmax"),
+    "routed_scaling_factor": (None, 1, 1.0),
+    "first_k_dense_replace": (None, 0),
+    "moe_layer_freq": (None, 1),
+    "n_group": (None, 1),
+    "topk_group": (None, 1),
+}
+
+
+@dataclass(frozen=True)
+class MoeArgs:
+    num_experts: int
+    top_k: int  # experts each token goes to
+    expert_intermediate_size: int  # each expert's SwiGLU width
+    renormalize: bool  # the top-k probabilities scaled to sum to 1 (Mixtral always; Qwen3-MoE: norm_topk_prob)
+
+
+def parse_moe(cfg: dict[str, Any], arch: str) -> MoeArgs | None:
+    """MoeArgs for an MoE architecture (None for a dense one), or UnsupportedModelError naming the
+    config field graphserve does not implement."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    _refuse_unsupported_fields(cfg, arch)
+    if arch == "Qwen3MoeForCausalLM":
+        # config.json says num_experts; transformers 5's save_pretrained writes its alias num_local_experts
+        num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        moe = MoeArgs(num_experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+                      bool(cfg.get("norm_topk_prob", False)))
+    else:
+        moe = MoeArgs(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"], True)
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise UnsupportedModelError(f"{arch}: num_experts_per_tok {moe.top_k} must be between 1 and the "
+                                    f"{moe.num_experts} experts")
+    return moe
+
+
+def moe_sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
+    """The attention window of an MoE architecture's config (None: full attention, or a dense
+    architecture). Qwen3-MoE's counts only with use_sliding_window, as in transformers."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    if arch == "Qwen3MoeForCausalLM" and not cfg.get("use_sliding_window", False):
+        return None
+    return cfg.get("sliding_window")
+
+
+def _refuse_unsupported_fields(cfg: dict[str, Any], arch: str) -> None:
+    def refuse(field: str, why: str) -> None:
+        raise UnsupportedModelError(f"{arch}: unsupported config {field}={cfg.get(field)!r}: {why}")
+
+    if cfg.get("decoder_sparse_step", 1) != 1:
+        refuse("decoder_sparse_step", "graphserve runs experts in every layer (decoder_sparse_step 1)")
+    if cfg.get("mlp_only_layers"):
+        refuse("mlp_only_layers", "graphserve runs experts in every layer, none dense")
+    if cfg.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "the experts are SwiGLU (silu)")
+    if arch == "Qwen3MoeForCausalLM" and cfg.get("attention_bias", False):  # Mixtral's attention has none
+        refuse("attention_bias", "the attention projections of MoE models have no bias here")
+    for field, allowed in _MUST_EQUAL.items():
+        if cfg.get(field) not in allowed:
+            refuse(field, "shared experts and other routing schemes than softmax top-k are not implemented")
+
+
+def check_moe_servable(arch: str, moe: MoeArgs | None, window: int | None, checkpoint_quantization: str | None,
+                       device: torch.device, max_positions: int, quantization: str | None) -> None:
+    """A clear error, before any weight is read, for what the torch MoE layer cannot serve yet."""
+    if moe is None:
+        return
+    if device.type != "cpu":
+        raise UnsupportedModelError(f"{arch} is a mixture-of-experts model: MoE models are served on the CPU "
+                                    f"backend only for now (--device cpu), not on {device.type}")
+    if checkpoint_quantization is not None:
+        raise UnsupportedModelError(f"{arch}: quantized ({checkpoint_quantization}) mixture-of-experts "
+                                    "checkpoints are not supported yet")
+    if quantization is not None:
+        raise InvalidConfigError(f"--quantization {quantization} is not supported for mixture-of-experts models "
+                                 f"({arch}) yet")
+    if window is not None and window < max_positions:
+        raise UnsupportedModelError(
+            f"{arch}: unsupported config sliding_window={window}: sliding-window attention is not implemented, "
+            f"and the context served ({max_positions} tokens) is longer; set --max-model-len {window} or less")

@@ -1,0 +1,295 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral) on the CPU backend, float32: greedy tokens equal
+transformers' own on the same tiny random weights (offline, batched, through the HTTP server); the
+routed-experts layer against a plain per-token reference on its edge cases (an idle expert, one
+expert taking every token, ties in the router, broken as transformers breaks them); and the
+configs graphserve does not implement, refused at load with the field named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file, save_file
+from tiny_models import make_tiny_model
+
+from graphserve import LLM, SamplingParams
+from graphserve.engine.errors import InvalidConfigError, ModelFilesError, UnsupportedModelError
+from graphserve.engine.models.attention import TorchAttention
+from graphserve.engine.models.config import ModelArgs
+from graphserve.engine.models.loader import load_model
+from graphserve.engine.models.moe import SparseMoE, route
+from graphserve.engine.models.moe_config import MoeArgs
+from graphserve.engine.models.sharding import check_tensor_parallel
+
+MAX_NEW = 16
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+PROMPTS = [[3 + (11 * i + 5 * j) % 400 for j in range(n)] for i, n in enumerate((6, 37, 1, 22, 45))]
+MODELS = {  # name -> (tiny_models variant, config overrides)
+    "mixtral": ("mixtral", {}),  # 8 experts, top-2, always renormalized
+    "qwen3_moe_norm": ("qwen3_moe", {"norm_topk_prob": True}),  # 16 experts, top-4
+    "qwen3_moe_no_norm": ("qwen3_moe", {"norm_topk_prob": False}),
+}
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model_name(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_name, tmp_path_factory) -> Path:
+    variant, overrides = MODELS[model_name]
+    return make_tiny_model(tmp_path_factory.mktemp(model_name) / "model", variant, seed=7, **overrides)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(model_dir) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, alone."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    for prompt in PROMPTS:
+        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+        outs.append(ids[0, len(prompt):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    # a prefill budget under the longest prompt: prompts are chunked, and decodes ride along on CPU
+    return LLM(str(model_dir), device="cpu", num_kv_blocks=64, max_num_batched_tokens=32, decode_chunk=2)
+
+
+def test_single_prompt_greedy_matches_transformers(llm, hf_greedy):
+    assert llm.generate([PROMPTS[1]], GREEDY)[0].token_ids == hf_greedy[1]
+
+
+def test_batch_of_different_lengths_greedy_matches_transformers(llm, hf_greedy):
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == hf_greedy
+    assert len({tuple(o) for o in hf_greedy}) > 1  # the continuations differ: routing matters
+
+
+def test_http_completion_matches_transformers(model_dir, hf_greedy):
+    httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
+    from graphserve import AsyncEngine, EngineConfig
+    from graphserve.server.app import create_app
+    from graphserve.server.testing import BackgroundServer
+
+    config = EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=64, decode_chunk=2)
+    with BackgroundServer(create_app(AsyncEngine(config))) as server:
+        server.wait_ready()
+        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": PROMPTS[3], "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["token_ids"] == hf_greedy[3]
+
+
+# ---- the routed-experts layer against a plain reference ----
+
+HIDDEN, INTER = 32, 16
+
+
+def make_layer(num_experts: int, top_k: int, renormalize: bool, seed: int = 0) -> SparseMoE:
+    gen = torch.Generator().manual_seed(seed)
+    layer = SparseMoE(HIDDEN, MoeArgs(num_experts, top_k, INTER, renormalize))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return layer
+
+
+def reference_moe(layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: softmax over the router logits, the top k, then each pick's SwiGLU expert
+    times its (renormalized) probability."""
+    probs = torch.softmax(F.linear(x, layer.router.weight), dim=-1)
+    weights, picks = torch.topk(probs, layer.moe.top_k, dim=-1)
+    if layer.moe.renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for weight, e in zip(weights[t], picks[t]):
+            gate, up = (layer.gate_up_proj[e] @ x[t]).chunk(2)
+            out[t] += weight * (layer.down_proj[e] @ (F.silu(gate) * up))
+    return out
+
+
+def transformers_router(layer: SparseMoE, arch: str):
+    """transformers' own router module for this layer's shape, holding its router weight."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    moe = layer.moe
+    if arch == "mixtral":
+        router = MixtralTopKRouter(transformers.MixtralConfig(
+            hidden_size=HIDDEN, num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k))
+    else:
+        router = Qwen3MoeTopKRouter(transformers.Qwen3MoeConfig(
+            hidden_size=HIDDEN, num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+            norm_topk_prob=moe.renormalize))
+    with torch.no_grad():
+        router.weight.copy_(layer.router.weight)
+    return router
+
+
+def positive_inputs(tokens: int, seed: int = 1) -> torch.Tensor:
+    """Inputs with every entry positive, so a router row of all +c (or -c) raises (or sinks) its
+    expert for every token."""
+    return torch.rand(tokens, HIDDEN, generator=torch.Generator().manual_seed(seed)) + 0.1
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("tokens", [1, 3, 40])  # decode-sized and prefill-sized batches
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_layer_matches_reference(tokens, renormalize):
+    layer = make_layer(8, 2, renormalize)
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+    torch.testing.assert_close(layer(x), reference_moe(layer, x), rtol=1e-5, atol=1e-6)
+
+
+@torch.no_grad()
+def test_an_expert_that_gets_no_token():
+    layer = make_layer(8, 2, renormalize=True)
+    idle = 5
+    layer.router.weight[idle] = -1.0
+    x = positive_inputs(24)
+    _, picks = route(layer.router(x), 2, True)
+    assert not (picks == idle).any()
+    torch.testing.assert_close(layer(x), reference_moe(layer, x), rtol=1e-5, atol=1e-6)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_every_token_routed_to_one_expert(top_k):
+    layer = make_layer(8, top_k, renormalize=False)
+    busy = 3
+    layer.router.weight[busy] = 1.0
+    x = positive_inputs(24)
+    _, picks = route(layer.router(x), top_k, False)
+    assert (picks == busy).any(dim=1).all()
+    torch.testing.assert_close(layer(x), reference_moe(layer, x), rtol=1e-5, atol=1e-6)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch, renormalize", [("mixtral", True), ("qwen3_moe", True), ("qwen3_moe", False)])
+@pytest.mark.parametrize("tie", ["three experts tie for two places", "all experts tie"])
+def test_router_ties_break_as_in_transformers(arch, renormalize, tie):
+    layer = make_layer(8, 2, renormalize)
+    if tie == "all experts tie":
+        layer.router.weight.zero_()  # transformers' Qwen3-MoE router starts at zero
+    else:
+        layer.router.weight[[1, 4, 6]] = 0.5
+    x = positive_inputs(12)
+    weights, picks = route(layer.router(x), 2, renormalize)
+    top3 = torch.softmax(layer.router(x), -1).topk(3).values
+    assert torch.equal(top3[:, 0], top3[:, 2])  # every token: a tie across the top-2 boundary
+    _, want_weights, want_picks = transformers_router(layer, arch)(x)
+    assert torch.equal(picks, want_picks)
+    assert torch.equal(weights, want_weights.float())
+    torch.testing.assert_close(layer(x), reference_moe(layer, x), rtol=1e-5, atol=1e-6)
+
+
+# ---- configs refused at load ----
+
+def hf_config(arch: str, **fields) -> dict:
+    """A config.json's contents as transformers writes it, with `fields` set (or added) afterwards."""
+    if arch == "mixtral":
+        config = transformers.MixtralConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=8)
+        config.architectures = ["MixtralForCausalLM"]
+    else:
+        config = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, num_experts=16,
+                                             num_experts_per_tok=4)
+        config.architectures = ["Qwen3MoeForCausalLM"]
+    return {**config.to_dict(), **fields}
+
+
+def test_supported_configs_parse():
+    qwen = ModelArgs.from_hf_config(hf_config("qwen3_moe", norm_topk_prob=True))
+    assert qwen.moe == MoeArgs(num_experts=16, top_k=4, expert_intermediate_size=32, renormalize=True)
+    assert qwen.qk_norm and not qwen.qkv_bias
+    hub_style = hf_config("qwen3_moe", num_experts=128)  # the hub's Qwen3-MoE configs name it num_experts
+    del hub_style["num_local_experts"]
+    assert ModelArgs.from_hf_config(hub_style).moe.num_experts == 128
+    mixtral = ModelArgs.from_hf_config(hf_config("mixtral"))
+    assert mixtral.moe == MoeArgs(num_experts=8, top_k=2, expert_intermediate_size=32, renormalize=True)
+    assert mixtral.sliding_window is None and not mixtral.qk_norm
+
+
+@pytest.mark.parametrize("arch, field, value", [
+    ("qwen3_moe", "decoder_sparse_step", 2),
+    ("qwen3_moe", "mlp_only_layers", [0]),
+    ("qwen3_moe", "shared_expert_intermediate_size", 128),  # Qwen2-MoE's shared expert
+    ("qwen3_moe", "attention_bias", True),
+    ("qwen3_moe", "hidden_act", "gelu"),
+    ("mixtral", "hidden_act", "gelu"),
+    ("mixtral", "n_shared_experts", 2),
+    ("mixtral", "scoring_func", "sigmoid"),
+    ("mixtral", "num_experts_per_tok", 9),
+])
+def test_unsupported_config_is_refused_naming_the_field(arch, field, value):
+    with pytest.raises(UnsupportedModelError, match=field):
+        ModelArgs.from_hf_config(hf_config(arch, **{field: value}))
+
+
+def edited_copy(model_dir: Path, dest: Path, **fields) -> Path:
+    shutil.copytree(model_dir, dest)
+    config = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**config, **fields}))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("mixtral_refusals") / "model", "mixtral", seed=7)
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("qwen_refusals") / "model", "qwen3_moe", seed=7)
+
+
+def test_a_sliding_window_shorter_than_the_context_is_refused(mixtral_dir, qwen_dir, tmp_path):
+    mixtral = edited_copy(mixtral_dir, tmp_path / "mixtral", sliding_window=64)
+    with pytest.raises(UnsupportedModelError, match="sliding_window=64.*max-model-len 64"):
+        load_model(mixtral, torch.float32, CPU, TorchAttention(16), 512)
+    load_model(mixtral, torch.float32, CPU, TorchAttention(16), 64)  # the window covers the whole context
+    with pytest.raises(UnsupportedModelError, match="sliding_window"):  # through the engine, at start
+        LLM(str(mixtral), device="cpu", num_kv_blocks=16)
+    qwen = edited_copy(qwen_dir, tmp_path / "qwen", use_sliding_window=True, sliding_window=100)
+    with pytest.raises(UnsupportedModelError, match="sliding_window=100"):
+        load_model(qwen, torch.float32, CPU, TorchAttention(16), 512)
+    ignored = edited_copy(qwen_dir, tmp_path / "qwen_off", use_sliding_window=False, sliding_window=100)
+    load_model(ignored, torch.float32, CPU, TorchAttention(16), 512)  # as transformers: no window when off
+
+
+def test_a_cuda_device_is_refused_before_anything_is_loaded(mixtral_dir):
+    """MoE runs on the CPU backend only for now; the refusal comes before any CUDA call, so it
+    shows on a machine without a GPU too."""
+    with pytest.raises(UnsupportedModelError, match="CPU backend only"):
+        load_model(mixtral_dir, torch.bfloat16, torch.device("cuda"), TorchAttention(16), 512)
+
+
+def test_fp8_and_tensor_parallelism_are_refused(mixtral_dir):
+    with pytest.raises(InvalidConfigError, match="quantization fp8"):
+        load_model(mixtral_dir, torch.float32, CPU, TorchAttention(16), 512, quantization="fp8")
+    with pytest.raises(InvalidConfigError, match="mixture-of-experts"):
+        check_tensor_parallel(ModelArgs.from_dir(mixtral_dir), 2, CPU)
+
+
+def test_a_checkpoint_missing_an_expert_is_refused(qwen_dir, tmp_path):
+    broken = shutil.copytree(qwen_dir, tmp_path / "broken")
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.9.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelFilesError, match=r"layers\.1\.mlp\.gate_up_proj"):
+        load_model(broken, torch.float32, CPU, TorchAttention(16), 512)
