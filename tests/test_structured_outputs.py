@@ -368,10 +368,11 @@ def test_nothing_leaks_after_all_requests(served):
 
 def test_sampling_never_draws_a_masked_token():
     """Gumbel noise stays finite (a +inf once made a token win whatever its logit, mask or not)."""
-    from graphserve.engine.runner.sampler import SamplingTensors, _hash_uniform, sample
+    from graphserve.engine.runner.sampler import SamplingTensors, sample
+    from graphserve.engine.sampling_noise import hash_uniform
 
     vocab, rows = 49152, 256
-    u = _hash_uniform(torch.arange(rows), torch.arange(rows) * 7, vocab)
+    u = hash_uniform(torch.arange(rows), torch.arange(rows) * 7, vocab)
     assert 0 < u.min().item() and u.max().item() < 1
     bitmask = torch.zeros(rows, -(-vocab // 32), dtype=torch.int32)
     allowed = torch.randint(0, vocab, (rows,))

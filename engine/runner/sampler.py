@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from graphserve.engine.request import Sequence
+from graphserve.engine.sampling_noise import hash_uniform
 from graphserve.kernels.bitmask import unpack_bitmask
 
 _MASK32 = 0xFFFFFFFF
@@ -106,20 +107,6 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_ids: tuple
     return st
 
 
-def _hash_uniform(seeds: torch.Tensor, output_pos: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniform (0, 1) noise [B, V] from a 32-bit integer hash of (seed, position, token id)."""
-    vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    x = (seeds[:, None] * 0x9E3779B1 + output_pos[:, None] * 0x85EBCA77 + vocab[None, :] * 0xC2B2AE3D) & _MASK32
-    for mult in (0x7FEB352D, 0x846CA68B):  # lowbias32 finalizer; low 32 bits survive int64 wraparound
-        x = x ^ (x >> 16)
-        x = (x * mult) & _MASK32
-    x = x ^ (x >> 16)
-    # top 23 bits plus one half: exact in float32 (24 significant bits), so u stays strictly inside
-    # (0, 1). (With 24 bits, 2**24 - 0.5 rounded up to 2**24: u = 1, Gumbel noise +inf, and that
-    # token was drawn whatever its probability, about once in 2**24 draws per vocabulary entry.)
-    return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
-
-
 def apply_processors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Logit bias, penalties and min_tokens, applied to a copy of the float32 logits."""
     if st.logit_bias is not None:
@@ -180,7 +167,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
         if st.use_top_filters:
             scaled = _top_filters(scaled, st)
         # Gumbel-max: argmax(logits/T + Gumbel noise) draws from softmax(logits/T)
-        gumbel = -torch.log(-torch.log(_hash_uniform(st.seeds, st.output_pos, logits.shape[-1])))
+        gumbel = -torch.log(-torch.log(hash_uniform(st.seeds, st.output_pos, logits.shape[-1])))
         sampled = (scaled + gumbel).argmax(dim=-1)
         tokens = torch.where(st.temperature > 0, sampled, greedy_tokens)
     if st.num_logprobs > 0:

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters that propose tokens, and the verify step that accepts them."""
