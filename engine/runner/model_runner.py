@@ -16,7 +16,7 @@ from graphserve.engine.models.attention import AttentionMetadata
 from graphserve.engine.sched.kv_cache import DUMMY_BLOCK, BlockManager
 from graphserve.engine.models.llama import LlamaModel
 from graphserve.engine.runner.prefill_graphs import PrefillGraphs
-from graphserve.engine.runner.prefill_inputs import PrefillInputs, prefill_inputs
+from graphserve.engine.runner.prefill_inputs import PrefillInputs, padded_rows, prefill_inputs, verify_inputs
 from graphserve.engine.request import Sequence, TokenLogprob
 from graphserve.engine.runner.sampler import SamplingTensors, build_sampling_tensors, count_output_tokens, sample
 from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch
@@ -209,6 +209,25 @@ class ModelRunner:
         allowed = torch.full((len(lens), -(-logits.shape[1] // 32)), -1, dtype=torch.int32, device=self.device)
         greedy_sample(logits, allowed)  # the variant of rows under a grammar
         torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]],
+               num_speculative_tokens: int | None = None) -> torch.Tensor:
+        """Score each decoding sequence's last token and its drafts in one eager forward pass over the
+        paged KV (speculative decoding's verify step), writing their KV at positions num_tokens - 1
+        onwards. Returns float32 logits [B, k + 1, V]: position j of row i scores the token after
+        seqs[i]'s tokens and drafts[i][:j]; positions past len(drafts[i]) are 0. k is num_speculative_tokens, or else the
+        most drafts of any row. The caller reserved the slots (BlockManager.reserve_draft_slots) and,
+        once it knows what was accepted, rolls the rest back (BlockManager.roll_back_drafts). Nothing
+        here changes the sequences."""
+        k = max(map(len, drafts), default=0) if num_speculative_tokens is None else num_speculative_tokens
+        if any(len(proposal) > k for proposal in drafts):
+            raise ValueError(f"more than k = {k} drafts in a row")
+        inputs = verify_inputs(seqs, drafts, self.block_size)
+        logits = self.model.compute_logits(self._prefill_forward(inputs))  # [T, V]
+        rows = torch.from_numpy(padded_rows(inputs.query_lens, k + 1)).to(self.device)
+        out = logits.new_zeros(len(seqs) * (k + 1), logits.shape[1]).index_copy_(0, rows, logits)
+        return out.view(len(seqs), k + 1, logits.shape[1])
 
     def _prefill_forward(self, inputs: PrefillInputs) -> torch.Tensor:
         """The eager forward pass of a packed prefill batch: hidden states [T, D]."""

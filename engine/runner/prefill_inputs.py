@@ -1,5 +1,6 @@
 """A prefill batch's packed inputs, built on the host in numpy: token ids, positions, KV slots
-and per-sequence lengths. The eager prefill and the prefill CUDA graphs both start here.
+and per-sequence lengths. The eager prefill and the prefill CUDA graphs both start here, and so
+does a speculative verify step (each sequence's last token and drafts, a short chunk).
 (Per-token Python would cost milliseconds on a batch of thousands of tokens.)"""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from graphserve.engine.sched.kv_cache import DUMMY_BLOCK
+from graphserve.engine.request import Sequence
 from graphserve.engine.sched.scheduler import PrefillBatch
 
 
@@ -34,20 +36,50 @@ class PrefillInputs:
 
 def prefill_inputs(batch: PrefillBatch, block_size: int) -> PrefillInputs:
     """Each sequence's chunk starts at its num_computed_tokens (the cached prefix or the chunks before)."""
+    starts = [s.num_computed_tokens for s in batch.seqs]
+    chunks = [s.token_ids[start:start + n] for s, start, n in zip(batch.seqs, starts, batch.chunk_lens)]
+    return pack_chunks(batch.seqs, starts, chunks, block_size)
+
+
+def verify_inputs(seqs: list[Sequence], drafts: list[list[int]], block_size: int) -> PrefillInputs:
+    """A verify step as a prefill batch: each running sequence's chunk is its last token (whose KV is
+    not written yet) followed by its drafts, over its cached context. Every sequence must be
+    decoding (all tokens but the last computed) with KV slots reserved for the whole chunk."""
+    if len(seqs) != len(drafts):
+        raise ValueError(f"{len(seqs)} sequences but {len(drafts)} draft lists")
+    for seq, proposal in zip(seqs, drafts):
+        if seq.num_computed_tokens != seq.num_tokens - 1:
+            raise ValueError(f"{seq.request_id}: {seq.num_computed_tokens} of {seq.num_tokens} tokens computed; "
+                             "a verify step needs all but the last")
+        if len(seq.block_table) * block_size < seq.num_tokens + len(proposal):
+            raise ValueError(f"{seq.request_id}: no KV slots reserved for {len(proposal)} drafts")
+    starts = [s.num_tokens - 1 for s in seqs]
+    chunks = [[s.last_token_id, *proposal] for s, proposal in zip(seqs, drafts)]
+    return pack_chunks(seqs, starts, chunks, block_size)
+
+
+def pack_chunks(seqs: list[Sequence], starts: list[int], chunks: list[list[int]], block_size: int) -> PrefillInputs:
+    """Sequence i's tokens chunks[i] at positions starts[i], starts[i] + 1, ..., their KV written into its blocks."""
     ids, positions, slots = [], [], []
-    query_lens = np.asarray(batch.chunk_lens, dtype=np.int64)
-    width = max(len(s.block_table) for s in batch.seqs)
-    tables = np.full((len(batch.seqs), width), DUMMY_BLOCK, dtype=np.int32)
-    for i, (seq, n) in enumerate(zip(batch.seqs, batch.chunk_lens)):
-        start = seq.num_computed_tokens
+    query_lens = np.fromiter(map(len, chunks), dtype=np.int64, count=len(chunks))
+    width = max(len(s.block_table) for s in seqs)
+    tables = np.full((len(seqs), width), DUMMY_BLOCK, dtype=np.int32)
+    for i, (seq, start, chunk) in enumerate(zip(seqs, starts, chunks)):
         table = np.asarray(seq.block_table, dtype=np.int64)
         tables[i, :len(table)] = table
-        pos = np.arange(start, start + n, dtype=np.int64)
-        ids.append(np.asarray(seq.token_ids[start:start + n], dtype=np.int64))
+        pos = np.arange(start, start + len(chunk), dtype=np.int64)
+        ids.append(np.asarray(chunk, dtype=np.int64))
         positions.append(pos)
         slots.append(table[pos // block_size] * block_size + pos % block_size)
-    starts = np.fromiter((s.num_computed_tokens for s in batch.seqs), dtype=np.int64, count=len(batch.seqs))
-    cu = np.zeros(len(batch.seqs) + 1, dtype=np.int32)
+    cu = np.zeros(len(seqs) + 1, dtype=np.int32)
     cu[1:] = np.cumsum(query_lens)
     return PrefillInputs(np.concatenate(ids), np.concatenate(positions), np.concatenate(slots), query_lens,
-                         (starts + query_lens).astype(np.int32), cu, tables)
+                         (np.asarray(starts, dtype=np.int64) + query_lens).astype(np.int32), cu, tables)
+
+
+def padded_rows(query_lens: np.ndarray, width: int) -> np.ndarray:
+    """[T] int64: where each packed token's row goes in a [B * width] layout (sequence b's tokens at
+    b * width, b * width + 1, ...): a verify step's logits, [B, k + 1] per position."""
+    cu = np.cumsum(query_lens) - query_lens
+    seq = np.repeat(np.arange(len(query_lens), dtype=np.int64), query_lens)
+    return seq * width + np.arange(int(query_lens.sum()), dtype=np.int64) - np.repeat(cu, query_lens)

@@ -88,19 +88,53 @@ class BlockManager:
         later request (or this one, re-admitted after preemption) can reuse them."""
         self.register(seq)
         for block in reversed(seq.block_table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.freed_at[block] = self.rounds_launched
-                if block in self._block_key:
-                    self._cached_free[block] = None  # most recently used last
-                else:
-                    self.free_blocks.append(block)
+            self._release(block)
         seq.block_table = []
         seq.block_hashes = []
         for key in seq.computing_keys:
             if self._computing.get(key) == seq.request_id:
                 del self._computing[key]
         seq.computing_keys = []
+
+    def _release(self, block: int) -> None:
+        """Drop one reference to `block`; without users it is free (cached-free when registered)."""
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.freed_at[block] = self.rounds_launched
+            if block in self._block_key:
+                self._cached_free[block] = None  # most recently used last
+            else:
+                self.free_blocks.append(block)
+
+    # ---- speculative decoding: a verify step writes ahead, then gives back what was rejected ----
+
+    def reserve_draft_slots(self, seq: Sequence, num_drafts: int) -> bool:
+        """Grow seq.block_table so that a verify step can write the KV of seq's last token and of
+        `num_drafts` drafts after it (positions up to num_tokens - 1 + num_drafts). False, taking
+        nothing, when the pool lacks the blocks."""
+        needed = self.blocks_needed(seq, seq.num_tokens + num_drafts)
+        if not self.can_allocate(needed):
+            return False
+        self.allocate(seq, seq.num_tokens + num_drafts)
+        return True
+
+    def roll_back_drafts(self, seq: Sequence) -> None:
+        """After a verify step, once seq's accepted drafts and the token after them are appended:
+        the KV of every token but the last is computed (as after a decode step), the slots past it
+        hold rejected drafts for the next steps to overwrite, and blocks holding only such slots go
+        back to the pool."""
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.trim(seq, seq.num_computed_tokens)
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks past the first `num_tokens` token slots. Those are its own and never
+        registered (a registered block is full of computed KV, which a trim never cuts into)."""
+        keep = -(-num_tokens // self.block_size)
+        assert len(seq.block_hashes) <= keep, "trimming a registered block"
+        for block in reversed(seq.block_table[keep:]):
+            assert self.ref_counts[block] == 1 and block not in self._block_key, f"block {block} is shared"
+            self._release(block)
+        del seq.block_table[keep:]
 
     def last_freed(self, seq: Sequence, start: int, end: int) -> int:
         """The latest rounds_launched at which a block holding seq's positions start..end-1 was freed."""
