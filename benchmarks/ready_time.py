@@ -50,13 +50,12 @@ def main() -> None:
     parser.add_argument("--name", default=None)
     args = parser.parse_args()
     model = resolve_model(args.model)
+    report = dict(**provenance("ready_time"), model=args.model, model_path=model, config=args.config)
     with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache:
-        arms = {}
-        for arm in ("cold", "warm"):
-            arms[arm] = start_to_ready(model, args.config, Path(cache), args.timeout)
-            print(f"{args.model}: ready in {arms[arm]['ready_s']:.1f} s with a {arm} Triton cache", flush=True)
-    report = dict(**provenance("ready_time"), model=args.model, model_path=model, config=args.config, **arms)
-    write_json(args.out / f"{args.name or 'ready_time-' + args.model}.json", report)
+        for arm in ("cold", "warm"):  # the JSON is written after each: a run cut short keeps the first
+            report[arm] = start_to_ready(model, args.config, Path(cache), args.timeout)
+            print(f"{args.model}: ready in {report[arm]['ready_s']:.1f} s with a {arm} Triton cache", flush=True)
+            write_json(args.out / f"{args.name or 'ready_time-' + args.model}.json", report)
 
 
 if __name__ == "__main__":

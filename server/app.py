@@ -24,6 +24,7 @@ from graphserve.server.generation import ClientDisconnected
 from graphserve.server.metrics import ServerMetrics
 from graphserve.server.settings import ServerSettings
 from graphserve.server.state import ServerState
+from graphserve.server.warm_up import warm_up_front_end
 
 logger = logging.getLogger("graphserve.server")
 
@@ -68,7 +69,7 @@ def create_app(
         # anyio imports its asyncio backend on first use (~40-50 ms), which would otherwise
         # land on this front end's first streamed response
         await anyio.sleep(0)
-        supervisor = asyncio.create_task(_run_engine(state, on_ready, on_engine_failure))
+        supervisor = asyncio.create_task(_run_engine(app, state, on_ready, on_engine_failure))
         try:
             yield
         finally:
@@ -101,11 +102,13 @@ def create_app(
 
 
 async def _run_engine(
+    app: FastAPI,
     state: ServerState,
     on_ready: Callable[[ServerState], None] | None,
     on_engine_failure: Callable[[BaseException], None] | None,
 ) -> None:
-    """Start the engine, then watch it: a dead engine loop must not go unnoticed."""
+    """Start the engine, warm this front end up where the engine core warmed up (server/warm_up.py),
+    then watch the engine: a dead engine loop must not go unnoticed."""
     try:
         await state.engine.start()
     except asyncio.CancelledError:
@@ -122,6 +125,9 @@ async def _run_engine(
         state.engine.model_path,
         state.engine.max_model_len,
     )
+    if getattr(getattr(state.engine, "info", None), "warmed_up", False):
+        logger.info("front end warmed up in %.2fs", await warm_up_front_end(app, state))
+    state.warming_up = False
     if on_ready is not None:
         on_ready(state)
     while not state.engine.dead:

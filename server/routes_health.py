@@ -14,7 +14,7 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     """200 once the model is loaded; 503 while it loads, while draining, or after the engine failed."""
-    status = get_state(request).status()  # a failure's cause is in the log, not here
+    status = get_state(request).health()  # a failure's cause is in the log, not here
     return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
 

@@ -30,6 +30,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     startup_error: BaseException | None = None
     draining: bool = False  # shutting down: finish running requests, take no new ones
+    warming_up: bool = True  # until the front end's own warm-up is done (server/warm_up.py): /health says loading
 
     @property
     def model_name(self) -> str:
@@ -46,6 +47,12 @@ class ServerState:
         if not self.engine.ready:
             return "loading"
         return "ok"
+
+    def health(self) -> Status:
+        """What /health reports: status(), but loading until this front end has warmed up. The
+        warm-up's own requests (and any client's that comes before /health says ok) are served."""
+        status = self.status()
+        return "loading" if status == "ok" and self.warming_up else status
 
     def ready_engine(self, model: str | None = None) -> Any:
         """The engine, or a 503 unless it is ok; then a 404 unless `model` names it (see check_model)."""

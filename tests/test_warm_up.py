@@ -57,3 +57,40 @@ def test_warm_up_leaves_no_trace_and_changes_no_output(model_dir):
     for params in (SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                    SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)):
         assert run(core, params) == run(fresh, params)
+
+
+def test_a_front_end_warms_its_own_path_and_its_metrics_start_from_zero(model_dir, caplog):
+    """server/warm_up.py, which a front end runs where the engine core warmed up (CUDA), here on the
+    CPU through the app's own lifespan: every request of it is answered 200, /health says loading
+    until it is done, and the metrics a client scrapes afterwards count none of it."""
+    import asyncio
+    import logging
+
+    from graphserve import AsyncEngine
+    from graphserve.server.app import create_app
+    from graphserve.server.warm_up import REQUESTS, warm_up_front_end
+
+    app = create_app(AsyncEngine(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=96,
+                                              max_model_len=256)))
+    state = app.state.graphserve
+
+    async def scenario() -> tuple[float, bytes]:
+        async with app.router.lifespan_context(app):
+            while state.warming_up:  # the CPU core does not warm up: the front end is ready at once
+                await asyncio.sleep(0.01)
+            state.warming_up = True
+            assert state.status() == "ok" and state.health() == "loading"
+            seconds = await warm_up_front_end(app, state)
+            state.warming_up = False
+            assert state.health() == "ok"
+            return seconds, state.metrics.render()
+
+    with caplog.at_level(logging.INFO, logger="graphserve.server"):
+        seconds, metrics = asyncio.run(scenario())
+    assert seconds > 0
+    assert not [r for r in caplog.records if "warm-up" in r.getMessage()], "a warm-up request failed"
+    assert len(REQUESTS) >= 5 and {path for path, _ in REQUESTS} == {"/v1/completions", "/v1/chat/completions"}
+    assert any(body.get("stream") for _, body in REQUESTS) and any("response_format" in body for _, body in REQUESTS)
+    text = metrics.decode()
+    assert "graphserve_generation_tokens_total 0.0" in text
+    assert 'graphserve_requests_total{finish_reason="length"}' not in text

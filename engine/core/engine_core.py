@@ -27,6 +27,7 @@ from graphserve.engine.core.warm_up import warm_up
 from graphserve.engine.distributed import init_tensor_parallel
 from graphserve.engine.errors import InvalidConfigError, InvalidRequestError
 from graphserve.engine.models.config import ModelArgs
+from graphserve.engine.models.model_path import resolve_model_path
 from graphserve.engine.models.sharding import check_tensor_parallel
 from graphserve.engine.request import SamplingParams, Sequence, TokenLogprob
 from graphserve.engine.runner.cuda_graphs import GraphDecoder, RoundHandle, eager_reason
@@ -76,14 +77,6 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return True
     return "avx512_bf16" in flags or "amx_bf16" in flags or "flags" not in flags
-
-
-def resolve_model_path(model: str | None) -> str:
-    if model is None:
-        from graphserve.engine.models.default_model import ensure_default_model
-
-        return str(ensure_default_model())
-    return model
 
 
 class EngineCore:
@@ -169,7 +162,8 @@ class EngineCore:
         logger.info("loaded %s (%s, %d layers) on %s in %s: %.1fs; KV pool %d blocks x %d tokens, max_model_len %d",
                     self.model_path, args.architecture, args.num_layers, self.device, str(self.dtype).split(".")[-1],
                     time.perf_counter() - started, num_blocks, config.block_size, self.max_model_len)
-        if config.warm_up and self.device.type == "cuda":  # a CPU has no kernels to compile or load
+        self.warmed_up = config.warm_up and self.device.type == "cuda"  # a CPU has nothing to compile or load
+        if self.warmed_up:
             warm_up(self)
 
     def reset_stats(self) -> None:

@@ -162,7 +162,7 @@ class CoreLoop:
             blocks = core.block_manager
             self._send(identity, CoreReady(core.model_path, core.max_model_len, core.args.vocab_size,
                                            list(core.eos_ids), core.stats(), blocks.block_size,
-                                           blocks.root if blocks.prefix_caching else None))
+                                           blocks.root if blocks.prefix_caching else None, core.warmed_up))
         elif isinstance(message, InjectFault):
             core.inject_fault(message.kind)
             if self.workers:

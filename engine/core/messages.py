@@ -60,6 +60,7 @@ class CoreReady(msgspec.Struct, tag=True, array_like=True):
     stats: EngineStats
     block_size: int = 16
     prefix_cache_root: bytes | None = None  # the hash chain's root; None: prefix caching is off
+    warmed_up: bool = False  # the core ran its warm-up burst: the front ends warm their own path too
 
 
 class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
