@@ -83,7 +83,9 @@ def test_the_installed_wheel_imports_and_serves(wheel_python, where, tmp_path):
     help_text = subprocess.run([str(script), "--help"], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
     assert help_text.returncode == 0 and "serve" in help_text.stdout, help_text.stderr
 
-    with ServerProcess(["--max-model-len", "256", "--max-num-seqs", "2"], python=wheel_python, cwd=cwd) as server:
+    # as a user runs it: without the Triton interpreter that conftest turns on for every other process
+    with ServerProcess(["--max-model-len", "256", "--max-num-seqs", "2"], python=wheel_python, cwd=cwd,
+                       env={"TRITON_INTERPRET": "0"}) as server:
         server.wait_ready()
         client = OpenAI(base_url=server.url + "/v1", api_key="unused")
         completion = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=4,
