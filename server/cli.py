@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from dataclasses import MISSING, fields
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from graphserve.engine.config import EngineConfig
+from graphserve.engine.errors import GraphserveError
 from graphserve.server.settings import (
     API_KEY_ENV,
     ServerSettings,
@@ -26,7 +28,8 @@ from graphserve.server.settings import (
 logger = logging.getLogger("graphserve.server")
 
 ENGINE_FLAG_HELP = {
-    "model": "local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)",
+    "model": "local Hugging Face model folder, or a .gguf file (llama, qwen2, qwen3; converted once into the "
+             "cache, weights dequantized to float32) (default: the embedded SmolLM2-135M-Instruct)",
     "device": "auto | cpu | cuda (auto: cuda when a GPU is present)",
     "dtype": "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, the checkpoint's on CUDA)",
     "max_model_len": "context length (prompt + output); default: the model's, capped by the KV pool",
@@ -207,11 +210,22 @@ def _setup_logging(level: str) -> None:
     )
 
 
+def convert_gguf_model(engine_config: EngineConfig) -> EngineConfig:
+    """--model FILE.gguf: convert the file (once, into the cache) here, before any process starts,
+    so that a file graphserve cannot serve ends the command with one line; the engine loads the folder."""
+    from graphserve.engine.models.model_path import ensure_gguf_model, is_gguf_path
+
+    if not is_gguf_path(engine_config.model):
+        return engine_config
+    return dataclasses.replace(engine_config, model=str(ensure_gguf_model(engine_config.model)))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from graphserve.server import supervisor
 
     server_settings, engine_config, config_path = load_settings(args)
     _setup_logging(server_settings.log_level)
+    engine_config = convert_gguf_model(engine_config)
     logger.info("config file: %s", config_path or "none (built-in defaults)")
     logger.info("engine config: %s", engine_config)
     shown = {**vars(server_settings), "api_key": "***" if server_settings.api_key else None}
@@ -226,7 +240,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     _, engine_config, _ = load_settings(args)
     _setup_logging("warning")
-    llm = LLM(**vars(engine_config))
+    llm = LLM(**vars(convert_gguf_model(engine_config)))
     prompts: list[str] | list[list[int]] = list(args.prompt)
     if args.chat:
         prompts = [
@@ -268,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"graphserve: {exc}", file=sys.stderr)
         return 2
+    except GraphserveError as exc:  # a model that cannot be served, found before the server starts
+        print(f"graphserve: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

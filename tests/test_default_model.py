@@ -20,6 +20,7 @@ import pytest
 
 from graphserve.engine.errors import ModelFilesError
 from graphserve.engine.models import default_model as dm
+from graphserve.engine.models import model_cache as mc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,10 +46,10 @@ def test_folder_has_all_files(model_dir):
         "tokenizer.json",
         "tokenizer_config.json",
         "chat_template.jinja",
-        dm.COMPLETE_MARKER,
+        mc.COMPLETE_MARKER,
     ):
         assert (model_dir / name).is_file(), name
-    assert dm.is_complete(model_dir)
+    assert mc.is_complete(model_dir)
     # nothing half-written is left next to it
     assert not list(model_dir.parent.glob(".SmolLM2-135M-Instruct.tmp-*"))
 
@@ -132,7 +133,7 @@ def test_second_call_does_not_reconvert(model_dir, monkeypatch):
 
 
 def test_main_prints_the_path(model_dir):
-    env = {**os.environ, "GRAPHSERVE_CACHE": str(dm.cache_root()), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "GRAPHSERVE_CACHE": str(mc.cache_root()), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(
         [sys.executable, "-m", "graphserve.engine.models.default_model", "--quiet"],
         cwd=REPO_ROOT,
@@ -177,11 +178,11 @@ def test_transformers_generates_paris(model_dir):
 
 def test_cache_root_env(monkeypatch, tmp_path):
     monkeypatch.setenv("GRAPHSERVE_CACHE", str(tmp_path / "c"))
-    assert dm.cache_root() == tmp_path / "c"
+    assert mc.cache_root() == tmp_path / "c"
     assert dm.default_model_path() == tmp_path / "c" / "models" / "SmolLM2-135M-Instruct"
     monkeypatch.delenv("GRAPHSERVE_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert dm.cache_root() == tmp_path / "home" / ".cache" / "graphserve"
+    assert mc.cache_root() == tmp_path / "home" / ".cache" / "graphserve"
 
 
 def test_find_gguf():
@@ -215,7 +216,7 @@ def _fake_convert(calls: list):
     def convert(gguf_path, out_dir, progress=True):
         calls.append(Path(out_dir))
         out_dir = Path(out_dir)
-        for name in dm.REQUIRED_FILES:
+        for name in mc.REQUIRED_FILES:
             (out_dir / name).write_text(json.dumps({"fake": name}))
 
     return convert
@@ -231,14 +232,14 @@ def test_incomplete_target_and_stale_temp_are_replaced(monkeypatch, tmp_path):
     stale = target.parent / ".SmolLM2-135M-Instruct.tmp-crashed"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"\0" * 10)
-    assert not dm.is_complete(target)
+    assert not mc.is_complete(target)
 
     calls: list = []
     monkeypatch.setattr(dm, "convert_gguf", _fake_convert(calls))
     assert dm.ensure_default_model(progress=False) == target
     assert len(calls) == 1
     assert calls[0].parent == target.parent and calls[0].name.startswith(".SmolLM2-135M-Instruct.tmp-")
-    assert dm.is_complete(target)
+    assert mc.is_complete(target)
     assert _read_json(target / "config.json") == {"fake": "config.json"}
     assert not stale.exists()
     assert sorted(p.name for p in target.parent.iterdir()) == [".SmolLM2-135M-Instruct.lock", "SmolLM2-135M-Instruct"]
@@ -251,25 +252,25 @@ def test_incomplete_target_and_stale_temp_are_replaced(monkeypatch, tmp_path):
 def test_outdated_format_is_rebuilt_and_swapped(tmp_path):
     target = tmp_path / "models" / "M"
     target.mkdir(parents=True)
-    for name in dm.REQUIRED_FILES:
+    for name in mc.REQUIRED_FILES:
         (target / name).write_text("old")
-    (target / dm.COMPLETE_MARKER).write_text(json.dumps({"format": dm.FORMAT_VERSION - 1}))
-    assert not dm.is_complete(target)
-    (target / dm.COMPLETE_MARKER).write_text("{not json")
-    assert not dm.is_complete(target)
+    (target / mc.COMPLETE_MARKER).write_text(json.dumps({"format": mc.FORMAT_VERSION - 1}))
+    assert not mc.is_complete(target)
+    (target / mc.COMPLETE_MARKER).write_text("{not json")
+    assert not mc.is_complete(target)
 
     seen_during_build = []
 
     def build(tmp: Path) -> None:
         # the old folder stays in place until the new one is ready
         seen_during_build.append((target / "config.json").read_text())
-        for name in dm.REQUIRED_FILES:
+        for name in mc.REQUIRED_FILES:
             (tmp / name).write_text("new")
 
-    assert dm._publish(target, build) == target
+    assert mc.publish_folder(target, build) == target
     assert seen_during_build == ["old"]
     assert (target / "config.json").read_text() == "new"
-    assert _read_json(target / dm.COMPLETE_MARKER)["format"] == dm.FORMAT_VERSION
+    assert _read_json(target / mc.COMPLETE_MARKER)["format"] == mc.FORMAT_VERSION
     assert sorted(p.name for p in target.parent.iterdir()) == [".M.lock", "M"]
 
 
@@ -281,7 +282,7 @@ def test_failed_build_publishes_nothing(tmp_path):
         raise RuntimeError("killed halfway")
 
     with pytest.raises(RuntimeError, match="halfway"):
-        dm._publish(target, crashing_build)
+        mc.publish_folder(target, crashing_build)
     assert not target.exists()
     assert [p.name for p in target.parent.iterdir()] == [".M.lock"]
 
@@ -289,24 +290,24 @@ def test_failed_build_publishes_nothing(tmp_path):
         (tmp / "config.json").write_text("{}")
 
     with pytest.raises(ModelFilesError, match="model.safetensors"):
-        dm._publish(target, incomplete_build)
+        mc.publish_folder(target, incomplete_build)
     assert not target.exists()
 
     def good_build(tmp: Path) -> None:
-        for name in dm.REQUIRED_FILES:
+        for name in mc.REQUIRED_FILES:
             (tmp / name).write_text("x")
 
-    assert dm._publish(target, good_build) == target
-    assert dm.is_complete(target)
-    marker = _read_json(target / dm.COMPLETE_MARKER)
-    assert set(marker["files"]) == set(dm.REQUIRED_FILES)
+    assert mc.publish_folder(target, good_build) == target
+    assert mc.is_complete(target)
+    marker = _read_json(target / mc.COMPLETE_MARKER)
+    assert set(marker["files"]) == set(mc.REQUIRED_FILES)
 
 
 _CONCURRENT_SCRIPT = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from graphserve.engine.models import default_model as dm
+    from graphserve.engine.models import model_cache as mc
 
     target, log = Path(sys.argv[1]), Path(sys.argv[2])
 
@@ -314,10 +315,10 @@ _CONCURRENT_SCRIPT = textwrap.dedent(
         with open(log, "a") as f:
             f.write("build\\n")
         time.sleep(1.5)
-        for name in dm.REQUIRED_FILES:
+        for name in mc.REQUIRED_FILES:
             (tmp / name).write_text("x")
 
-    print(dm._publish(target, slow_build))
+    print(mc.publish_folder(target, slow_build))
     """
 )
 
@@ -339,5 +340,5 @@ def test_concurrent_processes_convert_once(tmp_path):
     assert [p.returncode for p in procs] == [0, 0, 0], outs
     assert [o[0].strip() for o in outs] == [str(target)] * 3
     assert log.read_text() == "build\n"
-    assert dm.is_complete(target)
+    assert mc.is_complete(target)
     assert not list(target.parent.glob(".M.tmp-*"))
