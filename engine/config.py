@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
 
 @dataclass
 class EngineConfig:
@@ -36,6 +39,9 @@ class EngineConfig:
     load_format: str = "safetensors"  # "dummy": random weights, no weight file read (benchmarks of big shapes)
     # CUDA: before ready, a burst of dummy requests through every path a first burst takes (engine/core/warm_up.py)
     warm_up: bool = True
+    # speculative decoding (engine/core/speculation.py): "ngram" (prompt lookup) or None (off); CPU backend only for now
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4  # k: drafts verified per sequence and step
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
@@ -62,3 +68,12 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.speculative_method not in (None, *SPECULATIVE_METHODS):
+            raise ValueError(f"speculative_method must be {' or '.join(SPECULATIVE_METHODS)} (or left out), "
+                             f"got {self.speculative_method!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
+        if self.speculative_method is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding does not run under tensor parallelism yet: "
+                             "leave speculative_method out or set tensor_parallel_size to 1")

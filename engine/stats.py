@@ -25,6 +25,10 @@ class EngineStats:
     generation_tokens: int = 0
     graph_replays: dict[int, int] = field(default_factory=dict)  # batch bucket -> decode steps replayed
     eager_rounds: dict[str, int] = field(default_factory=dict)  # reason -> decode rounds run eagerly
+    # speculative decoding (engine/core/speculation.py): mean accepted length = 1 + accepted / verify rows
+    spec_verify_rows: int = 0  # sequences verified with at least one draft (one per sequence and verify step)
+    spec_draft_tokens: int = 0  # draft tokens verified
+    spec_accepted_tokens: int = 0  # of them, accepted
     device_busy_seconds: float = 0.0  # the device ran a batch or round
     device_idle_seconds: float = 0.0  # requests were running, but the device waited for the host
     gc_full_collections: int = 0  # the core process's full garbage collections (engine/gc_stats.py)

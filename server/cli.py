@@ -64,6 +64,10 @@ ENGINE_FLAG_HELP = {
                             "process per rank (engine/distributed.py)",
     "seed": "seed the seeds of unseeded requests (default: drawn from the OS, so they differ across "
             "restarts and replicas)",
+    "speculative_method": "speculative decoding: ngram (prompt lookup: drafts copied from the prompt and output "
+                          "so far, verified in one pass; the same tokens, faster on text that repeats its input). "
+                          "CPU backend only for now; greedy and temperature-only sampling rows; left out: off",
+    "num_speculative_tokens": "k: most draft tokens verified per sequence and step, 1 to 16",
 }
 
 

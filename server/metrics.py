@@ -213,6 +213,18 @@ class EngineStatsCollector(Collector):
             "Time the engine-core process spent in full garbage collections.",
             stats.gc_full_collection_seconds,
         )
+        yield CounterMetricFamily(
+            f"{PREFIX}_spec_verify_rows",
+            "Speculative decoding: sequences verified with at least one draft, one per sequence and verify step "
+            "(mean accepted length = 1 + accepted tokens / verify rows).",
+            stats.spec_verify_rows,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_spec_draft_tokens", "Speculative decoding: draft tokens verified.", stats.spec_draft_tokens
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_spec_accepted_tokens", "Speculative decoding: draft tokens accepted.", stats.spec_accepted_tokens
+        )
         replays = CounterMetricFamily(
             f"{PREFIX}_cuda_graph_replays",
             "Decode steps replayed from a CUDA graph, by batch bucket.",

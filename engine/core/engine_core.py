@@ -23,6 +23,7 @@ import torch
 from graphserve.engine import gc_stats
 from graphserve.engine.config import EngineConfig
 from graphserve.engine.core.messages import CoreOutput
+from graphserve.engine.core.speculation import SpeculativeDecoder, check_speculation_supported, make_drafter
 from graphserve.engine.core.warm_up import warm_up
 from graphserve.engine.distributed import init_tensor_parallel
 from graphserve.engine.errors import InvalidConfigError, InvalidRequestError
@@ -91,6 +92,7 @@ class EngineCore:
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.device = resolve_device(config.device)
+        check_speculation_supported(config, self.device)
         tp_size = config.tensor_parallel_size
         if self.device.type == "cpu":
             if config.num_threads:
@@ -131,6 +133,9 @@ class EngineCore:
             GrammarCompiler(self.model_path, args.vocab_size, list(self.eos_ids), config.grammar_compile_timeout),
             max_rows=config.max_num_seqs)
         self.runner.structured = self.structured
+        self.speculation = None if config.speculative_method is None else SpeculativeDecoder(
+            make_drafter(config.speculative_method), config.num_speculative_tokens, self.runner,
+            self.block_manager, self.max_model_len)
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             table_width = -(-self.max_model_len // config.block_size)
@@ -227,6 +232,7 @@ class EngineCore:
             return False
         self.scheduler.finish(seq)
         self.structured.release(request_id)
+        self._release_drafts(request_id)
         seq.finish_reason = "abort"
         self._drop_unwanted_round()
         return True
@@ -323,6 +329,8 @@ class EngineCore:
         try:
             if isinstance(batch, PrefillBatch):
                 return self.runner.prefill(batch, overtake=self._may_overtake(batch))
+            if self.speculation is not None:
+                return self._decode_speculating(batch)
             return self.decode(batch)
         finally:
             self.timeline.end(mark)
@@ -479,6 +487,7 @@ class EngineCore:
                 self.scheduler.finish(seq)
                 self.sequences.pop(seq.request_id, None)
                 self.structured.release(seq.request_id)
+                self._release_drafts(seq.request_id)
             outputs.append(out)
         return outputs
 
@@ -526,6 +535,7 @@ class EngineCore:
             self.scheduler.finish(seq)
             self.sequences.pop(seq.request_id, None)
             self.structured.release(seq.request_id)
+            self._release_drafts(seq.request_id)
             self._poisoned.discard(seq.request_id)
             seq.finish_reason = "error"
             outputs.append(CoreOutput(seq.request_id, [], finish_reason="error", error=error))
@@ -568,6 +578,24 @@ class EngineCore:
             tokens = self.runner.decode(rnd)  # synchronous, on the stream of the rounds
         self._rounds_completed = self.block_manager.rounds_launched  # it waited for everything before it
         return tokens
+
+    def _decode_speculating(self, rnd: DecodeRound) -> dict[str, StepTokens]:
+        """A decode round with speculation on: the sequences with drafts run one verify step (up to
+        k + 1 tokens each), the others the round's K decode steps; _process appends both alike."""
+        plan = self.speculation.plan(rnd.seqs)
+        tokens = self.decode(DecodeRound(plan.decode_seqs, rnd.num_steps)) if plan.decode_seqs else {}
+        if plan.verify_seqs:
+            verified = self.speculation.verify(plan.verify_seqs, plan.drafts)
+            stats = self.stats_counters
+            stats.spec_verify_rows += len(plan.verify_seqs)
+            stats.spec_draft_tokens += verified.num_draft_tokens
+            stats.spec_accepted_tokens += verified.num_accepted_tokens
+            tokens.update(verified.tokens)
+        return tokens
+
+    def _release_drafts(self, request_id: str) -> None:
+        if self.speculation is not None:
+            self.speculation.release(request_id)
 
     def stats(self) -> EngineStats:
         """A snapshot; safe to call from another thread."""

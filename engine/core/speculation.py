@@ -1,0 +1,152 @@
+"""Speculative decoding in the engine core: n-gram drafts, one verify pass, the accepted tokens.
+
+When EngineConfig.speculative_method is set, a decode round's eligible sequences that have drafts
+become a verify step (the others run the round as before): per sequence, the drafter proposes up
+to k tokens, their KV slots are reserved, ModelRunner.verify scores the last token and the drafts
+in one eager forward pass, verify_drafts accepts the leading drafts that equal what the sampler
+would have drawn, and the accepted drafts plus the token after them (the correction, or a bonus
+when every draft was accepted) go back to the engine core, which appends them as it appends a
+round's tokens (EOS, stop token ids, max_tokens). The slots of rejected drafts are given back here.
+
+Eligible: what verify_drafts reproduces exactly, temperature only. Greedy, or temperature > 0 with
+no top-k / top-p / min-p filter; no penalties, logit bias, logprobs or grammar, and no min_tokens
+still to wait for. A seeded sampled row gets the same tokens as without speculation: each
+position's token is drawn with the sampler's (seed, output position) noise.
+
+Runs where ModelRunner.verify runs: the CPU backend (eager). The CUDA-graph verify step is not
+written yet, so a CUDA engine refuses speculation at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphserve.engine.config import EngineConfig
+from graphserve.engine.errors import InvalidConfigError
+from graphserve.engine.request import Sequence
+from graphserve.engine.runner.model_runner import ModelRunner, StepTokens
+from graphserve.engine.runner.sampler import build_sampling_tensors
+from graphserve.engine.sched.kv_cache import BlockManager
+from graphserve.engine.spec.acceptance import verify_drafts
+from graphserve.engine.spec.drafter import Drafter, pack_drafts
+from graphserve.engine.spec.ngram import NgramDrafter
+
+
+def check_speculation_supported(config: EngineConfig, device: torch.device) -> None:
+    """Refuse, before the model loads, a speculative engine this build cannot run."""
+    if config.speculative_method is not None and device.type != "cpu":
+        raise InvalidConfigError(
+            f"speculative decoding (--speculative-method {config.speculative_method}) runs on the CPU backend "
+            f"only for now, not on {device.type}: the CUDA-graph verify step is not written yet. "
+            "Leave --speculative-method out, or run with --device cpu")
+
+
+def make_drafter(method: str) -> Drafter:
+    if method == "ngram":
+        return NgramDrafter()
+    raise InvalidConfigError(f"unknown speculative_method {method!r}")
+
+
+def is_eligible(seq: Sequence, vocab_size: int) -> bool:
+    """Whether verify_drafts gives `seq` the tokens the sampler would: temperature is the only
+    control it applies."""
+    p = seq.params
+    top_filters = 0 < p.top_k < vocab_size or p.top_p < 1 or p.min_p > 0
+    return not ((p.temperature > 0 and top_filters) or p.needs_penalties or p.logit_bias or p.logprobs is not None
+                or p.grammar is not None or seq.num_output_tokens < p.min_tokens)
+
+
+@dataclass
+class DraftPlan:
+    """A decode round split in two: sequences to verify with their drafts (KV slots reserved), and
+    the rest, which run the round's K decode steps."""
+
+    verify_seqs: list[Sequence]
+    drafts: list[list[int]]
+    decode_seqs: list[Sequence]
+
+
+@dataclass
+class VerifyStep:
+    tokens: dict[str, StepTokens]  # per verified sequence: its accepted drafts, then the token after them
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+class SpeculativeDecoder:
+    """The drafter's view of the running sequences and the verify step."""
+
+    def __init__(self, drafter: Drafter, num_speculative_tokens: int, runner: ModelRunner,
+                 block_manager: BlockManager, max_model_len: int):
+        self.drafter = drafter
+        self.k = num_speculative_tokens
+        self.runner = runner
+        self.blocks = block_manager
+        self.max_model_len = max_model_len
+        # request id -> how many of its tokens the drafter has seen. Tokens reach a sequence by
+        # several paths (prefill, a decode riding along a prefill step, rounds, verify steps), so the
+        # drafter catches up from seq.token_ids before each proposal. A preempted sequence keeps its
+        # tokens, so its index stays valid across the recompute.
+        self._seen: dict[str, int] = {}
+
+    def plan(self, seqs: list[Sequence]) -> DraftPlan:
+        """Propose drafts for the eligible sequences and reserve their KV slots. A sequence without
+        drafts (none proposed, one token left, the pool short of blocks) decodes as usual."""
+        vocab = self.runner.vocab_size
+        candidates = [s for s in seqs if is_eligible(s, vocab)]
+        for seq in candidates:
+            self._catch_up(seq)
+        # the drafts and the token after them stay within max_tokens, and so within max_model_len
+        # (admission capped max_tokens at it; the min is a guard)
+        limits = [max(0, min(self.k, s.params.max_tokens - s.num_output_tokens - 1,
+                             self.max_model_len - s.num_tokens - 1)) for s in candidates]
+        proposals = self.drafter.propose([s.request_id for s in candidates], limits)
+        plan = DraftPlan([], [], [])
+        drafted = set()
+        for seq, proposal in zip(candidates, proposals):
+            if proposal and self.blocks.reserve_draft_slots(seq, len(proposal)):
+                plan.verify_seqs.append(seq)
+                plan.drafts.append(proposal)
+                drafted.add(seq.request_id)
+        plan.decode_seqs = [s for s in seqs if s.request_id not in drafted]
+        return plan
+
+    @torch.inference_mode()
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> VerifyStep:
+        """One verify pass over `seqs` and their drafts; gives back the slots of rejected drafts.
+        Changes no token list: the caller appends the returned tokens."""
+        runner = self.runner
+        logits = runner.verify(seqs, drafts, self.k)  # [B, k + 1, V]
+        draft_ids, num_drafts = pack_drafts(drafts, self.k, runner.device)
+        # the sampler's temperature, seeds and output positions of each row's first token
+        st = build_sampling_tensors(seqs, runner.vocab_size, runner.eos_ids, runner.device)
+        out = verify_drafts(logits, draft_ids, num_drafts, st.temperature, st.seeds, st.output_pos)
+        num_accepted = out.num_accepted.tolist()
+        token_ids = out.token_ids.tolist()
+        tokens = {}
+        for seq, n, row in zip(seqs, num_accepted, token_ids):
+            tokens[seq.request_id] = StepTokens(row[:n + 1])
+            # KV is kept for the last token and the n accepted drafts (as BlockManager.roll_back_drafts
+            # leaves it once the n + 1 tokens are appended); blocks holding only rejected slots go back
+            self.blocks.trim(seq, seq.num_tokens + n)
+        return VerifyStep(tokens, sum(map(len, drafts)), sum(num_accepted))
+
+    @property
+    def num_tracked_requests(self) -> int:
+        """Requests the drafter holds state for (0 once every request has ended)."""
+        return len(self._seen)
+
+    def release(self, request_id: str) -> None:
+        """The request ended: drop the drafter's state of it."""
+        if self._seen.pop(request_id, None) is not None:
+            self.drafter.on_finish(request_id)
+
+    def _catch_up(self, seq: Sequence) -> None:
+        seen = self._seen.get(seq.request_id)
+        if seen is None:
+            self.drafter.add_request(seq.request_id, seq.token_ids)
+        elif seen < seq.num_tokens:
+            self.drafter.on_append(seq.request_id, seq.token_ids[seen:])
+        self._seen[seq.request_id] = seq.num_tokens
