@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     toks: list[tuple[str, Tokenizer]] = []
     path = args.tokenizer
     if path is None:
-        from graphserve.engine.models.default_model import default_model_path
+        from graphserve.engine.model_files.default_model import default_model_path
 
         candidate = default_model_path()
         path = str(candidate) if (candidate / "tokenizer.json").is_file() else None

@@ -857,7 +857,7 @@ def mask_only(args, report, threads, log, name) -> int:
 
     model = args.model
     if model in (None, "", "default"):
-        from graphserve.engine.models.default_model import ensure_default_model
+        from graphserve.engine.model_files.default_model import ensure_default_model
 
         folder = Path(ensure_default_model())
     else:

@@ -52,7 +52,7 @@ def resolve_model(name: str | None) -> str | None:
 def model_folder(model: str | None) -> Path:
     if model is None:
         sys.path.insert(0, str(ROOT))
-        from graphserve.engine.models.default_model import ensure_default_model
+        from graphserve.engine.model_files.default_model import ensure_default_model
 
         return Path(ensure_default_model())
     return Path(model)

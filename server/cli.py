@@ -217,7 +217,7 @@ def _setup_logging(level: str) -> None:
 def convert_gguf_model(engine_config: EngineConfig) -> EngineConfig:
     """--model FILE.gguf: convert the file (once, into the cache) here, before any process starts,
     so that a file graphserve cannot serve ends the command with one line; the engine loads the folder."""
-    from graphserve.engine.models.model_path import ensure_gguf_model, is_gguf_path
+    from graphserve.engine.model_files.model_path import ensure_gguf_model, is_gguf_path
 
     if not is_gguf_path(engine_config.model):
         return engine_config
@@ -269,7 +269,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_model(args: argparse.Namespace) -> int:
-    from graphserve.engine.models.default_model import main as prepare_default_model
+    from graphserve.engine.model_files.default_model import main as prepare_default_model
 
     return prepare_default_model([])
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from graphserve.engine.errors import ModelFilesError
-from graphserve.engine.models import default_model as dm
-from graphserve.engine.models import model_cache as mc
+from graphserve.engine.model_files import default_model as dm
+from graphserve.engine.model_files import model_cache as mc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,7 +135,7 @@ def test_second_call_does_not_reconvert(model_dir, monkeypatch):
 def test_main_prints_the_path(model_dir):
     env = {**os.environ, "GRAPHSERVE_CACHE": str(mc.cache_root()), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(
-        [sys.executable, "-m", "graphserve.engine.models.default_model", "--quiet"],
+        [sys.executable, "-m", "graphserve.engine.model_files.default_model", "--quiet"],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -307,7 +307,7 @@ _CONCURRENT_SCRIPT = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from graphserve.engine.models import model_cache as mc
+    from graphserve.engine.model_files import model_cache as mc
 
     target, log = Path(sys.argv[1]), Path(sys.argv[2])
 

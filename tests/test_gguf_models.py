@@ -23,8 +23,8 @@ from graphserve import LLM, SamplingParams
 from graphserve.engine.async_engine import AsyncEngine
 from graphserve.engine.config import EngineConfig
 from graphserve.engine.errors import ModelFilesError, UnsupportedModelError
-from graphserve.engine.models.model_cache import COMPLETE_MARKER, cache_root, is_complete
-from graphserve.engine.models.model_path import ensure_gguf_model, gguf_cache_path
+from graphserve.engine.model_files.model_cache import COMPLETE_MARKER, cache_root, is_complete
+from graphserve.engine.model_files.model_path import ensure_gguf_model, gguf_cache_path
 from graphserve.kernels.rotary import rope_inv_freq
 from graphserve.server.app import create_app
 from graphserve.server.testing import BackgroundServer

@@ -125,7 +125,7 @@ def test_models_lists_the_served_model(client: httpx.Client, server: BackgroundS
     card = body["data"][0]
     assert card["id"] == "SmolLM2-135M-Instruct"
     assert card["object"] == "model" and card["owned_by"] and isinstance(card["created"], int)
-    from graphserve.engine.models.default_model import default_model_path
+    from graphserve.engine.model_files.default_model import default_model_path
 
     assert card["root"] == str(default_model_path()) and card["max_model_len"] == MAX_MODEL_LEN
     assert client.get(f"/v1/models/{card['id']}").json()["id"] == card["id"]

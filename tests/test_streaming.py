@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP
 
 from graphserve import AsyncEngine, EngineConfig, SamplingParams
 from graphserve.engine.core.messages import CoreOutput
-from graphserve.engine.models.default_model import ensure_default_model
+from graphserve.engine.model_files.default_model import ensure_default_model
 from graphserve.engine.output import OutputProcessor
 from graphserve.engine.tokenizer import Tokenizer
 from graphserve.server.app import create_app

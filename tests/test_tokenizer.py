@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers
 
 from graphserve.engine import tokenizer as engine_tokenizer
-from graphserve.engine.models.default_model import ensure_default_model
+from graphserve.engine.model_files.default_model import ensure_default_model
 from graphserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from graphserve.server.chat_prompt import render_chat_prompt
 from graphserve.server.protocol import ChatMessage

@@ -16,7 +16,7 @@ import pytest
 
 OpenAI = pytest.importorskip("openai", reason="the openai client (a dev extra) drives the HTTP server").OpenAI
 
-from graphserve.engine.models.default_model import MODEL_NAME
+from graphserve.engine.model_files.default_model import MODEL_NAME
 from graphserve.server.testing import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,7 +28,7 @@ from graphserve.engine.core.warm_up import warm_up
 from graphserve.engine.distributed import init_tensor_parallel
 from graphserve.engine.errors import InvalidConfigError, InvalidRequestError
 from graphserve.engine.models.config import ModelArgs
-from graphserve.engine.models.model_path import resolve_model_path
+from graphserve.engine.model_files.model_path import resolve_model_path
 from graphserve.engine.models.sharding import check_tensor_parallel
 from graphserve.engine.request import SamplingParams, Sequence, TokenLogprob
 from graphserve.engine.runner.cuda_graphs import GraphDecoder, RoundHandle, eager_reason

@@ -20,8 +20,8 @@ import logging
 from pathlib import Path
 
 from graphserve.engine.errors import ModelFilesError
-from graphserve.engine.models import gguf_import
-from graphserve.engine.models.model_cache import cache_root, is_complete, publish_folder
+from graphserve.engine.model_files import gguf_import
+from graphserve.engine.model_files.model_cache import cache_root, is_complete, publish_folder
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def ensure_gguf_model(gguf_path: str | Path, progress: bool = True) -> Path:
 def resolve_model_path(model: str | None, progress: bool = True) -> str:
     """The Hugging Face folder the engine loads for ``--model`` (see the module docstring)."""
     if model is None:
-        from graphserve.engine.models.default_model import ensure_default_model
+        from graphserve.engine.model_files.default_model import ensure_default_model
 
         return str(ensure_default_model(progress=progress))
     if is_gguf_path(model):

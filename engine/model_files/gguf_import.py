@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from graphserve.engine.errors import GraphserveError, ModelFilesError, UnsupportedModelError
-from graphserve.engine.models.conversion_steps import Steps, all_cores_for_torch, quiet_transformers_progress
-from graphserve.engine.models.gguf_rope import ROPE_FREQS_TENSOR, rope_parameters
-from graphserve.engine.models.model_cache import say
+from graphserve.engine.model_files.conversion_steps import Steps, all_cores_for_torch, quiet_transformers_progress
+from graphserve.engine.model_files.gguf_rope import ROPE_FREQS_TENSOR, rope_parameters
+from graphserve.engine.model_files.model_cache import say
 
 logger = logging.getLogger(__name__)
 

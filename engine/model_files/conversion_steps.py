@@ -9,7 +9,7 @@ import os
 import time
 from collections.abc import Iterator
 
-from graphserve.engine.models.model_cache import say
+from graphserve.engine.model_files.model_cache import say
 
 
 class Steps:
