@@ -131,6 +131,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def filters_top(self, vocab_size: int) -> bool:
+        """Sampled with a top-k, top-p or min-p filter (a greedy request never is)."""
+        return not self.greedy and (0 < self.top_k < vocab_size or self.top_p < 1 or self.min_p > 0)
+
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

@@ -53,8 +53,7 @@ def is_eligible(seq: Sequence, vocab_size: int) -> bool:
     """Whether verify_drafts gives `seq` the tokens the sampler would: temperature is the only
     control it applies."""
     p = seq.params
-    top_filters = 0 < p.top_k < vocab_size or p.top_p < 1 or p.min_p > 0
-    return not ((p.temperature > 0 and top_filters) or p.needs_penalties or p.logit_bias or p.logprobs is not None
+    return not (p.filters_top(vocab_size) or p.needs_penalties or p.logit_bias or p.logprobs is not None
                 or p.grammar is not None or seq.num_output_tokens < p.min_tokens)
 
 

@@ -71,8 +71,7 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_ids: tuple
         seeds=col([s.seed & _MASK32 for s in seqs], torch.int64),
         output_pos=col([s.num_output_tokens + ahead for s, ahead in zip(seqs, pending)], torch.int64),
         all_greedy=all(p.greedy for p in params),
-        use_top_filters=any(not p.greedy and (0 < p.top_k < vocab_size or p.top_p < 1 or p.min_p > 0)
-                            for p in params),
+        use_top_filters=any(p.filters_top(vocab_size) for p in params),
         num_logprobs=max([p.logprobs or 0 for p in params], default=0),
     )
     if token_bitmask is not None:
