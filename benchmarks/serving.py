@@ -392,8 +392,9 @@ def main() -> int:
     parser.add_argument("--client-procs", type=int, default=4, help="client processes P")
     parser.add_argument("--cold-start", action="store_true",
                         help="no warm-up requests: the first --concurrency level runs right after the server says "
-                             "ready, then the same level again with other prompts, lengths from the same distribution (so it "
-                             "hits no prefix the first cached); the report compares them (cold_start)")
+                             "ready, then the same level twice again, each time with other prompt ids of the same "
+                             "lengths (so it hits no prefix cached before); the report compares the first with the "
+                             "second (cold_start), and the third with the second shows the level-to-level spread")
     parser.add_argument("--doubling-check", action="store_true",
                         help="run the highest concurrency again with 2P client processes")
     parser.add_argument("--poisson-fraction", type=float, default=0.8,
@@ -421,7 +422,7 @@ def main() -> int:
     if args.client_procs < 1:
         parser.error("--client-procs must be >= 1")
 
-    from workload import describe, make_requests, provenance, resolve_model, vocabulary, write_json
+    from workload import describe, make_requests, provenance, resolve_model, same_lengths, vocabulary, write_json
 
     model = resolve_model(args.model)
     vocab_size, specials = vocabulary(model)
@@ -482,14 +483,13 @@ def main() -> int:
 
         concurrencies = sorted(args.concurrency)
         if args.cold_start:
-            concurrencies = [concurrencies[0]] * 2
+            concurrencies = [concurrencies[0]] * 3
         for i, c in enumerate(concurrencies):
             if (timeout := budget(f"closed C={c}")) is None:
                 continue
             requests = request_set
-            if args.cold_start and i == 1:  # other prompts of the same lengths: no prefix-cache hit on the first's
-                requests = make_requests(args.num_requests, args.min_len, args.max_len, vocab_size, specials,
-                                         args.seed + 1)
+            if args.cold_start and i > 0:  # other prompts of the same lengths: no prefix-cache hit on earlier ones
+                requests = same_lengths(request_set, vocab_size, specials, args.seed + i)
             row = run_level(args, url, model_name, requests[:level_size(args, c)], c, args.client_procs,
                             timeout=timeout)
             if args.cold_start:
@@ -557,15 +557,21 @@ def main() -> int:
     cold_start = None
     if args.cold_start and len(levels) >= 2 and levels[0]["output_tok_s"] and levels[1]["output_tok_s"]:
         first, again = levels[0], levels[1]
+        runs = [r for r in levels[:3] if r["output_tok_s"]]
         cold_start = dict(concurrency=first["concurrency"],
-                          output_tok_s=[first["output_tok_s"], again["output_tok_s"]],
-                          ttft_p50_s=[first["ttft_p50_s"], again["ttft_p50_s"]],
-                          ttft_p99_s=[first["ttft_p99_s"], again["ttft_p99_s"]],
+                          output_tok_s=[r["output_tok_s"] for r in runs],
+                          ttft_p50_s=[r["ttft_p50_s"] for r in runs],
+                          ttft_p99_s=[r["ttft_p99_s"] for r in runs],
                           throughput_first_over_again=first["output_tok_s"] / again["output_tok_s"],
                           ttft_p99_first_over_again=first["ttft_p99_s"] / again["ttft_p99_s"])
+        if len(runs) == 3:  # the same level twice warm: how much a ratio moves without any cold start
+            cold_start.update(throughput_third_over_again=runs[2]["output_tok_s"] / again["output_tok_s"],
+                              ttft_p99_third_over_again=runs[2]["ttft_p99_s"] / again["ttft_p99_s"])
         print(f"cold start at C={first['concurrency']}: first level {first['output_tok_s']:,.0f} tok/s, TTFT p99 "
               f"{first['ttft_p99_s'] * 1e3:.0f} ms; again {again['output_tok_s']:,.0f} tok/s, "
-              f"{again['ttft_p99_s'] * 1e3:.0f} ms", flush=True)
+              f"{again['ttft_p99_s'] * 1e3:.0f} ms"
+              + (f"; third {runs[2]['output_tok_s']:,.0f} tok/s, {runs[2]['ttft_p99_s'] * 1e3:.0f} ms" if len(runs) == 3
+                 else ""), flush=True)
     report = dict(**provenance("serving"), model=args.model, model_path=str(model) if model else None,
                   url=url if args.url else None, server_command=server_command, client_procs=args.client_procs,
                   workload=dict(**describe(request_set), min_len=args.min_len, max_len=args.max_len, seed=args.seed,

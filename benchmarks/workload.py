@@ -94,6 +94,14 @@ def make_requests(num: int, min_len: int, max_len: int, vocab_size: int, exclude
     return out
 
 
+def same_lengths(requests: list[BenchRequest], vocab_size: int, exclude: set[int], seed: int) -> list[BenchRequest]:
+    """Requests of the same prompt and output lengths, in the same order, with other prompt ids
+    (so they hit no prefix cached from `requests`)."""
+    rng = random.Random(seed)
+    allowed = [i for i in range(vocab_size) if i not in exclude] if exclude else list(range(vocab_size))
+    return [BenchRequest([allowed[rng.randrange(len(allowed))] for _ in r.prompt], r.max_tokens) for r in requests]
+
+
 def describe(requests: list[BenchRequest]) -> dict:
     prompt = [len(r.prompt) for r in requests]
     output = [r.max_tokens for r in requests]
