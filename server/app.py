@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
+from graphserve.engine.errors import EngineDeadError
 from graphserve.server import routes_chat, routes_completions, routes_debug, routes_health, routes_models, routes_tokenize
 from graphserve.server.admission import Admission
 from graphserve.server.errors import install_error_handlers
@@ -115,7 +116,10 @@ async def _run_engine(
         raise
     except BaseException as exc:
         state.startup_error = exc
-        logger.error("the engine failed to start", exc_info=exc)
+        if isinstance(exc, EngineDeadError):  # the core died starting: it logged why, and the supervisor says it
+            logger.error("the engine failed to start: %s", exc)
+        else:
+            logger.error("the engine failed to start", exc_info=exc)
         if on_engine_failure is not None:
             on_engine_failure(exc)
         return

@@ -230,6 +230,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server_settings, engine_config, config_path = load_settings(args)
     _setup_logging(server_settings.log_level)
     engine_config = convert_gguf_model(engine_config)
+    if engine_config.model is not None:  # a folder it cannot serve ends the command here, in one line
+        from graphserve.engine.models.config import ModelArgs
+
+        ModelArgs.from_dir(engine_config.model)
     logger.info("config file: %s", config_path or "none (built-in defaults)")
     logger.info("engine config: %s", engine_config)
     shown = {**vars(server_settings), "api_key": "***" if server_settings.api_key else None}

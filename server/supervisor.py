@@ -10,7 +10,7 @@ front ends are ready, and keeps the processes' fates tied together:
 - SIGTERM / SIGINT: each front end drains (its running requests finish), then the core
   is stopped; exit 0.
 - the core dies: the front ends end their open requests with an error and exit 1;
-  so does the supervisor.
+  so does the supervisor. If the core died starting, the supervisor's last line names why.
 - a front end dies: everything is stopped; exit 1.
 - the supervisor dies: the kernel kills the children (engine/child_process.py, die_with_parent).
 """
@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import tempfile
 import time
 from multiprocessing.connection import wait
@@ -71,7 +72,7 @@ def serve(server: ServerSettings, engine: EngineConfig) -> int:
     if count > 1:  # /metrics of any front end adds up all of them (server/metrics.py)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="graphserve-metrics-")
     listeners = bind_listeners(server.host, server.port, count)
-    core, address = start_core_process(engine)
+    core, address, core_failure = start_core_process(engine)
     spawn = multiprocessing.get_context("spawn")
     from graphserve.server.frontend import run_frontend
 
@@ -104,6 +105,10 @@ def serve(server: ServerSettings, engine: EngineConfig) -> int:
     for process in frontends:
         _stop(process, signal.SIGTERM)
     _stop(core, signal.SIGTERM)
+    if core.exitcode not in (0, -signal.SIGTERM) and core_failure.poll():
+        # last, after every child's own lines: a bad --model reads as its cause, not as the front ends' echo
+        print(f"graphserve: the engine could not start: {core_failure.recv()}", file=sys.stderr, flush=True)
+        return 1
     return code
 
 

@@ -198,3 +198,34 @@ def test_prepare_model_prints_the_model_folder(capsys: pytest.CaptureFixture[str
     assert main(["prepare-model"]) == 0
     folder = Path(capsys.readouterr().out.strip().splitlines()[-1])
     assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+
+
+def _serve_until_exit(model: Path) -> tuple[int, list[str]]:
+    result = subprocess.run([sys.executable, "-m", "graphserve", "serve", "--model", str(model), "--port",
+                             str(free_port())], capture_output=True, text=True, timeout=120)
+    return result.returncode, (result.stdout + result.stderr).strip().splitlines()
+
+
+@pytest.mark.parametrize("case", ["missing folder", "unknown architecture", "no weights"])
+def test_a_model_it_cannot_serve_ends_serve_with_one_line_naming_the_cause(case: str, tmp_path: Path) -> None:
+    """`graphserve serve --model X` for an X it cannot serve exits 1, and its last line names the
+    cause: found before any process starts (no folder, an architecture it does not implement), or
+    by the engine core while it loads (no weights), never the front end's echo of the core's exit."""
+    from graphserve.engine.model_files.default_model import default_model_path
+
+    model = tmp_path / "model"
+    if case == "unknown architecture":
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    elif case == "no weights":
+        model.mkdir()
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            (model / name).write_bytes((default_model_path() / name).read_bytes())
+    code, lines = _serve_until_exit(model)
+    expected = {"missing folder": f"graphserve: model folder not found: {model}",
+                "unknown architecture": "graphserve: unsupported model architecture 'GPT2LMHeadModel'; graphserve "
+                                        "supports: LlamaForCausalLM,",
+                "no weights": f"graphserve: the engine could not start: {model} has no safetensors weights"}[case]
+    assert code == 1
+    assert lines[-1].startswith(expected), lines[-5:]
+    assert not any(line.startswith("Traceback") for line in lines), "\n".join(lines)

@@ -1,7 +1,8 @@
 """The engine-core process: `start_core_process(config)` spawns it; it binds the core's
 socket, loads the model and runs CoreLoop until it is stopped (SIGTERM from the server's
 supervisor) or its parent dies (it is killed with its parent, so no orphan holds the GPU).
-A failure to start or an engine error exits non-zero; the front ends see the exit.
+A failure to start or an engine error exits non-zero; the front ends see the exit. What stopped it
+from starting goes to the supervisor as one line (`startup_failure`), which it prints last.
 
 With tensor_parallel_size N > 1 it is rank 0 and spawns ranks 1..N-1 (engine/core/rank_worker.py),
 each of which dies with it; it dies as soon as one of them has."""
@@ -13,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import tempfile
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from graphserve.engine import gc_stats
@@ -22,6 +24,7 @@ from graphserve.engine.child_process import (
     freeze_startup_objects,
 )
 from graphserve.engine.config import EngineConfig
+from graphserve.engine.errors import GraphserveError
 
 logger = logging.getLogger("graphserve.engine")
 
@@ -30,8 +33,15 @@ def new_core_address() -> str:
     return f"ipc://{tempfile.mkdtemp(prefix='graphserve-')}/core"
 
 
-def run_core(config: EngineConfig, address: str, parent_pid: int, log_level: int) -> None:
-    """The process's entry point."""
+def startup_failure(exc: BaseException) -> str:
+    """One line naming what stopped the engine from starting: the message of an error graphserve
+    raised on purpose (a model it cannot serve, a setting this machine cannot take), else the type too."""
+    return str(exc) if isinstance(exc, GraphserveError) else f"{type(exc).__name__}: {exc}"
+
+
+def run_core(config: EngineConfig, address: str, parent_pid: int, log_level: int,
+             failure: Connection | None = None) -> None:
+    """The process's entry point. A failure to start is sent on `failure` (startup_failure's line)."""
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which stops us in order
     dump_stacks_on_sigusr1()
@@ -47,8 +57,13 @@ def run_core(config: EngineConfig, address: str, parent_pid: int, log_level: int
     workers, init_method = start_tp_workers(config, log_level)
     try:
         core = EngineCore(config, 0, init_method)
-    except BaseException:
-        logger.exception("the engine core failed to start")
+    except BaseException as exc:
+        if isinstance(exc, GraphserveError):  # a cause the user can act on: its line says it all
+            logger.error("the engine core failed to start: %s", exc)
+        else:
+            logger.exception("the engine core failed to start")
+        if failure is not None:
+            failure.send(startup_failure(exc))
         os._exit(1)
     freeze_startup_objects()
     loop = CoreLoop(core, socket, workers)
@@ -79,11 +94,15 @@ def start_tp_workers(config: EngineConfig, log_level: int) -> tuple[list[BasePro
     return workers, init_method
 
 
-def start_core_process(config: EngineConfig) -> tuple[BaseProcess, str]:
-    """Spawn the engine core; returns the process and the address its socket binds."""
+def start_core_process(config: EngineConfig) -> tuple[BaseProcess, str, Connection]:
+    """Spawn the engine core; returns the process, the address its socket binds, and the end of a
+    pipe on which it sends what stopped it from starting, if anything did."""
     address = new_core_address()
-    process = multiprocessing.get_context("spawn").Process(
-        target=run_core, args=(config, address, os.getpid(), logging.getLogger().getEffectiveLevel()),
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(
+        target=run_core, args=(config, address, os.getpid(), logging.getLogger().getEffectiveLevel(), sender),
         name="graphserve-core", daemon=False)
     process.start()
-    return process, address
+    sender.close()
+    return process, address, receiver
