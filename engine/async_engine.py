@@ -77,7 +77,10 @@ class AsyncEngine:
                                             name="graphserve-engine", daemon=True)
             self._thread.start()
         if self._core_pid is not None:
-            self._pidfd = os.pidfd_open(self._core_pid)
+            try:
+                self._pidfd = os.pidfd_open(self._core_pid)
+            except ProcessLookupError:  # it failed to start before we got here
+                raise EngineDeadError("the engine core process exited before it was ready") from None
             self._loop.add_reader(self._pidfd, self._core_gone,
                                   EngineDeadError("the engine core process exited"))
         self._client = CoreClient(address)
@@ -277,6 +280,8 @@ class RequestStream:
             raise item
         if item.finish_reason == "error":
             self._finish(True)
+            if item.request_at_fault:
+                raise InvalidRequestError(item.error)
             raise RequestFailedError(item.error or f"the engine step serving request {self.request_id} failed")
         if item.finished:
             self._finish(True)

@@ -62,7 +62,7 @@ class OutputProcessor:
             del self.states[out.request_id]
         update = RequestOutput(out.request_id, state.prompt_token_ids, text, token_ids, finished, finish_reason,
                                stop_reason, logprobs, out.prompt_logprobs, out.num_cached_tokens, out.error,
-                               out.core_times)
+                               out.request_at_fault, out.core_times)
         return update, stopped_here
 
     def _add_text(self, state: _TextState, tokens: list[int]) -> str | None:

@@ -171,6 +171,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # in the first update; the first token has none
     num_cached_tokens: int = 0  # in the first update: prompt tokens served from the prefix cache
     error: str | None = None  # with finish_reason "error": what went wrong, when known
+    request_at_fault: bool = False  # with finish_reason "error": the request asked for what cannot be (a 4xx)
     # in the update with the first token: (first scheduled, first token on the engine's host),
     # time.monotonic() in the engine core
     core_times: tuple[float, float] | None = None
@@ -216,6 +217,7 @@ class Sequence:
         self.seed = seed
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None  # the stop token id that ended it (None for EOS)
+        self.error: str | None = None  # with finish_reason "error", when the request's own grammar is the cause
         self.num_preemptions = 0
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         # when a prefill step first took it: time.monotonic() (CLOCK_MONOTONIC, one clock for the

@@ -254,6 +254,35 @@ def test_graph_decoder_feeds_masks_into_rounds_launched_ahead(llm):
     assert_idle(llm)
 
 
+# text a constraint spells out is the text it accepts, whatever its characters: below U+0100 before a hex
+# digit (xgrammar prints "î7" as \xee7 and reads that back as U+0EE7), past the BMP (JSON escapes write
+# surrogate pairs), control characters, quotes and backslashes
+LITERALS = ["\u00ee7", "caf\u00e9 2b", "\U0001f600 ok", "\U000efe8c", "tab\there", "\x05a", 'say "hi" \\ 0',
+            "\u4e2d1"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_choice_is_output_exactly_as_written(llm, temperature):
+    for literal in LITERALS:
+        params = SamplingParams(max_tokens=24, temperature=temperature, seed=3,
+                                grammar=spec("choice", [literal]))
+        out = llm.generate([PROMPT], params)[0]
+        assert (out.text, out.finish_reason) == (literal, "stop"), ascii(literal)
+    assert_idle(llm)
+
+
+def test_a_schema_enum_is_output_exactly_as_written(llm):
+    """A schema with a length-bounded string (its grammar is rewritten as text: json_strings_without_controls)."""
+    schema = {"type": "object", "properties": {"tag": {"enum": LITERALS}, "note": {"type": "string", "maxLength": 4}},
+              "required": ["tag", "note"], "additionalProperties": False}
+    for seed in range(4):
+        params = SamplingParams(max_tokens=48, temperature=1.0, seed=seed, grammar=spec("json_schema", schema))
+        out = llm.generate([PROMPT], params)[0]
+        assert out.finish_reason == "stop", ascii(out.text)
+        assert json.loads(out.text)["tag"] in LITERALS, ascii(out.text)
+    assert_idle(llm)
+
+
 # ---- the HTTP server -----------------------------------------------------------------------------
 
 
@@ -334,6 +363,32 @@ def test_bad_constraints_are_400s_naming_the_field(served, model, body, param):
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_a_choice_with_an_unpaired_surrogate_is_refused(served, model, llm):
+    """No UTF-8 spells a lone surrogate (JSON can write one: \\ud800), so no token could output it: over
+    HTTP the body's JSON is refused; through the Python API, the choice."""
+    body = '{"model": "%s", "prompt": "hi", "max_tokens": 4, "guided_choice": ["ok", "a\\ud800"]}' % model
+    r = httpx.post(served[0].url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    with pytest.raises(InvalidRequestError, match="unpaired surrogate"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, grammar=spec("choice", ["ok", "a\ud800"])))
+    assert_idle(llm)
+
+
+def test_a_choice_the_vocabulary_cannot_write_is_a_400_not_a_500(oai, model, llm):
+    """The embedded model's byte-level vocabulary has no token for the byte F1, the lead byte of
+    U+40000-7FFFF: a choice holding such a character reaches a point where no token may follow."""
+    from graphserve.engine.tokenizer import Tokenizer
+
+    unwritable = "x\U00040000"
+    assert Tokenizer(llm.engine.model_path).decode(Tokenizer(llm.engine.model_path).encode(unwritable)) != unwritable
+    with pytest.raises(openai.BadRequestError, match="vocabulary cannot write"):
+        oai.completions.create(model=model, prompt=PROMPT, max_tokens=8, extra_body={"guided_choice": [unwritable]})
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=8, grammar=spec("choice", [unwritable])))[0]
+    assert (out.text, out.finish_reason) == ("x", "error") and "vocabulary cannot write" in out.error
+    assert_idle(llm)
 
 
 def test_a_grammar_that_compiles_too_long_is_a_400(served, model, monkeypatch):

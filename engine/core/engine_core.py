@@ -468,7 +468,7 @@ class EngineCore:
                 if not seq.is_finished and isinstance(batch, DecodeRound):
                     seq.num_computed_tokens = seq.num_tokens - 1
                 out = CoreOutput(seq.request_id, step.tokens[:kept], finish_reason=seq.finish_reason,
-                                 stop_reason=seq.stop_reason)
+                                 stop_reason=seq.stop_reason, error=seq.error, request_at_fault=seq.error is not None)
                 if step.logprobs is not None:
                     out.logprobs = [TokenLogprob(t, lp, top)
                                     for t, lp, top in zip(step.tokens[:kept], step.logprobs, step.top)]
@@ -500,9 +500,15 @@ class EngineCore:
         for token in step.tokens:
             if params.grammar is not None:
                 accepted, grammar_done = self.structured.accept(seq.request_id, token)
-                if not accepted:  # the mask allowed it: only a bug gets here
-                    logger.error("request %s: the grammar rejected sampled token %d", seq.request_id, token)
+                if not accepted:
                     seq.finish_reason = "error"
+                    if self.structured.allows_nothing(seq.request_id):
+                        # the grammar needs bytes no token of this vocabulary spells (a character whose
+                        # lead byte it lacks): the row was masked whole and the sampler fell on id 0
+                        seq.error = ("the output's constraint asks for text this model's vocabulary cannot write "
+                                     "(no token can continue it)")
+                    else:  # the mask allowed it: only a bug gets here
+                        logger.error("request %s: the grammar rejected sampled token %d", seq.request_id, token)
                     break
                 if grammar_done:  # the grammar accepted an end-of-sequence token
                     seq.token_ids.append(token)

@@ -76,6 +76,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first output only
     num_cached_tokens: int = 0  # with the first output: prompt tokens whose KV the prefix cache held
     error: str | None = None  # with finish_reason "error", when there is something to say
+    request_at_fault: bool = False  # with finish_reason "error": the request asked for what cannot be (a 4xx)
     # with the first token: (first scheduled, first token on the host), time.monotonic()
     core_times: tuple[float, float] | None = None
 

@@ -29,8 +29,7 @@ from graphserve.engine.structured.vocabulary import Utf8Matcher, Utf8Tables, tok
 MAX_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 1024
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
-GRAMMAR_CACHE_BYTES = 512 * 1024**2
-RECENT_GRAMMARS = 64  # compiled grammars kept by spec on top of xgrammar's cache (which re-parses)
+GRAMMAR_CACHE_BYTES = 512 * 1024**2  # compiled grammars kept by spec, the least recently used dropped first
 
 
 class GrammarSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -54,9 +53,46 @@ def _clean(exc: Exception) -> str:
     return _XGRAMMAR_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
 
 
+def ebnf_string(text: str) -> str:
+    """`text` as an EBNF string literal of xgrammar's dialect: printable ASCII as it is, every other
+    character as a fixed-width escape (\\uXXXX, or \\UXXXXXXXX past the BMP). JSON's escapes would not
+    do: it writes a character past the BMP as a surrogate pair, which xgrammar reads as two code points."""
+    out = ['"']
+    for char in text:
+        if char in '"\\':
+            out.append("\\" + char)
+        elif " " <= char <= "~":
+            out.append(char)
+        else:
+            out.append(f"\\u{ord(char):04x}" if ord(char) <= 0xFFFF else f"\\U{ord(char):08x}")
+    out.append('"')
+    return "".join(out)
+
+
+def _is_unicode_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def choice_ebnf(choices: list[str]) -> str:
-    """An EBNF grammar matching exactly one of `choices` (JSON string escapes are EBNF's)."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    """An EBNF grammar matching exactly one of `choices`."""
+    return "root ::= " + " | ".join(ebnf_string(c) for c in choices)
+
+
+# xgrammar prints a character below U+0100 as \xHH, but reads \x with every hex digit that follows
+# ("\xee7" -> U+0EE7, not "î7"): printed grammars are made re-readable by widening these to \u00HH.
+_PRINTED_HEX_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\x([0-9a-fA-F]{2})")
+
+
+def reparse(grammar):
+    """`grammar` (an xgrammar Grammar, or its printed text edited), read by xgrammar again without
+    changing what it accepts."""
+    import xgrammar as xgr
+
+    return xgr.Grammar.from_ebnf(_PRINTED_HEX_ESCAPE.sub(r"\1\\u00\2", str(grammar)))
 
 
 def check_spec(spec: GrammarSpec) -> None:
@@ -76,6 +112,9 @@ def check_spec(spec: GrammarSpec) -> None:
                 or not all(isinstance(c, str) and c for c in choices)):
             raise InvalidRequestError(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings",
                                       param=spec.param)
+        if not all(map(_is_unicode_text, choices)):  # no UTF-8 spells a lone surrogate: no token could
+            raise InvalidRequestError("choice strings must be Unicode text: one holds an unpaired surrogate",
+                                      param=spec.param)
     _grammar(spec)
 
 
@@ -93,7 +132,7 @@ def json_strings_without_controls(grammar):
     ebnf = str(grammar)
     if _BOUNDED_STRING_CHAR not in ebnf:
         return grammar
-    return xgr.Grammar.from_ebnf(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+    return reparse(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def _grammar(spec: GrammarSpec):
@@ -130,7 +169,8 @@ class GrammarCompiler:
         self._compiler = None
         self.utf8_tables: Utf8Tables | None = None  # with the compiler
         self._lock = threading.Lock()
-        self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()  # recent specs: no re-parse
+        self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()  # by spec, least recently used first
+        self._compiled_bytes = 0
 
     def warm(self) -> None:
         """Read the vocabulary now, in a worker thread, rather than on the first request (servers)."""
@@ -143,7 +183,9 @@ class GrammarCompiler:
 
                 info = tokenizer_info(self.model_path, self.vocab_size, self.stop_token_ids)
                 self.utf8_tables = Utf8Tables(info.decoded_vocab, -(-self.vocab_size // 32))
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+                # xgrammar's own cache is off: it keys grammars by their printed text and compiles that
+                # text read again, which xgrammar's printing can change (see reparse); ours keys by spec
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     def matcher(self, compiled) -> Utf8Matcher:
@@ -164,9 +206,11 @@ class GrammarCompiler:
         except Exception as exc:
             raise InvalidRequestError(f"invalid {spec.kind}: {_clean(exc)}", param=spec.param) from None
         with self._lock:
-            self._compiled[spec] = compiled
-            while len(self._compiled) > RECENT_GRAMMARS:
-                self._compiled.popitem(last=False)
+            if spec not in self._compiled:
+                self._compiled[spec] = compiled
+                self._compiled_bytes += compiled.memory_size_bytes
+            while self._compiled_bytes > GRAMMAR_CACHE_BYTES and len(self._compiled) > 1:
+                self._compiled_bytes -= self._compiled.popitem(last=False)[1].memory_size_bytes
         return compiled
 
     def submit(self, spec: GrammarSpec) -> Future:
@@ -320,6 +364,16 @@ class StructuredOutputs:
                 return True, False
             ok = matcher.accept_token(token)
             return ok, matcher.is_terminated()
+
+    def allows_nothing(self, request_id: str) -> bool:
+        """The request's grammar, where it stands, allows no token at all (a dead end)."""
+        with self._lock:
+            matcher = self.matchers.get(request_id)
+            if matcher is None or matcher.is_terminated():
+                return False
+            row = torch.zeros((1, self.words), dtype=torch.int32)
+            matcher.fill_next_token_bitmask(row, 0)
+            return not bool(row.any())
 
     def forget_taken(self) -> None:
         """A round failed: roll every matcher back over what advance() took and the host did
