@@ -130,7 +130,7 @@ async def _run_engine(
         state.engine.max_model_len,
     )
     if getattr(getattr(state.engine, "info", None), "warmed_up", False):
-        logger.info("front end warmed up in %.2fs", await warm_up_front_end(app, state))
+        await warm_up_front_end(app, state)
     state.warming_up = False
     if on_ready is not None:
         on_ready(state)

@@ -37,16 +37,22 @@ async def warm_up_front_end(app: Any, state: ServerState) -> float:
     headers = [(b"content-type", b"application/json")]
     if state.api_key:
         headers.append((b"authorization", f"Bearer {state.api_key}".encode()))
+    took = []
     for path, body in REQUESTS:
+        sent = time.perf_counter()
         try:
             status = await _post(app, path, json.dumps({"model": state.model_name, **body}).encode(), headers)
         except Exception:  # noqa: BLE001
             logger.warning("front-end warm-up: %s failed", path, exc_info=True)
             continue
+        finally:
+            took.append(f"{time.perf_counter() - sent:.2f}")
         if status != 200:
             logger.warning("front-end warm-up: %s answered %d", path, status)
     state.metrics = ServerMetrics(state.engine)
-    return time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    logger.info("front end warmed up in %.2fs (its requests: %s s)", seconds, ", ".join(took))
+    return seconds
 
 
 async def _post(app: Any, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> int:

@@ -19,7 +19,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from graphserve import LLM, SamplingParams
+gguf = pytest.importorskip("gguf", reason="gguf (gguf-py, a dependency of the CPU install) reads the files")
+
+from graphserve import LLM, SamplingParams  # noqa: E402
 from graphserve.engine.async_engine import AsyncEngine
 from graphserve.engine.config import EngineConfig
 from graphserve.engine.errors import ModelFilesError, UnsupportedModelError
