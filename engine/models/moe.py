@@ -1,5 +1,5 @@
-"""The routed-experts MLP of Qwen3-MoE and Mixtral, in plain torch (the CPU backend; GPU kernels
-come later, see moe_config.check_moe_servable).
+"""The routed-experts MLP of Qwen3-MoE and Mixtral: in plain torch on the CPU backend, through
+kernels/moe.py's fused Triton path on CUDA (which moe_config.check_moe_servable does not serve yet).
 
 Each token's router logits go through a float32 softmax; the top-k probabilities (torch.topk, so
 ties break as in transformers) become its routing weights, renormalized to sum to 1 where the
@@ -16,15 +16,7 @@ from torch import nn
 from graphserve.engine.models.activation import silu_and_mul
 from graphserve.engine.models.layers import Linear
 from graphserve.engine.models.moe_config import MoeArgs
-
-
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(routing weights [T, k] float32, expert ids [T, k] int64) from router logits [T, E]."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
+from graphserve.kernels.moe import fused_moe, route  # route: one routing for both paths (ties alike)
 
 
 class SparseMoE(nn.Module):
@@ -41,6 +33,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: the normed hidden states [T, H]; returns the experts' weighted sum [T, H]."""
+        if x.is_cuda:
+            return fused_moe(x, self.router(x), self.gate_up_proj, self.down_proj, self.moe.top_k,
+                             self.moe.renormalize)
         weights, experts = route(self.router(x), self.moe.top_k, self.moe.renormalize)
         return combine_experts(x, weights, experts, self.gate_up_proj, self.down_proj)
 

@@ -1,0 +1,137 @@
+"""One mixture-of-experts layer on a GPU: the router projection plus kernels/moe.py's fused_moe (route,
+align, gate_up + SiLU-and-mul, down + routing weights, combine), bf16, timed inside a CUDA graph over
+enough layer copies that L2 holds none of them. Reports us per layer and the bandwidth achieved against
+the bytes a layer must read at that batch: the distinct experts the batch's routing chose times an
+expert's bytes, plus the router weight. --sweep also times a grid of tiles at --sweep-tokens: for each
+block_m, the gate_up tiles (down at its default shape), then the down tiles beside the best gate_up.
+
+    python benchmarks/moe_kernel_bench.py --out benchmarks/results/moe_kernel_bench-h200-<date>.json
+    python benchmarks/moe_kernel_bench.py --shapes qwen3-30b-a3b --tokens 1 16 --out moe.json
+    python benchmarks/moe_kernel_bench.py --sweep --sweep-tokens 1 64 --out moe-sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from measure import copy_bandwidth, graph_ms, run_info, write_json  # noqa: E402
+
+BF16 = torch.bfloat16
+SHAPES = {  # name: (hidden, inter, experts, top_k, renormalize)
+    "qwen3-30b-a3b": (2048, 768, 128, 8, True),
+    "mixtral-8x7b": (4096, 14336, 8, 2, True),
+}
+# layer copies cycled through in the graph, at least this many bytes of experts in all (L2: 50 MB an H200)
+MIN_BYTES = 2 * 2**30
+
+
+def bench_shape(name: str, tokens_list: list[int], copy_gbs: float, sweep_tokens: list[int]) -> list[dict]:
+    from graphserve.kernels._common import sm_count
+    from graphserve.kernels.moe import default_moe_tiles, fused_moe, route
+
+    hidden, inter, experts, top_k, renormalize = SHAPES[name]
+    expert_bytes = 3 * hidden * inter * 2
+    router_bytes = experts * hidden * 2
+    copies = max(2, -(-MIN_BYTES // (experts * expert_bytes)))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = []
+    for _ in range(copies):
+        gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) / hidden**0.5).to(BF16)
+        down = (torch.randn(experts, hidden, inter, device="cuda", generator=gen) / inter**0.5).to(BF16)
+        router = (torch.randn(experts, hidden, device="cuda", generator=gen) / hidden**0.5).to(BF16)
+        layers.append((router, gate_up, down))
+    rows = []
+    for tokens in tokens_list:
+        x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(BF16)
+        # the bytes each copy must read: its own routing's distinct experts
+        chosen = [route(F.linear(x, r), top_k, renormalize)[1].unique().numel() for r, _, _ in layers]
+        must_read = sum(c * expert_bytes + router_bytes for c in chosen) / copies
+
+        def time_tiles(tiles, quiet_errors: bool = False) -> float | None:
+            def layer_fn(i):
+                router, gate_up, down = layers[i]
+                return lambda: fused_moe(x, F.linear(x, router), gate_up, down, top_k, renormalize, tiles=tiles)
+            try:
+                return graph_ms([layer_fn(i) for i in range(copies)], min_calls=max(40, 2 * copies)) * 1e3
+            except Exception as e:  # a swept tile that does not compile or fit
+                if not quiet_errors:
+                    raise
+                print(f"  {name} T={tokens} {tiles}: {type(e).__name__}: {str(e)[:100]}")
+                return None
+
+        def record(kind: str, tiles, us: float) -> dict:
+            row = dict(shape=name, tokens=tokens, hidden=hidden, inter=inter, experts=experts, top_k=top_k,
+                       kind=kind, tiles=[list(t) for t in tiles], experts_chosen=sum(chosen) / copies,
+                       bytes_must_read=must_read, us=us, gb_per_s=must_read / us / 1e3,
+                       fraction_of_copy=must_read / us / 1e3 / copy_gbs)
+            rows.append(row)
+            return row
+
+        default = default_moe_tiles(tokens, top_k, experts, hidden, inter, sm_count(x.device))
+        row = record("default", default, time_tiles(default))
+        print(f"{name:14s} T={tokens:5d} experts read {row['experts_chosen']:6.1f} {row['us']:9.1f} us/layer "
+              f"{row['gb_per_s']:7.0f} GB/s ({row['fraction_of_copy']:.0%} of copy)", flush=True)
+        if tokens in sweep_tokens:
+            sweep(tokens, default, time_tiles, record)
+        del x
+    del layers
+    torch.cuda.empty_cache()
+    return rows
+
+
+def sweep(tokens: int, default, time_tiles, record) -> None:
+    """For each block_m (16 only up to SMALL_BATCH_MAX_TOKENS tokens: larger blocks only pad more): gate_up
+    tiles with down at its default shape, then down tiles beside the best gate_up; prints the best pair."""
+    from graphserve.kernels.moe import SMALL_BATCH_MAX_TOKENS, MoeTile
+
+    best = (time_tiles(default), default)
+    for block_m in (16,) if tokens <= SMALL_BATCH_MAX_TOKENS else (16, 32, 64):
+        candidates = [MoeTile(block_m, block_n, block_k, 8 if block_n == 128 else 4, stages)
+                      for block_n, block_k, stages in itertools.product((16, 32, 64, 128), (64, 128, 256), (3, 4))]
+        pair = (default[0]._replace(block_m=block_m), default[1]._replace(block_m=block_m))
+        for which in (0, 1):  # gate_up, then down beside the best gate_up
+            timed = []
+            for tile in candidates:
+                tiles = (tile, pair[1]) if which == 0 else (pair[0], tile)
+                us = time_tiles(tiles, quiet_errors=True)
+                if us is not None:
+                    record(f"sweep {('gate_up', 'down')[which]}", tiles, us)
+                    timed.append((us, tiles))
+            if timed:
+                us, pair = min(timed, key=lambda t: t[0])
+                if us < best[0]:
+                    best = (us, pair)
+    print(f"  best of sweep {best[0]:9.1f} us/layer {[list(t) for t in best[1]]}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64, 256])
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of tiles at --sweep-tokens")
+    parser.add_argument("--sweep-tokens", nargs="+", type=int, default=[1, 16, 64, 256])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 1
+    copy = copy_bandwidth()
+    rows = []
+    for name in args.shapes:
+        with torch.no_grad():
+            rows += bench_shape(name, args.tokens, copy["gb_per_s"], args.sweep_tokens if args.sweep else [])
+    write_json(args.out, dict(**run_info("moe_kernel_bench"), copy=copy, rows=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""The routed-experts MLP of Qwen3-MoE and Mixtral on the GPU: route, align, two grouped GEMMs, combine.
+
+    out[t] = sum over token t's k picks (expert e, weight w) of w * down_e(silu(gate_e x_t) * up_e x_t)
+
+1. route(): float32 softmax of the router logits, torch.topk, optional renormalization -- the one
+   routing function, which engine/models/moe.py's torch path imports too, so both pick the same
+   experts (ties included: torch.topk's order).
+2. moe_align() (kernels/moe_align.py): the T*k picks (pick p = token p // k, its p % k-th choice)
+   grouped by expert and each expert's run padded to a multiple of block_m with a sentinel pick
+   (T*k), so every block of block_m picks belongs to one expert; static sizes, no host sync.
+3. _expert_gemm_kernel, one program per (block of picks, tile of block_n outputs): the weight tile
+   of the block's expert times the block's rows, on the tensor cores as (weights) @ (rows).T ("swap
+   AB": the weights fill the wide side, the picks -- as few as 1 -- the narrow one, >= 16).
+   - gate_up: rows gathered from x (token of each pick), gate and up tiles both read, SiLU-and-mul
+     in the epilogue (rounded as the unfused path rounds), into h [padded picks, I];
+   - down: rows of h, each output times its pick's routing weight, into the pick's own row of
+     [T*k, H] (sentinel rows not stored).
+   Blocks past the padded length (their count is known on the device only) return at once.
+   Programs are ordered blocks-fastest, so the blocks of one expert that share a weight tile run
+   together and read it from L2 once.
+4. combine: the [T, k, H] per-pick rows summed over k in float32, in pick order -- deterministic,
+   no atomics.
+
+Small batches (decode, T <= 16): block_m = 16 >= T, and an expert is picked at most once a token,
+so each chosen expert's picks fit one block: every selected expert's weights are read exactly once
+(a GEMV-like pass over the chosen experts, bandwidth-bound), with narrow output tiles so the few
+experts still give every SM programs. Larger T (prefill, large decode batches): block_m up to 64 from
+the average picks an expert, wide tiles. Launch parameters depend on shapes only.
+fused_moe_ref is the float32 torch reference.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from graphserve.kernels._common import dot_precision, sm_count
+from graphserve.kernels.moe_align import moe_align
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(routing weights [T, k] float32, expert ids [T, k] int64) from router logits [T, E]: the
+    top k of a float32 softmax (ties broken as torch.topk, as transformers does), scaled to sum to 1
+    where renormalize (Mixtral; Qwen3-MoE's norm_topk_prob)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, sorted_picks_ptr, block_experts_ptr, num_padded_ptr, routing_ptr,
+    N, K, num_picks,
+    stride_a, stride_we, stride_wn, stride_o,
+    TOP_K: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """SILU_MUL (gate_up): a = x [T, K], w = gate_up [E, 2N, K]; out = h [padded, N] at the block's
+    padded rows. Otherwise (down): a = h, w = down [E, N, K]; out [T*k, N] at each pick's row, times
+    its routing weight."""
+    block = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if block * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)  # padded positions
+    picks = tl.load(sorted_picks_ptr + offs_m)
+    real = picks < num_picks
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    if SILU_MUL:
+        a_rows = (picks // TOP_K).to(tl.int64)  # each pick's token
+    else:
+        a_rows = offs_m.to(tl.int64)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_a + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if SILU_MUL:  # up row N + n beside gate row n
+        u_ptrs = w_ptrs + N * stride_wn
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        a = tl.load(a_ptrs, mask=real[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PREC)
+        if SILU_MUL:
+            u = tl.load(u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc_u = tl.dot(u, tl.trans(a), acc_u, input_precision=DOT_PREC)
+            u_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    dt = out_ptr.dtype.element_ty
+    if SILU_MUL:  # rounded as the unfused path rounds (kernels/activation.py)
+        gate = acc.to(dt).to(tl.float32)
+        y = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
+        o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
+        tl.store(o_ptrs, y.to(dt), mask=n_mask[:, None])
+    else:
+        weight = tl.load(routing_ptr + picks, mask=real, other=0.0)
+        o_ptrs = out_ptr + picks.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
+        tl.store(o_ptrs, (acc * weight[None, :]).to(dt), mask=n_mask[:, None] & real[None, :])
+
+
+class MoeTile(NamedTuple):
+    """One grouped GEMM's launch shape: picks a block (shared by both GEMMs: the alignment's
+    block_m), outputs and K elements a program, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Up to this many tokens each chosen expert's picks fit one block of 16 (the smallest tl.dot side),
+# so its weights are read once: the small-batch (decode) path.
+SMALL_BATCH_MAX_TOKENS = 16
+
+
+def default_moe_tiles(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, num_sms: int,
+                      elem_bytes: int = 2) -> tuple[MoeTile, MoeTile]:
+    """(gate_up tile, down tile), untuned first choices (issue 41 asks for a sweep). Small batches:
+    blocks of 16, output tiles narrowed from 64 to 16 until the chosen experts (at most T*k) give
+    every SM two programs. Larger: blocks of 16 to 64 (the average picks an expert, rounded up to a
+    power of two), 64 (gate_up: two weight tiles) or 128 outputs a program. K tiles of 128 bytes x 2
+    (fp32) or 256 bytes, narrowed to the width where it is smaller."""
+    picks = tokens * top_k
+    block_k = 256 // elem_bytes if elem_bytes <= 2 else 64
+    if tokens <= SMALL_BATCH_MAX_TOKENS:
+        block_m = 16
+        experts_used = min(num_experts, picks)
+        tiles = []
+        for n in (inter, hidden):
+            block_n = 64
+            while block_n > 16 and experts_used * triton.cdiv(n, block_n) < 2 * num_sms:
+                block_n //= 2
+            tiles.append((block_n, 4))
+    else:
+        block_m = min(64, max(16, triton.next_power_of_2(triton.cdiv(picks, num_experts))))
+        tiles = [(64, 3), (128, 3)]
+    return tuple(MoeTile(block_m, min(block_n, max(16, triton.next_power_of_2(n))),
+                         min(block_k, max(16, triton.next_power_of_2(k))), 4, stages)
+                 for (block_n, stages), n, k in zip(tiles, (inter, hidden), (hidden, inter)))
+
+
+def fused_moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    *,
+    tiles: tuple[MoeTile, MoeTile] | None = None,
+) -> torch.Tensor:
+    """The routed experts' weighted sum [T, H] for x [T, H] (bf16 / fp16 / fp32), router_logits
+    [T, E], gate_up [E, 2I, H] (each expert's [gate; up] rows) and down [E, H, I] of x's dtype;
+    float32 accumulation. tiles: (gate_up, down) launch shapes with one block_m (benchmark sweeps)."""
+    weights, expert_ids = route(router_logits, top_k, renormalize)
+    return fused_experts(x, weights, expert_ids, gate_up, down, tiles=tiles)
+
+
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, *, tiles: tuple[MoeTile, MoeTile] | None = None) -> torch.Tensor:
+    """fused_moe after routing: weights [T, k] float32 and expert_ids [T, k] from route()."""
+    if x.dim() != 2 or gate_up.dim() != 3 or expert_ids.shape != weights.shape or expert_ids.dim() != 2:
+        raise ValueError(f"expected x [T, H], gate_up [E, 2I, H] and routing [T, k], got x {tuple(x.shape)}, "
+                         f"gate_up {tuple(gate_up.shape)}, routing {tuple(expert_ids.shape)}")
+    tokens, hidden = x.shape
+    num_experts, two_inter, _ = gate_up.shape
+    inter, top_k = two_inter // 2, expert_ids.shape[1]
+    if (gate_up.shape != (num_experts, 2 * inter, hidden) or down.shape != (num_experts, hidden, inter)
+            or not (x.dtype == gate_up.dtype == down.dtype) or expert_ids.shape[0] != tokens):
+        raise ValueError(f"expected x [T, H], gate_up [E, 2I, H], down [E, H, I] of one dtype and routing [T, k], "
+                         f"got x {x.dtype} {tuple(x.shape)}, gate_up {gate_up.dtype} {tuple(gate_up.shape)}, "
+                         f"down {down.dtype} {tuple(down.shape)}, routing {tuple(expert_ids.shape)}")
+    if x.stride(1) != 1 or not gate_up.is_contiguous() or not down.is_contiguous():
+        raise ValueError("x needs contiguous rows, gate_up and down must be contiguous")
+    if tokens == 0:
+        return torch.zeros_like(x)
+    gate_up_tile, down_tile = tiles or default_moe_tiles(tokens, top_k, num_experts, hidden, inter,
+                                                         sm_count(x.device), x.element_size())
+    if gate_up_tile.block_m != down_tile.block_m:
+        raise ValueError("both GEMMs' tiles need the same block_m (the alignment's)")
+    aligned = moe_align(expert_ids, num_experts, gate_up_tile.block_m)
+    num_blocks = aligned.block_experts.shape[0]
+    num_picks = tokens * top_k
+    h = torch.empty((aligned.sorted_picks.shape[0], inter), dtype=x.dtype, device=x.device)
+    per_pick = torch.empty((num_picks, hidden), dtype=x.dtype, device=x.device)
+    routing = weights.reshape(-1).contiguous()
+    precision = dot_precision(x.dtype)
+    for a, w, out, n, k, tile, silu_mul in ((x, gate_up, h, inter, hidden, gate_up_tile, True),
+                                            (h, down, per_pick, hidden, inter, down_tile, False)):
+        _expert_gemm_kernel[(num_blocks, triton.cdiv(n, tile.block_n))](
+            a, w, out, aligned.sorted_picks, aligned.block_experts, aligned.num_padded, routing,
+            n, k, num_picks,
+            a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+            TOP_K=top_k, SILU_MUL=silu_mul, DOT_PREC=precision,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
+        )
+    return per_pick.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+def fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  top_k: int, renormalize: bool) -> torch.Tensor:
+    """float32 reference (host-synchronizing): each chosen expert over its tokens, in float32,
+    weighted and added into their rows."""
+    weights, expert_ids = route(router_logits, top_k, renormalize)
+    xf = x.float()
+    out = torch.zeros_like(xf)
+    for expert in expert_ids.unique().tolist():
+        tokens, slots = (expert_ids == expert).nonzero(as_tuple=True)
+        gate, up = (xf[tokens] @ gate_up[expert].float().T).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ down[expert].float().T
+        out.index_add_(0, tokens, y * weights[tokens, slots, None])
+    return out

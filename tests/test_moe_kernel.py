@@ -1,0 +1,327 @@
+"""graphserve.kernels.moe and moe_align: the fused mixture-of-experts path (route, align, grouped gate_up GEMM with
+SiLU-and-mul, down GEMM with the routing weights, combine). On the CPU, in Triton's interpreter at
+tiny shapes, float32: against engine/models/moe.py's torch path (route + combine_experts), moe_align's
+invariants, and the edge cases (an idle expert, every token on one expert, ties in the router). The
+`gpu` tests: Qwen3-30B-A3B and Mixtral-8x7B layers in bf16 against a float32 reference on the same
+weights, with poisoned outputs; CUDA-graph replay equal to eager; SparseMoE on CUDA."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tensor_checks import rel_err
+
+from graphserve.engine.models.moe import SparseMoE, combine_experts
+from graphserve.engine.models.moe_config import MoeArgs
+from graphserve.kernels.moe import MoeTile, default_moe_tiles, fused_moe, fused_moe_ref, route
+from graphserve.kernels.moe_align import max_padded_picks, moe_align, moe_align_torch
+
+align_module = importlib.import_module("graphserve.kernels.moe_align")
+ALIGNS = {"kernel": moe_align, "torch": moe_align_torch}
+
+F32_TOL = dict(rtol=1e-5, atol=2e-6)
+
+
+def moe_weights(experts: int, hidden: int, inter: int, dtype=torch.float32, device="cpu", seed: int = 0):
+    """gate_up [E, 2I, H] and down [E, H, I] scaled so every output is O(1)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen, device=device) / hidden**0.5).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=gen, device=device) / inter**0.5).to(dtype)
+    return gate_up, down
+
+
+def torch_path(x, logits, gate_up, down, top_k, renormalize) -> torch.Tensor:
+    """engine/models/moe.py's CPU path: route, then each expert over its tokens."""
+    weights, experts = route(logits, top_k, renormalize)
+    return combine_experts(x, weights, experts, gate_up, down)
+
+
+def per_token_reference(x, logits, gate_up, down, top_k, renormalize) -> torch.Tensor:
+    """Independent of kernels.moe.route: softmax, torch.topk, each pick's expert token by token."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, picks = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for weight, e in zip(weights[t], picks[t]):
+            gate, up = (gate_up[e] @ x[t]).chunk(2)
+            out[t] += weight * (down[e] @ (F.silu(gate) * up))
+    return out
+
+
+# (tokens, experts, top_k, hidden, inter): decode-sized (small path, blocks of 16) and past it
+CASES = [(t, e, k, h, i) for t, (h, i) in zip((1, 3, 17), ((32, 32), (64, 48), (32, 48)))
+         for e in (4, 8) for k in (1, 2)]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", CASES)
+def test_fused_moe_matches_the_torch_path(tokens, experts, top_k, hidden, inter, poisoned_outputs):
+    gen = torch.Generator().manual_seed(tokens * 100 + experts * 10 + top_k)
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    gate_up, down = moe_weights(experts, hidden, inter, seed=tokens)
+    renormalize = top_k % 2 == 0 or tokens == 3
+    out = fused_moe(x, logits, gate_up, down, top_k, renormalize)
+    torch.testing.assert_close(out, torch_path(x, logits, gate_up, down, top_k, renormalize), **F32_TOL)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("tiles", [
+    # several K tiles; ragged output tiles (48 of 64, in gate_up) and a ragged last K tile (down)
+    (MoeTile(16, 32, 32, 4, 2), MoeTile(16, 32, 32, 4, 2)),
+    # blocks of 32 picks: experts' runs padded further; different tiles per GEMM
+    (MoeTile(32, 16, 16, 4, 2), MoeTile(32, 64, 64, 4, 2)),
+], ids=["ragged", "block_m-32"])
+def test_fused_moe_with_explicit_tiles(tiles, poisoned_outputs):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 64, generator=gen)
+    logits = torch.randn(9, 4, generator=gen)
+    gate_up, down = moe_weights(4, 64, 48)
+    out = fused_moe(x, logits, gate_up, down, 2, True, tiles=tiles)
+    torch.testing.assert_close(out, torch_path(x, logits, gate_up, down, 2, True), **F32_TOL)
+
+
+def check_alignment(expert_ids: torch.Tensor, num_experts: int, block_m: int, align=moe_align) -> None:
+    aligned = align(expert_ids, num_experts, block_m)
+    picks = expert_ids.reshape(-1)
+    num_picks = picks.numel()
+    sorted_picks = aligned.sorted_picks.long()
+    assert sorted_picks.shape == (max_padded_picks(num_picks, num_experts, block_m),)
+    assert aligned.block_experts.shape == (sorted_picks.shape[0] // block_m,)
+    real = sorted_picks[sorted_picks != num_picks]
+    assert torch.equal(real.sort().values, torch.arange(num_picks)), "every pick exactly once"
+    assert ((sorted_picks >= 0) & (sorted_picks <= num_picks)).all(), "padding is the sentinel"
+    counts = torch.bincount(picks, minlength=num_experts)
+    num_padded = int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert aligned.num_padded.tolist() == [num_padded]
+    assert (sorted_picks[num_padded:] == num_picks).all()
+    blocks = sorted_picks[:num_padded].view(-1, block_m)
+    block_experts = aligned.block_experts.long()
+    assert (block_experts[num_padded // block_m:] == -1).all()
+    used = block_experts[:num_padded // block_m]
+    assert (used[1:] >= used[:-1]).all(), "blocks in ascending expert order"
+    for block, expert in zip(blocks, used.tolist()):
+        members = block[block != num_picks]
+        assert len(members) > 0, "no block of padding only"
+        assert (picks[members] == expert).all(), "a block holds one expert's picks"
+        assert (members[1:] > members[:-1]).all(), "an expert's picks in order"
+    for expert in range(num_experts):  # each expert's picks in ceil(count / block_m) blocks
+        assert int((used == expert).sum()) == -(-int(counts[expert]) // block_m)
+
+
+# several chunks of the kernel's passes: (64, 8, 16, 16) and (100, 8, 128, 64)
+ALIGN_CASES = [(1, 1, 4, 16), (1, 8, 128, 16), (5, 2, 8, 4), (17, 2, 8, 16), (40, 3, 6, 4), (64, 8, 16, 16),
+               (100, 8, 128, 64)]
+
+
+@pytest.mark.parametrize("align", sorted(ALIGNS))
+@pytest.mark.parametrize("tokens, top_k, num_experts, block_m", ALIGN_CASES)
+def test_moe_align_invariants(tokens, top_k, num_experts, block_m, align):
+    gen = torch.Generator().manual_seed(tokens)
+    routed = torch.rand(tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices  # distinct, as route's
+    check_alignment(routed, num_experts, block_m, ALIGNS[align])
+    check_alignment(torch.randint(0, num_experts, (tokens, top_k), generator=gen), num_experts, block_m,
+                    ALIGNS[align])
+
+
+@pytest.mark.parametrize("align", sorted(ALIGNS))
+@pytest.mark.parametrize("case", ["idle expert", "one expert takes all"])
+def test_moe_align_edge_routings(case, align):
+    expert_ids = torch.tensor([[0, 2], [2, 3], [3, 0], [0, 2]]) if case == "idle expert" else torch.full((20, 1), 3)
+    check_alignment(expert_ids, 4, 4, ALIGNS[align])
+
+
+@pytest.mark.parametrize("tokens, top_k, num_experts, block_m", ALIGN_CASES)
+def test_the_align_kernel_equals_the_torch_align(tokens, top_k, num_experts, block_m, poisoned_outputs):
+    gen = torch.Generator().manual_seed(tokens + 1)
+    expert_ids = torch.rand(tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices
+    got, want = moe_align(expert_ids, num_experts, block_m), moe_align_torch(expert_ids, num_experts, block_m)
+    for name, a, b in zip(got._fields, got, want):
+        assert a == b if name == "block_m" else torch.equal(a, b), name
+
+
+@torch.no_grad()
+def test_fused_moe_through_the_torch_align(monkeypatch, poisoned_outputs):
+    """Past ALIGN_KERNEL_MAX_PICKS picks (large batches) the alignment is the torch one."""
+    monkeypatch.setattr(align_module, "ALIGN_KERNEL_MAX_PICKS", 0)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(17, 32, generator=gen)
+    logits = torch.randn(17, 8, generator=gen)
+    gate_up, down = moe_weights(8, 32, 48)
+    torch.testing.assert_close(fused_moe(x, logits, gate_up, down, 2, True),
+                               torch_path(x, logits, gate_up, down, 2, True), **F32_TOL)
+
+
+def test_small_batches_read_each_chosen_expert_once():
+    """At decode sizes every chosen expert's picks share one block: its weights are read once."""
+    for tokens in (1, 4, 16):
+        tile, down_tile = default_moe_tiles(tokens, 8, 128, 2048, 768, 132)
+        assert tile.block_m == down_tile.block_m >= tokens
+        gen = torch.Generator().manual_seed(tokens)
+        expert_ids = torch.rand(tokens, 128, generator=gen).topk(8, dim=-1).indices
+        aligned = moe_align(expert_ids, 128, tile.block_m)
+        used = aligned.block_experts[aligned.block_experts >= 0]
+        assert len(used) == len(expert_ids.unique()) == len(used.unique())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_an_idle_expert_and_one_expert_taking_every_token(top_k, poisoned_outputs):
+    tokens, experts, hidden, inter = 17, 8, 32, 48
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate_up, down = moe_weights(experts, hidden, inter, seed=3)
+    logits = torch.randn(tokens, experts, generator=gen)
+    logits[:, 5] = -30.0  # idle
+    logits[:, 2] = 30.0  # every token's first pick
+    _, picks = route(logits, top_k, False)
+    assert (picks[:, 0] == 2).all() and not (picks == 5).any()
+    out = fused_moe(x, logits, gate_up, down, top_k, False)
+    torch.testing.assert_close(out, per_token_reference(x, logits, gate_up, down, top_k, False), **F32_TOL)
+    torch.testing.assert_close(out, torch_path(x, logits, gate_up, down, top_k, False), **F32_TOL)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("tie", ["three experts tie for two places", "all experts tie"])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router_ties_pick_the_reference_experts(tie, renormalize, poisoned_outputs):
+    """Equal logits: the kernel path picks the experts torch.topk picks (a different pick would change
+    the output: every expert's weights differ)."""
+    tokens, experts, hidden, inter = 5, 8, 32, 32
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate_up, down = moe_weights(experts, hidden, inter, seed=4)
+    logits = torch.randn(tokens, experts, generator=gen) - 5.0
+    if tie == "all experts tie":
+        logits.zero_()
+    else:
+        logits[:, [1, 4, 6]] = 0.5
+    out = fused_moe(x, logits, gate_up, down, 2, renormalize)
+    torch.testing.assert_close(out, per_token_reference(x, logits, gate_up, down, 2, renormalize), **F32_TOL)
+
+
+def test_mismatched_shapes_are_refused():
+    gate_up, down = moe_weights(4, 32, 32)
+    with pytest.raises(ValueError):
+        fused_moe(torch.randn(3, 64), torch.randn(3, 4), gate_up, down, 2, True)
+    with pytest.raises(ValueError, match="block_m"):
+        fused_moe(torch.randn(3, 32), torch.randn(3, 4), gate_up, down, 2, True,
+                  tiles=(MoeTile(16, 16, 16, 4, 2), MoeTile(32, 16, 16, 4, 2)))
+
+
+# ---- GPU: real shapes, bf16 ----
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+SHAPES = {  # name: (hidden, inter, experts, top_k, renormalize)
+    "qwen3-30b-a3b": (2048, 768, 128, 8, True),
+    "mixtral-8x7b": (4096, 14336, 8, 2, True),
+}
+GPU_TOKENS = [1, 4, 16, 64, 256, 2048]
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def real_layer(request):
+    hidden, inter, experts, top_k, renormalize = SHAPES[request.param]
+    gate_up, down = moe_weights(experts, hidden, inter, BF16, DEV, seed=1)
+    yield request.param, gate_up, down, top_k, renormalize
+    del gate_up, down
+    torch.cuda.empty_cache()
+
+
+def real_inputs(tokens: int, hidden: int, experts: int, seed: int = 0):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen, device=DEV).to(BF16)
+    logits = (torch.randn(tokens, experts, generator=gen, device=DEV) * 2).to(BF16)
+    return x, logits
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+@pytest.mark.parametrize("tokens", GPU_TOKENS)
+def test_real_shapes_against_float32(real_layer, tokens, poisoned_outputs):
+    name, gate_up, down, top_k, renormalize = real_layer
+    x, logits = real_inputs(tokens, gate_up.shape[2], gate_up.shape[0], seed=tokens)
+    out = fused_moe(x, logits, gate_up, down, top_k, renormalize)
+    ref = fused_moe_ref(x, logits, gate_up, down, top_k, renormalize)
+    assert out.dtype == BF16 and out.shape == x.shape
+    assert not out.isnan().any(), "an output the kernels never wrote"
+    assert rel_err(out, ref) < 1e-2, f"{name} T={tokens}: relative error {rel_err(out, ref):.2e}"
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+@pytest.mark.parametrize("tokens", [16, 2048])
+def test_real_shapes_every_token_on_one_expert(real_layer, tokens, poisoned_outputs):
+    """One expert's run spans many blocks; another expert is idle."""
+    name, gate_up, down, top_k, renormalize = real_layer
+    x, logits = real_inputs(tokens, gate_up.shape[2], gate_up.shape[0], seed=7)
+    logits[:, 3] = 40.0
+    logits[:, 0] = -40.0
+    out = fused_moe(x, logits, gate_up, down, top_k, renormalize)
+    ref = fused_moe_ref(x, logits, gate_up, down, top_k, renormalize)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < 1e-2, f"{name} T={tokens}: relative error {rel_err(out, ref):.2e}"
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+@pytest.mark.parametrize("tokens", [4, 64, 1024])  # the small-batch path, the GEMM path; Qwen's torch align
+def test_cuda_graph_replay_equals_eager(real_layer, tokens):
+    name, gate_up, down, top_k, renormalize = real_layer
+    hidden, experts = gate_up.shape[2], gate_up.shape[0]
+    x, logits = real_inputs(tokens, hidden, experts, seed=1)
+    static_x, static_logits = x.clone(), logits.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm the allocator outside the capture
+        fused_moe(static_x, static_logits, gate_up, down, top_k, renormalize)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fused_moe(static_x, static_logits, gate_up, down, top_k, renormalize)
+    for seed in (2, 3):  # new inputs (a new routing) into the captured buffers
+        x, logits = real_inputs(tokens, hidden, experts, seed=seed)
+        static_x.copy_(x)
+        static_logits.copy_(logits)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, fused_moe(x, logits, gate_up, down, top_k, renormalize)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, top_k, num_experts", [(1, 8, 128), (16, 8, 128), (512, 8, 128), (2048, 2, 8)])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_the_align_kernel_equals_the_torch_align_on_cuda(tokens, top_k, num_experts, block_m):
+    gen = torch.Generator(device=DEV).manual_seed(tokens)
+    expert_ids = torch.rand(tokens, num_experts, generator=gen, device=DEV).topk(top_k, dim=-1).indices
+    got, want = moe_align(expert_ids, num_experts, block_m), moe_align_torch(expert_ids, num_experts, block_m)
+    for name, a, b in zip(got._fields[:3], got, want):
+        assert torch.equal(a, b), name
+    check_alignment(expert_ids.cpu(), num_experts, block_m)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_sparse_moe_on_cuda_uses_the_kernels(tokens, monkeypatch):
+    moe = MoeArgs(8, 2, 48, True)
+    layer = SparseMoE(64, moe)
+    gen = torch.Generator().manual_seed(0)
+    for p in layer.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    x = torch.randn(tokens, 64, generator=gen)
+    want = layer(x)
+    calls = []
+    import graphserve.engine.models.moe as moe_module
+
+    monkeypatch.setattr(moe_module, "fused_moe", lambda *a, **kw: calls.append(1) or fused_moe(*a, **kw))
+    layer.to(DEV, BF16)
+    got = layer(x.to(DEV, BF16))
+    assert calls, "the CUDA path did not go through kernels.moe.fused_moe"
+    assert rel_err(got.cpu(), want) < 2e-2
