@@ -35,7 +35,9 @@ class EngineConfig:
     seed: int | None = None  # seeds of unseeded requests: None draws them from the OS
     grammar_compile_timeout: float = 10.0  # seconds a response_format / tool grammar may take to compile
     tensor_parallel_size: int = 1  # ranks (devices of one host) the model is sharded over (engine/distributed.py)
-    quantization: str | None = None  # "fp8": projection weights in float8 e4m3 with per-channel scales
+    # "fp8": projection weights in float8 e4m3 with per-channel scales; "gguf" (CPU, a GGUF model): the
+    # projections and LM head kept in the file's quantized blocks (engine/cpu/quant_linear.py)
+    quantization: str | None = None
     load_format: str = "safetensors"  # "dummy": random weights, no weight file read (benchmarks of big shapes)
     # CUDA: before ready, a burst of dummy requests through every path a first burst takes (engine/core/warm_up.py)
     warm_up: bool = True
@@ -56,8 +58,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.decode_chunk < 1:
             raise ValueError(f"decode_chunk must be >= 1, got {self.decode_chunk}")
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"quantization must be fp8 (or left out), got {self.quantization!r}")
+        if self.quantization not in (None, "fp8", "gguf"):
+            raise ValueError(f"quantization must be fp8 or gguf (or left out), got {self.quantization!r}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be safetensors or dummy, got {self.load_format!r}")
         if self.cuda_graph_max_prefill_tokens < 0:

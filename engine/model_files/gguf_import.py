@@ -1,9 +1,11 @@
 """Convert a GGUF file into a Hugging Face model folder the engine serves, its weights
-dequantized to float32 (serving them quantized is issue 42's next step).
+dequantized to float32, and beside them the projections' quantized blocks as the file has them
+(gguf_blocks.safetensors), which `--quantization gguf` serves on CPU without dequantizing.
 
     read_gguf_header(path) -> GgufHeader    # architecture, tensor types, scalar metadata; refuses
                                             # what graphserve cannot serve, before any heavy work
-    convert_gguf(path, out_dir, model_name=...)  # config.json, model.safetensors, tokenizer files
+    convert_gguf(path, out_dir, model_name=...)  # config.json, model.safetensors, tokenizer files,
+                                                 # gguf_blocks.safetensors
 
 Config, tokenizer and chat template come from the GGUF metadata through transformers' GGUF
 readers; the gguf package dequantizes the weights (inside transformers' ``load_gguf_checkpoint``),
@@ -144,7 +146,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, model_name: str, progress: b
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     header = read_gguf_header(gguf_path)
     out_dir.mkdir(parents=True, exist_ok=True)
-    steps = Steps(6, progress, logger)
+    steps = Steps(7, progress, logger)
     say(logger, f"converting {gguf_path.name} into {out_dir} (one time; float32 weights)", progress)
     try:
         with steps.step("importing torch / transformers / gguf"):
@@ -162,6 +164,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, model_name: str, progress: b
             with steps.step("dequantizing the GGUF weights to float32"):
                 model = _dequantized_model(gguf_path, config, gguf_utils)
                 model.generation_config = _generation_config(config, header)
+            with steps.step("keeping the projections' quantized blocks"):
+                _save_gguf_blocks(gguf_path, header, model, out_dir)
             with steps.step("saving model.safetensors and config.json"):
                 model.save_pretrained(str(out_dir), safe_serialization=True)
                 del model
@@ -242,6 +246,50 @@ def _dequantized_model(gguf_path: Path, config, gguf_utils):
         if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
             raise ModelFilesError("lm_head is not tied to the token embeddings after loading")
     return model
+
+
+def _save_gguf_blocks(gguf_path: Path, header: GgufHeader, model, out_dir: Path) -> None:
+    """The 2-D weights stored in a type the quantized CPU kernel takes (engine/cpu/quant_linear.py),
+    as the file's blocks, under the checkpoint's names. llama.cpp stores Llama's q and k rows
+    permuted; a tensor is kept only where its blocks, as they are or with the rows put back in
+    transformers' order, dequantize exactly to the float32 weight the conversion saves (its first
+    rows compared), so the quantized and float32 paths serve the same weights."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from graphserve.engine.cpu import quant_linear  # (torch: imported by the conversion only)
+
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == header.architecture)
+    config = model.config
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+    heads = {".q_proj.": config.num_attention_heads, ".k_proj.": config.num_key_value_heads}
+    kept, types = {}, {}
+    for hf_name, weight in model.state_dict().items():
+        if weight.dim() != 2 or (hf_name == "lm_head.weight" and config.tie_word_embeddings):
+            continue
+        tensor = tensors.get(names.get_name(hf_name, try_suffixes=(".weight", ".bias")) or "")
+        if tensor is None or tensor.tensor_type.name not in quant_linear.TYPES:
+            continue
+        raw = np.asarray(tensor.data).reshape(weight.shape[0], -1)
+        orders = [raw] + [_llama_rows(raw, count) for key, count in heads.items() if key in hf_name]
+        rows = min(weight.shape[0], 256)
+        expected = weight[:rows].numpy()
+        same = next((order for order in orders
+                     if np.array_equal(gguf.dequantize(order[:rows], tensor.tensor_type), expected)), None)
+        if same is None:
+            logger.warning("%s: the blocks of %s do not dequantize to its float32 weight; it is served in float32",
+                           gguf_path.name, tensor.name)
+            continue
+        kept[hf_name], types[hf_name] = np.ascontiguousarray(same), tensor.tensor_type.name
+    save_file(kept, str(out_dir / quant_linear.GGUF_BLOCKS_FILE), metadata=types)
+
+
+def _llama_rows(raw, heads: int):
+    """Rows of a Llama q or k weight from llama.cpp's order back to transformers' (the inverse of
+    convert_hf_to_gguf.py's permute); blocks run along a row, so rows move whole."""
+    return raw.reshape(heads, raw.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(raw.shape)
 
 
 def _generation_config(config, header: GgufHeader):

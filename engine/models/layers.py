@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphserve.engine.cpu import linear as cpu_linear
+from graphserve.engine.cpu import quant_linear
 
 from graphserve.engine.cpu import ops as cpu_ops
 from graphserve.engine.models.activation import silu_and_mul
@@ -119,6 +120,20 @@ def _skinny_applies(x: torch.Tensor, lm_head: bool) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1)
 
 
+# A projection whose weight stays GGUF-quantized on CPU (loader, --quantization gguf): its rows in
+# parts, in order, each in the quantized kernel's layout (a fused qkv may mix types, as Q4_K_M files do)
+QuantizedParts = tuple[quant_linear.QuantizedWeight, ...]
+
+
+def quantized_linear(x: torch.Tensor, parts: QuantizedParts, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) over a weight kept GGUF-quantized (engine/cpu/quant_linear.py), any row count."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if len(parts) == 1:
+        return quant_linear.quant_linear(x, parts[0], bias)
+    y = torch.cat([quant_linear.quant_linear(x, part) for part in parts], dim=1)
+    return y if bias is None else y + bias
+
+
 def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     """A float32 CPU weight [out, in] repacked for decode-sized batches (engine/cpu/linear.py),
     or None where that does not apply."""
@@ -126,7 +141,7 @@ def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor | AmaxedRows, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+           packed: torch.Tensor | QuantizedParts | None = None, out_dtype: torch.dtype | None = None,
            scale: torch.Tensor | None = None, lm_head: bool = False, silu_mul: bool = False,
            defer_reduce: bool = False) -> torch.Tensor | SplitPartials:
     """x @ weight.T (+ bias); out_dtype: the result (rounded to x's dtype first) in this dtype.
@@ -135,7 +150,12 @@ def linear(x: torch.Tensor | AmaxedRows, weight: torch.Tensor, bias: torch.Tenso
     lm_head: the vocabulary projection (cuBLAS, never the GEMV). silu_mul: weight is a fused
     [gate; up] and the result silu(gate) * up, fused into the projection where its kernel can.
     defer_reduce (see defers_split_reduce): a product the skinny GEMM splits over K comes back as
-    its SplitPartials, which norm_linear and add_rms_norm take."""
+    its SplitPartials, which norm_linear and add_rms_norm take. packed: the CPU panels, or the
+    weight's GGUF-quantized parts (then `weight` holds no data, only the shape)."""
+    if isinstance(packed, tuple):
+        y = quantized_linear(x, packed, bias)
+        y = silu_and_mul(y) if silu_mul else y
+        return y if out_dtype is None else y.to(out_dtype)
     defer_reduce = defer_reduce and out_dtype is None
     if isinstance(x, AmaxedRows):
         if weight.dtype != FP8:
@@ -163,17 +183,27 @@ def linear(x: torch.Tensor | AmaxedRows, weight: torch.Tensor, bias: torch.Tenso
 
 
 class Linear(nn.Linear):
-    """nn.Linear that uses a packed weight on CPU once `pack_for_cpu()` ran, or an FP8 weight
-    with per-output-channel scales once `to_fp8()` ran (or the loader filled one)."""
+    """nn.Linear that uses a packed weight on CPU once `pack_for_cpu()` ran, an FP8 weight
+    with per-output-channel scales once `to_fp8()` ran (or the loader filled one), or a GGUF-quantized
+    weight once `keep_quantized()` ran."""
 
-    packed: torch.Tensor | None = None
+    packed: torch.Tensor | QuantizedParts | None = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.register_parameter("weight_scale", None)  # float32 [out] once the weight is FP8
 
     def pack_for_cpu(self) -> None:
-        self.packed = pack_weight_for_cpu(self.weight)
+        if not isinstance(self.packed, tuple):  # a quantized weight stays as it is
+            self.packed = pack_weight_for_cpu(self.weight)
+
+    def keep_quantized(self, parts: QuantizedParts) -> None:
+        """Serve the weight from its GGUF-quantized parts (rows in order); the float weight is dropped
+        (a zero-stride view keeps its shape, which callers read, and no memory)."""
+        assert sum(part.n for part in parts) == self.out_features and all(part.k == self.in_features for part in parts)
+        self.packed = parts
+        self.weight = nn.Parameter(torch.zeros((), dtype=self.weight.dtype).expand(self.out_features, self.in_features),
+                                   requires_grad=False)
 
     def to_fp8(self, quantize: bool = True) -> None:
         """The weight in float8 e4m3 with a float32 scale per output row: quantized from the

@@ -1,5 +1,7 @@
 """Load a Hugging Face folder (config.json + single or sharded safetensors) into LlamaModel.
 A mixture of experts' per-expert tensors are stacked into [E, ...] parameters (moe_weights.py).
+quantization "gguf" (a converted GGUF folder, CPU): the projections and the LM head served from the
+file's quantized blocks (gguf_blocks.safetensors, engine/cpu/quant_linear.py), not float32.
 
 Under tensor parallelism each rank reads only its own slice of every split weight
 (safetensors slices read just those bytes): rows for the column-parallel projections and the
@@ -14,11 +16,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from graphserve.engine.cpu import quant_linear
 from graphserve.engine.distributed import SINGLE, TensorParallel
 from graphserve.engine.models.sharding import Shard
-from graphserve.engine.errors import ModelFilesError
+from graphserve.engine.errors import InvalidConfigError, ModelFilesError
 from graphserve.engine.models.config import ModelArgs
-from graphserve.engine.models.layers import Linear
+from graphserve.engine.models.layers import Linear, QuantizedParts
 from graphserve.engine.models.llama import LlamaModel
 from graphserve.engine.models.moe_config import check_moe_servable
 from graphserve.engine.models.moe_weights import ROUTER_NAMES, complete_stacks, copy_expert, expert_slot, part_name
@@ -41,7 +44,7 @@ def weight_files(path: Path) -> list[Path]:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         files = [path / s for s in shards]
     else:
-        files = sorted(path.glob("*.safetensors"))
+        files = sorted(f for f in path.glob("*.safetensors") if f.name != quant_linear.GGUF_BLOCKS_FILE)
     missing = [f for f in files if not f.is_file()]
     if not files or missing:
         raise ModelFilesError(f"{path} has no safetensors weights" + (f" (missing {missing[0].name})" if missing else ""))
@@ -60,8 +63,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
                max_positions: int, tp: TensorParallel = SINGLE, quantization: str | None = None,
                load_format: str = "safetensors") -> LlamaModel:
     """quantization "fp8": the projections' weights in FP8 (engine/models/fp8.py), quantized here
-    unless the checkpoint holds them so already. load_format "dummy": random weights made on the
-    device, no weight file read (config.json and the tokenizer are still the folder's)."""
+    unless the checkpoint holds them so already; "gguf": the projections and LM head kept as a
+    converted GGUF file's quantized blocks (CPU, float32, one rank). load_format "dummy": random
+    weights made on the device, no weight file read (config.json and the tokenizer are still the
+    folder's)."""
     path = Path(path)
     args = ModelArgs.from_dir(path)
     check_moe_servable(args.architecture, args.moe, args.sliding_window, args.quantization, device, max_positions,
@@ -84,8 +89,70 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
     if quantization == "fp8" and not prequantized:
         for module in projections:
             module.to_fp8()
+    blocks = _gguf_blocks(path, dtype, device, tp) if quantization == "gguf" else {}
+    _keep_quantized_projections(model, blocks)
     model.pack_for_cpu()
+    head = _quantized(blocks, ["model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"])
+    if head is not None:  # (a tied table stays float32 too, for the embedding lookup)
+        model.lm_head_packed = head
     return model.eval()
+
+
+def _gguf_blocks(path: Path, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel) -> dict[str, tuple[str, torch.Tensor]]:
+    """name -> (GGUF type, uint8 blocks [n, bytes per row]) from a converted GGUF folder."""
+    if device.type != "cpu" or dtype != torch.float32 or tp.size != 1:
+        raise InvalidConfigError("--quantization gguf serves on CPU, in float32, on one rank "
+                                 f"(got device {device.type}, dtype {str(dtype).split('.')[-1]}, {tp.size} ranks)")
+    file = path / quant_linear.GGUF_BLOCKS_FILE
+    if not file.is_file():
+        raise ModelFilesError(f"{path} holds no GGUF blocks ({quant_linear.GGUF_BLOCKS_FILE}): --quantization gguf "
+                              "serves a GGUF file (--model FILE.gguf) or the embedded default")
+    if not quant_linear.available():
+        raise InvalidConfigError("--quantization gguf needs the quantized CPU kernel, which could not be built here "
+                                 "(a C compiler is needed; see the log)")
+    with safe_open(str(file), framework="pt") as f:
+        types = f.metadata() or {}
+        return {name: (types[name], f.get_tensor(name)) for name in f.keys()}
+
+
+def _quantized(blocks: dict[str, tuple[str, torch.Tensor]], names: list[str]) -> QuantizedParts | None:
+    """The named tensors' rows, in order, in the quantized kernel's layout (neighbours of one type
+    as one part), or None where one is missing or the kernel is not built here."""
+    if not names or not all(name in blocks for name in names):
+        return None
+    groups: list[tuple[str, list[torch.Tensor]]] = []
+    for name in names:
+        qtype, raw = blocks[name]
+        if groups and groups[-1][0] == qtype and groups[-1][1][0].shape[1] == raw.shape[1]:
+            groups[-1][1].append(raw)
+        else:
+            groups.append((qtype, [raw]))
+    parts = []
+    for qtype, raws in groups:
+        raw = torch.cat(raws) if len(raws) > 1 else raws[0]
+        values, size = quant_linear.GGUF_BLOCKS[qtype]
+        part = quant_linear.pack_quantized(raw, qtype, raw.shape[0], raw.shape[1] // size * values)
+        if part is None:
+            return None
+        parts.append(part)
+    return tuple(parts)
+
+
+def _keep_quantized_projections(model: LlamaModel, blocks: dict[str, tuple[str, torch.Tensor]]) -> None:
+    """Each projection whose source tensors all have blocks serves from them; the rest stay float32."""
+    if not blocks:
+        return
+    sources: dict[str, list[str]] = {}
+    for hf_module, (fused, _) in _FUSED.items():
+        sources.setdefault(fused, []).append(hf_module)
+    for index, layer in enumerate(model.layers):
+        for name, module in layer.named_modules():
+            if isinstance(module, Linear):
+                names = [f"model.layers.{index}.{source}.weight" for source in sources.get(name, [name])]
+                parts = _quantized(blocks, names)
+                if parts is not None:
+                    module.keep_quantized(parts)
 
 
 def _read_checkpoint(model: LlamaModel, path: Path, files: list[Path]) -> None:

@@ -1,0 +1,172 @@
+"""GGUF files served with their projection weights kept quantized (`--quantization gguf`, CPU):
+the conversion keeps the file's blocks (gguf_blocks.safetensors) beside the float32 weights, the
+loader hands them to the quantized kernel (engine/cpu/quant_linear.py), and `--dtype float32`
+without it still serves the dequantized float32 weights.
+
+The kernel quantizes each activation row to int8 per block of 32 (as llama.cpp does), so the
+served tokens are not those of the float32 path on the same weights: they are those of the
+transformers model on the file's weights with each projection and the LM head run through the
+kernel on the file's blocks (`kernel_reference`, which reads and reorders the blocks itself, not
+through graphserve's conversion). Against the float32 path, the test bounds the disagreement."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoTokenizer
+
+
+gguf = pytest.importorskip("gguf", reason="gguf (gguf-py, a dependency of the CPU install) reads the files")
+
+from graphserve import LLM, SamplingParams
+from graphserve.engine.async_engine import AsyncEngine
+from graphserve.engine.config import EngineConfig
+from graphserve.engine.cpu import quant_linear as ql
+from graphserve.engine.errors import InvalidConfigError, ModelFilesError
+from graphserve.engine.models.layers import Linear
+from graphserve.engine.model_files.model_path import ensure_gguf_model
+from graphserve.server.app import create_app
+from graphserve.server.testing import BackgroundServer
+from tiny_gguf import write_tiny_gguf
+from tiny_models import make_tiny_model
+
+openai = pytest.importorskip("openai", reason="the openai client (a dev extra) drives the HTTP server")
+pytestmark = pytest.mark.skipif(not ql.available(), reason="no C compiler: the quantized kernel is unavailable")
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):\n"]
+MAX_TOKENS = 12
+CASES = [("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q4_0")]
+_ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gguf_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    root = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GRAPHSERVE_CACHE", str(root))
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield root
+
+
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    variant, qtype = request.param
+    reference, path = write_tiny_gguf(tmp_path_factory.mktemp(f"{variant}-{qtype}"), variant, qtype)
+    return variant, qtype, reference, path
+
+
+def kernel_reference(reference: nn.Module, path: Path, variant: str) -> nn.Module:
+    """The transformers model with every projection and the LM head running the quantized kernel
+    on the file's own blocks (Llama's q/k rows put back in transformers' order here)."""
+    model = copy.deepcopy(reference)
+    config = model.config
+    names = gguf.get_tensor_name_map(_ARCHS[variant], config.num_hidden_layers)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for hf_name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        name = names.get_name(hf_name + ".weight", try_suffixes=(".weight",))
+        tensor = tensors.get(name) or tensors["token_embd.weight"]  # a tied LM head is the embedding table
+        n, k = module.weight.shape
+        raw = np.asarray(tensor.data).reshape(n, -1)
+        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(hf_name.split(".")[-1])
+        if variant == "llama" and heads:  # llama.cpp's permutation, undone
+            raw = raw.reshape(heads, n // heads // 2, 2, -1).swapaxes(1, 2).reshape(raw.shape)
+        weight = ql.pack_quantized(raw, tensor.tensor_type.name, n, k)
+        assert torch.equal(torch.from_numpy(gguf.quants.dequantize(raw, tensor.tensor_type).copy()), module.weight.data)
+
+        def forward(x: torch.Tensor, weight=weight, bias=module.bias) -> torch.Tensor:
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            return ql.quant_linear(rows, weight, bias).reshape(*x.shape[:-1], -1)
+
+        module.forward = forward
+    return model
+
+
+def greedy(model: nn.Module, prompt_ids: list[int]) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_the_conversion_keeps_every_projections_blocks(tiny) -> None:
+    variant, qtype, reference, path = tiny
+    folder = ensure_gguf_model(path, progress=False)
+    with safe_open(str(folder / ql.GGUF_BLOCKS_FILE), framework="pt") as f:
+        types, names = f.metadata(), set(f.keys())
+    layers = reference.config.num_hidden_layers
+    projections = {f"model.layers.{i}.{m}.weight" for i in range(layers) for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert projections | {"model.embed_tokens.weight"} <= names
+    assert {types[name] for name in names} == {qtype}
+
+
+def test_served_tokens_are_the_kernels_on_the_files_weights(tiny) -> None:
+    """Through the real server and the openai client: greedy tokens equal the transformers model's
+    with the kernel in its projections; the engine's layers hold the quantized weights."""
+    variant, _, reference, path = tiny
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    expected_model = kernel_reference(reference, path, variant)
+    engine = AsyncEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", quantization="gguf",
+                                      kv_cache_bytes=16 * 1024**2))
+    with BackgroundServer(create_app(engine)) as server:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120.0)
+        for prompt in PROMPTS:
+            prompt_ids = tokenizer(prompt).input_ids
+            response = client.completions.create(model=path.stem, prompt=prompt_ids, max_tokens=MAX_TOKENS,
+                                                 temperature=0, extra_body={"ignore_eos": True,
+                                                                            "return_token_ids": True})
+            assert response.choices[0].model_extra["token_ids"] == greedy(expected_model, prompt_ids), prompt
+
+
+def test_quantized_and_float32_paths_agree_on_most_positions(tiny) -> None:
+    """Offline: the layers hold quantized weights (no float32 copy); over a long prompt the served
+    log-probabilities are the kernel reference's, and the argmax agrees with the float32 path's
+    (same weights, float activations) at most positions: only the activations' int8 rounding differs."""
+    variant, _, reference, path = tiny
+    llm = LLM(model=str(path), device="cpu", dtype="float32", quantization="gguf", kv_cache_bytes=16 * 1024**2)
+    model = llm.engine.core.model
+    projections = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    assert projections and all(isinstance(m.packed, tuple) for m in projections)
+    assert all(m.weight.stride() == (0, 0) for m in projections)  # the float32 weight is gone
+    assert isinstance(model.lm_head_packed, tuple)
+    prompt = " ".join(PROMPTS * 6)
+    output = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
+    ids = output.prompt_token_ids
+    with torch.no_grad():
+        kernel_logits = kernel_reference(reference, path, variant)(torch.tensor([ids])).logits[0, :-1]
+        float_logits = reference(torch.tensor([ids])).logits[0, :-1]
+    expected = torch.log_softmax(kernel_logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    served = torch.tensor([lp.logprob for lp in output.prompt_logprobs[1:]])
+    torch.testing.assert_close(served, expected, atol=1e-3, rtol=0)
+    agreement = (kernel_logits.argmax(-1) == float_logits.argmax(-1)).float().mean().item()
+    assert agreement >= 0.9, agreement
+
+
+def test_float32_without_the_option_serves_the_dequantized_weights(tiny) -> None:
+    _, _, reference, path = tiny
+    llm = LLM(model=str(path), device="cpu", dtype="float32", kv_cache_bytes=16 * 1024**2)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    prompt_ids = tokenizer(PROMPTS[0]).input_ids
+    output = llm.generate([prompt_ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))[0]
+    assert list(output.token_ids) == greedy(reference, prompt_ids)
+
+
+def test_the_option_is_refused_where_it_cannot_serve(tiny, tmp_path: Path) -> None:
+    _, _, _, path = tiny
+    with pytest.raises(InvalidConfigError, match="--quantization gguf serves on CPU, in float32"):
+        LLM(model=str(path), device="cpu", dtype="bfloat16", quantization="gguf", kv_cache_bytes=16 * 1024**2)
+    folder = make_tiny_model(tmp_path / "hf", "llama")  # not a GGUF conversion
+    with pytest.raises(ModelFilesError, match="holds no GGUF blocks"):
+        LLM(model=str(folder), device="cpu", quantization="gguf", kv_cache_bytes=16 * 1024**2)

@@ -1,0 +1,169 @@
+"""The CPU kernel over GGUF-quantized weights (engine/cpu/quant_linear.py) against gguf-py's own
+dequantization, for each type, at ragged shapes (N not a multiple of 16, several K, prefill and
+decode row counts), with and without bias, in this machine's build and in the builds a machine
+with fewer instruction sets takes (AVX-VNNI, AVX2, plain C).
+
+The kernel quantizes the activations per row and block of 32 to int8 (as llama.cpp does), so two
+claims are checked: (1) given those quantized activations, the result is x_q @ dequant(W).T to
+float32 rounding (the block sums are exact int32); (2) against the float activations it is within
+the bound that quantization implies: each x moves by at most half its block's step dx / 2, so
+|out - x @ W.T| <= sum over blocks of dx_b / 2 * sum |W_b| (plus rounding)."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+
+gguf = pytest.importorskip("gguf", reason="gguf (gguf-py, a dependency of the CPU install) reads the files")
+
+from graphserve.engine.cpu import quant_linear as ql  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not ql.available(), reason="no C compiler: the kernel is unavailable")
+
+TYPE = gguf.GGMLQuantizationType
+EPS = torch.finfo(torch.float32).eps
+# the bytes of each type's min field inside a block (zeroed to split the dequantized weight into
+# scale * quant and min for the rounding bound)
+MIN_FIELD = {"Q4_1": slice(2, 4), "Q4_K": slice(2, 4)}
+
+
+def gguf_weight(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
+    """A weight [n, k] in GGUF's bytes: gguf-py's quantization of random floats where it has one
+    (Q8_0, Q4_0, Q4_1), otherwise random blocks (every quant and sub-scale bit pattern) with a
+    small positive float16 super-scale."""
+    rng = np.random.default_rng(seed)
+    if qtype in ("Q8_0", "Q4_0", "Q4_1"):
+        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, TYPE[qtype])
+    size = gguf.GGML_QUANT_SIZES[TYPE[qtype]][1]
+    blocks = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
+    scale_at = [slice(0, 2), slice(2, 4)] if qtype == "Q4_K" else [slice(208, 210)]
+    for where in scale_at:
+        scale = rng.uniform(1e-4, 1e-3, size=(n, k // 256)).astype(np.float16)
+        blocks[..., where] = scale.view(np.uint8).reshape(n, k // 256, 2)
+    return blocks.reshape(n, -1)
+
+
+def dequantized(raw: np.ndarray, qtype: str) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, TYPE[qtype]).astype(np.float64))
+
+
+def magnitudes(raw: np.ndarray, qtype: str) -> torch.Tensor:
+    """|scale * quant| + |min| per weight: what the kernel's float steps round against."""
+    w = dequantized(raw, qtype)
+    if qtype not in MIN_FIELD:
+        return w.abs()
+    size = gguf.GGML_QUANT_SIZES[TYPE[qtype]][1]
+    blocks = raw.copy().reshape(raw.shape[0], -1, size)
+    blocks[..., MIN_FIELD[qtype]] = 0
+    scaled = dequantized(blocks.reshape(raw.shape), qtype)
+    return scaled.abs() + (w - scaled).abs()
+
+
+def case(qtype: str, n: int, k: int, rows: int, with_bias: bool):
+    seed = zlib.crc32(repr((qtype, n, k, rows, with_bias)).encode())
+    raw = gguf_weight(qtype, n, k, seed)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    x[:, :7] *= 20  # blocks with an outlier, as real activations have
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    return raw, x, bias
+
+
+def check_against_quantized_activations(out, raw, qtype, x, bias):
+    xq, dx = ql.quantize_activations(x)
+    xd = (xq.double().reshape(x.shape[0], -1, ql.BLOCK) * dx.double()[..., None]).reshape(x.shape)
+    w = dequantized(raw, qtype)
+    reference = xd @ w.T + (0 if bias is None else bias.double())
+    # one float32 rounding per block term and per accumulation over the K / 32 blocks
+    bias_size = 0 if bias is None else bias.double().abs()
+    bound = (x.shape[1] // ql.BLOCK + 8) * EPS * (xd.abs() @ magnitudes(raw, qtype).T + bias_size)
+    assert ((out.double() - reference).abs() <= bound).all(), (out.double() - reference).abs().max()
+
+
+SHAPES_32 = [(37, 32), (100, 96), (16, 576), (49, 1536)]
+SHAPES_256 = [(37, 256), (20, 768)]
+
+
+@pytest.mark.parametrize("qtype,n,k", [(t, n, k) for t in ("Q8_0", "Q4_0", "Q4_1") for n, k in SHAPES_32]
+                         + [(t, n, k) for t in ("Q4_K", "Q6_K") for n, k in SHAPES_256])
+@pytest.mark.parametrize("rows", [1, 3, 16, 32, 70])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matches_gguf_dequantization(qtype, n, k, rows, with_bias):
+    raw, x, bias = case(qtype, n, k, rows, with_bias)
+    weight = ql.pack_quantized(raw, qtype, n, k)
+    assert weight is not None and weight.panels.shape[0] == -(-n // 16)
+    out = ql.quant_linear(x, weight, bias)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    check_against_quantized_activations(out, raw, qtype, x, bias)
+    # against the float activations: the activation quantization's own bound
+    w = dequantized(raw, qtype)
+    exact = x.double() @ w.T + (0 if bias is None else bias.double())
+    _, dx = ql.quantize_activations(x)
+    step = (dx.double()[..., None] / 2).expand(rows, k // ql.BLOCK, ql.BLOCK).reshape(rows, k)
+    bound = step @ w.abs().T + 1e-5 * (x.double().abs() @ magnitudes(raw, qtype).T + 1)
+    assert ((out.double() - exact).abs() <= bound).all()
+
+
+# the path each fallback build takes (the AVX-VNNI one is the AVX2 one on a CPU without AVX-VNNI)
+FALLBACK_PATHS = {"AVX-VNNI": ("AVX-VNNI", "AVX2"), "AVX2": ("AVX2",), "plain C": ("plain C",)}
+
+
+@pytest.mark.parametrize("build", list(ql.FALLBACK_LIBRARIES))
+@pytest.mark.parametrize("qtype,n,k", [("Q8_0", 37, 96), ("Q4_0", 50, 64), ("Q4_1", 33, 576), ("Q4_K", 21, 256),
+                                       ("Q6_K", 40, 512)])
+@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_fallback_builds_give_the_same_numbers(build, qtype, n, k, rows):
+    library = ql.FALLBACK_LIBRARIES[build]
+    lib = library.get()
+    assert lib is not None and ql.KERNEL_PATHS[lib.kernel_path()] in FALLBACK_PATHS[build]
+    raw, x, bias = case(qtype, n, k, rows, True)
+    weight = ql.pack_quantized(raw, qtype, n, k)
+    out = ql.quant_linear(x, weight, bias, library=library)
+    check_against_quantized_activations(out, raw, qtype, x, bias)
+    torch.testing.assert_close(out, ql.quant_linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype,k", [("Q4_1", 576), ("Q8_0", 96), ("Q6_K", 256)])
+def test_a_rows_result_does_not_depend_on_the_other_rows(qtype, k):
+    """Each row is quantized and summed on its own: the batch a request shares changes nothing,
+    bit for bit (the engine's greedy invariant)."""
+    raw, x, bias = case(qtype, 40, k, 37, True)
+    weight = ql.pack_quantized(raw, qtype, 40, k)
+    together = ql.quant_linear(x, weight, bias)
+    for i in (0, 15, 16, 36):
+        assert torch.equal(ql.quant_linear(x[i:i + 1], weight, bias)[0], together[i])
+        assert torch.equal(ql.quant_linear(x[i:i + 5], weight, bias)[0], together[i])
+
+
+def test_activation_quantization_moves_each_value_by_at_most_half_a_step():
+    x = torch.randn(7, 96) * torch.logspace(-3, 3, 96)
+    x[2, 32:64] = 0  # an all-zero block
+    xq, dx = ql.quantize_activations(x)
+    blocks = x.reshape(7, 3, 32)
+    torch.testing.assert_close(dx, blocks.abs().amax(-1) / 127)
+    assert xq.abs().max() <= 127 and (xq[2, 32:64] == 0).all()
+    error = (blocks - xq.reshape(7, 3, 32).float() * dx[..., None]).abs()
+    assert (error <= dx[..., None] * (0.5 + 1e-4)).all()
+
+
+def test_strided_rows_read_their_own_elements():
+    raw, _, _ = case("Q4_1", 40, 64, 1, False)
+    weight = ql.pack_quantized(raw, "Q4_1", 40, 64)
+    wide = torch.randn(5, 128)
+    x = wide[:, 32:96]
+    assert x.stride(0) == 128
+    torch.testing.assert_close(ql.quant_linear(x, weight), ql.quant_linear(x.contiguous(), weight))
+
+
+def test_packing_refuses_what_the_kernel_cannot_take():
+    raw = gguf.quants.quantize(np.ones((4, 64), np.float32), TYPE.Q8_0)
+    assert ql.pack_quantized(raw, "Q5_0", 4, 64) is None  # a type without a kernel
+    assert ql.pack_quantized(np.zeros((4, 144), np.uint8), "Q4_K", 4, 128) is None  # K not whole super-blocks
+    weight = ql.pack_quantized(raw, "Q8_0", 4, 64)
+    assert not ql.applies(torch.randn(2, 64, dtype=torch.float64), weight)
+    assert not ql.applies(torch.randn(2, 32), weight)
+    assert ql.applies(torch.randn(2, 64), weight)
