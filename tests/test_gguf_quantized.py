@@ -1,5 +1,5 @@
 """GGUF files served with their projection weights kept quantized (`--quantization gguf`, CPU):
-the conversion keeps the file's blocks (gguf_blocks.safetensors) beside the float32 weights, the
+the conversion keeps the file's blocks (gguf/blocks.safetensors) beside the float32 weights, the
 loader hands them to the quantized kernel (engine/cpu/quant_linear.py), and `--dtype float32`
 without it still serves the dequantized float32 weights.
 
@@ -101,6 +101,8 @@ def greedy(model: nn.Module, prompt_ids: list[int]) -> list[int]:
 def test_the_conversion_keeps_every_projections_blocks(tiny) -> None:
     variant, qtype, reference, path = tiny
     folder = ensure_gguf_model(path, progress=False)
+    # what another server or transformers loads from the folder: the float32 weights only
+    assert [p.name for p in folder.glob("*.safetensors")] == ["model.safetensors"]
     with safe_open(str(folder / ql.GGUF_BLOCKS_FILE), framework="pt") as f:
         types, names = f.metadata(), set(f.keys())
     layers = reference.config.num_hidden_layers

@@ -65,7 +65,8 @@ GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (25
 # A converted GGUF folder's projection weights as the file's blocks (written by
 # engine/model_files/gguf_import.py, read by engine/models/loader.py): uint8 [n, bytes per row] per
 # tensor under the checkpoint's names; the file's metadata maps each name to its GGUF type.
-GGUF_BLOCKS_FILE = "gguf_blocks.safetensors"
+# in a folder of its own: tools that load every top-level *.safetensors of a model folder (vLLM) must not see it
+GGUF_BLOCKS_FILE = "gguf/blocks.safetensors"
 
 _SOURCE = r"""
 /* the instruction sets to use, read before any header: immintrin.h's target pragmas define the

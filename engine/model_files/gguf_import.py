@@ -1,11 +1,11 @@
 """Convert a GGUF file into a Hugging Face model folder the engine serves, its weights
 dequantized to float32, and beside them the projections' quantized blocks as the file has them
-(gguf_blocks.safetensors), which `--quantization gguf` serves on CPU without dequantizing.
+(gguf/blocks.safetensors), which `--quantization gguf` serves on CPU without dequantizing.
 
     read_gguf_header(path) -> GgufHeader    # architecture, tensor types, scalar metadata; refuses
                                             # what graphserve cannot serve, before any heavy work
     convert_gguf(path, out_dir, model_name=...)  # config.json, model.safetensors, tokenizer files,
-                                                 # gguf_blocks.safetensors
+                                                 # gguf/blocks.safetensors
 
 Config, tokenizer and chat template come from the GGUF metadata through transformers' GGUF
 readers; the gguf package dequantizes the weights (inside transformers' ``load_gguf_checkpoint``),
@@ -283,6 +283,7 @@ def _save_gguf_blocks(gguf_path: Path, header: GgufHeader, model, out_dir: Path)
                            gguf_path.name, tensor.name)
             continue
         kept[hf_name], types[hf_name] = np.ascontiguousarray(same), tensor.tensor_type.name
+    (out_dir / quant_linear.GGUF_BLOCKS_FILE).parent.mkdir(exist_ok=True)
     save_file(kept, str(out_dir / quant_linear.GGUF_BLOCKS_FILE), metadata=types)
 
 

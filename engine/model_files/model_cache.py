@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 # Written last into the temporary folder, just before it is renamed into place.
 COMPLETE_MARKER = ".graphserve-complete.json"
 # Bump when a conversion's output changes: folders marked with another format are rebuilt.
-FORMAT_VERSION = 2  # 2: GGUF conversions keep the quantized blocks too (gguf_blocks.safetensors)
+FORMAT_VERSION = 3  # 2: GGUF conversions keep the quantized blocks too; 3: in gguf/blocks.safetensors
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 _TMP_INFIX = ".tmp-"
 _TRASH_INFIX = ".stale-"

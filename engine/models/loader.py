@@ -1,7 +1,7 @@
 """Load a Hugging Face folder (config.json + single or sharded safetensors) into LlamaModel.
 A mixture of experts' per-expert tensors are stacked into [E, ...] parameters (moe_weights.py).
 quantization "gguf" (a converted GGUF folder, CPU): the projections and the LM head served from the
-file's quantized blocks (gguf_blocks.safetensors, engine/cpu/quant_linear.py), not float32.
+file's quantized blocks (gguf/blocks.safetensors, engine/cpu/quant_linear.py), not float32.
 
 Under tensor parallelism each rank reads only its own slice of every split weight
 (safetensors slices read just those bytes): rows for the column-parallel projections and the
@@ -44,7 +44,7 @@ def weight_files(path: Path) -> list[Path]:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         files = [path / s for s in shards]
     else:
-        files = sorted(f for f in path.glob("*.safetensors") if f.name != quant_linear.GGUF_BLOCKS_FILE)
+        files = sorted(path.glob("*.safetensors"))
     missing = [f for f in files if not f.is_file()]
     if not files or missing:
         raise ModelFilesError(f"{path} has no safetensors weights" + (f" (missing {missing[0].name})" if missing else ""))
