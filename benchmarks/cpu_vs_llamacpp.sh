@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Issue 42's comparison: graphserve on CPU against llama.cpp's llama-server, one window, the same
+# client and request set (benchmarks/serving.py at 1 / 8 / 16 streams, 128-256-token prompts and
+# outputs, 2 client processes), the same GGUF file (default: the embedded model's Q4_1 file) and
+# the same threads (2). graphserve runs twice: with --quantization gguf (the file's blocks) and in
+# float32 (the default).
+#
+#   bash benchmarks/cpu_vs_llamacpp.sh [SUFFIX] [FILE.gguf]   # writes benchmarks/results/serving-cpu-*-SUFFIX.json
+#
+# llama-server is built once from the llama.cpp source inside the llama-cpp-python sdist (from the
+# package index), Release, native flags, into $LLAMA_CPP_DIR (default ~/.cache/graphserve/llama.cpp).
+# It serves with --parallel equal to each level's stream count (one server per level: slots are
+# fixed at start) and a context of 1024 tokens per slot. The load average is printed before each run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SUFFIX=${1:-$(date +%F)}
+PY=${PY:-.venv/bin/python}
+GGUF=${2:-$("$PY" -c "from graphserve.engine.model_files.default_model import find_gguf; print(find_gguf())")}
+LLAMA_CPP_DIR=${LLAMA_CPP_DIR:-$HOME/.cache/graphserve/llama.cpp}
+THREADS=${THREADS:-2}
+OUT=benchmarks/results
+SERVER="$LLAMA_CPP_DIR/build/bin/llama-server"
+
+if [ ! -x "$SERVER" ]; then
+  mkdir -p "$LLAMA_CPP_DIR"
+  "$PY" -m pip download --no-deps --no-binary :all: llama-cpp-python -d "$LLAMA_CPP_DIR/sdist" -q
+  tar xzf "$(ls "$LLAMA_CPP_DIR"/sdist/llama_cpp_python-*.tar.gz | sort -V | tail -1)" -C "$LLAMA_CPP_DIR/sdist"
+  SRC=$(ls -d "$LLAMA_CPP_DIR"/sdist/llama_cpp_python-*/vendor/llama.cpp | sort -V | tail -1)
+  # this machine's instruction sets, as GGML_NATIVE would pick them, but without AMX: with -march=native
+  # ggml's AMX matmul crashes here (SIGSEGV in ggml_backend_amx_mul_mat, llama.cpp 0.3.36's vendor copy)
+  cmake -S "$SRC" -B "$LLAMA_CPP_DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+    -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON \
+    -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >/dev/null
+  cmake --build "$LLAMA_CPP_DIR/build" --target llama-server -j "$(nproc)" >/dev/null
+fi
+
+COMMON=(--model default --requests-per-stream 2 --min-requests 3 --min-len 128 --max-len 256
+        --client-procs 2 --level-timeout 400 --poisson-fraction 0 --out "$OUT")
+
+for arm in ${GRAPHSERVE_ARMS-gguf float32}; do
+  extra=(); [ "$arm" = gguf ] && extra=(--quantization gguf)
+  echo "load before graphserve ($arm): $(cat /proc/loadavg)"
+  "$PY" benchmarks/serving.py "${COMMON[@]}" --concurrency 1 8 16 --config default --device cpu \
+    --name "serving-cpu-graphserve-$arm-$SUFFIX" -- --model "$GGUF" "${extra[@]}"
+done
+
+# llama-server: one server per level (its slots are fixed at start), results merged into one JSON
+for streams in 1 8 16; do
+  "$SERVER" -m "$GGUF" --port 8124 --threads "$THREADS" --threads-batch "$THREADS" --parallel "$streams" \
+    --ctx-size $((1024 * streams)) --no-webui >/tmp/llama-server.log 2>&1 &
+  LLAMA_PID=$!
+  trap 'kill $LLAMA_PID 2>/dev/null || true' EXIT
+  for _ in $(seq 120); do
+    curl -sf http://127.0.0.1:8124/v1/models >/dev/null && break
+    kill -0 $LLAMA_PID 2>/dev/null || { tail -20 /tmp/llama-server.log; exit 1; }
+    sleep 1
+  done
+  echo "load before llama-server ($streams slots): $(cat /proc/loadavg)"
+  "$PY" benchmarks/serving.py "${COMMON[@]}" --concurrency "$streams" --url http://127.0.0.1:8124 \
+    --name "serving-cpu-llamacpp-$streams-$SUFFIX"
+  kill $LLAMA_PID; wait $LLAMA_PID 2>/dev/null || true
+done
