@@ -13,6 +13,7 @@
 # fixed at start) and a context of 1024 tokens per slot. The load average is printed before each run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. benchmarks/wait_for_server.sh
 SUFFIX=${1:-$(date +%F)}
 PY=${PY:-.venv/bin/python}
 GGUF=${2:-$("$PY" -c "from graphserve.engine.model_files.default_model import find_gguf; print(find_gguf())")}
@@ -51,11 +52,7 @@ for streams in 1 8 16; do
     --ctx-size $((1024 * streams)) --no-webui >/tmp/llama-server.log 2>&1 &
   LLAMA_PID=$!
   trap 'kill $LLAMA_PID 2>/dev/null || true' EXIT
-  for _ in $(seq 120); do
-    curl -sf http://127.0.0.1:8124/v1/models >/dev/null && break
-    kill -0 $LLAMA_PID 2>/dev/null || { tail -20 /tmp/llama-server.log; exit 1; }
-    sleep 1
-  done
+  wait_for_server http://127.0.0.1:8124/v1/models $LLAMA_PID /tmp/llama-server.log
   echo "load before llama-server ($streams slots): $(cat /proc/loadavg)"
   "$PY" benchmarks/serving.py "${COMMON[@]}" --concurrency "$streams" --url http://127.0.0.1:8124 \
     --name "serving-cpu-llamacpp-$streams-$SUFFIX"

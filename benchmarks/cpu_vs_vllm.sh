@@ -10,6 +10,7 @@
 # the machine skews the figures: rerun when it was high).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. benchmarks/wait_for_server.sh
 SUFFIX=${1:-$(date +%F)}
 VLLM_ENV=${VLLM_ENV:-/tmp/vllmenv}
 PY=${PY:-.venv/bin/python}
@@ -26,11 +27,7 @@ VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 "$VLLM_ENV/bin/python" -m
     --model "$MODEL" --dtype float32 --port 8123 --max-model-len 1024 >/tmp/vllm-server.log 2>&1 &
 VLLM_PID=$!
 trap 'kill $VLLM_PID 2>/dev/null || true; wait $VLLM_PID 2>/dev/null || true' EXIT
-for _ in $(seq 600); do
-    curl -sf http://127.0.0.1:8123/v1/models >/dev/null && break
-    kill -0 $VLLM_PID 2>/dev/null || { tail -20 /tmp/vllm-server.log; exit 1; }
-    sleep 1
-done
+wait_for_server http://127.0.0.1:8123/v1/models $VLLM_PID /tmp/vllm-server.log
 sleep 5  # let its start-up work settle
 echo "load before vLLM: $(cat /proc/loadavg)"
 "$PY" benchmarks/serving.py "${COMMON[@]}" --url http://127.0.0.1:8123 --name "serving-cpu-vllm-0.32.0-$SUFFIX"

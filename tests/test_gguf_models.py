@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -30,21 +29,11 @@ from graphserve.engine.model_files.model_path import ensure_gguf_model, gguf_cac
 from graphserve.kernels.rotary import rope_inv_freq
 from graphserve.server.app import create_app
 from graphserve.server.testing import BackgroundServer
-from tiny_gguf import CHAT_TEMPLATE, EOS_ID, write_tiny_gguf
+from tiny_gguf import CHAT_TEMPLATE, EOS_ID, gguf_cache, write_tiny_gguf  # noqa: F401 (gguf_cache: a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):\n"]
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module", autouse=True)
-def gguf_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Conversions go to a cache of this module's own (child processes inherit it)."""
-    root = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("GRAPHSERVE_CACHE", str(root))
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        yield root
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ through graphserve's conversion). Against the float32 path, the test bounds the 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +33,7 @@ from graphserve.engine.models.layers import Linear
 from graphserve.engine.model_files.model_path import ensure_gguf_model
 from graphserve.server.app import create_app
 from graphserve.server.testing import BackgroundServer
-from tiny_gguf import write_tiny_gguf
+from tiny_gguf import gguf_cache, write_tiny_gguf  # noqa: F401 (gguf_cache: a fixture)
 from tiny_models import make_tiny_model
 
 openai = pytest.importorskip("openai", reason="the openai client (a dev extra) drives the HTTP server")
@@ -44,15 +43,6 @@ PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):\n"]
 MAX_TOKENS = 12
 CASES = [("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q4_0")]
 _ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def gguf_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    root = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("GRAPHSERVE_CACHE", str(root))
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        yield root
 
 
 @pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])

@@ -383,7 +383,8 @@ def test_a_choice_the_vocabulary_cannot_write_is_a_400_not_a_500(oai, model, llm
     from graphserve.engine.tokenizer import Tokenizer
 
     unwritable = "x\U00040000"
-    assert Tokenizer(llm.engine.model_path).decode(Tokenizer(llm.engine.model_path).encode(unwritable)) != unwritable
+    tokenizer = Tokenizer(llm.engine.model_path)
+    assert tokenizer.decode(tokenizer.encode(unwritable)) != unwritable
     with pytest.raises(openai.BadRequestError, match="vocabulary cannot write"):
         oai.completions.create(model=model, prompt=PROMPT, max_tokens=8, extra_body={"guided_choice": [unwritable]})
     out = llm.generate([PROMPT], SamplingParams(max_tokens=8, grammar=spec("choice", [unwritable])))[0]

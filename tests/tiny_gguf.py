@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -184,3 +186,14 @@ def write_tiny_gguf(folder: Path, variant: str = "llama", tensor_type: str = "F3
 def _llama_unpermute(weights: np.ndarray, n_head: int) -> np.ndarray:
     return (weights.reshape(n_head, weights.shape[0] // n_head // 2, 2, *weights.shape[1:])
             .swapaxes(1, 2).reshape(weights.shape))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gguf_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Conversions go to a cache of the importing test module's own (child processes inherit it);
+    a test module that imports this fixture gets it for all its tests."""
+    root = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GRAPHSERVE_CACHE", str(root))
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield root
