@@ -71,6 +71,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
     args = ModelArgs.from_dir(path)
     check_moe_servable(args.architecture, args.moe, args.sliding_window, args.quantization, device, max_positions,
                        quantization)
+    # refused (device, dtype, ranks, no blocks) before any weight is read
+    blocks = _gguf_blocks(path, dtype, device, tp) if quantization == "gguf" else {}
     files = weight_files(path) if load_format != "dummy" else []
     cos_sin = build_cos_sin_cache(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
     with torch.device("meta"):
@@ -89,7 +91,6 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
     if quantization == "fp8" and not prequantized:
         for module in projections:
             module.to_fp8()
-    blocks = _gguf_blocks(path, dtype, device, tp) if quantization == "gguf" else {}
     _keep_quantized_projections(model, blocks)
     model.pack_for_cpu()
     head = _quantized(blocks, ["model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"])
