@@ -7,8 +7,8 @@
 #
 #   bash benchmarks/cpu_vs_llamacpp.sh [SUFFIX] [FILE.gguf]   # writes benchmarks/results/serving-cpu-*-SUFFIX.json
 #
-# llama-server is built once from the llama.cpp source inside the llama-cpp-python sdist (from the
-# package index), Release, native flags, into $LLAMA_CPP_DIR (default ~/.cache/graphserve/llama.cpp).
+# llama-server is built once by benchmarks/llama_cpp_build.sh (the llama.cpp source inside the
+# llama-cpp-python sdist, Release, native flags).
 # It serves with --parallel equal to each level's stream count (one server per level: slots are
 # fixed at start) and a context of 1024 tokens per slot. The load average is printed before each run.
 set -euo pipefail
@@ -17,24 +17,10 @@ cd "$(dirname "$0")/.."
 SUFFIX=${1:-$(date +%F)}
 PY=${PY:-.venv/bin/python}
 GGUF=${2:-$("$PY" -c "from graphserve.engine.model_files.default_model import find_gguf; print(find_gguf())")}
-LLAMA_CPP_DIR=${LLAMA_CPP_DIR:-$HOME/.cache/graphserve/llama.cpp}
 THREADS=${THREADS:-2}
 OUT=benchmarks/results
+LLAMA_CPP_DIR=$(bash benchmarks/llama_cpp_build.sh)
 SERVER="$LLAMA_CPP_DIR/build/bin/llama-server"
-
-if [ ! -x "$SERVER" ]; then
-  mkdir -p "$LLAMA_CPP_DIR"
-  "$PY" -m pip download --no-deps --no-binary :all: llama-cpp-python -d "$LLAMA_CPP_DIR/sdist" -q
-  tar xzf "$(ls "$LLAMA_CPP_DIR"/sdist/llama_cpp_python-*.tar.gz | sort -V | tail -1)" -C "$LLAMA_CPP_DIR/sdist"
-  SRC=$(ls -d "$LLAMA_CPP_DIR"/sdist/llama_cpp_python-*/vendor/llama.cpp | sort -V | tail -1)
-  # this machine's instruction sets, as GGML_NATIVE would pick them, but without AMX: with -march=native
-  # ggml's AMX matmul crashes here (SIGSEGV in ggml_backend_amx_mul_mat, llama.cpp 0.3.36's vendor copy)
-  cmake -S "$SRC" -B "$LLAMA_CPP_DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
-    -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON \
-    -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
-    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >/dev/null
-  cmake --build "$LLAMA_CPP_DIR/build" --target llama-server -j "$(nproc)" >/dev/null
-fi
 
 COMMON=(--model default --requests-per-stream 2 --min-requests 3 --min-len 128 --max-len 256
         --client-procs 2 --level-timeout 400 --poisson-fraction 0 --out "$OUT")
