@@ -76,6 +76,28 @@ def test_batch_of_different_lengths_greedy_matches_transformers(llm, hf_greedy):
     assert len({tuple(o) for o in hf_greedy}) > 1  # the continuations differ: routing matters
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda_graphs", "eager"])
+def test_greedy_on_cuda_matches_transformers(model_dir, hf_greedy, enforce_eager):
+    """One GPU, float32, through kernels/moe.py's fused path: prefill (chunked: the budget is under
+    the batch's tokens) and decode rounds, replayed from CUDA graphs or run eagerly, give transformers'
+    greedy tokens on its own float32 (CPU) run."""
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
+              num_kv_blocks=64, enforce_eager=enforce_eager)
+    try:
+        engine = llm.engine.core
+        assert (engine.graphs is None) == enforce_eager
+        outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        alone = llm.generate([PROMPTS[1]], GREEDY)[0].token_ids
+        replays = sum(engine.stats().graph_replays.values())
+    finally:
+        del llm
+        torch.cuda.empty_cache()
+    assert outs == hf_greedy
+    assert alone == hf_greedy[1]
+    assert (replays > 0) != enforce_eager, replays
+
+
 def test_http_completion_matches_transformers(model_dir, hf_greedy):
     httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
     from graphserve import AsyncEngine, EngineConfig
@@ -272,11 +294,11 @@ def test_a_sliding_window_shorter_than_the_context_is_refused(mixtral_dir, qwen_
     load_model(ignored, torch.float32, CPU, TorchAttention(16), 512)  # as transformers: no window when off
 
 
-def test_a_cuda_device_is_refused_before_anything_is_loaded(mixtral_dir):
-    """MoE runs on the CPU backend only for now; the refusal comes before any CUDA call, so it
-    shows on a machine without a GPU too."""
-    with pytest.raises(UnsupportedModelError, match="CPU backend only"):
-        load_model(mixtral_dir, torch.bfloat16, torch.device("cuda"), TorchAttention(16), 512)
+def test_other_devices_are_refused_before_anything_is_loaded(mixtral_dir):
+    """MoE runs on the CPU backend or one CUDA GPU; another device is refused before any weight is
+    read (no such device needed: the refusal shows on a machine without one)."""
+    with pytest.raises(UnsupportedModelError, match="CPU backend or one CUDA GPU"):
+        load_model(mixtral_dir, torch.bfloat16, torch.device("mps"), TorchAttention(16), 512)
 
 
 def test_fp8_and_tensor_parallelism_are_refused(mixtral_dir):

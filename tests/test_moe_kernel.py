@@ -87,10 +87,12 @@ def test_fused_moe_with_explicit_tiles(tiles, poisoned_outputs):
 
 
 def check_alignment(expert_ids: torch.Tensor, num_experts: int, block_m: int, align=moe_align) -> None:
+    """align runs on expert_ids' device (a Triton kernel on CUDA takes CUDA tensors only); its result
+    is checked on the CPU."""
     aligned = align(expert_ids, num_experts, block_m)
-    picks = expert_ids.reshape(-1)
+    picks = expert_ids.reshape(-1).cpu()
     num_picks = picks.numel()
-    sorted_picks = aligned.sorted_picks.long()
+    sorted_picks = aligned.sorted_picks.cpu().long()
     assert sorted_picks.shape == (max_padded_picks(num_picks, num_experts, block_m),)
     assert aligned.block_experts.shape == (sorted_picks.shape[0] // block_m,)
     real = sorted_picks[sorted_picks != num_picks]
@@ -101,7 +103,7 @@ def check_alignment(expert_ids: torch.Tensor, num_experts: int, block_m: int, al
     assert aligned.num_padded.tolist() == [num_padded]
     assert (sorted_picks[num_padded:] == num_picks).all()
     blocks = sorted_picks[:num_padded].view(-1, block_m)
-    block_experts = aligned.block_experts.long()
+    block_experts = aligned.block_experts.cpu().long()
     assert (block_experts[num_padded // block_m:] == -1).all()
     used = block_experts[:num_padded // block_m]
     assert (used[1:] >= used[:-1]).all(), "blocks in ascending expert order"
@@ -303,7 +305,7 @@ def test_the_align_kernel_equals_the_torch_align_on_cuda(tokens, top_k, num_expe
     got, want = moe_align(expert_ids, num_experts, block_m), moe_align_torch(expert_ids, num_experts, block_m)
     for name, a, b in zip(got._fields[:3], got, want):
         assert torch.equal(a, b), name
-    check_alignment(expert_ids.cpu(), num_experts, block_m)
+    check_alignment(expert_ids, num_experts, block_m)
 
 
 @pytest.mark.gpu

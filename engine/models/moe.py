@@ -1,5 +1,5 @@
 """The routed-experts MLP of Qwen3-MoE and Mixtral: in plain torch on the CPU backend, through
-kernels/moe.py's fused Triton path on CUDA (which moe_config.check_moe_servable does not serve yet).
+kernels/moe.py's fused Triton path on CUDA (one GPU: moe_config.check_moe_servable, sharding).
 
 Each token's router logits go through a float32 softmax; the top-k probabilities (torch.topk, so
 ties break as in transformers) become its routing weights, renormalized to sum to 1 where the

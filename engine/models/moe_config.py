@@ -1,7 +1,8 @@
 """The mixture-of-experts part of a Hugging Face config (Qwen3-MoE, Mixtral): MoeArgs, and a clear
 UnsupportedModelError for any field whose value changes the math in a way graphserve does not
-implement. What the first MoE increment can serve (one CPU device, no FP8, a sliding window no
-shorter than the context served) is checked at load by check_moe_servable."""
+implement. What the MoE layer can serve (the CPU or one CUDA GPU -- tensor parallelism is refused by
+sharding.check_tensor_parallel --, no FP8 or other quantization, a sliding window no shorter than the
+context served) is checked at load by check_moe_servable."""
 
 from __future__ import annotations
 
@@ -89,9 +90,9 @@ def check_moe_servable(arch: str, moe: MoeArgs | None, window: int | None, check
     """A clear error, before any weight is read, for what the torch MoE layer cannot serve yet."""
     if moe is None:
         return
-    if device.type != "cpu":
+    if device.type not in ("cpu", "cuda"):
         raise UnsupportedModelError(f"{arch} is a mixture-of-experts model: MoE models are served on the CPU "
-                                    f"backend only for now (--device cpu), not on {device.type}")
+                                    f"backend or one CUDA GPU only for now, not on {device.type}")
     if checkpoint_quantization is not None:
         raise UnsupportedModelError(f"{arch}: quantized ({checkpoint_quantization}) mixture-of-experts "
                                     "checkpoints are not supported yet")
