@@ -104,11 +104,42 @@ def test_decodes_riding_along_prefill_steps_keep_their_tokens(model_dir, hf_gree
     assert [o.token_ids for o in llm.generate(PROMPTS, sampled)] == with_riders
 
 
+def test_a_request_arriving_during_a_cpu_round_waits_one_step_not_the_round(model_dir, hf_greedy):
+    """Serving on a CPU, a decode round runs synchronously and the core takes new requests
+    between its steps (on_wait): one that arrives ends the round after the step in progress,
+    so its first token waits for one decode step of the running requests, not for all K
+    (issue 43: in a closed loop each new request arrives just after a round has started).
+    Both requests' tokens stay the same."""
+    llm = make_llm(model_dir, decode_chunk=8)
+    engine, core = llm.engine, llm.engine.core
+    engine.add_request("running", PROMPTS[4], GREEDY)
+    updates = engine.step()  # its prefill
+    arrived = []
+
+    def arrive(outputs):  # as CoreLoop does between two steps of a round: take what came in
+        if not arrived:
+            arrived.append(engine.add_request("late", PROMPTS[1], GREEDY))
+
+    core.on_wait = arrive
+    try:
+        cut = engine.step()
+        assert [(u.request_id, len(u.token_ids)) for u in cut] == [("running", 1)]  # one step of the 8
+        after = engine.step()
+        assert [len(u.token_ids) for u in after if u.request_id == "late"] == [1]  # its prefill came next
+        updates += cut + after
+        while engine.has_unfinished():
+            updates += engine.step()
+    finally:
+        core.on_wait = None
+    for rid, i in (("running", 4), ("late", 1)):
+        assert [t for u in updates if u.request_id == rid for t in u.token_ids] == hf_greedy[i]
+
+
 def test_max_num_seqs_limits_the_batch(model_dir, hf_greedy):
     llm = make_llm(model_dir, max_num_seqs=2)
     seen = []
     real_decode = llm.engine.runner.decode
-    llm.engine.runner.decode = lambda rnd: seen.append(len(rnd.seqs)) or real_decode(rnd)
+    llm.engine.runner.decode = lambda rnd, **kw: seen.append(len(rnd.seqs)) or real_decode(rnd, **kw)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hf_greedy
     assert max(seen) == 2
 

@@ -581,9 +581,20 @@ class EngineCore:
         else:
             stats = self.stats_counters
             stats.eager_rounds = {**stats.eager_rounds, reason: stats.eager_rounds.get(reason, 0) + 1}
-            tokens = self.runner.decode(rnd)  # synchronous, on the stream of the rounds
+            # synchronous, on the stream of the rounds; serving, it ends early for requests that arrive
+            end_early = self._newcomers_arrived(len(self.scheduler.waiting)) if self.on_wait is not None else None
+            tokens = self.runner.decode(rnd, end_early=end_early)
         self._rounds_completed = self.block_manager.rounds_launched  # it waited for everything before it
         return tokens
+
+    def _newcomers_arrived(self, num_waiting: int) -> Callable[[], bool]:
+        """For a round run synchronously while serving (CPU): between two of its steps, take what
+        the front ends sent (on_wait); true once requests arrived that the scheduler would
+        prefill now, so their first token waits for one decode step rather than the round."""
+        def check() -> bool:
+            self.on_wait([])
+            return self.scheduler.end_round_early(num_waiting)
+        return check
 
     def _decode_speculating(self, rnd: DecodeRound) -> dict[str, StepTokens]:
         """A decode round with speculation on: the sequences with drafts run one verify step (up to

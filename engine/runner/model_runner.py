@@ -7,6 +7,7 @@ round trip. After the round the host reads the [K, B] tokens once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -320,14 +321,20 @@ class ModelRunner:
         count_output_tokens(state.sampling, out.tokens)
 
     @torch.inference_mode()
-    def decode(self, rnd: DecodeRound) -> dict[str, StepTokens]:
+    def decode(self, rnd: DecodeRound, end_early: Callable[[], bool] | None = None) -> dict[str, StepTokens]:
+        """A round of rnd.num_steps steps, or fewer where `end_early` (asked between two steps)
+        says to stop: each sequence then gets the tokens of the steps that ran."""
         state = self.prepare_decode(rnd)
         rows = self.structured.constrained_rows(rnd.seqs) if self.structured is not None else []
+        steps = rnd.num_steps
         for i in range(rnd.num_steps):
+            if i and end_early is not None and end_early():
+                steps = i
+                break
             if i and rows:
                 self.next_masks(rnd.seqs, rows, state.out_tokens[i - 1], state.sampling.token_bitmask)
             self.decode_step(state)
-        return self.collect(rnd, state)
+        return self.collect(rnd, state, steps)
 
     def next_masks(self, seqs: list[Sequence], rows: list[int], tokens: torch.Tensor,
                    token_bitmask: torch.Tensor) -> None:
@@ -338,12 +345,14 @@ class ModelRunner:
         self.structured.advance(seqs, rows, tokens.index_select(0, index).tolist(), masks)
         token_bitmask.index_copy_(0, index.to(token_bitmask.device), masks.to(token_bitmask.device))
 
-    def collect(self, rnd: DecodeRound, state: DecodeState) -> dict[str, StepTokens]:
-        """The round's single device-to-host transfer, then per-sequence token lists."""
+    def collect(self, rnd: DecodeRound, state: DecodeState, steps: int | None = None) -> dict[str, StepTokens]:
+        """The round's single device-to-host transfer, then per-sequence token lists (of its
+        first `steps` steps; None: all)."""
         b = len(rnd.seqs)
-        top_ids = state.out_top_ids[:, :b] if state.out_top_ids is not None else None
-        top_lps = state.out_top_logprobs[:, :b] if state.out_top_ids is not None else None
-        return self.tokens_by_seq(rnd.seqs, state.out_tokens[:, :b], state.out_logprobs[:, :b], top_ids, top_lps)
+        top_ids = state.out_top_ids[:steps, :b] if state.out_top_ids is not None else None
+        top_lps = state.out_top_logprobs[:steps, :b] if state.out_top_ids is not None else None
+        return self.tokens_by_seq(rnd.seqs, state.out_tokens[:steps, :b], state.out_logprobs[:steps, :b], top_ids,
+                                  top_lps)
 
     def tokens_by_seq(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor,
                       top_ids: torch.Tensor | None = None,

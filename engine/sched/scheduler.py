@@ -128,11 +128,21 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))  # at the head again, in their order
         return PrefillBatch(seqs, chunks) if seqs else None
 
+    def can_admit_waiting(self) -> bool:
+        """Requests wait for a prefill and the batch has room for them."""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+
+    def end_round_early(self, num_waiting_at_start: int) -> bool:
+        """Between two steps of a round run synchronously (CPU): whether to end it now, because
+        requests arrived during it that a prefill could take (their first token then waits for
+        one decode step, not the rest of the round)."""
+        return len(self.waiting) > num_waiting_at_start and self.can_admit_waiting()
+
     def decode_steps(self, seqs: list[Sequence], pending: list[int] | None = None) -> int:
         """K for a round of `seqs`: the configured chunk, cut short when requests wait for a
         prefill (so their time to first token stays low) or when every sequence ends sooner."""
         k = self.config.decode_chunk
-        if self.waiting and len(self.running) < self.config.max_num_seqs:
+        if self.can_admit_waiting():
             k = min(k, 2)
         pending = pending or [0] * len(seqs)
         return max(1, min(k, max(self.remaining_steps(s, p) for s, p in zip(seqs, pending))))
