@@ -2,8 +2,8 @@
 # Issue 42's comparison: graphserve on CPU against llama.cpp's llama-server, one window, the same
 # client and request set (benchmarks/serving.py at 1 / 8 / 16 streams, 128-256-token prompts and
 # outputs, 2 client processes), the same GGUF file (default: the embedded model's Q4_1 file) and
-# the same threads (2). graphserve runs twice: with --quantization gguf (the file's blocks) and in
-# float32 (the default).
+# the same threads (2). graphserve runs twice: its default for a GGUF file (the file's quantized
+# blocks) and --dtype float32 (the weights dequantized); GRAPHSERVE_ARMS="gguf float32" selects.
 #
 #   bash benchmarks/cpu_vs_llamacpp.sh [SUFFIX] [FILE.gguf]   # writes benchmarks/results/serving-cpu-*-SUFFIX.json
 #
@@ -26,7 +26,7 @@ COMMON=(--model default --requests-per-stream 2 --min-requests 3 --min-len 128 -
         --client-procs 2 --level-timeout 400 --poisson-fraction 0 --out "$OUT")
 
 for arm in ${GRAPHSERVE_ARMS-gguf float32}; do
-  extra=(); [ "$arm" = gguf ] && extra=(--quantization gguf)
+  extra=(); [ "$arm" = float32 ] && extra=(--dtype float32)
   echo "load before graphserve ($arm): $(cat /proc/loadavg)"
   "$PY" benchmarks/serving.py "${COMMON[@]}" --concurrency 1 8 16 --config default --device cpu \
     --name "serving-cpu-graphserve-$arm-$SUFFIX" -- --model "$GGUF" "${extra[@]}"

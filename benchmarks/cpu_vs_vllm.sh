@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 9's CPU item: graphserve's CPU default against vLLM's CPU build, one window, the same
 # client and request set (benchmarks/serving.py at 1 / 8 / 16 streams, 128-256-token prompts and
-# outputs, 2 client processes), the embedded model in float32, on this machine's cores.
+# outputs, 2 client processes), the embedded model, on this machine's cores. graphserve runs twice:
+# its default (the GGUF file's Q4_1 blocks) and --dtype float32, the weights vLLM serves
+# (GRAPHSERVE_ARMS="default float32" selects).
 #
 #   bash benchmarks/cpu_vs_vllm.sh [SUFFIX]      # writes benchmarks/results/serving-cpu-*-SUFFIX.json
 #
@@ -19,8 +21,12 @@ OUT=benchmarks/results
 COMMON=(--model default --concurrency 1 8 16 --requests-per-stream 2 --min-requests 3 --min-len 128 --max-len 256
         --client-procs 2 --level-timeout 400 --poisson-fraction 0 --out "$OUT")
 
-echo "load before graphserve: $(cat /proc/loadavg)"
-"$PY" benchmarks/serving.py "${COMMON[@]}" --config default --device cpu --name "serving-cpu-graphserve-$SUFFIX"
+for arm in ${GRAPHSERVE_ARMS-default float32}; do
+  extra=(); [ "$arm" = float32 ] && extra=(-- --dtype float32)
+  echo "load before graphserve ($arm): $(cat /proc/loadavg)"
+  "$PY" benchmarks/serving.py "${COMMON[@]}" --config default --device cpu --name "serving-cpu-graphserve-$arm-$SUFFIX" \
+    "${extra[@]}"
+done
 echo "load after graphserve: $(cat /proc/loadavg)"
 
 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 "$VLLM_ENV/bin/python" -m vllm.entrypoints.openai.api_server \

@@ -1,4 +1,5 @@
-"""The embedded default model (SmolLM2-135M-Instruct): greedy parity with transformers."""
+"""The embedded default model (SmolLM2-135M-Instruct): greedy parity with transformers in float32,
+and on a CPU by default its GGUF file's Q4_1 blocks, whose tokens do not depend on the batch."""
 
 import pytest
 import torch
@@ -50,3 +51,21 @@ def test_chat_template_matches_transformers(llm):
     out = llm.generate([expected], SamplingParams(max_tokens=24, temperature=0))[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # <|im_end|> ends the answer
+
+
+def test_the_default_serves_the_files_blocks_and_no_batch_mate_moves_a_requests_tokens():
+    """On a CPU the default serves the file's Q4_1 blocks, whose int8 activation rounding turns a
+    last-bit difference into another token now and then: so a request's numbers must be bit for
+    bit the same alone, together, and with its decodes riding along others' prefill chunks."""
+    llm = LLM(device="cpu", max_num_batched_tokens=7, max_num_seqs=3)
+    assert llm.engine.core.quantization == "gguf"
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=1, ignore_eos=True)
+
+    def logprobs(prompts: list[str]) -> list[list[float]]:
+        return [[lp.logprob for lp in o.logprobs] for o in llm.generate(prompts, params)]
+
+    prompts = PROMPTS[:5]
+    with_riders = logprobs(prompts)
+    llm.engine.core.scheduler.mix_decodes = False
+    assert logprobs(prompts) == with_riders
+    assert [logprobs([p])[0] for p in prompts] == with_riders

@@ -146,6 +146,17 @@ def test_quantized_and_float32_paths_agree_on_most_positions(tiny) -> None:
     assert agreement >= 0.9, agreement
 
 
+def test_a_gguf_file_on_a_cpu_serves_its_blocks_unless_float32_is_asked_for(tiny, tmp_path: Path) -> None:
+    """The default for a GGUF model on CPU is its quantized blocks; --dtype float32 (or a folder,
+    which says float32 in its config) serves float32 weights."""
+    _, _, _, path = tiny
+    assert LLM(model=str(path), device="cpu", kv_cache_bytes=16 * 1024**2).engine.core.quantization == "gguf"
+    assert LLM(model=str(path), device="cpu", dtype="float32",
+               kv_cache_bytes=16 * 1024**2).engine.core.quantization is None
+    folder = ensure_gguf_model(path, progress=False)
+    assert LLM(model=str(folder), device="cpu", kv_cache_bytes=16 * 1024**2).engine.core.quantization is None
+
+
 def test_float32_without_the_option_serves_the_dequantized_weights(tiny) -> None:
     _, _, reference, path = tiny
     llm = LLM(model=str(path), device="cpu", dtype="float32", kv_cache_bytes=16 * 1024**2)

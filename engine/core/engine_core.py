@@ -18,6 +18,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from graphserve.engine import gc_stats
@@ -28,7 +29,8 @@ from graphserve.engine.core.warm_up import warm_up
 from graphserve.engine.distributed import init_tensor_parallel
 from graphserve.engine.errors import InvalidConfigError, InvalidRequestError
 from graphserve.engine.models.config import ModelArgs
-from graphserve.engine.model_files.model_path import resolve_model_path
+from graphserve.engine.cpu import quant_linear
+from graphserve.engine.model_files.model_path import is_gguf_path, resolve_model_path
 from graphserve.engine.models.sharding import check_tensor_parallel
 from graphserve.engine.request import SamplingParams, Sequence, TokenLogprob
 from graphserve.engine.runner.cuda_graphs import GraphDecoder, RoundHandle, eager_reason
@@ -71,6 +73,22 @@ def resolve_dtype(name: str, args: ModelArgs, device: torch.device) -> torch.dty
     return _DTYPES.get(args.dtype, torch.bfloat16) if args.dtype != "float32" else torch.bfloat16
 
 
+def resolve_quantization(config: EngineConfig, model_path: str, device: torch.device) -> str | None:
+    """The quantization asked for; left out, "gguf" for a GGUF model (the embedded default or
+    --model FILE.gguf) on the CPU with dtype auto and one rank: the file's quantized blocks, as it
+    ships them, where the quantized kernel is built. --dtype float32 serves the dequantized
+    weights instead (exactly transformers' tokens)."""
+    if config.quantization is not None or config.dtype != "auto" or device.type != "cpu" \
+            or config.tensor_parallel_size != 1:
+        return config.quantization
+    if not (config.model is None or is_gguf_path(config.model)):
+        return None
+    if not (Path(model_path) / quant_linear.GGUF_BLOCKS_FILE).is_file() or not quant_linear.available():
+        return None
+    logger.info("serving the GGUF file's quantized blocks (--dtype float32: its dequantized float32 weights)")
+    return "gguf"
+
+
 def cpu_has_native_bf16() -> bool:
     """x86: AVX512-BF16 or AMX-BF16 in /proc/cpuinfo (elsewhere: assume yes, say nothing)."""
     try:
@@ -109,6 +127,7 @@ class EngineCore:
             self.device = torch.device("cuda", tp_rank)
         self.tp = init_tensor_parallel(tp_rank, tp_size, self.device, tp_init_method or "")
         self.dtype = resolve_dtype(config.dtype, args, self.device)
+        self.quantization = resolve_quantization(config, self.model_path, self.device)
         if self.device.type == "cpu" and self.dtype != torch.float32 and not cpu_has_native_bf16():
             logger.warning("%s on a CPU without native bf16/fp16 matrix instructions is emulated and several "
                            "times slower than float32 (measured 4x); prefer --dtype float32",
@@ -120,7 +139,7 @@ class EngineCore:
         max_len_wanted = config.max_model_len or args.max_position_embeddings
         backend = make_attention_backend(self.device, config.block_size)
         self.model = load_model(self.model_path, self.dtype, self.device, backend, max_len_wanted, self.tp,
-                                config.quantization, config.load_format)
+                                self.quantization, config.load_format)
         num_blocks = self.tp.min_int(self._num_kv_blocks())  # every rank's scheduler sees the same pool
         self.max_model_len = min(max_len_wanted, (num_blocks - 1) * config.block_size)
         self.kv_caches = allocate_kv_cache(self.model.kv_args, num_blocks, config.block_size, self.dtype, self.device)

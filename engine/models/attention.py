@@ -82,6 +82,15 @@ class TorchAttention:
         return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:num_tokens]
 
     def _prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Every query row through the decode kernel, as a decode step at its position would run it,
+        where the kernel applies: a row's numbers then do not depend on how its prompt was chunked
+        or what shares its step (with int8-rounded activations a last-bit difference can change a
+        token). Else each sequence's blocks gathered and SDPA."""
+        if self.use_kernel:
+            rows = self._row_inputs(meta)
+            out = paged_decode_attention(q, k_cache, v_cache, rows[0], rows[1], scale)
+            if out is not None:
+                return out
         out = torch.empty_like(q)
         start = 0
         for b, (q_len, ctx_len) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
@@ -100,6 +109,17 @@ class TorchAttention:
             out[start:start + q_len] = ob[0].transpose(0, 1)
             start += q_len
         return out
+
+    def _row_inputs(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per query row of a prefill step: its sequence's block table and its context length (its
+        position + 1), made once per step."""
+        made = meta.derived.get("rows")
+        if made is None:
+            seq = torch.repeat_interleave(torch.arange(len(meta.query_lens_host)), torch.tensor(meta.query_lens_host))
+            lens = torch.cat([torch.arange(c - n + 1, c + 1, dtype=torch.int32)
+                              for n, c in zip(meta.query_lens_host, meta.context_lens_host)])
+            made = meta.derived["rows"] = (meta.block_tables.index_select(0, seq).contiguous(), lens)
+        return made
 
     def _decode_inputs(self, meta: AttentionMetadata, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(every row's blocks, flat; additive mask [B, 1, 1, W * block_size]: 0 within the
