@@ -14,7 +14,9 @@ MAX_SPECULATIVE_TOKENS = 16
 class EngineConfig:
     model: str | None = None  # local HF folder; None = the embedded default model
     device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: the checkpoint's on CUDA, float32 on CPU)
+    # auto | float32 | bfloat16 | float16 (auto: the checkpoint's on CUDA; float32 on CPU, but a GGUF model's
+    # quantized blocks there: engine_core.resolve_quantization)
+    dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the KV pool
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 1024  # prefill token budget per step

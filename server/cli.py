@@ -29,9 +29,10 @@ logger = logging.getLogger("graphserve.server")
 
 ENGINE_FLAG_HELP = {
     "model": "local Hugging Face model folder, or a .gguf file (llama, qwen2, qwen3; converted once into the "
-             "cache, weights dequantized to float32) (default: the embedded SmolLM2-135M-Instruct)",
+             "cache; see --dtype) (default: the embedded SmolLM2-135M-Instruct, a Q4_1 GGUF file)",
     "device": "auto | cpu | cuda (auto: cuda when a GPU is present)",
-    "dtype": "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, the checkpoint's on CUDA)",
+    "dtype": "auto | float32 | bfloat16 | float16 (auto: the checkpoint's on CUDA; on CPU float32, but a GGUF "
+             "model's projections in the file's quantized blocks; float32 dequantizes them)",
     "max_model_len": "context length (prompt + output); default: the model's, capped by the KV pool",
     "max_num_seqs": "most sequences in the running batch",
     "max_num_batched_tokens": "prefill token budget per engine step",

@@ -125,7 +125,7 @@ def test_chat_completions_use_the_files_chat_template(llama_q8: tuple[torch.nn.M
                                                     return_dict=True)["input_ids"]
     expected = _reference_greedy(reference, prompt_ids, MAX_TOKENS, eos_token_id=EOS_ID)
 
-    engine = AsyncEngine(EngineConfig(model=str(path), device="cpu", kv_cache_bytes=16 * 1024**2))
+    engine = AsyncEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", kv_cache_bytes=16 * 1024**2))
     with BackgroundServer(create_app(engine)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
         server.wait_ready()
         response = client.post("/v1/chat/completions", json={

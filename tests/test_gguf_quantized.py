@@ -146,15 +146,18 @@ def test_quantized_and_float32_paths_agree_on_most_positions(tiny) -> None:
     assert agreement >= 0.9, agreement
 
 
-def test_a_gguf_file_on_a_cpu_serves_its_blocks_unless_float32_is_asked_for(tiny, tmp_path: Path) -> None:
-    """The default for a GGUF model on CPU is its quantized blocks; --dtype float32 (or a folder,
-    which says float32 in its config) serves float32 weights."""
+def test_a_gguf_model_on_a_cpu_serves_its_blocks_unless_float32_is_asked_for(tiny, tmp_path: Path) -> None:
+    """The default for a GGUF model on CPU, named by its file or by the folder it was converted
+    into, is its quantized blocks; --dtype float32 serves its float32 weights, and so does a
+    Hugging Face folder by default."""
     _, _, _, path = tiny
-    assert LLM(model=str(path), device="cpu", kv_cache_bytes=16 * 1024**2).engine.core.quantization == "gguf"
+    folder = ensure_gguf_model(path, progress=False)
+    for model in (path, folder):
+        assert LLM(model=str(model), device="cpu", kv_cache_bytes=16 * 1024**2).engine.core.quantization == "gguf"
     assert LLM(model=str(path), device="cpu", dtype="float32",
                kv_cache_bytes=16 * 1024**2).engine.core.quantization is None
-    folder = ensure_gguf_model(path, progress=False)
-    assert LLM(model=str(folder), device="cpu", kv_cache_bytes=16 * 1024**2).engine.core.quantization is None
+    hf_folder = make_tiny_model(tmp_path / "hf", "llama")
+    assert LLM(model=str(hf_folder), device="cpu", kv_cache_bytes=16 * 1024**2).engine.core.quantization is None
 
 
 def test_float32_without_the_option_serves_the_dequantized_weights(tiny) -> None:

@@ -31,7 +31,7 @@ QUESTION = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[BackgroundServer]:
-    config = EngineConfig(model=None, device="cpu", max_num_seqs=8, decode_chunk=4, max_model_len=1024,
+    config = EngineConfig(model=None, device="cpu", dtype="float32", max_num_seqs=8, decode_chunk=4, max_model_len=1024,
                           kv_cache_bytes=64 * 1024**2)
     with BackgroundServer(create_app(AsyncEngine(config))) as background:
         background.wait_ready()

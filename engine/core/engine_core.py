@@ -30,7 +30,7 @@ from graphserve.engine.distributed import init_tensor_parallel
 from graphserve.engine.errors import InvalidConfigError, InvalidRequestError
 from graphserve.engine.models.config import ModelArgs
 from graphserve.engine.cpu import quant_linear
-from graphserve.engine.model_files.model_path import is_gguf_path, resolve_model_path
+from graphserve.engine.model_files.model_path import resolve_model_path
 from graphserve.engine.models.sharding import check_tensor_parallel
 from graphserve.engine.request import SamplingParams, Sequence, TokenLogprob
 from graphserve.engine.runner.cuda_graphs import GraphDecoder, RoundHandle, eager_reason
@@ -74,15 +74,13 @@ def resolve_dtype(name: str, args: ModelArgs, device: torch.device) -> torch.dty
 
 
 def resolve_quantization(config: EngineConfig, model_path: str, device: torch.device) -> str | None:
-    """The quantization asked for; left out, "gguf" for a GGUF model (the embedded default or
-    --model FILE.gguf) on the CPU with dtype auto and one rank: the file's quantized blocks, as it
-    ships them, where the quantized kernel is built. --dtype float32 serves the dequantized
-    weights instead (exactly transformers' tokens)."""
+    """The quantization asked for; left out, "gguf" for a GGUF model (the embedded default, --model
+    FILE.gguf, or the folder it was converted into) on the CPU with dtype auto and one rank: the
+    file's quantized blocks, as it ships them, where the quantized kernel is built. --dtype float32
+    serves the dequantized weights instead (exactly transformers' tokens)."""
     if config.quantization is not None or config.dtype != "auto" or device.type != "cpu" \
             or config.tensor_parallel_size != 1:
         return config.quantization
-    if not (config.model is None or is_gguf_path(config.model)):
-        return None
     if not (Path(model_path) / quant_linear.GGUF_BLOCKS_FILE).is_file() or not quant_linear.available():
         return None
     logger.info("serving the GGUF file's quantized blocks (--dtype float32: its dequantized float32 weights)")

@@ -41,9 +41,10 @@ class AttentionMetadata:
 
 
 class TorchAttention:
-    """CPU backend: writes K/V with index_copy; decode attention in a small C kernel that reads
-    the blocks in place (engine/cpu/attention.py), or gather + SDPA where it is unavailable;
-    prefill gathers each sequence's blocks and runs SDPA.
+    """CPU backend: writes K/V with index_copy; attention in a small C kernel that reads the
+    blocks in place (engine/cpu/attention.py), one query row at a time, for decode and prefill
+    rows alike (so a row's numbers do not depend on its step's other rows); where the kernel is
+    unavailable, decode gathers the blocks for SDPA, and prefill each sequence's.
 
     What depends only on the step (rotary tables of the positions, the flat block list and
     additive mask of the decode batch) is made by the first layer and kept in meta.derived."""
@@ -87,10 +88,11 @@ class TorchAttention:
         or what shares its step (with int8-rounded activations a last-bit difference can change a
         token). Else each sequence's blocks gathered and SDPA."""
         if self.use_kernel:
-            rows = self._row_inputs(meta)
-            out = paged_decode_attention(q, k_cache, v_cache, rows[0], rows[1], scale)
+            tables, lens = self._row_inputs(meta)
+            real = len(lens)  # the static prefill path pads q past the batch's rows
+            out = paged_decode_attention(q[:real], k_cache, v_cache, tables, lens, scale)
             if out is not None:
-                return out
+                return out if real == len(q) else torch.cat([out, q.new_zeros((len(q) - real, *q.shape[1:]))])
         out = torch.empty_like(q)
         start = 0
         for b, (q_len, ctx_len) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
