@@ -121,8 +121,10 @@ async def _one_request(http: httpx.AsyncClient, body: dict, rec: dict, itl: arra
 
 
 async def _client_async(job: dict, conn) -> None:
+    # keepalive_expiry under llama-server's 5 s keep-alive (cpp-httplib): a connection opened before a
+    # slow start would otherwise be closed by the server just as the first request goes out on it
     limits = httpx.Limits(max_connections=None if job["poisson"] else job["streams"] + 4,
-                          max_keepalive_connections=max(job["streams"], 1) + 4)
+                          max_keepalive_connections=max(job["streams"], 1) + 4, keepalive_expiry=4.0)
     headers = {"Authorization": f"Bearer {job['api_key']}"} if job.get("api_key") else {}
     timeout = httpx.Timeout(job["timeout"], connect=60.0)
     async with httpx.AsyncClient(base_url=job["url"], limits=limits, timeout=timeout, headers=headers) as http:

@@ -598,8 +598,10 @@ class EngineCore:
         else:
             stats = self.stats_counters
             stats.eager_rounds = {**stats.eager_rounds, reason: stats.eager_rounds.get(reason, 0) + 1}
-            # synchronous, on the stream of the rounds; serving, it ends early for requests that arrive
-            end_early = self._newcomers_arrived(len(self.scheduler.waiting)) if self.on_wait is not None else None
+            # synchronous, on the stream of the rounds; serving on CPU, it ends early for requests that arrive
+            # (a CUDA round is eager only for a reason of its own: grammar rows, enforce_eager)
+            end_early = (self._newcomers_arrived(len(self.scheduler.waiting))
+                         if self.on_wait is not None and self.device.type == "cpu" else None)
             tokens = self.runner.decode(rnd, end_early=end_early)
         self._rounds_completed = self.block_manager.rounds_launched  # it waited for everything before it
         return tokens
