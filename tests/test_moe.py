@@ -301,11 +301,17 @@ def test_other_devices_are_refused_before_anything_is_loaded(mixtral_dir):
         load_model(mixtral_dir, torch.bfloat16, torch.device("mps"), TorchAttention(16), 512)
 
 
-def test_fp8_and_tensor_parallelism_are_refused(mixtral_dir):
+def test_fp8_and_tensor_parallelism_where_untested_are_refused(mixtral_dir):
+    """FP8 experts are not built; ranks shard experts on CPU (tests/test_tensor_parallel.py), not yet on
+    GPUs; a rank count that does not divide each expert's intermediate size (32 here) is refused."""
     with pytest.raises(InvalidConfigError, match="quantization fp8"):
         load_model(mixtral_dir, torch.float32, CPU, TorchAttention(16), 512, quantization="fp8")
-    with pytest.raises(InvalidConfigError, match="mixture-of-experts"):
-        check_tensor_parallel(ModelArgs.from_dir(mixtral_dir), 2, CPU)
+    args = ModelArgs.from_dir(mixtral_dir)
+    check_tensor_parallel(args, 2, CPU)
+    with pytest.raises(InvalidConfigError, match="CPU ranks only"):
+        check_tensor_parallel(args, 2, torch.device("cuda"))
+    with pytest.raises(InvalidConfigError, match="expert intermediate size 32"):
+        check_tensor_parallel(args, 64, CPU)
 
 
 def test_a_checkpoint_missing_an_expert_is_refused(qwen_dir, tmp_path):

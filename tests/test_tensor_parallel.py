@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU (engine/distributed.py): two real processes joined over gloo,
-each running the engine on its shard of a tiny random model. Greedy tokens equal one rank's,
+each running the engine on its shard of a tiny random model (dense, and mixtures of experts with
+each expert's intermediate columns split). Greedy tokens equal one rank's,
 logprobs agree within float32 rounding, each rank reads only its slices of the checkpoint,
 and sizes the model cannot take are clear errors."""
 
@@ -31,6 +32,8 @@ MODELS = {
     "llama-1kv-odd-vocab": ("llama", {"num_key_value_heads": 1, "vocab_size": 509}),  # KV head replicated, vocab padded
     "qwen2": ("qwen2", {}),  # QKV bias, tied embeddings
     "qwen3": ("qwen3", {}),  # q/k norm, head_dim 32
+    "mixtral": ("mixtral", {}),  # 8 experts, top-2: each expert's 32 intermediate columns split 16 / 16
+    "qwen3_moe": ("qwen3_moe", {}),  # 16 experts, top-4, q/k norm
 }
 
 

@@ -110,9 +110,9 @@ class DecoderLayer(nn.Module):
         tensor or its down projection's split-K partials (layers.defers_split_reduce)."""
         h, residual = self.self_attn(x, residual, self.input_layernorm, positions, cos_sin, meta, k_cache, v_cache)
         norm, mlp = self.post_attention_layernorm, self.mlp
-        if self.is_moe:  # one tensor-parallel rank (sharding.check_tensor_parallel): nothing to all-reduce
+        if self.is_moe:  # each rank ran its columns of every expert: the sum, as the dense MLP's down_proj
             experts_input, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
-            return mlp(experts_input), residual
+            return self.tp.all_reduce(mlp(experts_input)), residual
         act, residual = norm_linear(h, residual, norm.weight, norm.eps, mlp.gate_up_proj, silu_mul=True,
                                     row_amax=hands_row_amax(h, mlp.down_proj))
         return self.tp.all_reduce(mlp.down_proj(act, defer_reduce=defers_split_reduce(self.tp.size))), residual

@@ -233,7 +233,8 @@ def _load_tensor(shard: Shard, params: dict, loaded: set, name: str, f) -> None:
             target = f"layers.{layer}.{slot.param}"
             if kind != "weight" or target not in params:
                 raise ModelFilesError(f"unexpected tensor {name!r} in checkpoint for {args.architecture}")
-            copy_expert(params[target].data, slot, read_tensor(f, name, None, None), name)
+            rows, cols = (shard.inter, None) if slot.half is not None else (None, shard.inter)  # this rank's columns
+            copy_expert(params[target].data, slot, read_tensor(f, name, rows, cols), name)
             loaded.add(part_name(target, slot.expert, slot.half))
             return
         module = ROUTER_NAMES.get(module, module)

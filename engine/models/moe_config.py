@@ -1,8 +1,8 @@
 """The mixture-of-experts part of a Hugging Face config (Qwen3-MoE, Mixtral): MoeArgs, and a clear
 UnsupportedModelError for any field whose value changes the math in a way graphserve does not
-implement. What the MoE layer can serve (the CPU or one CUDA GPU -- tensor parallelism is refused by
-sharding.check_tensor_parallel --, no FP8 or other quantization, a sliding window no shorter than the
-context served) is checked at load by check_moe_servable."""
+implement. What the MoE layer can serve (the CPU, CPU ranks, or one CUDA GPU -- sharding.check_tensor_parallel
+refuses CUDA ranks --, no FP8 or other quantization, a sliding window no shorter than the context served) is
+checked at load by check_moe_servable."""
 
 from __future__ import annotations
 

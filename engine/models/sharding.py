@@ -19,9 +19,12 @@ def check_tensor_parallel(args: ModelArgs, size: int, device: torch.device) -> N
         raise InvalidConfigError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
-    if args.moe is not None:
+    if args.moe is not None and device.type != "cpu":
         raise InvalidConfigError(f"tensor_parallel_size {size}: mixture-of-experts models ({args.architecture}) "
-                                 "are not sharded yet; they run on one device")
+                                 "are sharded over CPU ranks only for now; on CUDA they run on one GPU")
+    if args.moe is not None and args.moe.expert_intermediate_size % size:
+        raise InvalidConfigError(f"tensor_parallel_size {size} does not divide the model's expert intermediate "
+                                 f"size {args.moe.expert_intermediate_size}")
     if device.type == "cuda" and size > torch.cuda.device_count():
         raise InvalidConfigError(f"tensor_parallel_size {size} exceeds the {torch.cuda.device_count()} visible GPUs")
     if args.num_heads % size:
@@ -30,7 +33,7 @@ def check_tensor_parallel(args: ModelArgs, size: int, device: torch.device) -> N
     if args.num_kv_heads % size and size % args.num_kv_heads:
         raise InvalidConfigError(f"tensor_parallel_size {size} neither divides nor is a multiple of the model's "
                                  f"{args.num_kv_heads} KV heads")
-    if args.intermediate_size % size:
+    if args.moe is None and args.intermediate_size % size:
         raise InvalidConfigError(f"tensor_parallel_size {size} does not divide the model's intermediate size "
                                  f"{args.intermediate_size}")
 
@@ -42,7 +45,7 @@ class Shard:
     local: ModelArgs  # the shapes this rank's layers have (heads, KV heads, intermediate size)
     q_heads: tuple[int, int]  # [start, end) of the query heads
     kv_heads: tuple[int, int]  # [start, end) of the KV heads (one replicated head when they are fewer than ranks)
-    inter: tuple[int, int]  # [start, end) of the MLP's intermediate columns
+    inter: tuple[int, int]  # [start, end) of the MLP's intermediate columns (each expert's, in an MoE model)
     vocab: tuple[int, int]  # [start, end) of the vocabulary rows (end - start <= vocab_rows)
     vocab_rows: int  # rows of the local embedding / LM head (the last rank's padded with zeros)
 
@@ -57,8 +60,14 @@ def shard_for(args: ModelArgs, tp: TensorParallel) -> Shard:
         hkv = 1
         head = r * args.num_kv_heads // n
         kv = (head, head + 1)
-    inter = args.intermediate_size // n
+    moe = args.moe
+    if moe is not None:  # each expert's SwiGLU split by its intermediate columns, as the dense MLP's
+        inter = moe.expert_intermediate_size // n
+        moe = dataclasses.replace(moe, expert_intermediate_size=inter)
+    else:
+        inter = args.intermediate_size // n
     rows = -(-args.vocab_size // n)
     vocab = (min(r * rows, args.vocab_size), min((r + 1) * rows, args.vocab_size))
-    local = dataclasses.replace(args, num_heads=hq, num_kv_heads=hkv, intermediate_size=inter)
+    local = dataclasses.replace(args, num_heads=hq, num_kv_heads=hkv, moe=moe,
+                                intermediate_size=inter if args.moe is None else args.intermediate_size)
     return Shard(local, (r * hq, (r + 1) * hq), kv, (r * inter, (r + 1) * inter), vocab, rows)
