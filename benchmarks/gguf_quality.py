@@ -110,7 +110,6 @@ def main() -> None:
     from graphserve.engine.model_files.model_path import ensure_gguf_model
     from transformers import AutoTokenizer
 
-    torch.manual_seed(0)
     llama_cpp_dir = Path(subprocess.run(["bash", str(ROOT / "benchmarks" / "llama_cpp_build.sh")], check=True,
                                         capture_output=True, text=True).stdout.strip().splitlines()[-1])
     reference_folder = ensure_default_model(progress=False)
