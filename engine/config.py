@@ -43,9 +43,10 @@ class EngineConfig:
     load_format: str = "safetensors"  # "dummy": random weights, no weight file read (benchmarks of big shapes)
     # CUDA: before ready, a burst of dummy requests through every path a first burst takes (engine/core/warm_up.py)
     warm_up: bool = True
-    # speculative decoding (engine/core/speculation.py): "ngram" (prompt lookup) or None (off); CPU backend only for now
+    # speculative decoding (engine/core/speculation.py): "ngram" (prompt lookup) or None (off)
     speculative_method: str | None = None
     num_speculative_tokens: int = 4  # k: drafts verified per sequence and step
+    speculative_max_batch: int | None = None  # decode rounds of more sequences do not speculate (None: any)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
@@ -78,6 +79,8 @@ class EngineConfig:
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
                              f"got {self.num_speculative_tokens}")
+        if self.speculative_max_batch is not None and self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.speculative_method is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative decoding does not run under tensor parallelism yet: "
                              "leave speculative_method out or set tensor_parallel_size to 1")

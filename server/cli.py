@@ -67,8 +67,10 @@ ENGINE_FLAG_HELP = {
             "restarts and replicas)",
     "speculative_method": "speculative decoding: ngram (prompt lookup: drafts copied from the prompt and output "
                           "so far, verified in one pass; the same tokens, faster on text that repeats its input). "
-                          "CPU backend only for now; greedy and temperature-only sampling rows; left out: off",
+                          "Greedy and temperature-only sampling rows; left out: off",
     "num_speculative_tokens": "k: most draft tokens verified per sequence and step, 1 to 16",
+    "speculative_max_batch": "decode rounds of more running sequences than this do not speculate (at large "
+                             "batch verifying drafts costs more than it saves); default: any batch",
 }
 
 

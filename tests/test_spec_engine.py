@@ -11,13 +11,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 from tiny_models import make_tiny_model
 
 from graphserve import LLM, AsyncEngine, EngineConfig, SamplingParams
-from graphserve.engine.core import engine_core
-from graphserve.engine.errors import InvalidConfigError
-from graphserve.engine.models import loader
+from graphserve.engine.runner.cuda_graphs import GraphDecoder
 from graphserve.engine.structured.grammar import GrammarSpec
 
 K = 4
@@ -75,9 +72,9 @@ def verified(on: LLM, monkeypatch) -> Verified:
     record = Verified()
     real_verify = spec.verify
 
-    def verify(seqs, drafts):
+    def verify(seqs, drafts, graphs=None):
         positions = [s.num_output_tokens for s in seqs]
-        step = real_verify(seqs, drafts)
+        step = real_verify(seqs, drafts, graphs)
         for seq, pos, proposal in zip(seqs, positions, drafts):
             record.steps.append((seq.request_id, pos, list(proposal), step.tokens[seq.request_id].tokens))
         return step
@@ -229,6 +226,49 @@ def test_preempted_speculating_requests_keep_their_tokens_and_free_every_block(t
     assert llm.engine.core.speculation.num_tracked_requests == 0
 
 
+# ---- through the decode graphs (a CUDA engine's path; on CPU the same static rows run eagerly) ----
+
+
+def with_static_graphs(llm: LLM, max_batch: int = 32) -> LLM:
+    core = llm.engine.core
+    core.graphs = GraphDecoder(core.runner, max_batch=max_batch, max_steps=core.config.decode_chunk,
+                               table_width=-(-core.max_model_len // core.config.block_size), use_cuda_graphs=False)
+    core.graphs.capture(progress=False)
+    return llm
+
+
+def test_verify_through_the_decode_graphs_gives_plain_outputs(off, prompts, monkeypatch):
+    """A speculating engine with decode graphs verifies through them (one decode step of B x (k + 1)
+    rows) and gives plain decoding's greedy and seeded tokens, freeing every block."""
+    llm = with_static_graphs(LLM(**ENGINE, **SPEC))
+    graphs = llm.engine.core.graphs
+    calls = []
+    real = graphs.verify_logits
+    monkeypatch.setattr(graphs, "verify_logits", lambda seqs, drafts, k: calls.append(len(seqs)) or real(seqs, drafts, k))
+    start = llm.engine.block_manager.num_free_blocks
+    for params in (greedy(), [SamplingParams(max_tokens=32, temperature=0.8, seed=100 + i) for i in range(len(prompts))]):
+        want, got = off.generate(prompts, params), llm.generate(prompts, params)
+        assert [what_a_user_gets(o) for o in got] == [what_a_user_gets(o) for o in want]
+    assert calls and max(calls) > 1
+    assert spec_counts(llm)[1] > 0
+    assert llm.engine.block_manager.num_free_blocks == start
+    assert llm.engine.core.speculation.num_tracked_requests == 0
+
+
+def test_rounds_over_the_speculative_max_batch_decode_ahead_without_drafts(off, prompts):
+    """speculative_max_batch 2: while more sequences run, rounds are launched ahead (overlap) and
+    nothing is drafted; once two or fewer are left they speculate. Plain greedy's tokens throughout."""
+    llm = with_static_graphs(LLM(**ENGINE, **SPEC, speculative_max_batch=2, overlap_rounds=True))
+    lengths = [8, 12, 40, 48, 16, 20]
+    params = [greedy(n) for n in lengths]
+    want, got = off.generate(prompts, params), llm.generate(prompts, params)
+    assert [what_a_user_gets(o) for o in got] == [what_a_user_gets(o) for o in want]
+    stats = llm.engine.stats()
+    assert stats.decode_rounds_ahead > 0 and stats.spec_accepted_tokens > 0
+    # only the two longest requests ever speculated
+    assert stats.spec_verify_rows <= (48 - 20) + (40 - 20)
+
+
 # ---- configuration ----------------------------------------------------------------------------
 
 
@@ -237,25 +277,20 @@ def test_preempted_speculating_requests_keep_their_tokens_and_free_every_block(t
     (dict(num_speculative_tokens=17), r"num_speculative_tokens must be in \[1, 16\], got 17"),
     (dict(speculative_method="eagle"), r"speculative_method must be ngram .*'eagle'"),
     (dict(speculative_method="ngram", tensor_parallel_size=2), "tensor parallelism"),
+    (dict(speculative_max_batch=0), "speculative_max_batch must be >= 1, got 0"),
 ])
 def test_a_bad_speculation_setting_is_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**bad)
 
 
-def test_speculation_on_cuda_is_refused_before_the_model_loads(monkeypatch):
-    monkeypatch.setattr(engine_core, "resolve_device", lambda name: torch.device("cuda"))
-    monkeypatch.setattr(loader, "load_model", lambda *args: pytest.fail("the model was loaded"))
-    with pytest.raises(InvalidConfigError, match="CPU backend only"):
-        LLM(device="cuda", **SPEC)
-
-
 def test_the_cli_takes_the_flags_and_refuses_bad_values(capsys):
     from graphserve.server import cli
 
-    args = cli.build_parser().parse_args(["serve", "--speculative-method", "ngram", "--num-speculative-tokens", "3"])
+    args = cli.build_parser().parse_args(["serve", "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+                                          "--speculative-max-batch", "16"])
     _, config, _ = cli.load_settings(args)
-    assert (config.speculative_method, config.num_speculative_tokens) == ("ngram", 3)
+    assert (config.speculative_method, config.num_speculative_tokens, config.speculative_max_batch) == ("ngram", 3, 16)
     assert cli.main(["generate", "hi", "--speculative-method", "medusa"]) == 2
     assert "speculative_method must be ngram" in capsys.readouterr().err
 

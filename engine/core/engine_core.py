@@ -24,7 +24,7 @@ import torch
 from graphserve.engine import gc_stats
 from graphserve.engine.config import EngineConfig
 from graphserve.engine.core.messages import CoreOutput
-from graphserve.engine.core.speculation import SpeculativeDecoder, check_speculation_supported, make_drafter
+from graphserve.engine.core.speculation import SpeculativeDecoder, make_drafter
 from graphserve.engine.core.warm_up import warm_up
 from graphserve.engine.distributed import init_tensor_parallel
 from graphserve.engine.errors import InvalidConfigError, InvalidRequestError
@@ -108,7 +108,6 @@ class EngineCore:
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.device = resolve_device(config.device)
-        check_speculation_supported(config, self.device)
         tp_size = config.tensor_parallel_size
         if self.device.type == "cpu":
             if config.num_threads:
@@ -152,7 +151,7 @@ class EngineCore:
         self.runner.structured = self.structured
         self.speculation = None if config.speculative_method is None else SpeculativeDecoder(
             make_drafter(config.speculative_method), config.num_speculative_tokens, self.runner,
-            self.block_manager, self.max_model_len)
+            self.block_manager, self.max_model_len, config.speculative_max_batch)
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             table_width = -(-self.max_model_len // config.block_size)
@@ -320,7 +319,13 @@ class EngineCore:
 
     def _overlaps(self, batch: PrefillBatch | DecodeRound) -> bool:
         return (self.config.overlap_rounds and isinstance(batch, DecodeRound)
-                and self._eager_reason(batch) is None and not self._constrained(batch))
+                and self._eager_reason(batch) is None and not self._constrained(batch)
+                and not self._speculates(batch))
+
+    def _speculates(self, rnd: DecodeRound) -> bool:
+        """A round that speculates runs synchronously: its verify step's tokens are on the host
+        before the next drafts are made, so no round can be launched ahead of it."""
+        return self.speculation is not None and self.speculation.applies(len(rnd.seqs))
 
     def _constrained(self, rnd: DecodeRound) -> bool:
         """A grammar row needs its last token on the host before its next mask: without the
@@ -346,7 +351,7 @@ class EngineCore:
         try:
             if isinstance(batch, PrefillBatch):
                 return self.runner.prefill(batch, overtake=self._may_overtake(batch))
-            if self.speculation is not None:
+            if self._speculates(batch):
                 return self._decode_speculating(batch)
             return self.decode(batch)
         finally:
@@ -409,7 +414,8 @@ class EngineCore:
         if prefill is not None:
             outputs += self._run_now(prefill)
         ahead = self.scheduler.schedule_decode_ahead(prev.rnd)
-        if ahead is not None and self._eager_reason(ahead) is None and not self._constrained(ahead):
+        if (ahead is not None and self._eager_reason(ahead) is None and not self._constrained(ahead)
+                and not self._speculates(ahead)):
             try:
                 self._in_flight = self._launch(ahead)
                 self.stats_counters.decode_rounds_ahead += 1
@@ -618,10 +624,11 @@ class EngineCore:
     def _decode_speculating(self, rnd: DecodeRound) -> dict[str, StepTokens]:
         """A decode round with speculation on: the sequences with drafts run one verify step (up to
         k + 1 tokens each), the others the round's K decode steps; _process appends both alike."""
-        plan = self.speculation.plan(rnd.seqs)
+        spec = self.speculation
+        plan = spec.plan(rnd.seqs, spec.max_verify(self.graphs))
         tokens = self.decode(DecodeRound(plan.decode_seqs, rnd.num_steps)) if plan.decode_seqs else {}
         if plan.verify_seqs:
-            verified = self.speculation.verify(plan.verify_seqs, plan.drafts)
+            verified = spec.verify(plan.verify_seqs, plan.drafts, self.graphs)
             stats = self.stats_counters
             stats.spec_verify_rows += len(plan.verify_seqs)
             stats.spec_draft_tokens += verified.num_draft_tokens

@@ -13,8 +13,12 @@ no top-k / top-p / min-p filter; no penalties, logit bias, logprobs or grammar, 
 still to wait for. A seeded sampled row gets the same tokens as without speculation: each
 position's token is drawn with the sampler's (seed, output position) noise.
 
-Runs where ModelRunner.verify runs: the CPU backend (eager). The CUDA-graph verify step is not
-written yet, so a CUDA engine refuses speculation at start.
+Where the verify step runs: with the decode graphs (CUDA), as one decode step of B * (k + 1) rows
+(GraphDecoder.verify_logits: each position scored by the decode step's own forward pass);
+without them (the CPU backend, enforce_eager), as ModelRunner.verify's eager pass over the paged KV.
+A verify step ends with the host reading its tokens (the next drafts continue them), so a round
+that speculates is not launched ahead (EngineCore._speculates): with speculation on, rounds of more
+than `max_batch` sequences (EngineConfig.speculative_max_batch) do not speculate and keep overlap.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from graphserve.engine.config import EngineConfig
 from graphserve.engine.errors import InvalidConfigError
+from graphserve.engine.runner.cuda_graphs import GraphDecoder
 from graphserve.engine.request import Sequence
 from graphserve.engine.runner.model_runner import ModelRunner, StepTokens
 from graphserve.engine.runner.sampler import build_sampling_tensors
@@ -32,15 +36,6 @@ from graphserve.engine.sched.kv_cache import BlockManager
 from graphserve.engine.spec.acceptance import verify_drafts
 from graphserve.engine.spec.drafter import Drafter, pack_drafts
 from graphserve.engine.spec.ngram import NgramDrafter
-
-
-def check_speculation_supported(config: EngineConfig, device: torch.device) -> None:
-    """Refuse, before the model loads, a speculative engine this build cannot run."""
-    if config.speculative_method is not None and device.type != "cpu":
-        raise InvalidConfigError(
-            f"speculative decoding (--speculative-method {config.speculative_method}) runs on the CPU backend "
-            f"only for now, not on {device.type}: the CUDA-graph verify step is not written yet. "
-            "Leave --speculative-method out, or run with --device cpu")
 
 
 def make_drafter(method: str) -> Drafter:
@@ -78,9 +73,10 @@ class SpeculativeDecoder:
     """The drafter's view of the running sequences and the verify step."""
 
     def __init__(self, drafter: Drafter, num_speculative_tokens: int, runner: ModelRunner,
-                 block_manager: BlockManager, max_model_len: int):
+                 block_manager: BlockManager, max_model_len: int, max_batch: int | None = None):
         self.drafter = drafter
         self.k = num_speculative_tokens
+        self.max_batch = max_batch  # rounds of more sequences do not speculate (None: any)
         self.runner = runner
         self.blocks = block_manager
         self.max_model_len = max_model_len
@@ -90,11 +86,16 @@ class SpeculativeDecoder:
         # tokens, so its index stays valid across the recompute.
         self._seen: dict[str, int] = {}
 
-    def plan(self, seqs: list[Sequence]) -> DraftPlan:
-        """Propose drafts for the eligible sequences and reserve their KV slots. A sequence without
-        drafts (none proposed, one token left, the pool short of blocks) decodes as usual."""
+    def applies(self, num_seqs: int) -> bool:
+        """Whether a decode round of this many sequences speculates (else it decodes as without)."""
+        return self.max_batch is None or num_seqs <= self.max_batch
+
+    def plan(self, seqs: list[Sequence], max_verify: int | None = None) -> DraftPlan:
+        """Propose drafts for the eligible sequences (the first `max_verify` of them, when given) and
+        reserve their KV slots. A sequence without drafts (not eligible or not among them, none
+        proposed, one token left, the pool short of blocks) decodes as usual."""
         vocab = self.runner.vocab_size
-        candidates = [s for s in seqs if is_eligible(s, vocab)]
+        candidates = [s for s in seqs if is_eligible(s, vocab)][:max_verify]
         for seq in candidates:
             self._catch_up(seq)
         # the drafts and the token after them stay within max_tokens, and so within max_model_len
@@ -112,12 +113,19 @@ class SpeculativeDecoder:
         plan.decode_seqs = [s for s in seqs if s.request_id not in drafted]
         return plan
 
+    def max_verify(self, graphs: GraphDecoder | None) -> int | None:
+        """The most sequences one verify step takes: what the largest decode graph holds."""
+        return None if graphs is None else graphs.max_bucket // (self.k + 1)
+
     @torch.inference_mode()
-    def verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> VerifyStep:
-        """One verify pass over `seqs` and their drafts; gives back the slots of rejected drafts.
-        Changes no token list: the caller appends the returned tokens."""
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]], graphs: GraphDecoder | None = None) -> VerifyStep:
+        """One verify pass over `seqs` and their drafts, through the decode graphs when given; gives
+        back the slots of rejected drafts. Changes no token list: the caller appends the returned tokens."""
         runner = self.runner
-        logits = runner.verify(seqs, drafts, self.k)  # [B, k + 1, V]
+        if graphs is not None:
+            logits = graphs.verify_logits(seqs, drafts, self.k)  # [B, k + 1, V]
+        else:
+            logits = runner.verify(seqs, drafts, self.k)
         draft_ids, num_drafts = pack_drafts(drafts, self.k, runner.device)
         # the sampler's temperature, seeds and output positions of each row's first token
         st = build_sampling_tensors(seqs, runner.vocab_size, runner.eos_ids, runner.device)

@@ -9,6 +9,9 @@ A round with grammar-constrained rows replays, per step, a forward graph (the lo
 a static buffer) and a masked sampling graph, with the step's masks fed in between while
 the round runs (engine/structured/mask_feed.py), so those rows keep K-step rounds, launched ahead too.
 
+A speculative verify step replays a forward graph too: each sequence's last token and drafts as
+k + 1 rows of one decode step (verify_logits), so drafts are scored by decode's own forward pass.
+
 A round is launched (staged, replayed, its tokens queued for the host) and collected
 (wait, read) separately, so the engine can launch the next round before it waits for
 this one. Everything runs on one CUDA stream: a round's input copies run after the
@@ -25,6 +28,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from graphserve.engine import gc_stats
@@ -362,6 +366,69 @@ class GraphDecoder:
         self._last_seqs = list(seqs)
         self._last_feed_rows = {row: j for j, row in enumerate(rows)}
         return RoundHandle(rnd, bucket, slot, slot.launches, slot.event, job)
+
+    def verify_fits(self, num_seqs: int, k: int) -> bool:
+        """Whether a verify step of `num_seqs` sequences with k drafts each fits a bucket."""
+        return num_seqs * (k + 1) <= self.max_bucket
+
+    @torch.inference_mode()
+    def verify_logits(self, seqs: list[Sequence], drafts: list[list[int]], k: int) -> torch.Tensor:
+        """Speculative decoding's verify step through the decode graphs: sequence i's last token and
+        its drafts become k + 1 rows of one decode step, row j fed token j at position
+        num_tokens - 1 + j with its own context length, over the sequence's block table. So every
+        position is scored by the decode step's own forward pass (the "forward" graph of the bucket
+        of B * (k + 1) rows), as plain decoding would score it. Rows past a sequence's drafts write
+        their K/V into the dummy block. Returns the logits [B, k + 1, V] (model dtype), a view of a
+        static buffer valid until the next launch. The slots of the drafts are reserved by the
+        caller; nothing here changes the sequences. The host waits for the step (the next drafts
+        need its tokens), so no round may be in flight."""
+        b, width, bs = len(seqs), k + 1, self.runner.block_size
+        rows = b * width
+        if not self.verify_fits(b, k):
+            raise ValueError(f"{b} sequences x {width} positions exceed the largest bucket {self.max_bucket}")
+        bucket = self.bucket_for(rows)
+        slot = self._take_slot()
+        non_blocking = self.device.type == "cuda"
+        ids = np.zeros((b, width), dtype=np.int64)
+        positions = np.zeros((b, width), dtype=np.int64)
+        slots = np.full((b, width), DUMMY_BLOCK * bs, dtype=np.int64)
+        table = slot.view("block_tables", (rows, self.table_width))
+        table.fill_(DUMMY_BLOCK)
+        for i, (seq, proposal) in enumerate(zip(seqs, drafts)):
+            n = len(proposal)
+            if n > k or seq.num_computed_tokens != seq.num_tokens - 1 or len(seq.block_table) * bs < seq.num_tokens + n:
+                raise ValueError(f"{seq.request_id}: not decoding, more than k = {k} drafts, or no slots reserved")
+            start = seq.num_tokens - 1
+            ids[i, 0], ids[i, 1:n + 1] = seq.last_token_id, proposal
+            # padding positions repeat the last real one: its rotary angle and context stay in range
+            positions[i] = start + np.minimum(np.arange(width), n)
+            block_table = np.asarray(seq.block_table, dtype=np.int64)
+            real = positions[i, :n + 1]
+            slots[i, :n + 1] = block_table[real // bs] * bs + real % bs
+            table[i * width:(i + 1) * width, :len(block_table)] = torch.from_numpy(block_table.astype(np.int32))
+        values = {"input_ids": torch.from_numpy(ids.reshape(-1)),
+                  "step_positions": torch.from_numpy(positions.reshape(1, -1)),
+                  "step_slots": torch.from_numpy(slots.reshape(1, -1)),
+                  "step_context_lens": torch.from_numpy((positions.reshape(1, -1) + 1).astype(np.int32))}
+        try:
+            for name, src in values.items():
+                self._device_rows(name, 1, rows).copy_(slot.stage(name, src), non_blocking=non_blocking)
+            self.block_tables[:rows].copy_(table, non_blocking=non_blocking)
+            self._reset_padding(rows, bucket)
+            self.step.zero_()
+            entry = self.graphs[(bucket, "forward")]
+            if entry.graph is not None:
+                entry.graph.replay()
+                logits = self.logits
+            else:  # CPU: the same static rows, eagerly
+                logits = self.runner.decode_forward(entry.state)
+        finally:
+            self._last_seqs = None  # input_ids no longer holds the last round's tokens
+            self._last_feed_rows = {}
+            if non_blocking:
+                slot.event = torch.cuda.Event()
+                slot.event.record(torch.cuda.current_stream(self.device))
+        return logits[:rows].view(b, width, -1)
 
     @property
     def feeds_masks(self) -> bool:

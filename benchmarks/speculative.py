@@ -1,0 +1,186 @@
+"""Speculative decoding on a GPU with the acceptance rate controlled: batch decode tok/s with speculation
+off and on, for real model shapes with random weights (where real drafts would almost never be right).
+
+    python benchmarks/speculative.py --models qwen2.5-0.5b llama-3.1-8b --quantization none fp8 \
+        --batches 1 8 64 --k 2 4 6 --alphas 0.5 0.7 0.9 --out $OUT/speculative.json
+
+Per model and batch, a plain run (speculation off, the engine's overlapped K-step rounds) records each
+request's greedy continuation. Then, per (k, alpha), the engine speculates with a benchmark-only drafter
+(ForcedDrafter, below) that proposes the recorded continuation and corrupts each proposed token with
+probability 1 - alpha, so a verify step accepts a leading run of drafts as a drafter of per-token
+acceptance alpha would: mean tokens per verify step (1 - alpha^(k+1)) / (1 - alpha). The tokens must
+equal the plain run's; where the verify step's rounding (another row count than plain decoding's)
+turns a greedy near-tie the other way, the recorded continuation no longer applies after that token,
+so `same_tokens` and the measured accepted length are reported beside the expected one.
+
+Decode tok/s = batch * new_tokens / (T(prompt + 1 + new_tokens) - T(prompt + 1 token)), best of
+--repeats, fresh prompts per batch, prefix caching off (as decode_latency.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from measure import copy_bandwidth, run_info, write_json  # noqa: E402
+from workload import provenance, resolve_model  # noqa: E402
+
+from graphserve.engine.spec.drafter import Drafter  # noqa: E402
+
+
+class ForcedDrafter(Drafter):
+    """Proposes each request's recorded greedy continuation, each token replaced by another with
+    probability 1 - alpha. Requests are known by their prompt (the first prompt_len tokens)."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], prompt_len: int, alpha: float,
+                 vocab_size: int, seed: int = 0):
+        self.continuations = continuations
+        self.prompt_len = prompt_len
+        self.alpha = alpha
+        self.vocab_size = vocab_size
+        self.rng = random.Random(seed)
+        self.state: dict[str, list] = {}  # request id -> [its continuation, output tokens so far]
+
+    def add_request(self, request_id: str, token_ids: Sequence[int]) -> None:
+        prompt = tuple(token_ids[:self.prompt_len])
+        self.state[request_id] = [self.continuations[prompt], len(token_ids) - self.prompt_len]
+
+    def on_append(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self.state[request_id][1] += len(token_ids)
+
+    def on_finish(self, request_id: str) -> None:
+        self.state.pop(request_id, None)
+
+    def propose(self, request_ids: Sequence[str], max_drafts: Sequence[int]) -> list[list[int]]:
+        out = []
+        for rid, n in zip(request_ids, max_drafts):
+            continuation, done = self.state[rid]
+            out.append([t if self.rng.random() < self.alpha else (t + 1 + self.rng.randrange(self.vocab_size - 1))
+                        % self.vocab_size for t in continuation[done:done + n]])
+        return out
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_decode(llm, prompts: list[list[int]], new_tokens: int, repeats: int) -> tuple[float, list[list[int]]]:
+    """(seconds a decode step of the batch, the tokens of the last full run)."""
+    from graphserve import SamplingParams
+
+    def run(n: int):
+        sync()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        sync()
+        return time.perf_counter() - start, [o.token_ids for o in outs]
+
+    prefill = min(run(1)[0] for _ in range(repeats))
+    best, tokens = float("inf"), None
+    for _ in range(repeats):
+        elapsed, tokens = run(new_tokens + 1)
+        best = min(best, elapsed)
+    return (best - prefill) / new_tokens, tokens
+
+
+def expected_length(alpha: float, k: int) -> float:
+    """Mean tokens a verify step gives when each draft is right with probability alpha, independently."""
+    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "llama-3.1-8b"])
+    parser.add_argument("--quantization", nargs="+", choices=["none", "fp8"], default=["none"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
+    parser.add_argument("--k", nargs="+", type=int, default=[2, 4, 6], help="num_speculative_tokens values")
+    parser.add_argument("--alphas", nargs="+", type=float, default=[0.5, 0.7, 0.9])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--decode-chunk", type=int, default=8, help="K of the plain decode rounds")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default="cuda", help="cpu: a check of the script (float32, no graphs)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/speculative.json"))
+    args = parser.parse_args()
+
+    from graphserve import LLM
+
+    cuda = args.device != "cpu"
+    bandwidth = copy_bandwidth()["gb_per_s"] if cuda else None
+    rows = []
+    for name in args.models:
+        for quant in [None if q == "none" else q for q in dict.fromkeys(args.quantization)]:
+            from random_models import CONFIGS, random_model_config
+
+            path = str(random_model_config(name)) if cuda and name in CONFIGS else resolve_model(name)
+            started = time.perf_counter()
+            llm = LLM(path, device=args.device, dtype="bfloat16" if cuda else "float32",
+                      load_format="dummy" if cuda and name in CONFIGS else "safetensors",
+                      max_num_seqs=max(512, *args.batches), decode_chunk=args.decode_chunk,
+                      max_model_len=args.prompt_len + args.new_tokens + 64, max_num_batched_tokens=8192,
+                      gpu_memory_utilization=args.gpu_memory_utilization, prefix_caching=False,
+                      quantization=quant, speculative_method="ngram", num_speculative_tokens=max(args.k))
+            core = llm.engine.core
+            spec = core.speculation
+            label = quant or ("bf16" if cuda else "fp32")
+            print(f"{name} {label}: engine up in {time.perf_counter() - started:.1f}s", flush=True)
+            gen = torch.Generator().manual_seed(0)
+            vocab = core.runner.vocab_size
+            for batch in args.batches:
+                prompts = torch.randint(100, min(30000, vocab), (batch, args.prompt_len), generator=gen).tolist()
+                spec.max_batch = 0  # off: the plain engine
+                timed_decode(llm, prompts, 16, 1)  # warm-up
+                plain_s, plain_tokens = timed_decode(llm, prompts, args.new_tokens, args.repeats)
+                plain = dict(model=name, quantization=label, batch=batch, k=0, alpha=None,
+                             ms_per_step=plain_s * 1e3, tokens_per_s=batch / plain_s)
+                rows.append(plain)
+                print(f"{name:14s} {label:5s} B={batch:<3d} plain          {batch / plain_s:10.1f} tok/s", flush=True)
+                continuations = {tuple(p): t for p, t in zip(prompts, plain_tokens)}
+                spec.max_batch = None
+                for k in args.k:
+                    spec.k = k
+                    for alpha in args.alphas:
+                        spec.drafter = ForcedDrafter(continuations, args.prompt_len, alpha, vocab, seed=batch * 100 + k)
+                        before = core.stats()
+                        step_s, tokens = timed_decode(llm, prompts, args.new_tokens, args.repeats)
+                        after = core.stats()
+                        verify_rows = after.spec_verify_rows - before.spec_verify_rows
+                        accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+                        same = sum(a == b for a, b in zip(tokens, plain_tokens))
+                        rows.append(dict(model=name, quantization=label, batch=batch, k=k, alpha=alpha,
+                                         ms_per_step=step_s * 1e3, tokens_per_s=batch / step_s,
+                                         speedup=plain_s / step_s, same_tokens=f"{same}/{batch}",
+                                         mean_accepted_length=1 + accepted / verify_rows if verify_rows else None,
+                                         expected_accepted_length=expected_length(alpha, k),
+                                         verify_rows=verify_rows))
+                        r = rows[-1]
+                        length = r["mean_accepted_length"] or float("nan")
+                        print(f"{name:14s} {label:5s} B={batch:<3d} k={k} alpha={alpha:.1f} {r['tokens_per_s']:10.1f} "
+                              f"tok/s {r['speedup']:5.2f}x  length {length:.2f} (expected "
+                              f"{r['expected_accepted_length']:.2f})  same tokens {r['same_tokens']}", flush=True)
+            del llm, core, spec
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    info = run_info("speculative") if cuda else provenance("speculative")
+    write_json(args.out, dict(**info, copy_bandwidth_gb_s=bandwidth, prompt_len=args.prompt_len,
+                              new_tokens=args.new_tokens, decode_chunk=args.decode_chunk, repeats=args.repeats,
+                              drafter="ForcedDrafter: the plain run's greedy continuation, each token corrupted "
+                                      "with probability 1 - alpha", rows=rows))
+
+
+if __name__ == "__main__":
+    main()
