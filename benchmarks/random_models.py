@@ -36,6 +36,11 @@ CONFIGS = {
 CONFIGS["llama-3.1-70b"] = {**CONFIGS["llama-3.1-8b"], "hidden_size": 8192, "intermediate_size": 28672,
                             "num_hidden_layers": 80, "num_attention_heads": 64}
 
+# Llama-3.2-1B: the draft model of Llama-3.1-8B (the same tokenizer), for speculative decoding
+CONFIGS["llama-3.2-1b"] = {**CONFIGS["llama-3.1-8b"], "hidden_size": 2048, "intermediate_size": 8192,
+                           "num_hidden_layers": 16, "head_dim": 64, "tie_word_embeddings": True,
+                           "rope_scaling": {**CONFIGS["llama-3.1-8b"]["rope_scaling"], "factor": 32.0}}
+
 
 def models_root() -> Path:
     return Path(os.environ.get("GRAPHSERVE_RANDOM_MODELS", "/tmp/graphserve-random-models"))

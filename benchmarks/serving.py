@@ -200,8 +200,8 @@ def percentile(values, q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
-def scrape(url: str, headers: dict) -> dict[str, float] | None:
-    """The server's counters of interest: name (without _total) -> the sum over its labels."""
+def scrape(url: str, headers: dict, names: tuple[str, ...] = SERVER_COUNTERS) -> dict[str, float] | None:
+    """The server's counters of interest (`names`): name (without _total) -> the sum over its labels."""
     try:
         text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
     except Exception:
@@ -214,7 +214,7 @@ def scrape(url: str, headers: dict) -> dict[str, float] | None:
         if not m:
             continue
         name = m.group(1).removesuffix("_total")
-        if name in SERVER_COUNTERS:
+        if name in names:
             try:
                 out[name] = out.get(name, 0.0) + float(m.group(3))
             except ValueError:

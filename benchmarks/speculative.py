@@ -13,6 +13,12 @@ equal the plain run's; where the verify step's rounding (another row count than 
 turns a greedy near-tie the other way, the recorded continuation no longer applies after that token,
 so `same_tokens` and the measured accepted length are reported beside the expected one.
 
+With --draft-model NAME (e.g. llama-3.2-1b for llama-3.1-8b) the engine also loads that draft model
+(speculative_method "draft"), and a last arm per batch (k and alpha: --draft-k, --draft-alpha) runs
+it: ForcedDraftModel asks the draft model for its k tokens each step (its prefill catch-up and k-step
+round are paid in full, timed as `draft_ms_per_propose`) and then proposes the recorded continuation
+corrupted as above instead, since a random draft model would never agree with a random target.
+
 Decode tok/s = batch * new_tokens / (T(prompt + 1 + new_tokens) - T(prompt + 1 token)), best of
 --repeats, fresh prompts per batch, prefix caching off (as decode_latency.py).
 """
@@ -71,6 +77,34 @@ class ForcedDrafter(Drafter):
         return out
 
 
+class ForcedDraftModel(Drafter):
+    """The draft model's work each step, then the forced drafts in place of its tokens."""
+
+    def __init__(self, draft: Drafter, forced: ForcedDrafter):
+        self.draft, self.forced = draft, forced
+        self.propose_s = 0.0
+        self.proposes = 0
+
+    def add_request(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self.draft.add_request(request_id, token_ids)
+        self.forced.add_request(request_id, token_ids)
+
+    def on_append(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self.draft.on_append(request_id, token_ids)
+        self.forced.on_append(request_id, token_ids)
+
+    def on_finish(self, request_id: str) -> None:
+        self.draft.on_finish(request_id)
+        self.forced.on_finish(request_id)
+
+    def propose(self, request_ids: Sequence[str], max_drafts: Sequence[int]) -> list[list[int]]:
+        start = time.perf_counter()
+        self.draft.propose(request_ids, max_drafts)  # its tokens reach the host: the round is done
+        self.propose_s += time.perf_counter() - start
+        self.proposes += 1
+        return self.forced.propose(request_ids, max_drafts)
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -111,6 +145,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--decode-chunk", type=int, default=8, help="K of the plain decode rounds")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--draft-model", default=None, help="a draft model's config name (random weights) or folder")
+    parser.add_argument("--draft-k", type=int, default=4)
+    parser.add_argument("--draft-alpha", type=float, default=0.7)
     parser.add_argument("--device", default="cuda", help="cpu: a check of the script (float32, no graphs)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/speculative.json"))
@@ -126,15 +163,20 @@ def main() -> None:
             from random_models import CONFIGS, random_model_config
 
             path = str(random_model_config(name)) if cuda and name in CONFIGS else resolve_model(name)
+            draft = args.draft_model
+            if draft is not None:
+                draft = str(random_model_config(draft)) if cuda and draft in CONFIGS else resolve_model(draft)
             started = time.perf_counter()
             llm = LLM(path, device=args.device, dtype="bfloat16" if cuda else "float32",
                       load_format="dummy" if cuda and name in CONFIGS else "safetensors",
                       max_num_seqs=max(512, *args.batches), decode_chunk=args.decode_chunk,
                       max_model_len=args.prompt_len + args.new_tokens + 64, max_num_batched_tokens=8192,
                       gpu_memory_utilization=args.gpu_memory_utilization, prefix_caching=False,
-                      quantization=quant, speculative_method="ngram", num_speculative_tokens=max(args.k))
+                      quantization=quant, speculative_method="draft" if draft else "ngram", draft_model=draft,
+                      num_speculative_tokens=max(args.k + [args.draft_k]))
             core = llm.engine.core
             spec = core.speculation
+            draft_drafter = spec.drafter if draft else None
             label = quant or ("bf16" if cuda else "fp32")
             print(f"{name} {label}: engine up in {time.perf_counter() - started:.1f}s", flush=True)
             gen = torch.Generator().manual_seed(0)
@@ -150,27 +192,35 @@ def main() -> None:
                 print(f"{name:14s} {label:5s} B={batch:<3d} plain          {batch / plain_s:10.1f} tok/s", flush=True)
                 continuations = {tuple(p): t for p, t in zip(prompts, plain_tokens)}
                 spec.max_batch = None
-                for k in args.k:
+                arms = [(k, alpha, None) for k in args.k for alpha in args.alphas]
+                arms += [(args.draft_k, args.draft_alpha, draft_drafter)] if draft_drafter is not None else []
+                for k, alpha, with_draft in arms:
                     spec.k = k
-                    for alpha in args.alphas:
-                        spec.drafter = ForcedDrafter(continuations, args.prompt_len, alpha, vocab, seed=batch * 100 + k)
-                        before = core.stats()
-                        step_s, tokens = timed_decode(llm, prompts, args.new_tokens, args.repeats)
-                        after = core.stats()
-                        verify_rows = after.spec_verify_rows - before.spec_verify_rows
-                        accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-                        same = sum(a == b for a, b in zip(tokens, plain_tokens))
-                        rows.append(dict(model=name, quantization=label, batch=batch, k=k, alpha=alpha,
-                                         ms_per_step=step_s * 1e3, tokens_per_s=batch / step_s,
-                                         speedup=plain_s / step_s, same_tokens=f"{same}/{batch}",
-                                         mean_accepted_length=1 + accepted / verify_rows if verify_rows else None,
-                                         expected_accepted_length=expected_length(alpha, k),
-                                         verify_rows=verify_rows))
-                        r = rows[-1]
-                        length = r["mean_accepted_length"] or float("nan")
-                        print(f"{name:14s} {label:5s} B={batch:<3d} k={k} alpha={alpha:.1f} {r['tokens_per_s']:10.1f} "
-                              f"tok/s {r['speedup']:5.2f}x  length {length:.2f} (expected "
-                              f"{r['expected_accepted_length']:.2f})  same tokens {r['same_tokens']}", flush=True)
+                    forced = ForcedDrafter(continuations, args.prompt_len, alpha, vocab, seed=batch * 100 + k)
+                    spec.drafter = forced if with_draft is None else ForcedDraftModel(with_draft, forced)
+                    if with_draft is not None:
+                        with_draft.k = k
+                    before = core.stats()
+                    step_s, tokens = timed_decode(llm, prompts, args.new_tokens, args.repeats)
+                    after = core.stats()
+                    verify_rows = after.spec_verify_rows - before.spec_verify_rows
+                    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+                    same = sum(a == b for a, b in zip(tokens, plain_tokens))
+                    rows.append(dict(model=name, quantization=label, batch=batch, k=k, alpha=alpha,
+                                     ms_per_step=step_s * 1e3, tokens_per_s=batch / step_s,
+                                     speedup=plain_s / step_s, same_tokens=f"{same}/{batch}",
+                                     mean_accepted_length=1 + accepted / verify_rows if verify_rows else None,
+                                     expected_accepted_length=expected_length(alpha, k),
+                                     verify_rows=verify_rows, drafter="forced" if with_draft is None else
+                                     "draft model, forced", draft_ms_per_propose=None if with_draft is None
+                                     else spec.drafter.propose_s / max(1, spec.drafter.proposes) * 1e3))
+                    r = rows[-1]
+                    length = r["mean_accepted_length"] or float("nan")
+                    print(f"{name:14s} {label:5s} B={batch:<3d} k={k} alpha={alpha:.1f} {r['tokens_per_s']:10.1f} "
+                          f"tok/s {r['speedup']:5.2f}x  length {length:.2f} (expected "
+                          f"{r['expected_accepted_length']:.2f})  same tokens {r['same_tokens']}"
+                          + ("" if with_draft is None else f"  draft {r['draft_ms_per_propose']:.2f} ms a propose"),
+                          flush=True)
             del llm, core, spec
             gc.collect()
             if cuda:

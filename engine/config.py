@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -43,8 +43,10 @@ class EngineConfig:
     load_format: str = "safetensors"  # "dummy": random weights, no weight file read (benchmarks of big shapes)
     # CUDA: before ready, a burst of dummy requests through every path a first burst takes (engine/core/warm_up.py)
     warm_up: bool = True
-    # speculative decoding (engine/core/speculation.py): "ngram" (prompt lookup) or None (off)
+    # speculative decoding (engine/core/speculation.py): "ngram" (prompt lookup), "draft" (a smaller model
+    # with the target's vocabulary, `draft_model`, engine/spec/draft_model.py) or None (off)
     speculative_method: str | None = None
+    draft_model: str | None = None
     num_speculative_tokens: int = 4  # k: drafts verified per sequence and step
     speculative_max_batch: int | None = None  # decode rounds of more sequences do not speculate (None: any)
 
@@ -79,6 +81,9 @@ class EngineConfig:
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
                              f"got {self.num_speculative_tokens}")
+        if (self.speculative_method == "draft") != (self.draft_model is not None):
+            raise ValueError("a draft model (draft_model) goes with speculative_method draft, and that method "
+                             "needs one")
         if self.speculative_max_batch is not None and self.speculative_max_batch < 1:
             raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.speculative_method is not None and self.tensor_parallel_size > 1:

@@ -66,8 +66,11 @@ ENGINE_FLAG_HELP = {
     "seed": "seed the seeds of unseeded requests (default: drawn from the OS, so they differ across "
             "restarts and replicas)",
     "speculative_method": "speculative decoding: ngram (prompt lookup: drafts copied from the prompt and output "
-                          "so far, verified in one pass; the same tokens, faster on text that repeats its input). "
-                          "Greedy and temperature-only sampling rows; left out: off",
+                          "so far, verified in one pass; the same tokens, faster on text that repeats its input) "
+                          "or draft (a smaller model, --draft-model, proposes them). Greedy and temperature-only "
+                          "sampling rows; left out: off",
+    "draft_model": "the draft model of --speculative-method draft: a folder or hub name of a smaller model with the "
+                   "target's tokenizer (e.g. Llama-3.2-1B-Instruct for Llama-3.1-8B-Instruct)",
     "num_speculative_tokens": "k: most draft tokens verified per sequence and step, 1 to 16",
     "speculative_max_batch": "decode rounds of more running sequences than this do not speculate (at large "
                              "batch verifying drafts costs more than it saves); default: any batch",

@@ -137,7 +137,9 @@ class EngineCore:
         backend = make_attention_backend(self.device, config.block_size)
         self.model = load_model(self.model_path, self.dtype, self.device, backend, max_len_wanted, self.tp,
                                 self.quantization, config.load_format)
-        num_blocks = self.tp.min_int(self._num_kv_blocks())  # every rank's scheduler sees the same pool
+        # a draft model is loaded before the KV pools are sized: its pool holds as many blocks as the target's
+        draft = self._load_draft_model(backend, max_len_wanted) if config.speculative_method == "draft" else None
+        num_blocks = self.tp.min_int(self._num_kv_blocks(draft))  # every rank's scheduler sees the same pool
         self.max_model_len = min(max_len_wanted, (num_blocks - 1) * config.block_size)
         self.kv_caches = allocate_kv_cache(self.model.kv_args, num_blocks, config.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching,
@@ -150,7 +152,7 @@ class EngineCore:
             max_rows=config.max_num_seqs)
         self.runner.structured = self.structured
         self.speculation = None if config.speculative_method is None else SpeculativeDecoder(
-            make_drafter(config.speculative_method), config.num_speculative_tokens, self.runner,
+            self._make_drafter(draft, num_blocks), config.num_speculative_tokens, self.runner,
             self.block_manager, self.max_model_len, config.speculative_max_batch)
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -194,11 +196,44 @@ class EngineCore:
         self.scheduler.num_preemptions = self.scheduler.num_queried_tokens = self.scheduler.num_cached_tokens = 0
         self.runner.num_graph_prefills = self.runner.num_overtaking_prefills = 0
 
-    def _num_kv_blocks(self) -> int:
+    def _load_draft_model(self, backend, max_positions: int):
+        """The draft model of speculative_method "draft": the target's dtype, device, attention backend
+        and quantization setting (a GGUF draft on CPU: its blocks), a vocabulary within the target's
+        (the same tokenizer)."""
+        from graphserve.engine.models.loader import load_model
+
+        path = resolve_model_path(self.config.draft_model)
+        draft_args = ModelArgs.from_dir(path)
+        if draft_args.vocab_size > self.args.vocab_size:
+            raise InvalidConfigError(f"the draft model {path} has a vocabulary of {draft_args.vocab_size} tokens, more "
+                                     f"than the target's {self.args.vocab_size}: a draft model must share its tokenizer")
+        return load_model(path, self.dtype, self.device, backend, max_positions,
+                          quantization=resolve_quantization(self.config, path, self.device),
+                          load_format=self.config.load_format)
+
+    def _make_drafter(self, draft, num_blocks: int):
+        cfg = self.config
+        if draft is None:
+            return make_drafter(cfg.speculative_method)
+        kv = allocate_kv_cache(draft.kv_args, num_blocks, cfg.block_size, self.dtype, self.device)
+        runner = ModelRunner(draft, kv, BlockManager(num_blocks, cfg.block_size, prefix_caching=False), self.device,
+                             self.eos_ids)
+        graphs = None
+        if self.device.type == "cuda" and not cfg.enforce_eager:  # rounds of k steps, for up to max_num_seqs rows
+            table_width = -(-self.max_model_len // cfg.block_size)
+            runner.decode_table_width = table_width
+            graphs = GraphDecoder(runner, min(cfg.max_num_seqs, cfg.cuda_graph_max_batch), cfg.num_speculative_tokens,
+                                  table_width)
+            graphs.capture()
+        return make_drafter("draft", runner, cfg.num_speculative_tokens, self.max_model_len, graphs)
+
+    def _num_kv_blocks(self, draft=None) -> int:
         cfg = self.config
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
         per_block = kv_bytes_per_block(self.model.kv_args, cfg.block_size, self.dtype)
+        if draft is not None:
+            per_block += kv_bytes_per_block(draft.kv_args, cfg.block_size, self.dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # leave room for activations, logits and CUDA graphs

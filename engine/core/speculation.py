@@ -34,13 +34,18 @@ from graphserve.engine.runner.model_runner import ModelRunner, StepTokens
 from graphserve.engine.runner.sampler import build_sampling_tensors
 from graphserve.engine.sched.kv_cache import BlockManager
 from graphserve.engine.spec.acceptance import verify_drafts
+from graphserve.engine.spec.draft_model import DraftModelDrafter
 from graphserve.engine.spec.drafter import Drafter, pack_drafts
 from graphserve.engine.spec.ngram import NgramDrafter
 
 
-def make_drafter(method: str) -> Drafter:
+def make_drafter(method: str, draft_runner: ModelRunner | None = None, k: int = 4, max_model_len: int = 0,
+                 draft_graphs: GraphDecoder | None = None) -> Drafter:
+    """The drafter of `method`; "draft" runs on the draft model's runner (and its graphs, on CUDA)."""
     if method == "ngram":
         return NgramDrafter()
+    if method == "draft" and draft_runner is not None:
+        return DraftModelDrafter(draft_runner, k, max_model_len, draft_graphs)
     raise InvalidConfigError(f"unknown speculative_method {method!r}")
 
 

@@ -1,0 +1,109 @@
+"""A draft model as a drafter: a smaller model with the target's vocabulary proposes each request's
+next k tokens greedily.
+
+It keeps its own copy of each request (a Sequence of the request's tokens), its own paged KV pool
+(BlockManager) and runner, and on CUDA its own decode graphs, captured for rounds of k steps. A
+propose first computes the KV of the tokens it has not seen in one prefill step (a new request's
+prompt; after a verify step, the accepted token its round did not feed), then runs one greedy decode
+round of k steps over every row that asked: the k tokens are the drafts. The round feeds the last
+token and the first k - 1 drafts, so after the verify step the KV of the drafts the target accepted
+stays valid (on_append counts them) and the rest is overwritten later; blocks past a request's
+tokens go back to the pool.
+
+Greedy drafts are a deterministic drafter's (one-hot q): acceptance.py's exact rule applies, and a
+request gets the tokens it would get without speculation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from graphserve.engine.request import SamplingParams, Sequence
+from graphserve.engine.runner.cuda_graphs import GraphDecoder
+from graphserve.engine.runner.model_runner import ModelRunner
+from graphserve.engine.sched.kv_cache import BlockManager
+from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch
+from graphserve.engine.spec.drafter import Drafter
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(self, runner: ModelRunner, k: int, max_model_len: int, graphs: GraphDecoder | None = None,
+                 max_prefill_tokens: int = 8192):
+        self.runner = runner
+        self.blocks: BlockManager = runner.blocks
+        self.k = k
+        self.graphs = graphs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.params = SamplingParams(max_tokens=max_model_len, temperature=0, ignore_eos=True)
+        self.seqs: dict[str, Sequence] = {}
+        self.fed: dict[str, list[int]] = {}  # request id -> the drafts its last round fed in (k - 1)
+        self.num_rounds = 0  # draft decode rounds run (one per propose that drafted)
+
+    def add_request(self, request_id: str, token_ids: Seq[int]) -> None:
+        self.seqs[request_id] = Sequence(request_id, list(token_ids), self.params)
+
+    def on_append(self, request_id: str, token_ids: Seq[int]) -> None:
+        seq = self.seqs[request_id]
+        fed = self.fed.pop(request_id, None)
+        start = seq.num_tokens
+        seq.token_ids += token_ids
+        if fed is not None and seq.num_computed_tokens == start - 1:
+            # the round computed the last token's KV and that of each fed draft the target accepted
+            matched = next((i for i, (a, b) in enumerate(zip(fed, token_ids)) if a != b), min(len(fed), len(token_ids)))
+            seq.num_computed_tokens = start + matched
+        self.blocks.trim(seq, max(seq.num_tokens, seq.num_computed_tokens))
+
+    def on_finish(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        self.fed.pop(request_id, None)
+        if seq is not None:
+            self.blocks.free(seq)
+
+    @property
+    def num_tracked_requests(self) -> int:
+        return len(self.seqs)
+
+    @torch.inference_mode()
+    def propose(self, request_ids: Seq[str], max_drafts: Seq[int]) -> list[list[int]]:
+        rows = [self.seqs[rid] for rid, n in zip(request_ids, max_drafts) if n > 0]
+        # every row needs its KV up to its last token, and slots for the round's k steps
+        rows = [s for s in rows if self._reserve(s, s.num_tokens + self.k - 1)]
+        self._catch_up(rows)
+        drafts: dict[str, list[int]] = {}
+        if rows:
+            rnd = DecodeRound(rows, self.k)
+            if self.graphs is not None and len(rows) <= self.graphs.max_bucket:
+                tokens, _ = self.graphs.collect(self.graphs.launch(rnd))
+            else:
+                tokens = self.runner.decode(rnd)
+            self.num_rounds += 1
+            for seq in rows:
+                drafts[seq.request_id] = tokens[seq.request_id].tokens
+                self.fed[seq.request_id] = drafts[seq.request_id][:self.k - 1]
+        return [drafts.get(rid, [])[:n] for rid, n in zip(request_ids, max_drafts)]
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        needed = self.blocks.blocks_needed(seq, num_tokens)
+        if not self.blocks.can_allocate(needed):
+            return False
+        self.blocks.allocate(seq, num_tokens)
+        return True
+
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """Prefill every token of `seqs` but the last that the draft model has not computed, in
+        steps of at most max_prefill_tokens tokens."""
+        while True:
+            batch, lens, budget = [], [], self.max_prefill_tokens
+            for seq in seqs:
+                behind = seq.num_tokens - 1 - seq.num_computed_tokens
+                if behind > 0 and budget > 0:
+                    batch.append(seq)
+                    lens.append(min(behind, budget))
+                    budget -= lens[-1]
+            if not batch:
+                return
+            for seq in batch:  # no first token is sampled: the chunk stops before the last token
+                seq.num_prefill_tokens = seq.num_tokens
+            self.runner.prefill(PrefillBatch(batch, lens))

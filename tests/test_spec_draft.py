@@ -1,0 +1,141 @@
+"""Speculative decoding with a draft model (speculative_method "draft", engine/spec/draft_model.py): a
+smaller model with the target's vocabulary proposes k greedy tokens a step from its own paged KV.
+A user gets plain decoding's tokens (greedy and seeded sampling), drafts are accepted when the draft
+model agrees (the target as its own draft: every one), neither KV pool keeps a block, and a draft
+model the target cannot use is refused with the reason."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tiny_models import make_tiny_model
+
+from graphserve import LLM, EngineConfig, SamplingParams
+from graphserve.engine.errors import InvalidConfigError
+from graphserve.engine.runner.cuda_graphs import GraphDecoder
+
+K = 4
+ENGINE = dict(device="cpu", num_kv_blocks=256, decode_chunk=2)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("draft")
+    target = make_tiny_model(root / "target", "llama", seed=0)
+    other = make_tiny_model(root / "one-layer", "llama", seed=1, num_hidden_layers=1)
+    return target, other
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = random.Random(0)
+    base = [[gen.randrange(3, 259) for _ in range(n)] for n in (5, 20, 33)]
+    return base + [p[:6] * 4 for p in base]
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    return LLM(str(models[0]), **ENGINE)
+
+
+def speculating(target, draft, **more) -> LLM:
+    return LLM(str(target), **ENGINE, speculative_method="draft", draft_model=str(draft), num_speculative_tokens=K,
+               **more)
+
+
+def outputs(llm: LLM, prompts, params):
+    return [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
+
+
+def check_nothing_left(llm: LLM, free: int, draft_free: int) -> None:
+    spec = llm.engine.core.speculation
+    assert llm.engine.block_manager.num_free_blocks == free
+    assert spec.drafter.blocks.num_free_blocks == draft_free
+    assert spec.num_tracked_requests == 0 and spec.drafter.num_tracked_requests == 0
+
+
+@pytest.mark.parametrize("draft_kind", ["target_itself", "other_model"])
+def test_draft_model_gives_plain_greedy_and_seeded_outputs(models, prompts, plain, draft_kind):
+    target, other = models
+    llm = speculating(target, target if draft_kind == "target_itself" else other)
+    free, draft_free = llm.engine.block_manager.num_free_blocks, llm.engine.core.speculation.drafter.blocks.num_free_blocks
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    seeded = [SamplingParams(max_tokens=30, temperature=0.8, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    assert outputs(llm, prompts, greedy) == outputs(plain, prompts, greedy)
+    stats = llm.engine.stats()
+    assert stats.spec_draft_tokens > 0
+    if draft_kind == "target_itself":  # every draft is the target's own argmax
+        assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+    assert outputs(llm, prompts, seeded) == outputs(plain, prompts, seeded)
+    assert llm.engine.stats().spec_draft_tokens > stats.spec_draft_tokens
+    check_nothing_left(llm, free, draft_free)
+
+
+def test_each_proposal_is_the_draft_models_own_greedy_continuation():
+    """The draft model's KV stays right across verify steps that reject: each proposal equals the
+    draft model's greedy continuation of the request's tokens, computed afresh. The embedded model
+    (whose next token depends on its context) drafts for itself; sampled rows reject greedy drafts
+    often, so its copies keep the KV of the accepted drafts only, and catch up after."""
+    fresh = LLM(**ENGINE)
+    path = fresh.engine.core.model_path
+    llm = LLM(path, **ENGINE, speculative_method="draft", draft_model=path, num_speculative_tokens=K)
+    drafter = llm.engine.core.speculation.drafter
+    proposals = []
+    real = drafter.propose
+
+    def propose(request_ids, max_drafts):
+        drafts = real(request_ids, max_drafts)
+        proposals.extend((list(drafter.seqs[rid].token_ids), d) for rid, d in zip(request_ids, drafts) if d)
+        return drafts
+
+    drafter.propose = propose
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a robot"]
+    llm.generate(prompts, [SamplingParams(max_tokens=24, temperature=1.0, seed=i, ignore_eos=True)
+                           for i in range(len(prompts))])
+    rejected = llm.engine.stats().spec_draft_tokens - llm.engine.stats().spec_accepted_tokens
+    assert len(proposals) > 10 and rejected > 10
+    checked = proposals[2::3]
+    want = fresh.generate([tokens for tokens, _ in checked],
+                          [SamplingParams(max_tokens=len(d), temperature=0, ignore_eos=True) for _, d in checked])
+    assert [d for _, d in checked] == [o.token_ids for o in want]
+
+
+def test_draft_rounds_through_the_drafts_graph_decoder(models, prompts, plain):
+    """The draft model's k-step rounds through its decode graphs (as on CUDA; on CPU their static
+    rows run eagerly), and the target's verify steps through its own."""
+    target, _ = models
+    llm = speculating(target, target)
+    drafter = llm.engine.core.speculation.drafter
+    drafter.graphs = GraphDecoder(drafter.runner, max_batch=8, max_steps=K, table_width=32, use_cuda_graphs=False)
+    drafter.graphs.capture(progress=False)
+    core = llm.engine.core
+    core.graphs = GraphDecoder(core.runner, max_batch=64, max_steps=2, table_width=32, use_cuda_graphs=False)
+    core.graphs.capture(progress=False)
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    assert outputs(llm, prompts, greedy) == outputs(plain, prompts, greedy)
+    assert llm.engine.stats().spec_accepted_tokens > 0 and drafter.num_rounds > 0
+
+
+def test_preemption_with_a_draft_model_keeps_tokens_and_frees_both_pools(models, prompts, plain):
+    """A target pool too small for the batch: sequences are preempted and recomputed while others
+    speculate; the draft model's copies follow their tokens."""
+    target, other = models
+    llm = LLM(str(target), device="cpu", num_kv_blocks=14, block_size=16, decode_chunk=2, max_model_len=96,
+              speculative_method="draft", draft_model=str(target), num_speculative_tokens=K)
+    free, draft_free = llm.engine.block_manager.num_free_blocks, llm.engine.core.speculation.drafter.blocks.num_free_blocks
+    greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    assert outputs(llm, prompts, greedy) == outputs(plain, prompts, greedy)
+    assert llm.engine.stats().num_preemptions > 0
+    check_nothing_left(llm, free, draft_free)
+
+
+def test_a_draft_model_setting_it_cannot_use_is_refused(models, tmp_path):
+    target, _ = models
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineConfig(speculative_method="draft")
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineConfig(draft_model=str(target))
+    wide = make_tiny_model(tmp_path / "wide", "llama", vocab_size=1024)
+    with pytest.raises(InvalidConfigError, match="vocabulary of 1024 tokens, more than the target's"):
+        speculating(target, wide)
