@@ -26,7 +26,15 @@ so each chosen expert's picks fit one block: every selected expert's weights are
 (a GEMV-like pass over the chosen experts, bandwidth-bound), with narrow output tiles so the few
 experts still give every SM programs. Larger T (prefill, large decode batches): block_m up to 64 from
 the average picks an expert, wide tiles. Launch parameters depend on shapes only.
-fused_moe_ref is the float32 torch reference.
+
+FP8 experts (`--quantization fp8`): gate_up and down in float8 e4m3 with one float32 scale per
+output channel per expert ([E, 2I] and [E, H], engine/models/fp8.py's layout). Weight-only: each
+weight tile is widened in registers (to fp16 beside bf16 / fp16 rows, which are scaled by 2^-8
+into fp16's range as kernels/skinny_gemm.py's weight-only path does; to fp32 beside fp32 rows),
+the product accumulates in float32 and the epilogue multiplies each output channel by its scale.
+The weights are read at half the bytes, the activations stay unrounded. W_FP8 is a constexpr: the
+bf16 path compiles as before.
+fused_moe_ref is the float32 torch reference (FP8 weights dequantized).
 """
 
 from __future__ import annotations
@@ -40,6 +48,9 @@ import triton.language as tl
 
 from graphserve.kernels._common import dot_precision, sm_count
 from graphserve.kernels.moe_align import moe_align
+from graphserve.kernels.skinny_gemm import W_ONLY_X_SCALE
+
+FP8 = torch.float8_e4m3fn
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,11 +66,13 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 @triton.jit
 def _expert_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_picks_ptr, block_experts_ptr, num_padded_ptr, routing_ptr,
+    a_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_picks_ptr, block_experts_ptr, num_padded_ptr, routing_ptr,
     N, K, num_picks,
-    stride_a, stride_we, stride_wn, stride_o,
+    stride_a, stride_we, stride_wn, stride_se, stride_o,
     TOP_K: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    W_FP8: tl.constexpr,
+    A_TO_FP16: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -67,7 +80,9 @@ def _expert_gemm_kernel(
 ):
     """SILU_MUL (gate_up): a = x [T, K], w = gate_up [E, 2N, K]; out = h [padded, N] at the block's
     padded rows. Otherwise (down): a = h, w = down [E, N, K]; out [T*k, N] at each pick's row, times
-    its routing weight."""
+    its routing weight. W_FP8: w is float8 e4m3 with float32 scales w_scale [E, rows of w] (row
+    stride stride_se), widened in registers (A_TO_FP16: to fp16, a scaled by W_ONLY_X_SCALE into
+    fp16; else to a's dtype) and the accumulator scaled per output channel."""
     block = tl.program_id(0)
     pid_n = tl.program_id(1)
     if block * BLOCK_M >= tl.load(num_padded_ptr):
@@ -93,14 +108,33 @@ def _expert_gemm_kernel(
         k_mask = (k0 + offs_k) < K
         a = tl.load(a_ptrs, mask=real[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if W_FP8:
+            if A_TO_FP16:  # e4m3 is exact in fp16 (a native conversion, unlike bf16's)
+                a = (a.to(tl.float32) * W_ONLY_X_SCALE).to(tl.float16)
+                w = w.to(tl.float16)
+            else:
+                w = w.to(a.dtype)
         acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PREC)
         if SILU_MUL:
             u = tl.load(u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            if W_FP8:
+                u = u.to(a.dtype)
             acc_u = tl.dot(u, tl.trans(a), acc_u, input_precision=DOT_PREC)
             u_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
+    if W_FP8:  # per output channel; undoes a's scaling into fp16
+        s_ptrs = w_scale_ptr + expert * stride_se + offs_n
+        scale = tl.load(s_ptrs, mask=n_mask, other=0.0)
+        if A_TO_FP16:
+            scale = scale / W_ONLY_X_SCALE
+        acc = acc * scale[:, None]
+        if SILU_MUL:
+            scale_u = tl.load(s_ptrs + N, mask=n_mask, other=0.0)
+            if A_TO_FP16:
+                scale_u = scale_u / W_ONLY_X_SCALE
+            acc_u = acc_u * scale_u[:, None]
     dt = out_ptr.dtype.element_ty
     if SILU_MUL:  # rounded as the unfused path rounds (kernels/activation.py)
         gate = acc.to(dt).to(tl.float32)
@@ -163,17 +197,38 @@ def fused_moe(
     top_k: int,
     renormalize: bool,
     *,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
     tiles: tuple[MoeTile, MoeTile] | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum [T, H] for x [T, H] (bf16 / fp16 / fp32), router_logits
-    [T, E], gate_up [E, 2I, H] (each expert's [gate; up] rows) and down [E, H, I] of x's dtype;
+    [T, E], gate_up [E, 2I, H] (each expert's [gate; up] rows) and down [E, H, I] of x's dtype, or
+    float8 e4m3 with gate_up_scale [E, 2I] and down_scale [E, H] float32 (one per output channel);
     float32 accumulation. tiles: (gate_up, down) launch shapes with one block_m (benchmark sweeps)."""
     weights, expert_ids = route(router_logits, top_k, renormalize)
-    return fused_experts(x, weights, expert_ids, gate_up, down, tiles=tiles)
+    return fused_experts(x, weights, expert_ids, gate_up, down, gate_up_scale=gate_up_scale, down_scale=down_scale,
+                         tiles=tiles)
+
+
+def _check_fp8_scales(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torch.Tensor | None,
+                      down_scale: torch.Tensor | None) -> bool:
+    """Whether the experts are FP8 (then with well-formed scales), or ValueError."""
+    fp8 = gate_up.dtype == FP8
+    if fp8 != (down.dtype == FP8) or fp8 != (gate_up_scale is not None) or fp8 != (down_scale is not None):
+        raise ValueError("FP8 experts need gate_up and down both float8 e4m3, with gate_up_scale and down_scale "
+                         "(and scales go with FP8 weights only)")
+    if fp8:
+        for scale, w in ((gate_up_scale, gate_up), (down_scale, down)):
+            if scale.shape != w.shape[:2] or scale.dtype != torch.float32 or not scale.is_contiguous():
+                raise ValueError(f"expected a contiguous float32 scale {tuple(w.shape[:2])} per expert and output "
+                                 f"channel, got {scale.dtype} {tuple(scale.shape)}")
+    return fp8
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, *, tiles: tuple[MoeTile, MoeTile] | None = None) -> torch.Tensor:
+                  down: torch.Tensor, *, gate_up_scale: torch.Tensor | None = None,
+                  down_scale: torch.Tensor | None = None,
+                  tiles: tuple[MoeTile, MoeTile] | None = None) -> torch.Tensor:
     """fused_moe after routing: weights [T, k] float32 and expert_ids [T, k] from route()."""
     if x.dim() != 2 or gate_up.dim() != 3 or expert_ids.shape != weights.shape or expert_ids.dim() != 2:
         raise ValueError(f"expected x [T, H], gate_up [E, 2I, H] and routing [T, k], got x {tuple(x.shape)}, "
@@ -181,10 +236,11 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter, top_k = two_inter // 2, expert_ids.shape[1]
+    fp8 = _check_fp8_scales(gate_up, down, gate_up_scale, down_scale)
     if (gate_up.shape != (num_experts, 2 * inter, hidden) or down.shape != (num_experts, hidden, inter)
-            or not (x.dtype == gate_up.dtype == down.dtype) or expert_ids.shape[0] != tokens):
-        raise ValueError(f"expected x [T, H], gate_up [E, 2I, H], down [E, H, I] of one dtype and routing [T, k], "
-                         f"got x {x.dtype} {tuple(x.shape)}, gate_up {gate_up.dtype} {tuple(gate_up.shape)}, "
+            or not (fp8 or x.dtype == gate_up.dtype == down.dtype) or expert_ids.shape[0] != tokens):
+        raise ValueError(f"expected x [T, H], gate_up [E, 2I, H], down [E, H, I] of one dtype (or FP8) and routing "
+                         f"[T, k], got x {x.dtype} {tuple(x.shape)}, gate_up {gate_up.dtype} {tuple(gate_up.shape)}, "
                          f"down {down.dtype} {tuple(down.shape)}, routing {tuple(expert_ids.shape)}")
     if x.stride(1) != 1 or not gate_up.is_contiguous() or not down.is_contiguous():
         raise ValueError("x needs contiguous rows, gate_up and down must be contiguous")
@@ -201,13 +257,16 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     per_pick = torch.empty((num_picks, hidden), dtype=x.dtype, device=x.device)
     routing = weights.reshape(-1).contiguous()
     precision = dot_precision(x.dtype)
-    for a, w, out, n, k, tile, silu_mul in ((x, gate_up, h, inter, hidden, gate_up_tile, True),
-                                            (h, down, per_pick, hidden, inter, down_tile, False)):
+    to_fp16 = fp8 and x.dtype in (torch.bfloat16, torch.float16)
+    for a, w, w_scale, out, n, k, tile, silu_mul in (
+            (x, gate_up, gate_up_scale, h, inter, hidden, gate_up_tile, True),
+            (h, down, down_scale, per_pick, hidden, inter, down_tile, False)):
+        w_scale = w if w_scale is None else w_scale  # a pointer the bf16 path never reads
         _expert_gemm_kernel[(num_blocks, triton.cdiv(n, tile.block_n))](
-            a, w, out, aligned.sorted_picks, aligned.block_experts, aligned.num_padded, routing,
+            a, w, w_scale, out, aligned.sorted_picks, aligned.block_experts, aligned.num_padded, routing,
             n, k, num_picks,
-            a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-            TOP_K=top_k, SILU_MUL=silu_mul, DOT_PREC=precision,
+            a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), out.stride(0),
+            TOP_K=top_k, SILU_MUL=silu_mul, W_FP8=fp8, A_TO_FP16=to_fp16, DOT_PREC=precision,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )
@@ -215,15 +274,20 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
 
 
 def fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  top_k: int, renormalize: bool) -> torch.Tensor:
+                  top_k: int, renormalize: bool, gate_up_scale: torch.Tensor | None = None,
+                  down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """float32 reference (host-synchronizing): each chosen expert over its tokens, in float32,
-    weighted and added into their rows."""
+    weighted and added into their rows. FP8 experts come with their scales and are dequantized."""
     weights, expert_ids = route(router_logits, top_k, renormalize)
     xf = x.float()
     out = torch.zeros_like(xf)
     for expert in expert_ids.unique().tolist():
         tokens, slots = (expert_ids == expert).nonzero(as_tuple=True)
-        gate, up = (xf[tokens] @ gate_up[expert].float().T).chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ down[expert].float().T
+        w_gate_up, w_down = gate_up[expert].float(), down[expert].float()
+        if gate_up_scale is not None:
+            w_gate_up = w_gate_up * gate_up_scale[expert, :, None].float()
+            w_down = w_down * down_scale[expert, :, None].float()
+        gate, up = (xf[tokens] @ w_gate_up.T).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ w_down.T
         out.index_add_(0, tokens, y * weights[tokens, slots, None])
     return out

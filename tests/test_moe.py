@@ -98,6 +98,36 @@ def test_greedy_on_cuda_matches_transformers(model_dir, hf_greedy, enforce_eager
     assert (replays > 0) != enforce_eager, replays
 
 
+@pytest.mark.gpu
+def test_fp8_experts_on_cuda_decode_greedy_through_the_cuda_graphs(model_dir):
+    """`--quantization fp8` on one GPU, bf16: the experts FP8 in kernels/moe.py's weight-only path
+    (the attention projections W8A8, the router bf16). Greedy decode replays the graphs, the same
+    batch again gives the same tokens; teacher-forced, the next token mostly agrees with the CPU
+    float32 engine's on the same FP8 weights (bf16 and W8A8 activations apart). (Alone and batched
+    may differ: one row's attention projections run the weight-only GEMV, several rows W8A8.)"""
+    from graphserve.engine.models.fp8 import FP8
+
+    logprobs = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    cpu = LLM(str(model_dir), device="cpu", num_kv_blocks=64, quantization="fp8", prefix_caching=False)
+    want = [o.prompt_logprobs[1:] for o in cpu.generate(PROMPTS, logprobs)]
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", quantization="fp8", max_num_seqs=8,
+              max_num_batched_tokens=64, num_kv_blocks=64, prefix_caching=False)
+    try:
+        mlp = llm.engine.core.model.layers[0].mlp
+        assert mlp.gate_up_proj.dtype == mlp.down_proj.dtype == FP8 and mlp.router.weight.dtype == torch.bfloat16
+        outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        again = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        replays = sum(llm.engine.core.stats().graph_replays.values())
+        got = [o.prompt_logprobs[1:] for o in llm.generate(PROMPTS, logprobs)]
+    finally:
+        del llm
+        torch.cuda.empty_cache()
+    assert all(len(o) == MAX_NEW for o in outs) and replays > 0
+    assert again == outs
+    pairs = [(w.top[0][0], g.top[0][0]) for ws, gs in zip(want, got) for w, g in zip(ws, gs)]
+    assert sum(a == b for a, b in pairs) / len(pairs) >= 0.8, pairs
+
+
 def test_http_completion_matches_transformers(model_dir, hf_greedy):
     httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
     from graphserve import AsyncEngine, EngineConfig
@@ -301,11 +331,12 @@ def test_other_devices_are_refused_before_anything_is_loaded(mixtral_dir):
         load_model(mixtral_dir, torch.bfloat16, torch.device("mps"), TorchAttention(16), 512)
 
 
-def test_fp8_and_tensor_parallelism_where_untested_are_refused(mixtral_dir):
-    """FP8 experts are not built; ranks shard experts on CPU (tests/test_tensor_parallel.py), not yet on
-    GPUs; a rank count that does not divide each expert's intermediate size (32 here) is refused."""
-    with pytest.raises(InvalidConfigError, match="quantization fp8"):
-        load_model(mixtral_dir, torch.float32, CPU, TorchAttention(16), 512, quantization="fp8")
+def test_gguf_quantization_and_tensor_parallelism_where_untested_are_refused(mixtral_dir):
+    """FP8 experts are served (tests/test_moe_fp8.py), GGUF blocks are not; ranks shard experts on CPU
+    (tests/test_tensor_parallel.py), not yet on GPUs; a rank count that does not divide each expert's
+    intermediate size (32 here) is refused."""
+    with pytest.raises(InvalidConfigError, match="quantization gguf is not supported for mixture-of-experts"):
+        load_model(mixtral_dir, torch.float32, CPU, TorchAttention(16), 512, quantization="gguf")
     args = ModelArgs.from_dir(mixtral_dir)
     check_tensor_parallel(args, 2, CPU)
     with pytest.raises(InvalidConfigError, match="CPU ranks only"):

@@ -1,9 +1,12 @@
 """graphserve.kernels.moe and moe_align: the fused mixture-of-experts path (route, align, grouped gate_up GEMM with
 SiLU-and-mul, down GEMM with the routing weights, combine). On the CPU, in Triton's interpreter at
 tiny shapes, float32: against engine/models/moe.py's torch path (route + combine_experts), moe_align's
-invariants, and the edge cases (an idle expert, every token on one expert, ties in the router). The
-`gpu` tests: Qwen3-30B-A3B and Mixtral-8x7B layers in bf16 against a float32 reference on the same
-weights, with poisoned outputs; CUDA-graph replay equal to eager; SparseMoE on CUDA."""
+invariants, and the edge cases (an idle expert, every token on one expert, ties in the router). FP8
+experts (float8 e4m3, a float32 scale per expert and output channel) against the float32 reference on
+their dequantized weights, in float32 and fp16 (the interpreter rounds float32 to bf16 toward zero, so
+bf16 is the GPU tests'). The `gpu` tests: Qwen3-30B-A3B and Mixtral-8x7B layers in bf16 against a
+float32 reference on the same weights, with poisoned outputs; FP8 experts at Qwen3-30B-A3B's shape;
+CUDA-graph replay equal to eager; SparseMoE on CUDA."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from tensor_checks import rel_err
 
+from graphserve.engine.models.fp8 import FP8, dequantize, quantize_experts
 from graphserve.engine.models.moe import SparseMoE, combine_experts
 from graphserve.engine.models.moe_config import MoeArgs
 from graphserve.kernels.moe import MoeTile, default_moe_tiles, fused_moe, fused_moe_ref, route
@@ -23,6 +27,8 @@ align_module = importlib.import_module("graphserve.kernels.moe_align")
 ALIGNS = {"kernel": moe_align, "torch": moe_align_torch}
 
 F32_TOL = dict(rtol=1e-5, atol=2e-6)
+# FP8 in float32: the kernel scales the sum (x @ q) * s, the reference sums x @ (q * s): roundings apart
+FP8_F32_REL_ERR = 2e-6
 
 
 def moe_weights(experts: int, hidden: int, inter: int, dtype=torch.float32, device="cpu", seed: int = 0):
@@ -216,6 +222,95 @@ def test_mismatched_shapes_are_refused():
                   tiles=(MoeTile(16, 16, 16, 4, 2), MoeTile(32, 16, 16, 4, 2)))
 
 
+# ---- FP8 experts (weight-only: e4m3 tiles widened in registers, scales on the accumulator) ----
+
+def fp8_moe_weights(experts: int, hidden: int, inter: int, device="cpu", seed: int = 0):
+    """(gate_up, gate_up_scale, down, down_scale): moe_weights quantized per expert and output
+    channel, with rows of very different sizes, so a scale taken from the wrong row shows."""
+    gate_up, down = moe_weights(experts, hidden, inter, device=device, seed=seed)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    gate_up = gate_up * torch.rand(experts, 2 * inter, 1, generator=gen, device=device).mul(4).exp2()
+    down = down * torch.rand(experts, hidden, 1, generator=gen, device=device).mul(4).exp2()
+    (gate_up, gate_up_scale), (down, down_scale) = quantize_experts(gate_up), quantize_experts(down)
+    return gate_up, gate_up_scale, down, down_scale
+
+
+def fp8_reference(x, logits, gate_up, gate_up_scale, down, down_scale, top_k, renormalize) -> torch.Tensor:
+    """Per token, in float32, on the dequantized weights (independent of kernels.moe)."""
+    return per_token_reference(x.float(), logits, dequantize(gate_up, gate_up_scale, torch.float32),
+                               dequantize(down, down_scale, torch.float32), top_k, renormalize)
+
+
+FP8_CASES = [(1, 8, 2, 32, 32), (3, 4, 1, 64, 48), (17, 8, 2, 32, 48)]  # (tokens, experts, top_k, hidden, inter)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", FP8_CASES)
+def test_fp8_experts_match_the_dequantized_reference(tokens, experts, top_k, hidden, inter, dtype, poisoned_outputs):
+    gen = torch.Generator().manual_seed(tokens * 10 + top_k)
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    weights = fp8_moe_weights(experts, hidden, inter, seed=tokens)
+    assert weights[0].dtype == FP8 and weights[1].shape == (experts, 2 * inter)
+    gate_up, gate_up_scale, down, down_scale = weights
+    out = fused_moe(x.to(dtype), logits, gate_up, down, top_k, True, gate_up_scale=gate_up_scale,
+                    down_scale=down_scale)
+    ref = fp8_reference(x.to(dtype), logits, *weights, top_k, True)
+    assert out.dtype == dtype
+    if dtype == torch.float32:
+        assert rel_err(out, ref) < FP8_F32_REL_ERR, rel_err(out, ref)
+        # the CPU path (engine/models/moe.py) on the same FP8 weights: the same numbers
+        weights_k, expert_ids = route(logits, top_k, True)
+        cpu_path = combine_experts(x, weights_k, expert_ids, *weights[::2], *weights[1::2])
+        assert rel_err(cpu_path, ref) < FP8_F32_REL_ERR, rel_err(cpu_path, ref)
+    else:  # fp16 rows, scaled into range as the weight-only path does; h and outputs rounded to fp16
+        assert rel_err(out, ref) < 2e-3, rel_err(out, ref)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_fp8_experts_an_idle_expert_and_one_expert_taking_every_token(top_k, poisoned_outputs):
+    tokens, experts, hidden, inter = 17, 8, 32, 48
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights = fp8_moe_weights(experts, hidden, inter, seed=3)
+    logits = torch.randn(tokens, experts, generator=gen)
+    logits[:, 5] = -30.0  # idle
+    logits[:, 2] = 30.0  # every token's first pick
+    _, picks = route(logits, top_k, False)
+    assert (picks[:, 0] == 2).all() and not (picks == 5).any()
+    gate_up, gate_up_scale, down, down_scale = weights
+    out = fused_moe(x, logits, gate_up, down, top_k, False, gate_up_scale=gate_up_scale, down_scale=down_scale)
+    assert rel_err(out, fp8_reference(x, logits, *weights, top_k, False)) < FP8_F32_REL_ERR
+
+
+@torch.no_grad()
+def test_fp8_experts_with_ragged_tiles(poisoned_outputs):
+    """Output tiles past N (48 of 64 in gate_up: their scales masked), several K tiles, a ragged last one."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 64, generator=gen)
+    logits = torch.randn(9, 4, generator=gen)
+    weights = fp8_moe_weights(4, 64, 48)
+    gate_up, gate_up_scale, down, down_scale = weights
+    tiles = (MoeTile(16, 64, 32, 4, 2), MoeTile(16, 32, 32, 4, 2))
+    out = fused_moe(x, logits, gate_up, down, 2, True, gate_up_scale=gate_up_scale, down_scale=down_scale,
+                    tiles=tiles)
+    assert rel_err(out, fp8_reference(x, logits, *weights, 2, True)) < FP8_F32_REL_ERR
+
+
+def test_fp8_experts_without_their_scales_are_refused():
+    gate_up, gate_up_scale, down, down_scale = fp8_moe_weights(4, 32, 32)
+    x, logits = torch.randn(3, 32), torch.randn(3, 4)
+    with pytest.raises(ValueError, match="gate_up_scale"):
+        fused_moe(x, logits, gate_up, down, 2, True)
+    with pytest.raises(ValueError, match="scale"):
+        fused_moe(x, logits, gate_up, down, 2, True, gate_up_scale=gate_up_scale, down_scale=down_scale[:, :16])
+    with pytest.raises(ValueError, match="scale"):
+        fused_moe(x, logits, *moe_weights(4, 32, 32)[:1], down, 2, True, gate_up_scale=gate_up_scale,
+                  down_scale=down_scale)
+
+
 # ---- GPU: real shapes, bf16 ----
 
 DEV = "cuda"
@@ -294,6 +389,31 @@ def test_cuda_graph_replay_equals_eager(real_layer, tokens):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, fused_moe(x, logits, gate_up, down, top_k, renormalize)), name
+
+
+@pytest.fixture(scope="module")
+def qwen_fp8_layer():
+    """Qwen3-30B-A3B's experts in FP8 on the GPU: (gate_up, gate_up_scale, down, down_scale), top_k, renormalize."""
+    hidden, inter, experts, top_k, renormalize = SHAPES["qwen3-30b-a3b"]
+    weights = fp8_moe_weights(experts, hidden, inter, device=DEV, seed=2)
+    yield weights, top_k, renormalize
+    del weights
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+@pytest.mark.parametrize("tokens", [1, 16, 256])  # decode (one block an expert), its edge, the GEMM path
+def test_fp8_experts_at_real_shape_against_float32(qwen_fp8_layer, tokens, poisoned_outputs):
+    """bf16 rows, FP8 experts (weight-only, scaled into fp16 in registers) against the float32
+    reference on the dequantized weights."""
+    (gate_up, gate_up_scale, down, down_scale), top_k, renormalize = qwen_fp8_layer
+    x, logits = real_inputs(tokens, gate_up.shape[2], gate_up.shape[0], seed=tokens + 5)
+    out = fused_moe(x, logits, gate_up, down, top_k, renormalize, gate_up_scale=gate_up_scale, down_scale=down_scale)
+    ref = fused_moe_ref(x, logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale)
+    assert out.dtype == BF16 and out.shape == x.shape
+    assert not out.isnan().any(), "an output the kernels never wrote"
+    assert rel_err(out, ref) < 1e-2, f"FP8 T={tokens}: relative error {rel_err(out, ref):.2e}"
 
 
 @pytest.mark.gpu

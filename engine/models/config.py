@@ -15,7 +15,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
-    *MOE_ARCHITECTURES,  # CPU or one CUDA GPU, no FP8 (moe_config.check_moe_servable)
+    *MOE_ARCHITECTURES,  # CPU or one CUDA GPU (moe_config.check_moe_servable)
 )
 
 

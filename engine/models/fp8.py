@@ -33,14 +33,26 @@ FP8_WEIGHT_ONLY_MAX_ROWS = 0
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] -> (e4m3 [out, in], float32 scales [out])."""
+    """[..., out, in] -> (e4m3 [..., out, in], float32 scales [..., out]): a stack of experts'
+    weights [E, out, in] gets a scale per expert and output channel."""
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=_TINY) / FP8_MAX
-    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    scale = w.abs().amax(dim=-1).clamp(min=_TINY) / FP8_MAX
+    return (w / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_experts(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_per_channel of [E, out, in] one expert at a time (a float32 copy of one expert, not
+    of all of them, at once)."""
+    q = torch.empty(stacked.shape, dtype=FP8, device=stacked.device)
+    scale = torch.empty(stacked.shape[:2], dtype=torch.float32, device=stacked.device)
+    for expert in range(stacked.shape[0]):
+        q[expert], scale[expert] = quantize_per_channel(stacked[expert])
+    return q, scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scale[:, None].float()).to(dtype)
+    """q [..., out, in] with scales [..., out] back to `dtype`."""
+    return (q.float() * scale[..., None].float()).to(dtype)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,8 +23,10 @@ from graphserve.engine.errors import InvalidConfigError, ModelFilesError
 from graphserve.engine.models.config import ModelArgs
 from graphserve.engine.models.layers import Linear, QuantizedParts
 from graphserve.engine.models.llama import LlamaModel
+from graphserve.engine.models.moe import SparseMoE
 from graphserve.engine.models.moe_config import check_moe_servable
-from graphserve.engine.models.moe_weights import ROUTER_NAMES, complete_stacks, copy_expert, expert_slot, part_name
+from graphserve.engine.models.moe_weights import (ROUTER_NAMES, SCALES, complete_stacks, copy_expert, copy_expert_scale,
+                                                  expert_slot, part_name)
 from graphserve.kernels.rotary import build_cos_sin_cache
 
 # HF tensor name -> (our parameter name, shard index within a fused parameter)
@@ -35,6 +37,7 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+_ROUTER = "mlp.router"
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|weight_scale)$")
 
 
@@ -79,17 +82,19 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
         model = LlamaModel(args, backend, cos_sin, tp)
     model = model.to_empty(device=device).to(dtype)
     model.cos_sin = cos_sin.to(device)
-    projections = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    # what FP8 covers: the projections and the routed experts, not an MoE router (kept in the model's dtype)
+    to_fp8 = [m for name, m in model.layers.named_modules()
+              if isinstance(m, SparseMoE) or (isinstance(m, Linear) and not name.endswith(_ROUTER))]
     prequantized = args.quantization == "fp8" and load_format != "dummy"
     if prequantized:  # empty FP8 weights and scales, for the checkpoint to fill
-        for module in projections:
+        for module in to_fp8:
             module.to_fp8(quantize=False)
     if load_format == "dummy":
         _fill_random(model, seed=tp.rank)
     else:
         _read_checkpoint(model, path, files)
     if quantization == "fp8" and not prequantized:
-        for module in projections:
+        for module in to_fp8:
             module.to_fp8()
     _keep_quantized_projections(model, blocks)
     model.pack_for_cpu()
@@ -230,14 +235,21 @@ def _load_tensor(shard: Shard, params: dict, loaded: set, name: str, f) -> None:
         layer, module, kind = match.groups()
         slot = expert_slot(module)
         if slot is not None:  # one expert's projection, into its rows of the layer's stacked parameter
-            target = f"layers.{layer}.{slot.param}"
-            if kind != "weight" or target not in params:
+            target = f"layers.{layer}.{slot.param if kind == 'weight' else SCALES[slot.param]}"
+            if kind not in ("weight", "weight_scale") or target not in params:
                 raise ModelFilesError(f"unexpected tensor {name!r} in checkpoint for {args.architecture}")
             rows, cols = (shard.inter, None) if slot.half is not None else (None, shard.inter)  # this rank's columns
-            copy_expert(params[target].data, slot, read_tensor(f, name, rows, cols), name)
+            if kind == "weight":
+                copy_expert(params[target].data, slot, read_tensor(f, name, rows, cols), name)
+            else:  # a scale per output row: split like the weight's rows (down's rows are all kept)
+                copy_expert_scale(params[target].data, slot, read_tensor(f, name, None, None), rows, name)
             loaded.add(part_name(target, slot.expert, slot.half))
             return
         module = ROUTER_NAMES.get(module, module)
+        if module == _ROUTER and kind == "weight_scale":
+            raise ModelFilesError(f"{name}: the checkpoint quantizes the MoE router; graphserve keeps the router "
+                                  "in the model's dtype (llm-compressor's MoE recipes leave it out: "
+                                  "ignore re:.*mlp.gate$)")
         # a weight_scale (one per output row) is split like its weight's rows
         rows, cols = _split(shard, module, "weight" if kind == "weight_scale" else kind)
         if module in _FUSED:

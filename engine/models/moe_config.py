@@ -1,8 +1,8 @@
 """The mixture-of-experts part of a Hugging Face config (Qwen3-MoE, Mixtral): MoeArgs, and a clear
 UnsupportedModelError for any field whose value changes the math in a way graphserve does not
 implement. What the MoE layer can serve (the CPU, CPU ranks, or one CUDA GPU -- sharding.check_tensor_parallel
-refuses CUDA ranks --, no FP8 or other quantization, a sliding window no shorter than the context served) is
-checked at load by check_moe_servable."""
+refuses CUDA ranks --, FP8 experts but no other quantization, a sliding window no shorter than the context
+served) is checked at load by check_moe_servable."""
 
 from __future__ import annotations
 
@@ -93,12 +93,12 @@ def check_moe_servable(arch: str, moe: MoeArgs | None, window: int | None, check
     if device.type not in ("cpu", "cuda"):
         raise UnsupportedModelError(f"{arch} is a mixture-of-experts model: MoE models are served on the CPU "
                                     f"backend or one CUDA GPU only for now, not on {device.type}")
-    if checkpoint_quantization is not None:
+    if checkpoint_quantization not in (None, "fp8"):
         raise UnsupportedModelError(f"{arch}: quantized ({checkpoint_quantization}) mixture-of-experts "
-                                    "checkpoints are not supported yet")
-    if quantization is not None:
+                                    "checkpoints are not supported (FP8 ones are)")
+    if quantization not in (None, "fp8"):
         raise InvalidConfigError(f"--quantization {quantization} is not supported for mixture-of-experts models "
-                                 f"({arch}) yet")
+                                 f"({arch}): fp8 is")
     if window is not None and window < max_positions:
         raise UnsupportedModelError(
             f"{arch}: unsupported config sliding_window={window}: sliding-window attention is not implemented, "

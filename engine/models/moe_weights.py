@@ -5,7 +5,9 @@ expert and projection: Qwen3-MoE `mlp.experts.{e}.{gate_proj,up_proj,down_proj}.
 `block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` (w1 the gate, w3 the up, w2 the down
 projection), and the router `mlp.gate.weight` / `block_sparse_moe.gate.weight`. The loader stacks
 them at load into gate_up_proj [E, 2I, H] (each expert's gate rows, then its up rows) and
-down_proj [E, H, I]."""
+down_proj [E, H, I]. A compressed-tensors FP8 checkpoint (llm-compressor) holds each expert
+projection's weight in e4m3 beside its `weight_scale` ([out, 1] per channel, or one per tensor):
+the scales are stacked likewise into gate_up_scale [E, 2I] and down_scale [E, H]."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 from graphserve.engine.errors import ModelFilesError
 
 GATE_UP, DOWN = "mlp.gate_up_proj", "mlp.down_proj"
+SCALES = {GATE_UP: "mlp.gate_up_scale", DOWN: "mlp.down_scale"}  # a stacked weight's FP8 scales
 _EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)$")
 # projection -> (stacked parameter, half of gate_up_proj's rows: 0 gate, 1 up; None: the whole expert)
 _PROJECTIONS = {
@@ -61,13 +64,26 @@ def copy_expert(stacked: torch.Tensor, slot: ExpertSlot, tensor: torch.Tensor, n
     rows.copy_(tensor)
 
 
+def copy_expert_scale(stacked: torch.Tensor, slot: ExpertSlot, tensor: torch.Tensor, rows: tuple[int, int] | None,
+                      name: str) -> None:
+    """A checkpoint weight_scale ([out, 1], [out], or one for the whole tensor) into its entries of
+    the stacked scales [E, N]; rows: the [a, b) of its output rows this rank holds (None: all)."""
+    scale = tensor.float().flatten()
+    if scale.numel() == 1:
+        scale = scale.expand(stacked.shape[1] // (1 if slot.half is None else 2))
+    elif rows is not None:
+        scale = scale[rows[0]:rows[1]]
+    copy_expert(stacked, slot, scale, name)
+
+
 def complete_stacks(params: dict[str, torch.Tensor], loaded: set[str]) -> set[str]:
-    """The stacked expert parameters every one of whose experts' tensors is in `loaded`."""
+    """The stacked expert parameters (weights, FP8 scales) every one of whose experts' tensors is in `loaded`."""
+    gate_up_stacks = (GATE_UP, SCALES[GATE_UP])
     complete = set()
     for name, param in params.items():
-        if not name.endswith((GATE_UP, DOWN)) or param.dim() != 3:
+        if not name.endswith((*gate_up_stacks, DOWN, SCALES[DOWN])):
             continue
-        halves = (0, 1) if name.endswith(GATE_UP) else (None,)
+        halves = (0, 1) if name.endswith(gate_up_stacks) else (None,)
         if all(part_name(name, e, h) in loaded for e in range(param.shape[0]) for h in halves):
             complete.add(name)
     return complete
