@@ -178,7 +178,8 @@ def main() -> None:
             spec = core.speculation
             draft_drafter = spec.drafter if draft else None
             label = quant or ("bf16" if cuda else "fp32")
-            print(f"{name} {label}: engine up in {time.perf_counter() - started:.1f}s", flush=True)
+            print(f"{name} {label}: engine up in {time.perf_counter() - started:.1f}s, max_model_len "
+                  f"{core.max_model_len}, {core.block_manager.num_blocks} KV blocks", flush=True)
             gen = torch.Generator().manual_seed(0)
             vocab = core.runner.vocab_size
             for batch in args.batches:

@@ -48,7 +48,8 @@ class EngineConfig:
     speculative_method: str | None = None
     draft_model: str | None = None
     num_speculative_tokens: int = 4  # k: drafts verified per sequence and step
-    speculative_max_batch: int | None = None  # decode rounds of more sequences do not speculate (None: any)
+    # decode rounds of more sequences do not speculate (None: the device's default, speculation.default_max_batch)
+    speculative_max_batch: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":

@@ -246,3 +246,29 @@ def test_acceptance_rate_is_the_overlap_of_p_and_q():
     rate = torch.minimum(model["p0"], model["q0"]).sum().item()
     sigma = (rate * (1 - rate) / ROWS) ** 0.5
     assert abs(result.num_accepted.double().mean().item() - rate) < 5 * sigma
+
+
+def test_greedy_rows_short_way_equals_the_batched_rule():
+    """A batch of greedy rows is accepted on the host (greedy_targets + accept_greedy): the same
+    counts and tokens as verify_drafts, drafts right, wrong, missing, and argmax ties included."""
+    from graphserve.engine.spec.acceptance import accept_greedy, greedy_targets
+
+    gen = torch.Generator().manual_seed(0)
+    b, k, vocab = 6, 4, 50
+    logits = torch.randn(b, k + 1, vocab, generator=gen).round(decimals=1)  # ties happen at this rounding
+    argmax = logits.argmax(dim=-1)
+    drafts = []
+    for i in range(b):
+        n = i % (k + 1)
+        proposal = argmax[i, :n].tolist()
+        if i % 2 and n:
+            proposal[-1] = (proposal[-1] + 1) % vocab  # the last one wrong
+        drafts.append(proposal)
+    ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts])
+    counts = torch.tensor([len(d) for d in drafts])
+    want = verify_drafts(logits, ids, counts, torch.zeros(b), torch.zeros(b, dtype=torch.int64),
+                         torch.zeros(b, dtype=torch.int64))
+    num_accepted, tokens = accept_greedy(greedy_targets(logits), drafts)
+    assert num_accepted == want.num_accepted.tolist()
+    assert tokens == [row[:n + 1] for row, n in zip(want.token_ids.tolist(), num_accepted)]
+    assert num_accepted == [0, 0, 2, 2, 4, 0]  # right drafts accepted, each run cut at its wrong one

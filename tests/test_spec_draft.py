@@ -41,7 +41,7 @@ def plain(models):
 
 def speculating(target, draft, **more) -> LLM:
     return LLM(str(target), **ENGINE, speculative_method="draft", draft_model=str(draft), num_speculative_tokens=K,
-               **more)
+               speculative_max_batch=64, **more)
 
 
 def outputs(llm: LLM, prompts, params):
@@ -79,7 +79,8 @@ def test_each_proposal_is_the_draft_models_own_greedy_continuation():
     often, so its copies keep the KV of the accepted drafts only, and catch up after."""
     fresh = LLM(**ENGINE)
     path = fresh.engine.core.model_path
-    llm = LLM(path, **ENGINE, speculative_method="draft", draft_model=path, num_speculative_tokens=K)
+    llm = LLM(path, **ENGINE, speculative_method="draft", draft_model=path, num_speculative_tokens=K,
+              speculative_max_batch=64)
     drafter = llm.engine.core.speculation.drafter
     proposals = []
     real = drafter.propose
@@ -122,7 +123,7 @@ def test_preemption_with_a_draft_model_keeps_tokens_and_frees_both_pools(models,
     speculate; the draft model's copies follow their tokens."""
     target, other = models
     llm = LLM(str(target), device="cpu", num_kv_blocks=14, block_size=16, decode_chunk=2, max_model_len=96,
-              speculative_method="draft", draft_model=str(target), num_speculative_tokens=K)
+              speculative_method="draft", draft_model=str(target), num_speculative_tokens=K, speculative_max_batch=64)
     free, draft_free = llm.engine.block_manager.num_free_blocks, llm.engine.core.speculation.drafter.blocks.num_free_blocks
     greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     assert outputs(llm, prompts, greedy) == outputs(plain, prompts, greedy)

@@ -19,7 +19,7 @@ from graphserve.engine.structured.grammar import GrammarSpec
 
 K = 4
 ENGINE = dict(device="cpu", max_model_len=512, decode_chunk=2, kv_cache_bytes=64 * 1024**2)
-SPEC = dict(speculative_method="ngram", num_speculative_tokens=K)
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=K, speculative_max_batch=64)  # every round speculates
 COUNTING = "one two three four five six seven eight nine ten one two three four five six seven eight nine ten one"
 CODE = "def square(x):\n    return x * x\n\ndef cube(x):\n    return x * x * x\n\ndef square(x):\n"
 ORDINARY = ["The capital of France is", "Q: What is 12 times 12?\nA:"]
@@ -258,7 +258,7 @@ def test_verify_through_the_decode_graphs_gives_plain_outputs(off, prompts, monk
 def test_rounds_over_the_speculative_max_batch_decode_ahead_without_drafts(off, prompts):
     """speculative_max_batch 2: while more sequences run, rounds are launched ahead (overlap) and
     nothing is drafted; once two or fewer are left they speculate. Plain greedy's tokens throughout."""
-    llm = with_static_graphs(LLM(**ENGINE, **SPEC, speculative_max_batch=2, overlap_rounds=True))
+    llm = with_static_graphs(LLM(**ENGINE, **{**SPEC, "speculative_max_batch": 2}, overlap_rounds=True))
     lengths = [8, 12, 40, 48, 16, 20]
     params = [greedy(n) for n in lengths]
     want, got = off.generate(prompts, params), llm.generate(prompts, params)
@@ -267,6 +267,9 @@ def test_rounds_over_the_speculative_max_batch_decode_ahead_without_drafts(off, 
     assert stats.decode_rounds_ahead > 0 and stats.spec_accepted_tokens > 0
     # only the two longest requests ever speculated
     assert stats.spec_verify_rows <= (48 - 20) + (40 - 20)
+    # on CPU the default is 2 (speculation's gain fades with the batch: engine/core/speculation.py)
+    default = LLM(**ENGINE, speculative_method="ngram").engine.core.speculation
+    assert default.applies(2) and not default.applies(3)
 
 
 # ---- configuration ----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch
 from graphserve.engine import gc_stats
 from graphserve.engine.config import EngineConfig
 from graphserve.engine.core.messages import CoreOutput
-from graphserve.engine.core.speculation import SpeculativeDecoder, make_drafter
+from graphserve.engine.core.speculation import SpeculativeDecoder, default_max_batch, make_drafter
 from graphserve.engine.core.warm_up import warm_up
 from graphserve.engine.distributed import init_tensor_parallel
 from graphserve.engine.errors import InvalidConfigError, InvalidRequestError
@@ -153,7 +153,8 @@ class EngineCore:
         self.runner.structured = self.structured
         self.speculation = None if config.speculative_method is None else SpeculativeDecoder(
             self._make_drafter(draft, num_blocks), config.num_speculative_tokens, self.runner,
-            self.block_manager, self.max_model_len, config.speculative_max_batch)
+            self.block_manager, self.max_model_len,
+            config.speculative_max_batch if config.speculative_max_batch is not None else default_max_batch(self.device))
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             table_width = -(-self.max_model_len // config.block_size)
@@ -235,6 +236,7 @@ class EngineCore:
         if draft is not None:
             per_block += kv_bytes_per_block(draft.kv_args, cfg.block_size, self.dtype)
         if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what loading freed (a draft model's too) is free for the pool
             free, total = torch.cuda.mem_get_info(self.device)
             # leave room for activations, logits and CUDA graphs
             reserve = 2 * 1024**3 + cfg.max_num_batched_tokens * self.args.vocab_size * 8

@@ -33,10 +33,22 @@ from graphserve.engine.request import Sequence
 from graphserve.engine.runner.model_runner import ModelRunner, StepTokens
 from graphserve.engine.runner.sampler import build_sampling_tensors
 from graphserve.engine.sched.kv_cache import BlockManager
-from graphserve.engine.spec.acceptance import verify_drafts
+from graphserve.engine.spec.acceptance import accept_greedy, greedy_targets, verify_drafts
 from graphserve.engine.spec.draft_model import DraftModelDrafter
 from graphserve.engine.spec.drafter import Drafter, pack_drafts
 from graphserve.engine.spec.ngram import NgramDrafter
+
+
+# Rounds of more sequences do not speculate unless EngineConfig.speculative_max_batch says otherwise.
+# CPU: verifying k + 1 rows costs about twice a decode step on 2 cores, so the gain fades with the
+# batch: served n-gram speculation (benchmarks/spec_serving.py, 30 input-grounded prompts, k = 4,
+# acceptance 0.52) gave output tok/s 1.53x / 1.20x / 0.95x / 0.81x of speculation off at 1 / 2 / 4 / 8
+# streams. CUDA: no limit but what one verify step holds (SpeculativeDecoder.max_verify).
+CPU_MAX_BATCH = 2
+
+
+def default_max_batch(device: torch.device) -> int | None:
+    return CPU_MAX_BATCH if device.type == "cpu" else None
 
 
 def make_drafter(method: str, draft_runner: ModelRunner | None = None, k: int = 4, max_model_len: int = 0,
@@ -131,12 +143,15 @@ class SpeculativeDecoder:
             logits = graphs.verify_logits(seqs, drafts, self.k)  # [B, k + 1, V]
         else:
             logits = runner.verify(seqs, drafts, self.k)
-        draft_ids, num_drafts = pack_drafts(drafts, self.k, runner.device)
-        # the sampler's temperature, seeds and output positions of each row's first token
-        st = build_sampling_tensors(seqs, runner.vocab_size, runner.eos_ids, runner.device)
-        out = verify_drafts(logits, draft_ids, num_drafts, st.temperature, st.seeds, st.output_pos)
-        num_accepted = out.num_accepted.tolist()
-        token_ids = out.token_ids.tolist()
+        if all(s.params.greedy for s in seqs):
+            num_accepted, token_ids = accept_greedy(greedy_targets(logits), drafts)
+        else:
+            draft_ids, num_drafts = pack_drafts(drafts, self.k, runner.device)
+            # the sampler's temperature, seeds and output positions of each row's first token
+            st = build_sampling_tensors(seqs, runner.vocab_size, runner.eos_ids, runner.device)
+            out = verify_drafts(logits, draft_ids, num_drafts, st.temperature, st.seeds, st.output_pos)
+            num_accepted = out.num_accepted.tolist()
+            token_ids = out.token_ids.tolist()
         tokens = {}
         for seq, n, row in zip(seqs, num_accepted, token_ids):
             tokens[seq.request_id] = StepTokens(row[:n + 1])

@@ -7,7 +7,9 @@ then one more token (the correction at the first rejection, or the bonus token a
 draft), then PAD_TOKEN_ID.
 
 - Greedy rows (temperature 0): accept while the draft is the argmax; the extra token is the argmax.
-  The tokens are those of plain greedy decoding.
+  The tokens are those of plain greedy decoding. A batch of greedy rows alone takes the short way
+  (greedy_targets, accept_greedy): the argmax of every position in one pass, compared on the host,
+  the same rule without the sampled rows' dozens of kernels.
 - Sampled rows, no draft probabilities (a deterministic drafter such as n-gram, q one-hot on the
   draft): the target token of each position is drawn exactly as engine/runner/sampler.py draws it
   (Gumbel-max with noise hashed from (seed, output position, vocab id)), and drafts are accepted
@@ -110,3 +112,28 @@ def verify_drafts(logits: torch.Tensor, draft_token_ids: torch.Tensor, num_draft
     token_ids = torch.where(steps[None, :] < n, drafts_padded,
                             torch.where(steps[None, :] == n, extra, torch.full_like(extra, PAD_TOKEN_ID)))
     return VerifyOutput(num_accepted=num_accepted, token_ids=token_ids)
+
+
+def greedy_targets(logits: torch.Tensor) -> list[list[int]]:
+    """The argmax of each position of logits [B, k + 1, V] (ties to the lowest id, as the sampler's),
+    on the host: on CUDA the sampler's greedy kernel, one pass over the logits in their own dtype."""
+    b, width, vocab = logits.shape
+    flat = logits.reshape(b * width, vocab)
+    if flat.is_cuda:
+        from graphserve.kernels.sampling import greedy_sample
+
+        ids = greedy_sample(flat)[0]
+    else:
+        ids = flat.argmax(dim=-1)
+    return ids.view(b, width).tolist()
+
+
+def accept_greedy(targets: list[list[int]], drafts: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """Greedy acceptance on the host: per row, the number n of leading drafts equal to the target
+    there, and the tokens that follow (the n drafts, then the target after them)."""
+    num_accepted, tokens = [], []
+    for row, proposal in zip(targets, drafts):
+        n = next((j for j, d in enumerate(proposal) if d != row[j]), len(proposal))
+        num_accepted.append(n)
+        tokens.append(row[:n + 1])
+    return num_accepted, tokens
