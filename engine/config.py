@@ -44,7 +44,7 @@ class EngineConfig:
     # CUDA: before ready, a burst of dummy requests through every path a first burst takes (engine/core/warm_up.py)
     warm_up: bool = True
     # speculative decoding (engine/core/speculation.py): "ngram" (prompt lookup), "draft" (a smaller model
-    # with the target's vocabulary, `draft_model`, engine/spec/draft_model.py) or None (off)
+    # with the target's vocabulary, `draft_model`, engine/core/draft_model.py) or None (off)
     speculative_method: str | None = None
     draft_model: str | None = None
     num_speculative_tokens: int = 4  # k: drafts verified per sequence and step

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (speculative_method "draft", engine/spec/draft_model.py): a
+"""Speculative decoding with a draft model (speculative_method "draft", engine/core/draft_model.py): a
 smaller model with the target's vocabulary proposes k greedy tokens a step from its own paged KV.
 A user gets plain decoding's tokens (greedy and seeded sampling), drafts are accepted when the draft
 model agrees (the target as its own draft: every one), neither KV pool keeps a block, and a draft

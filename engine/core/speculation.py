@@ -34,7 +34,7 @@ from graphserve.engine.runner.model_runner import ModelRunner, StepTokens
 from graphserve.engine.runner.sampler import build_sampling_tensors
 from graphserve.engine.sched.kv_cache import BlockManager
 from graphserve.engine.spec.acceptance import accept_greedy, greedy_targets, verify_drafts
-from graphserve.engine.spec.draft_model import DraftModelDrafter
+from graphserve.engine.core.draft_model import DraftModelDrafter
 from graphserve.engine.spec.drafter import Drafter, pack_drafts
 from graphserve.engine.spec.ngram import NgramDrafter
 
