@@ -73,7 +73,7 @@ ENGINE_FLAG_HELP = {
                    "target's tokenizer (e.g. Llama-3.2-1B-Instruct for Llama-3.1-8B-Instruct)",
     "num_speculative_tokens": "k: most draft tokens verified per sequence and step, 1 to 16",
     "speculative_max_batch": "decode rounds of more running sequences than this do not speculate (at large "
-                             "batch verifying drafts costs more than it saves); default: 2 on CPU (measured), any batch on CUDA",
+                             "batch verifying drafts costs more than it saves); default: 8 on CPU (measured), any batch on CUDA",
 }
 
 

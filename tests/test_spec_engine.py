@@ -267,9 +267,9 @@ def test_rounds_over_the_speculative_max_batch_decode_ahead_without_drafts(off, 
     assert stats.decode_rounds_ahead > 0 and stats.spec_accepted_tokens > 0
     # only the two longest requests ever speculated
     assert stats.spec_verify_rows <= (48 - 20) + (40 - 20)
-    # on CPU the default is 2 (speculation's gain fades with the batch: engine/core/speculation.py)
+    # on CPU the default is 8 (speculation's gain fades with the batch: engine/core/speculation.py)
     default = LLM(**ENGINE, speculative_method="ngram").engine.core.speculation
-    assert default.applies(2) and not default.applies(3)
+    assert default.applies(8) and not default.applies(9)
 
 
 # ---- configuration ----------------------------------------------------------------------------

@@ -40,11 +40,11 @@ from graphserve.engine.spec.ngram import NgramDrafter
 
 
 # Rounds of more sequences do not speculate unless EngineConfig.speculative_max_batch says otherwise.
-# CPU: verifying k + 1 rows costs about twice a decode step on 2 cores, so the gain fades with the
+# CPU: verifying k + 1 rows costs more than a decode step on 2 cores, so the gain fades with the
 # batch: served n-gram speculation (benchmarks/spec_serving.py, 30 input-grounded prompts, k = 4,
-# acceptance 0.52) gave output tok/s 1.53x / 1.20x / 0.95x / 0.81x of speculation off at 1 / 2 / 4 / 8
-# streams. CUDA: no limit but what one verify step holds (SpeculativeDecoder.max_verify).
-CPU_MAX_BATCH = 2
+# acceptance 0.52) gave output tok/s 1.67x / 1.37x / 1.18x / 1.03x of speculation off at 1 / 2 / 4 / 8
+# streams (2026-12-05). CUDA: no limit but what one verify step holds (SpeculativeDecoder.max_verify).
+CPU_MAX_BATCH = 8
 
 
 def default_max_batch(device: torch.device) -> int | None:
