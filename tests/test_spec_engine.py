@@ -361,3 +361,67 @@ def scrape(http) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             metrics[name] = float(value)
     return metrics
+
+
+# ---- soak: arrivals, aborts, preemption and rejections leave no block behind ------------------
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_a_speculating_soak_leaves_no_block_or_drafter_state_behind(tmp_path, method):
+    """300 requests arriving over time into a pool too small for them (preemptions), a tenth aborted
+    mid-flight, greedy, seeded and ineligible ones mixed, prompts that repeat themselves (drafts
+    accepted) and random ones (rejected): every request that ran to its end got plain decoding's
+    tokens, and afterwards every KV block of both pools is free and no drafter holds a request."""
+    model = make_tiny_model(tmp_path / "llama", "llama")
+    spec = dict(speculative_method=method, num_speculative_tokens=K, speculative_max_batch=64)
+    if method == "draft":
+        spec["draft_model"] = str(make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1))
+    engine_args = dict(device="cpu", num_kv_blocks=40, block_size=16, decode_chunk=2, max_model_len=128,
+                       max_num_seqs=16)
+    gen = random.Random(7)
+    requests = []
+    for i in range(300):
+        base = [gen.randrange(3, 259) for _ in range(gen.randrange(2, 9))]
+        prompt = (base * 12)[:gen.randrange(8, 60)] if i % 2 else [gen.randrange(3, 259) for _ in range(20)]
+        kind = i % 5
+        params = (SamplingParams(max_tokens=gen.randrange(1, 48), temperature=0.9, seed=i) if kind == 1 else
+                  SamplingParams(max_tokens=24, temperature=0, presence_penalty=0.4) if kind == 2 else
+                  SamplingParams(max_tokens=gen.randrange(1, 48), temperature=0, ignore_eos=True))
+        requests.append((f"r{i}", prompt, params, gen.random() < 0.1))
+    plain = LLM(str(model), **engine_args)
+    want = [o.token_ids for o in plain.generate([p for _, p, _, _ in requests], [params for _, _, params, _ in requests])]
+
+    llm = LLM(str(model), **engine_args, **spec)
+    engine, core = llm.engine, llm.engine.core
+    free, draft_free = engine.block_manager.num_free_blocks, None
+    if method == "draft":
+        draft_free = core.speculation.drafter.blocks.num_free_blocks
+    got: dict[str, list[int]] = {}
+    pending, steps, aborted, done = list(requests), 0, set(), set()
+    while pending or engine.has_unfinished():
+        for _ in range(gen.randrange(0, 4)):  # arrivals between steps
+            if pending:
+                rid, prompt, params, _ = pending.pop(0)
+                engine.add_request(rid, prompt, params)
+        for rid, _, _, abort in requests:
+            if abort and rid not in aborted and rid not in done and rid in core.sequences and gen.random() < 0.3:
+                engine.abort(rid)
+                aborted.add(rid)
+        for out in engine.step():  # each update carries the tokens new since the last
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                done.add(out.request_id)
+        steps += 1
+        assert steps < 20000
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.spec_accepted_tokens > 0
+    assert stats.spec_draft_tokens > stats.spec_accepted_tokens  # rejections happened
+    assert len(aborted) > 10 and len(done) == len(requests) - len(aborted)
+    for (rid, *_), tokens in zip(requests, want):
+        if rid not in aborted:
+            assert got[rid] == tokens, rid
+    assert engine.block_manager.num_free_blocks == free
+    assert core.speculation.num_tracked_requests == 0
+    if method == "draft":
+        assert core.speculation.drafter.blocks.num_free_blocks == draft_free
+        assert core.speculation.drafter.num_tracked_requests == 0
