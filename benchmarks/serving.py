@@ -174,8 +174,9 @@ async def _client_async(job: dict, conn) -> None:
                    cpu_s=cpu, timed_out=timed_out))
 
 
-def client_process(job: dict, conn) -> None:
-    """Entry of a client process: one asyncio loop (uvloop where installed)."""
+def client_process(job: dict, conn, run=None) -> None:
+    """Entry of a client process: one asyncio loop (uvloop where installed) running `run(job, conn)`
+    (default: this benchmark's closed-loop or Poisson client; spec_serving.py passes its own)."""
     try:
         import uvloop
 
@@ -183,7 +184,7 @@ def client_process(job: dict, conn) -> None:
     except ImportError:
         pass
     try:
-        asyncio.run(_client_async(job, conn))
+        asyncio.run((run or _client_async)(job, conn))
     except Exception as e:
         conn.send({"fatal": f"{type(e).__name__}: {e}"})
     finally:

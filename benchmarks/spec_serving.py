@@ -52,7 +52,7 @@ BENCH = ROOT / "benchmarks"
 for _p in (str(ROOT), str(BENCH)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
-from serving import percentile, scrape, server_processes  # noqa: E402
+from serving import client_process, percentile, scrape, server_processes  # noqa: E402
 from workload import provenance, write_json  # noqa: E402
 
 PROMPTS = BENCH / "data" / "input_grounded_prompts.json"
@@ -156,21 +156,6 @@ async def _client_async(job: dict, conn) -> None:
                    timed_out=timed_out))
 
 
-def client_process(job: dict, conn) -> None:
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    try:
-        asyncio.run(_client_async(job, conn))
-    except Exception as e:
-        conn.send({"fatal": f"{type(e).__name__}: {e}"})
-    finally:
-        conn.close()
-
-
 # ---- one level -------------------------------------------------------------------------------------------------
 
 def run_level(url: str, model_name: str, prompts: list[dict], streams: int, procs: int, max_tokens: int,
@@ -187,7 +172,7 @@ def run_level(url: str, model_name: str, prompts: list[dict], streams: int, proc
     pipes, workers, results = [], [], []
     for job in jobs:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=client_process, args=(job, child), daemon=True)
+        proc = ctx.Process(target=client_process, args=(job, child, _client_async), daemon=True)
         proc.start()
         child.close()
         pipes.append(parent)
