@@ -20,7 +20,8 @@ from graphserve.engine.tokenizer import Tokenizer
 from graphserve.server.app import create_app
 from graphserve.server.protocol import ChatCompletionRequest
 from graphserve.server.testing import BackgroundServer
-from graphserve.server.tools import FALLBACK, HERMES, LLAMA3_JSON, ToolCallParser, call_format, conversation, parse_tool_calls
+from graphserve.server.tools import (FALLBACK, HERMES, LLAMA3_JSON, ToolCallParser, call_format, check_tool_request,
+                                     conversation, parse_tool_calls)
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                              "unit": {"type": "string", "enum": ["C", "F"]}},
@@ -190,6 +191,45 @@ def test_parser_fed_piecewise_equals_whole(fmt, text):
 
 def test_text_that_only_looks_like_a_call_stays_content():
     assert parse_tool_calls(HERMES, "a <tool and <tool_call> nothing") == ("a <tool and <tool_call> nothing", [])
+
+
+def test_streamed_text_is_held_back_only_while_it_could_open_a_call():
+    """A client streaming with tools sees text as it comes, except a tail that could be the start
+    of a call's opening, which comes once it is clear; at the end it is content too."""
+    parser = ToolCallParser(HERMES)
+    assert parser.feed("Hello") == ("Hello", [])  # no tail of it opens <tool_call>
+    assert parser.feed(" world <tool") == (" world ", [])  # "<tool" might
+    assert parser.feed("s are") == ("<tools are", [])  # it did not
+    assert parser.feed(" fun <tool_ca") == (" fun ", [])
+    assert parser.finish() == ("<tool_ca", [])  # the output ended: it was text
+    assert parser.content == "Hello world <tools are fun <tool_ca" and parser.calls == []
+
+
+def test_a_request_without_tools_may_not_call_any():
+    assert check_tool_request(ChatCompletionRequest(messages=QUESTION)) is False
+    assert check_tool_request(ChatCompletionRequest(messages=QUESTION, tools=TOOLS)) is True
+    assert check_tool_request(ChatCompletionRequest(messages=QUESTION, tools=TOOLS, tool_choice="none")) is False
+
+
+def test_fallback_conversation_keeps_the_system_message_and_text_beside_calls():
+    """A template without tool support: the tools' listing joins the client's own system message,
+    and an assistant turn with both text and calls keeps its text before the calls; a tool left
+    without a description is listed without one (no null)."""
+    tools = TOOLS + [{"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}]
+    body = ChatCompletionRequest(messages=[
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    ], tools=tools)
+    messages, none = conversation(body, FALLBACK, with_tools=True)
+    assert none is None and len(messages) == 3
+    assert messages[0]["content"].startswith("You are terse.\n\n") and "get_weather" in messages[0]["content"]
+    assert messages[2]["content"] == ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                                      "\n</tool_call>")
+    _, native_tools = conversation(body, HERMES, with_tools=True)
+    assert native_tools[2]["function"] == {"name": "ping", "parameters": {"type": "object"}}
+    assert "null" not in messages[0]["content"]
 
 
 def test_native_templates_render_tools_and_past_calls(tmp_path):
