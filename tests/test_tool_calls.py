@@ -186,7 +186,19 @@ def test_parser_fed_piecewise_equals_whole(fmt, text):
     for call in calls:
         json.loads(call.function.arguments)
     assert calls[0].function.name == "get_weather" and json.loads(calls[0].function.arguments)["city"] == "Paris"
+    assert [c.function.name for c in calls] == (["get_weather", "get_time"] if fmt is HERMES else ["get_weather"])
     assert content == ("Let me check." if fmt is HERMES else None)
+
+
+def test_text_after_a_closed_call_is_content_again():
+    text = 'Checking. <tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call> Done, see above.'
+    for size in (1, 3, len(text)):
+        parser = ToolCallParser(HERMES)
+        for i in range(0, len(text), size):
+            parser.feed(text[i:i + size])
+        parser.finish()
+        assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("get_time", {"city": "Rome"})]
+        assert parser.content.startswith("Checking. ") and parser.content.endswith(" Done, see above.")
 
 
 def test_text_that_only_looks_like_a_call_stays_content():
