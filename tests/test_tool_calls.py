@@ -244,6 +244,18 @@ def test_fallback_conversation_keeps_the_system_message_and_text_beside_calls():
     assert "null" not in messages[0]["content"]
 
 
+def test_a_past_call_whose_arguments_are_not_json_is_rendered_as_sent():
+    """A client's history may hold a call with arguments that do not parse (a truncated call): the
+    template gets them as the client sent them, and the request is served."""
+    body = ChatCompletionRequest(messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Par'}}]},
+    ], tools=TOOLS)
+    messages, _ = conversation(body, HERMES, with_tools=True)
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Par'
+
+
 def test_native_templates_render_tools_and_past_calls(tmp_path):
     """A template that knows tools (Qwen2.5-like) gets them as `tools` and calls as `tool_calls`;
     one that does not (the embedded SmolLM2) gets the fallback system prompt and hermes text."""
