@@ -256,6 +256,15 @@ def test_a_past_call_whose_arguments_are_not_json_is_rendered_as_sent():
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Par'
 
 
+def test_llama3_templates_get_the_tools_natively_and_a_conversation_opened_by_the_assistant_keeps_it():
+    body = ChatCompletionRequest(messages=[{"role": "assistant", "content": "Hi, ask me."}, *QUESTION], tools=TOOLS)
+    _, tools = conversation(body, LLAMA3_JSON, with_tools=True)
+    assert [t["function"]["name"] for t in tools] == ["get_weather", "get_time"]
+    fallback, _ = conversation(body, FALLBACK, with_tools=True)
+    assert [m["role"] for m in fallback] == ["system", "assistant", "user"]
+    assert fallback[1]["content"] == "Hi, ask me."
+
+
 def test_native_templates_render_tools_and_past_calls(tmp_path):
     """A template that knows tools (Qwen2.5-like) gets them as `tools` and calls as `tool_calls`;
     one that does not (the embedded SmolLM2) gets the fallback system prompt and hermes text."""
