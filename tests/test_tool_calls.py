@@ -236,7 +236,8 @@ def test_fallback_conversation_keeps_the_system_message_and_text_beside_calls():
     ], tools=tools)
     messages, none = conversation(body, FALLBACK, with_tools=True)
     assert none is None and len(messages) == 3
-    assert messages[0]["content"].startswith("You are terse.\n\n") and "get_weather" in messages[0]["content"]
+    assert messages[0]["role"] == "system" and messages[0]["content"].startswith("You are terse.\n\n")
+    assert "get_weather" in messages[0]["content"]
     assert messages[2]["content"] == ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
                                       "\n</tool_call>")
     _, native_tools = conversation(body, HERMES, with_tools=True)
