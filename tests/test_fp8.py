@@ -4,19 +4,16 @@ loading to the same weights as quantizing at load."""
 
 from __future__ import annotations
 
-import json
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 from graphserve import LLM, SamplingParams
 from graphserve.engine.errors import UnsupportedModelError
 from graphserve.engine.models.config import checkpoint_quantization
 from graphserve.engine.models.fp8 import FP8, FP8_MAX, dequantize, fp8_linear, fp8_linear_ref, quantize_per_channel
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, write_compressed_tensors_fp8
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [[5 + (13 * i + j) % 250 for j in range(n)] for i, n in enumerate((12, 30, 7))]
@@ -99,31 +96,12 @@ def test_quantization_fp8_serves_close_to_the_unquantized_model(tiny):
 
 def _write_compressed_tensors(src, dst, strategy: str) -> dict[str, torch.Tensor]:
     """The tiny model's folder re-written as llm-compressor writes an FP8 checkpoint: projection
-    weights in e4m3 with `weight_scale` ([out, 1] per channel, or one per tensor)."""
-    shutil.copytree(src, dst)
-    tensors = load_file(str(src / "model.safetensors"))
-    out, quantized = {}, {}
-    for name, t in tensors.items():
-        if any(f"{p}.weight" in name for p in PROJECTIONS):
-            if strategy == "channel":
-                q, scale = quantize_per_channel(t)
-                out[name], out[name + "_scale"] = q, scale[:, None]
-            else:
-                scale = t.abs().max().float() / FP8_MAX
-                out[name], out[name + "_scale"] = (t / scale).to(FP8), scale.reshape(1)
-            quantized[name] = out[name]
-        else:
-            out[name] = t
-    save_file(out, str(dst / "model.safetensors"))
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "float-quantized",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            "num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
-        "ignore": ["lm_head"]}
-    (dst / "config.json").write_text(json.dumps(config))
-    return quantized
+    weights in e4m3 with `weight_scale`; returns the projections written."""
+    def is_projection(name: str) -> bool:
+        return any(f"{p}.weight" in name for p in PROJECTIONS)
+
+    out = write_compressed_tensors_fp8(src, dst, is_projection, strategy, ignore=["lm_head"])
+    return {name: t for name, t in out.items() if is_projection(name)}
 
 
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, transformers_greedy
 
 from graphserve import LLM, SamplingParams
 from graphserve.engine.errors import InvalidConfigError, ModelFilesError, UnsupportedModelError
@@ -51,13 +51,7 @@ def model_dir(model_name, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def hf_greedy(model_dir) -> list[list[int]]:
     """transformers' greedy continuation of each prompt, alone."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outs = []
-    for prompt in PROMPTS:
-        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-        outs.append(ids[0, len(prompt):].tolist())
-    return outs
+    return transformers_greedy(model_dir, PROMPTS, MAX_NEW)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ tests/test_moe_kernel.py's; the CUDA engine run is tests/test_moe.py's gpu test.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
@@ -16,11 +15,11 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, transformers_greedy, write_compressed_tensors_fp8
 
 from graphserve import LLM, SamplingParams
 from graphserve.engine.errors import ModelFilesError
-from graphserve.engine.models.fp8 import FP8, FP8_MAX, dequantize, quantize_per_channel
+from graphserve.engine.models.fp8 import FP8, dequantize, quantize_per_channel
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
@@ -34,16 +33,6 @@ ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.gate\.weight$")
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
 def model_dir(request, tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp(request.param) / "model", request.param, seed=11)
-
-
-def hf_greedy(path: Path) -> list[list[int]]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = []
-    for prompt in PROMPTS:
-        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-        outs.append(ids[0, len(prompt):].tolist())
-    return outs
 
 
 def hf_prompt_logprobs(path: Path, prompt: list[int]) -> torch.Tensor:
@@ -80,7 +69,7 @@ def test_quantization_fp8_gives_the_greedy_tokens_of_the_fp8_round_trip(model_di
     assert torch.equal(mlp.router.weight, router), "the router stays in the model's dtype, unquantized"
     got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     round_trip = round_trip_copy(model_dir, tmp_path / "round_trip")
-    want = hf_greedy(round_trip)
+    want = transformers_greedy(round_trip, PROMPTS, MAX_NEW)
     assert got == want
     assert len({tuple(t) for t in want}) > 1
     # teacher-forced: the round trip's numbers (float32 sums apart), visibly not the unquantized model's
@@ -95,28 +84,9 @@ def write_fp8_checkpoint(src: Path, dst: Path, strategy: str, quantize_router: b
     """The folder re-written as llm-compressor writes an FP8 MoE checkpoint: the covered weights in
     e4m3 with `weight_scale` ([out, 1] per channel, or one per tensor), the router left out
     (ignore re:.*mlp.gate$) unless quantize_router."""
-    shutil.copytree(src, dst)
-    tensors, out = load_file(str(src / "model.safetensors")), {}
-    for name, t in tensors.items():
-        if QUANTIZED.search(name) or (quantize_router and ROUTER.search(name)):
-            if strategy == "channel":
-                q, scale = quantize_per_channel(t)
-                out[name], out[name + "_scale"] = q, scale[:, None]
-            else:
-                scale = t.abs().max().float() / FP8_MAX
-                out[name], out[name + "_scale"] = (t / scale).to(FP8), scale.reshape(1)
-        else:
-            out[name] = t
-    save_file(out, str(dst / "model.safetensors"))
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "float-quantized",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            "num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
-        "ignore": ["lm_head"] + ([] if quantize_router else ["re:.*mlp.gate$"])}
-    (dst / "config.json").write_text(json.dumps(config))
-    return out
+    return write_compressed_tensors_fp8(
+        src, dst, lambda name: bool(QUANTIZED.search(name) or (quantize_router and ROUTER.search(name))), strategy,
+        ignore=["lm_head"] + ([] if quantize_router else ["re:.*mlp.gate$"]))
 
 
 def expert_tensor(arch_names: dict, layer: int, expert: int, proj: str) -> str:

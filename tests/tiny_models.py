@@ -166,3 +166,53 @@ def write_synthetic_tokenizer(path: Path, vocab_size: int, bos_token_id: int | N
                          "{% if add_generation_prompt %}<assistant>{% endif %}",
     }))
     (path / "tokenizer_version.txt").write_text(f"{SYNTHETIC_TOKENIZER_VERSION} {vocab_size}\n")
+
+
+# ---- an FP8 checkpoint as llm-compressor writes one (compressed-tensors) ----
+
+
+def write_compressed_tensors_fp8(src: Path, dst: Path, quantize, strategy: str, ignore: list[str]) -> dict:
+    """`src`'s folder re-written to `dst` with each weight whose name `quantize(name)` accepts in e4m3
+    and its `weight_scale` ([out, 1] per channel, or one per tensor), and the compressed-tensors
+    quantization_config (W8A8, dynamic per-token activations; `ignore` as the config's list).
+    Returns the tensors written."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from graphserve.engine.models.fp8 import FP8, FP8_MAX, quantize_per_channel
+
+    shutil.copytree(src, dst)
+    out = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if not quantize(name):
+            out[name] = t
+        elif strategy == "channel":
+            q, scale = quantize_per_channel(t)
+            out[name], out[name + "_scale"] = q, scale[:, None]
+        else:
+            scale = t.abs().max().float() / FP8_MAX
+            out[name], out[name + "_scale"] = (t / scale).to(FP8), scale.reshape(1)
+    save_file(out, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
+        "ignore": ignore}
+    (dst / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def transformers_greedy(path: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """transformers' own greedy continuation of each prompt, alone, in float32 (EOS ignored)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    for prompt in prompts:
+        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+        outs.append(ids[0, len(prompt):].tolist())
+    return outs
