@@ -108,7 +108,8 @@ def test_draft_rounds_through_the_drafts_graph_decoder(models, prompts, plain):
     target, _ = models
     llm = speculating(target, target)
     drafter = llm.engine.core.speculation.drafter
-    drafter.graphs = GraphDecoder(drafter.runner, max_batch=8, max_steps=K, table_width=32, use_cuda_graphs=False)
+    drafter.graphs = GraphDecoder(drafter.runner, max_batch=8, max_steps=K, table_width=32, use_cuda_graphs=False,
+                                  variants=("greedy",))  # as the engine captures a draft model's
     drafter.graphs.capture(progress=False)
     core = llm.engine.core
     core.graphs = GraphDecoder(core.runner, max_batch=64, max_steps=2, table_width=32, use_cuda_graphs=False)

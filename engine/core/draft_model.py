@@ -52,8 +52,8 @@ class DraftModelDrafter(Drafter):
         if fed is not None and seq.num_computed_tokens == start - 1:
             # the round computed the last token's KV and that of each fed draft the target accepted
             matched = next((i for i, (a, b) in enumerate(zip(fed, token_ids)) if a != b), min(len(fed), len(token_ids)))
-            seq.num_computed_tokens = start + matched
-        self.blocks.trim(seq, max(seq.num_tokens, seq.num_computed_tokens))
+            seq.num_computed_tokens = min(start + matched, seq.num_tokens - 1)
+        self.blocks.trim(seq, seq.num_tokens)
 
     def on_finish(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -68,8 +68,9 @@ class DraftModelDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, request_ids: Seq[str], max_drafts: Seq[int]) -> list[list[int]]:
         rows = [self.seqs[rid] for rid, n in zip(request_ids, max_drafts) if n > 0]
-        # every row needs its KV up to its last token, and slots for the round's k steps
-        rows = [s for s in rows if self._reserve(s, s.num_tokens + self.k - 1)]
+        # every row needs its KV up to its last token, and slots for the round's k steps (the last
+        # token and k - 1 drafts fed in: what a verify step of k - 1 drafts writes)
+        rows = [s for s in rows if self.blocks.reserve_draft_slots(s, self.k - 1)]
         self._catch_up(rows)
         drafts: dict[str, list[int]] = {}
         if rows:
@@ -83,13 +84,6 @@ class DraftModelDrafter(Drafter):
                 drafts[seq.request_id] = tokens[seq.request_id].tokens
                 self.fed[seq.request_id] = drafts[seq.request_id][:self.k - 1]
         return [drafts.get(rid, [])[:n] for rid, n in zip(request_ids, max_drafts)]
-
-    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        needed = self.blocks.blocks_needed(seq, num_tokens)
-        if not self.blocks.can_allocate(needed):
-            return False
-        self.blocks.allocate(seq, num_tokens)
-        return True
 
     def _catch_up(self, seqs: list[Sequence]) -> None:
         """Prefill every token of `seqs` but the last that the draft model has not computed, in

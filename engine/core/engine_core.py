@@ -224,7 +224,7 @@ class EngineCore:
             table_width = -(-self.max_model_len // cfg.block_size)
             runner.decode_table_width = table_width
             graphs = GraphDecoder(runner, min(cfg.max_num_seqs, cfg.cuda_graph_max_batch), cfg.num_speculative_tokens,
-                                  table_width)
+                                  table_width, variants=("greedy",))  # its drafts are greedy
             graphs.capture()
         return make_drafter("draft", runner, cfg.num_speculative_tokens, self.max_model_len, graphs)
 

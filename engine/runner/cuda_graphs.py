@@ -36,6 +36,7 @@ from graphserve.engine.sched.kv_cache import DUMMY_BLOCK
 from graphserve.engine.structured.mask_feed import FeedJob, MaskFeed
 from graphserve.engine.request import Sequence
 from graphserve.engine.runner.model_runner import DecodeState, ModelRunner, StepTokens, plan_steps
+from graphserve.engine.runner.prefill_inputs import padded_rows, verify_inputs
 from graphserve.engine.runner.sampler import SamplingTensors, build_sampling_tensors
 from graphserve.engine.sched.scheduler import DecodeRound
 
@@ -119,8 +120,10 @@ class RoundHandle:
 
 class GraphDecoder:
     def __init__(self, runner: ModelRunner, max_batch: int, max_steps: int, table_width: int,
-                 use_cuda_graphs: bool = True):
+                 use_cuda_graphs: bool = True, variants: tuple[str, ...] = VARIANTS):
+        """variants: the sampler variants captured (a draft model's greedy rounds need only "greedy")."""
         self.runner = runner
+        self.variants = variants
         self.device = runner.device
         self.buckets = batch_buckets(max_batch)
         self.max_bucket = self.buckets[-1]
@@ -173,10 +176,11 @@ class GraphDecoder:
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
         """Capture every (bucket, variant), largest bucket first, into one memory pool."""
-        if self._feed is None:  # one feed (and worker thread) however often the graphs are captured
+        masked = any(v.endswith("_masked") for v in self.variants)
+        if self._feed is None and masked:  # one feed (and worker thread) however often the graphs are captured
             self._feed = MaskFeed(self.max_bucket, self.token_bitmask.shape[1], self.max_steps, self.device)
         if not self.use_cuda_graphs:
-            self.graphs = {(b, v): _Graph(None, self._state(b, v)) for b in self.buckets for v in VARIANTS}
+            self.graphs = {(b, v): _Graph(None, self._state(b, v)) for b in self.buckets for v in self.variants}
             return
         from tqdm import tqdm
 
@@ -186,9 +190,10 @@ class GraphDecoder:
         # which other work freeing memory at the same time would distort
         mem_before = torch.cuda.memory_reserved(self.device)
         self.pool = torch.cuda.graph_pool_handle()
-        self.logits = torch.empty(self.max_bucket, self.runner.vocab_size, device=self.device,
-                                  dtype=self.runner.model.lm_head_weight.dtype)
-        todo = [(b, v) for b in reversed(self.buckets) for v in VARIANTS]
+        if "forward" in self.variants:  # the forward graph's output, which the masked graphs read
+            self.logits = torch.empty(self.max_bucket, self.runner.vocab_size, device=self.device,
+                                      dtype=self.runner.model.lm_head_weight.dtype)
+        todo = [(b, v) for b in reversed(self.buckets) for v in self.variants]
         with gc_stats.paused():
             for bucket, variant in tqdm(todo, desc="capturing CUDA graphs", disable=not progress):
                 state = self._state(bucket, variant)
@@ -386,30 +391,26 @@ class GraphDecoder:
         rows = b * width
         if not self.verify_fits(b, k):
             raise ValueError(f"{b} sequences x {width} positions exceed the largest bucket {self.max_bucket}")
+        if any(len(proposal) > k for proposal in drafts):
+            raise ValueError(f"more than k = {k} drafts in a row")
+        packed = verify_inputs(seqs, drafts, bs)  # checks: decoding, draft slots reserved
+        at = padded_rows(packed.query_lens, width)  # each packed token's row among the B x (k + 1)
+        ids = np.zeros(rows, dtype=np.int64)
+        ids[at] = packed.input_ids
+        positions = np.zeros(rows, dtype=np.int64)  # padding rows: position 0, the dummy slot, never read
+        positions[at] = packed.positions
+        slots = np.full(rows, DUMMY_BLOCK * bs, dtype=np.int64)
+        slots[at] = packed.slots
         bucket = self.bucket_for(rows)
         slot = self._take_slot()
         non_blocking = self.device.type == "cuda"
-        ids = np.zeros((b, width), dtype=np.int64)
-        positions = np.zeros((b, width), dtype=np.int64)
-        slots = np.full((b, width), DUMMY_BLOCK * bs, dtype=np.int64)
         table = slot.view("block_tables", (rows, self.table_width))
         table.fill_(DUMMY_BLOCK)
-        for i, (seq, proposal) in enumerate(zip(seqs, drafts)):
-            n = len(proposal)
-            if n > k or seq.num_computed_tokens != seq.num_tokens - 1 or len(seq.block_table) * bs < seq.num_tokens + n:
-                raise ValueError(f"{seq.request_id}: not decoding, more than k = {k} drafts, or no slots reserved")
-            start = seq.num_tokens - 1
-            ids[i, 0], ids[i, 1:n + 1] = seq.last_token_id, proposal
-            # padding positions repeat the last real one: its rotary angle and context stay in range
-            positions[i] = start + np.minimum(np.arange(width), n)
-            block_table = np.asarray(seq.block_table, dtype=np.int64)
-            real = positions[i, :n + 1]
-            slots[i, :n + 1] = block_table[real // bs] * bs + real % bs
-            table[i * width:(i + 1) * width, :len(block_table)] = torch.from_numpy(block_table.astype(np.int32))
-        values = {"input_ids": torch.from_numpy(ids.reshape(-1)),
-                  "step_positions": torch.from_numpy(positions.reshape(1, -1)),
-                  "step_slots": torch.from_numpy(slots.reshape(1, -1)),
-                  "step_context_lens": torch.from_numpy((positions.reshape(1, -1) + 1).astype(np.int32))}
+        table[:, :packed.block_tables.shape[1]] = torch.from_numpy(np.repeat(packed.block_tables, width, axis=0))
+        values = {"input_ids": torch.from_numpy(ids),
+                  "step_positions": torch.from_numpy(positions[None, :]),
+                  "step_slots": torch.from_numpy(slots[None, :]),
+                  "step_context_lens": torch.from_numpy((positions[None, :] + 1).astype(np.int32))}
         try:
             for name, src in values.items():
                 self._device_rows(name, 1, rows).copy_(slot.stage(name, src), non_blocking=non_blocking)
