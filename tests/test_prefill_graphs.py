@@ -134,6 +134,8 @@ def test_a_prefill_overtakes_running_rounds_only_into_blocks_they_cannot_write(m
     assert not core._may_overtake(PrefillBatch([again], [3]))
     again.block_table = [reused[0], reused[1], fresh.block_table[2]]
     assert core._may_overtake(PrefillBatch([again], [3]))
+    again.block_table, again.num_computed_tokens = [fresh.block_table[0], fresh.block_table[1], reused[2]], 0
+    assert core._may_overtake(PrefillBatch([again], [2 * BS]))  # a chunk ending at a block's edge: not the next one
     core._rounds_completed = 4  # round 4 is done: its blocks are safe again...
     blocks.rounds_launched = 5  # ...while round 5 runs
     again.block_table, again.num_computed_tokens = reused, 0

@@ -193,6 +193,42 @@ def test_a_front_ends_prompt_keys_are_the_cores_and_wrong_ones_only_miss():
     assert blocks.cached_prefix(other) == []
 
 
+def test_a_prompt_hits_only_the_blocks_before_its_first_difference(model_dir, plain):
+    """One token changed anywhere in a block (its first, its last) and that block and every one
+    after it miss; the blocks before it hit. Tokens as without the cache."""
+    cached = make_llm(model_dir, caching=True)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    base = PROMPTS[0]  # 3 full blocks before its last token
+    cached.generate([base], params)
+    for pos in (0, BS - 1, BS, 2 * BS - 1, 2 * BS, 3 * BS - 1, 3 * BS, len(base) - 1):
+        prompt = list(base)
+        prompt[pos] = 255 - prompt[pos]
+        out = cached.generate([prompt], params)[0]
+        assert out.num_cached_tokens == min(pos // BS, 3) * BS, pos
+        assert out.token_ids == tokens(plain, [prompt], params)[0]
+    assert_idle(cached)
+
+
+def test_the_core_takes_a_long_prompts_keys_from_the_front_end_and_only_of_the_right_count(monkeypatch):
+    """A prompt of hundreds of blocks (thousands of tokens): the core looks it up with the keys the
+    front end made, hashing none of its prompt blocks again; a list of another length is not taken."""
+    prompt = [3 + (7 * j) % 250 for j in range(300 * BS + 5)]
+    keys = prefix_hash.prompt_keys(prompt, BS, prefix_hash.chain_root("m"))
+    assert len(keys) == 300
+    calls = []
+    real = prefix_hash.block_key
+    monkeypatch.setattr(prefix_hash, "block_key", lambda parent, toks: calls.append(1) or real(parent, toks))
+    blocks = BlockManager(num_blocks=400, block_size=BS, prefix_caching=True, cache_salt="m")
+    seq = Sequence("long", prompt, GREEDY)
+    blocks.adopt_prompt_keys(seq, keys)
+    assert blocks.prefix_keys(seq) == keys and calls == []
+    for wrong in (keys[:-1], keys + keys[:1]):
+        other = Sequence("other", prompt, GREEDY)
+        blocks.adopt_prompt_keys(other, wrong)
+        assert other.block_keys == []
+    assert blocks.prefix_keys(other) == keys  # the core's own, all the same
+
+
 def test_the_front_end_hashes_the_prompt_and_the_core_thread_does_not(model_dir, monkeypatch):
     """Through the server (its core in a thread here): a prompt's block keys are made beside
     its tokenization, and the core reuses them for lookup and registration."""
