@@ -153,6 +153,89 @@ def timed_decode(llm, prompts: list[list[int]], new_tokens: int, repeats: int) -
     return (best - prefill) / new_tokens, tokens
 
 
+class PhaseTimer:
+    """Host time per phase of the speculating rounds of one run (a diagnostic arm: the device is
+    synchronized at each phase's ends, so its total is not the benchmark's tok/s). Phases: the
+    drafter and slot reservation (spec.plan; for a draft model also its catch-up prefill and
+    k-step round, each alone), the verify step's input build and graph launch (verify_logits),
+    the wait for the device (GPU time not hidden), the argmax read and acceptance, and the engine's
+    work outside the round (scheduling, appending tokens, outputs)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.undo: list = []
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def wrap(self, owner, attr: str, phase: str, wait_phase: str | None = None, sync_after: bool = True) -> None:
+        """Time owner.attr as `phase`; first wait for the device, as `wait_phase` when given."""
+        original = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            sync()
+            if wait_phase is not None:
+                self.add(wait_phase, time.perf_counter() - start)
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if sync_after:
+                    sync()
+                self.add(phase, time.perf_counter() - start)
+
+        setattr(owner, attr, timed)
+        self.undo.append((owner, attr, original))
+
+    def restore(self) -> None:
+        for owner, attr, original in reversed(self.undo):
+            setattr(owner, attr, original)
+        self.undo.clear()
+
+
+def phase_breakdown(llm, prompts: list[list[int]], new_tokens: int, draft=None) -> dict[str, float]:
+    """Milliseconds per speculating round of each phase (PhaseTimer), from one run."""
+    from graphserve import SamplingParams
+    from graphserve.engine.core import speculation
+
+    core = llm.engine.core
+    timer = PhaseTimer()
+    rounds = [0]
+    original_round = core._decode_speculating
+
+    def counted(rnd):
+        rounds[0] += 1
+        return original_round(rnd)
+
+    core._decode_speculating = counted
+    timer.wrap(core.speculation, "plan", "plan: drafts and slots")
+    if draft is not None:
+        timer.wrap(draft, "_catch_up", "  of which draft catch-up prefill")
+        if draft.graphs is not None:
+            timer.wrap(draft.graphs, "launch", "  of which draft round launch", sync_after=False)
+            timer.wrap(draft.graphs, "collect", "  of which draft round read",
+                       wait_phase="  of which draft round device time after launch")
+    if core.graphs is not None:
+        timer.wrap(core.graphs, "verify_logits", "verify: inputs, copies, graph launch", sync_after=False)
+    timer.wrap(speculation, "greedy_targets", "argmax and read back", wait_phase="verify: device time after launch")
+    timer.wrap(speculation, "accept_greedy", "acceptance on the host")
+    try:
+        sync()
+        start = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=new_tokens + 1, temperature=0, ignore_eos=True))
+        sync()
+        total = time.perf_counter() - start
+    finally:
+        timer.restore()
+        core._decode_speculating = original_round
+    n = max(1, rounds[0])
+    out = {phase: s / n * 1e3 for phase, s in timer.seconds.items()}
+    out["rounds"] = rounds[0]
+    out["wall ms a round (prefill included)"] = total / n * 1e3
+    return out
+
+
 def expected_length(alpha: float, k: int) -> float:
     """Mean tokens a verify step gives when each draft is right with probability alpha, independently."""
     return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
@@ -174,6 +257,9 @@ def main() -> None:
     parser.add_argument("--draft-model", default=None, help="a draft model's config name (random weights) or folder")
     parser.add_argument("--draft-k", type=int, default=4)
     parser.add_argument("--draft-alpha", type=float, default=0.7)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="after each batch's arms, one diagnostic run of k = --draft-k, alpha = --draft-alpha "
+                             "(and the draft model's) timing each phase of a round")
     parser.add_argument("--device", default="cuda", help="cpu: a check of the script (float32, no graphs)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/speculative.json"))
@@ -185,6 +271,13 @@ def main() -> None:
     cuda = args.device != "cpu"
     bandwidth = copy_bandwidth()["gb_per_s"] if cuda else None
     rows = []
+
+    def save() -> None:  # after each batch too: a run cut off by its time limit keeps what it measured
+        info = run_info("speculative") if cuda else provenance("speculative")
+        write_json(args.out, dict(**info, copy_bandwidth_gb_s=bandwidth, prompt_len=args.prompt_len,
+                                  new_tokens=args.new_tokens, decode_chunk=args.decode_chunk, repeats=args.repeats,
+                                  drafter="ForcedDrafter: the plain run's greedy continuation, each token "
+                                          "corrupted with probability 1 - alpha", rows=rows))
     real_accept = speculation.accept_greedy
     for name in args.models:
         for quant in [None if q == "none" else q for q in dict.fromkeys(args.quantization)]:
@@ -254,15 +347,28 @@ def main() -> None:
                           f"{r['expected_accepted_length']:.2f})  same tokens {r['same_tokens'] or '(forced)'}"
                           + ("" if with_draft is None else f"  draft {r['draft_ms_per_propose']:.2f} ms a propose"),
                           flush=True)
+                if args.breakdown:
+                    for with_draft in [None] + ([draft_drafter] if draft_drafter is not None else []):
+                        k, alpha = args.draft_k, args.draft_alpha
+                        spec.k = k
+                        forced = ForcedDrafter(continuations, args.prompt_len, alpha, vocab, seed=batch)
+                        spec.drafter = forced if with_draft is None else ForcedDraftModel(with_draft, forced)
+                        speculation.accept_greedy = forced_acceptance(alpha, seed=batch)
+                        phases = phase_breakdown(llm, prompts, args.new_tokens, with_draft)
+                        speculation.accept_greedy = real_accept
+                        rows.append(dict(model=name, quantization=label, batch=batch, k=k, alpha=alpha,
+                                         breakdown_ms=phases, drafter="forced" if with_draft is None
+                                         else "draft model, forced"))
+                        print(f"{name:14s} {label:5s} B={batch:<3d} k={k} alpha={alpha:.1f} "
+                              f"{rows[-1]['drafter']} breakdown, ms a round:", flush=True)
+                        for phase, ms in phases.items():
+                            print(f"    {phase:45s} {ms:8.3f}", flush=True)
+                save()
             del llm, core, spec
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
-    info = run_info("speculative") if cuda else provenance("speculative")
-    write_json(args.out, dict(**info, copy_bandwidth_gb_s=bandwidth, prompt_len=args.prompt_len,
-                              new_tokens=args.new_tokens, decode_chunk=args.decode_chunk, repeats=args.repeats,
-                              drafter="ForcedDrafter: the plain run's greedy continuation, each token corrupted "
-                                      "with probability 1 - alpha", rows=rows))
+    save()
 
 
 if __name__ == "__main__":
