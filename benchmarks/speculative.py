@@ -86,7 +86,10 @@ class ForcedDrafter(Drafter):
 
 
 class ForcedDraftModel(Drafter):
-    """The draft model's work each step, then the forced drafts in place of its tokens."""
+    """The draft model's work each step, then the forced drafts in place of its tokens. The draft
+    model keeps the KV of the accepted ones as if they had been its own (the same work: its round fed
+    as many tokens), so its catch-up is a right draft's: one token after a round that was accepted
+    whole."""
 
     def __init__(self, draft: Drafter, forced: ForcedDrafter):
         self.draft, self.forced = draft, forced
@@ -110,7 +113,11 @@ class ForcedDraftModel(Drafter):
         self.draft.propose(request_ids, max_drafts)  # its tokens reach the host: the round is done
         self.propose_s += time.perf_counter() - start
         self.proposes += 1
-        return self.forced.propose(request_ids, max_drafts)
+        proposals = self.forced.propose(request_ids, max_drafts)
+        for rid, proposal in zip(request_ids, proposals):
+            if rid in self.draft.fed:  # as if the draft model had proposed (and so fed) these tokens:
+                self.draft.fed[rid] = proposal[:self.draft.k - 1]  # the same catch-up as a right draft's
+        return proposals
 
 
 def forced_acceptance(alpha: float, seed: int = 0):
@@ -211,7 +218,7 @@ def phase_breakdown(llm, prompts: list[list[int]], new_tokens: int, draft=None) 
     core._decode_speculating = counted
     timer.wrap(core.speculation, "plan", "plan: drafts and slots")
     if draft is not None:
-        timer.wrap(draft, "_catch_up", "  of which draft catch-up prefill")
+        timer.wrap(draft, "_catch_up", "  of which draft catch-up (prefill, or one step)")
         if draft.graphs is not None:
             timer.wrap(draft.graphs, "launch", "  of which draft round launch", sync_after=False)
             timer.wrap(draft.graphs, "collect", "  of which draft round read",
@@ -255,7 +262,10 @@ def main() -> None:
     parser.add_argument("--acceptance", choices=["forced", "match"], default="forced",
                         help="forced: greedy acceptance decisions drawn with probability alpha; match: drafts compared")
     parser.add_argument("--draft-model", default=None, help="a draft model's config name (random weights) or folder")
+    parser.add_argument("--draft-quantization", choices=["fp8"], default=None,
+                        help="the draft model's quantization (default: the target's)")
     parser.add_argument("--draft-k", type=int, default=4)
+    parser.add_argument("--draft-only", action="store_true", help="of the speculating arms, the draft model's alone")
     parser.add_argument("--draft-alpha", type=float, default=0.7)
     parser.add_argument("--breakdown", action="store_true",
                         help="after each batch's arms, one diagnostic run of k = --draft-k, alpha = --draft-alpha "
@@ -294,10 +304,12 @@ def main() -> None:
                       max_model_len=args.prompt_len + args.new_tokens + 64, max_num_batched_tokens=8192,
                       gpu_memory_utilization=args.gpu_memory_utilization, prefix_caching=False,
                       quantization=quant, speculative_method="draft" if draft else "ngram", draft_model=draft,
+                      draft_quantization=args.draft_quantization if draft else None,
                       num_speculative_tokens=max(args.k + [args.draft_k]))
             core = llm.engine.core
             spec = core.speculation
             draft_drafter = spec.drafter if draft else None
+            draft_label = f"draft model {args.draft_model} ({args.draft_quantization or label}), forced"
             label = quant or ("bf16" if cuda else "fp32")
             print(f"{name} {label}: engine up in {time.perf_counter() - started:.1f}s, max_model_len "
                   f"{core.max_model_len}, {core.block_manager.num_blocks} KV blocks", flush=True)
@@ -314,7 +326,7 @@ def main() -> None:
                 print(f"{name:14s} {label:5s} B={batch:<3d} plain          {batch / plain_s:10.1f} tok/s", flush=True)
                 continuations = {tuple(p): t for p, t in zip(prompts, plain_tokens)}
                 spec.max_batch = None
-                arms = [(k, alpha, None) for k in args.k for alpha in args.alphas]
+                arms = [] if args.draft_only else [(k, alpha, None) for k in args.k for alpha in args.alphas]
                 arms += [(args.draft_k, args.draft_alpha, draft_drafter)] if draft_drafter is not None else []
                 for k, alpha, with_draft in arms:
                     spec.k = k
@@ -338,7 +350,7 @@ def main() -> None:
                                      mean_accepted_length=1 + accepted / verify_rows if verify_rows else None,
                                      expected_accepted_length=expected_length(alpha, k),
                                      verify_rows=verify_rows, drafter="forced" if with_draft is None else
-                                     "draft model, forced", draft_ms_per_propose=None if with_draft is None
+                                     draft_label, draft_ms_per_propose=None if with_draft is None
                                      else spec.drafter.propose_s / max(1, spec.drafter.proposes) * 1e3))
                     r = rows[-1]
                     length = r["mean_accepted_length"] or float("nan")
@@ -358,7 +370,7 @@ def main() -> None:
                         speculation.accept_greedy = real_accept
                         rows.append(dict(model=name, quantization=label, batch=batch, k=k, alpha=alpha,
                                          breakdown_ms=phases, drafter="forced" if with_draft is None
-                                         else "draft model, forced"))
+                                         else draft_label))
                         print(f"{name:14s} {label:5s} B={batch:<3d} k={k} alpha={alpha:.1f} "
                               f"{rows[-1]['drafter']} breakdown, ms a round:", flush=True)
                         for phase, ms in phases.items():

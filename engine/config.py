@@ -47,6 +47,7 @@ class EngineConfig:
     # with the target's vocabulary, `draft_model`, engine/core/draft_model.py) or None (off)
     speculative_method: str | None = None
     draft_model: str | None = None
+    draft_quantization: str | None = None  # "fp8": the draft model's projections in FP8; None: the target's setting
     num_speculative_tokens: int = 4  # k: drafts verified per sequence and step
     # decode rounds of more sequences do not speculate (None: the device's default, speculation.default_max_batch)
     speculative_max_batch: int | None = None
@@ -85,6 +86,10 @@ class EngineConfig:
         if (self.speculative_method == "draft") != (self.draft_model is not None):
             raise ValueError("a draft model (draft_model) goes with speculative_method draft, and that method "
                              "needs one")
+        if self.draft_quantization not in (None, "fp8"):
+            raise ValueError(f"draft_quantization must be fp8 (or left out: the target's), got {self.draft_quantization!r}")
+        if self.draft_quantization is not None and self.draft_model is None:
+            raise ValueError("draft_quantization goes with a draft model (draft_model)")
         if self.speculative_max_batch is not None and self.speculative_max_batch < 1:
             raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.speculative_method is not None and self.tensor_parallel_size > 1:

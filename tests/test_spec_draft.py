@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from tiny_models import make_tiny_model
 
 from graphserve import LLM, EngineConfig, SamplingParams
@@ -104,7 +105,8 @@ def test_each_proposal_is_the_draft_models_own_greedy_continuation():
 
 def test_draft_rounds_through_the_drafts_graph_decoder(models, prompts, plain):
     """The draft model's k-step rounds through its decode graphs (as on CUDA; on CPU their static
-    rows run eagerly), and the target's verify steps through its own."""
+    rows run eagerly), and the target's verify steps through its own. The target drafts for itself:
+    every draft is right."""
     target, _ = models
     llm = speculating(target, target)
     drafter = llm.engine.core.speculation.drafter
@@ -114,9 +116,30 @@ def test_draft_rounds_through_the_drafts_graph_decoder(models, prompts, plain):
     core = llm.engine.core
     core.graphs = GraphDecoder(core.runner, max_batch=64, max_steps=2, table_width=32, use_cuda_graphs=False)
     core.graphs.capture(progress=False)
+    prefilled, real_prefill = [], drafter.runner.prefill
+    drafter.runner.prefill = lambda batch: prefilled.extend(batch.chunk_lens) or real_prefill(batch)
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     assert outputs(llm, prompts, greedy) == outputs(plain, prompts, greedy)
-    assert llm.engine.stats().spec_accepted_tokens > 0 and drafter.num_rounds > 0
+    stats = llm.engine.stats()
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0 and drafter.num_rounds > 0
+    # every draft accepted, so each round leaves the k-th draft's KV to compute: decode steps do it,
+    # and the draft model prefills each prompt once (up to the first token the target made)
+    assert sum(prefilled) == sum(len(p) for p in prompts)
+
+
+def test_an_fp8_draft_model_drafts_for_a_full_precision_target(models, prompts, plain):
+    """--draft-quantization fp8: the draft model's projections in FP8 (half the bytes of a draft
+    step), the target's untouched; the tokens are plain decoding's, and an FP8 copy of the target
+    agrees with it on most drafts."""
+    target, _ = models
+    llm = speculating(target, target, draft_quantization="fp8")
+    draft_layer = llm.engine.core.speculation.drafter.runner.model.layers[0]
+    assert draft_layer.mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    assert llm.engine.core.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    assert outputs(llm, prompts, greedy) == outputs(plain, prompts, greedy)
+    stats = llm.engine.stats()
+    assert stats.spec_accepted_tokens >= 0.8 * stats.spec_draft_tokens > 0
 
 
 def test_preemption_with_a_draft_model_keeps_tokens_and_frees_both_pools(models, prompts, plain):
@@ -138,6 +161,10 @@ def test_a_draft_model_setting_it_cannot_use_is_refused(models, tmp_path):
         EngineConfig(speculative_method="draft")
     with pytest.raises(ValueError, match="draft_model"):
         EngineConfig(draft_model=str(target))
+    with pytest.raises(ValueError, match="draft_quantization must be fp8"):
+        EngineConfig(speculative_method="draft", draft_model=str(target), draft_quantization="int4")
+    with pytest.raises(ValueError, match="draft_quantization goes with a draft model"):
+        EngineConfig(speculative_method="ngram", draft_quantization="fp8")
     wide = make_tiny_model(tmp_path / "wide", "llama", vocab_size=1024)
     with pytest.raises(InvalidConfigError, match="vocabulary of 1024 tokens, more than the target's"):
         speculating(target, wide)

@@ -100,3 +100,33 @@ def test_speculative_greedy_through_the_graphs_equals_plain_greedy(llm, batch, m
     assert max(rows) == batch  # a verify step held the whole batch
     assert core.block_manager.num_free_blocks == free
     assert spec.num_tracked_requests == 0
+
+
+@pytest.mark.parametrize("draft_quantization", [None, "fp8"])
+def test_a_draft_model_through_its_graphs_gives_plain_greedy(tmp_path, draft_quantization):
+    """The target drafting for itself through the draft's own decode graphs (k-step rounds, and the
+    one-step catch-up after a round accepted whole): plain greedy tokens, every draft accepted in
+    float32 (most of them with an FP8 copy), and both KV pools whole again."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model_dir = make_tiny_model(tmp_path / "llama", "llama")
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", max_num_seqs=16 * (K + 1), num_kv_blocks=1024,
+              prefix_caching=False, speculative_method="draft", draft_model=str(model_dir),
+              draft_quantization=draft_quantization, num_speculative_tokens=K, speculative_max_batch=16)
+    core = llm.engine.core
+    spec = core.speculation
+    assert spec.drafter.graphs is not None
+    gen = random.Random(7)
+    prompts = [[gen.randrange(3, 259) for _ in range(PROMPT_LEN)] for _ in range(16)]
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    free, draft_free = core.block_manager.num_free_blocks, spec.drafter.blocks.num_free_blocks
+    spec.max_batch = 0
+    plain = [o.token_ids for o in llm.generate(prompts, params)]
+    spec.max_batch = 16
+    for batch in (1, 3, 16):
+        assert [o.token_ids for o in llm.generate(prompts[:batch], params)] == plain[:batch]
+    stats = core.stats()
+    assert stats.spec_accepted_tokens >= (0.98 if draft_quantization is None else 0.8) * stats.spec_draft_tokens > 0
+    assert core.block_manager.num_free_blocks == free and spec.drafter.blocks.num_free_blocks == draft_free
+    del llm
+    torch.cuda.empty_cache()

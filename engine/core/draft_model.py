@@ -8,7 +8,9 @@ prompt; after a verify step, the accepted token its round did not feed), then ru
 round of k steps over every row that asked: the k tokens are the drafts. The round feeds the last
 token and the first k - 1 drafts, so after the verify step the KV of the drafts the target accepted
 stays valid (on_append counts them) and the rest is overwritten later; blocks past a request's
-tokens go back to the pool.
+tokens go back to the pool. When the target accepted all k drafts, the k-th one's KV is missing:
+one decode step of the graphs (the row as it was before its last token) computes it, launched
+just before the round; an eager prefill of one token would cost several draft steps.
 
 Greedy drafts are a deterministic drafter's (one-hot q): acceptance.py's exact rule applies, and a
 request gets the tokens it would get without speculation.
@@ -74,20 +76,31 @@ class DraftModelDrafter(Drafter):
         self._catch_up(rows)
         drafts: dict[str, list[int]] = {}
         if rows:
-            rnd = DecodeRound(rows, self.k)
-            if self.graphs is not None and len(rows) <= self.graphs.max_bucket:
-                tokens, _ = self.graphs.collect(self.graphs.launch(rnd))
-            else:
-                tokens = self.runner.decode(rnd)
+            tokens = self._decode(DecodeRound(rows, self.k), collect=True)
             self.num_rounds += 1
             for seq in rows:
                 drafts[seq.request_id] = tokens[seq.request_id].tokens
                 self.fed[seq.request_id] = drafts[seq.request_id][:self.k - 1]
         return [drafts.get(rid, [])[:n] for rid, n in zip(request_ids, max_drafts)]
 
+    def _decode(self, rnd: DecodeRound, collect: bool) -> dict | None:
+        """A greedy round through the graphs where it fits them (not waited for unless `collect`),
+        else eagerly."""
+        if self.graphs is not None and len(rnd.seqs) <= self.graphs.max_bucket:
+            handle = self.graphs.launch(rnd)
+            return self.graphs.collect(handle)[0] if collect else None
+        return self.runner.decode(rnd)
+
     def _catch_up(self, seqs: list[Sequence]) -> None:
-        """Prefill every token of `seqs` but the last that the draft model has not computed, in
-        steps of at most max_prefill_tokens tokens."""
+        """Compute the KV of every token of `seqs` but the last that the draft model has not: one
+        token behind (every draft of the last round accepted), one decode step of the row as it was
+        before its last token (its output ignored); further behind (a prompt, tokens decoded without
+        speculation), a prefill in steps of at most max_prefill_tokens tokens."""
+        one_behind = [s for s in seqs if s.num_computed_tokens == s.num_tokens - 2]
+        if one_behind:
+            self._decode(DecodeRound([_before_last_token(s) for s in one_behind], 1), collect=False)
+            for seq in one_behind:
+                seq.num_computed_tokens += 1
         while True:
             batch, lens, budget = [], [], self.max_prefill_tokens
             for seq in seqs:
@@ -101,3 +114,13 @@ class DraftModelDrafter(Drafter):
             for seq in batch:  # no first token is sampled: the chunk stops before the last token
                 seq.num_prefill_tokens = seq.num_tokens
             self.runner.prefill(PrefillBatch(batch, lens))
+
+
+def _before_last_token(seq: Sequence) -> Sequence:
+    """A decoding view of `seq` without its last token, sharing its block table: a decode step of it
+    writes the KV of the token before the last."""
+    view = Sequence(seq.request_id, seq.token_ids[:-2], seq.params)
+    view.token_ids.append(seq.token_ids[-2])
+    view.block_table = seq.block_table
+    view.num_computed_tokens = seq.num_tokens - 2
+    return view

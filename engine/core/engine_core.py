@@ -199,8 +199,8 @@ class EngineCore:
 
     def _load_draft_model(self, backend, max_positions: int):
         """The draft model of speculative_method "draft": the target's dtype, device, attention backend
-        and quantization setting (a GGUF draft on CPU: its blocks), a vocabulary within the target's
-        (the same tokenizer)."""
+        and quantization setting (a GGUF draft on CPU: its blocks) unless draft_quantization says
+        otherwise, a vocabulary within the target's (the same tokenizer)."""
         from graphserve.engine.models.loader import load_model
 
         path = resolve_model_path(self.config.draft_model)
@@ -209,7 +209,8 @@ class EngineCore:
             raise InvalidConfigError(f"the draft model {path} has a vocabulary of {draft_args.vocab_size} tokens, more "
                                      f"than the target's {self.args.vocab_size}: a draft model must share its tokenizer")
         return load_model(path, self.dtype, self.device, backend, max_positions,
-                          quantization=resolve_quantization(self.config, path, self.device),
+                          quantization=self.config.draft_quantization
+                          or resolve_quantization(self.config, path, self.device),
                           load_format=self.config.load_format)
 
     def _make_drafter(self, draft, num_blocks: int):
