@@ -309,8 +309,8 @@ def main() -> None:
             core = llm.engine.core
             spec = core.speculation
             draft_drafter = spec.drafter if draft else None
-            draft_label = f"draft model {args.draft_model} ({args.draft_quantization or label}), forced"
             label = quant or ("bf16" if cuda else "fp32")
+            draft_label = f"draft model {args.draft_model} ({args.draft_quantization or label}), forced"
             print(f"{name} {label}: engine up in {time.perf_counter() - started:.1f}s, max_model_len "
                   f"{core.max_model_len}, {core.block_manager.num_blocks} KV blocks", flush=True)
             gen = torch.Generator().manual_seed(0)

@@ -142,6 +142,31 @@ def test_an_fp8_draft_model_drafts_for_a_full_precision_target(models, prompts, 
     assert stats.spec_accepted_tokens >= 0.8 * stats.spec_draft_tokens > 0
 
 
+def test_requests_running_to_max_model_len_draft_within_it(models, prompts):
+    """Requests that end at max_model_len: the draft model's last rounds write no KV past it (its
+    graphs' block tables hold max_model_len tokens, as the engine sizes them), and the tokens are
+    plain decoding's."""
+    target, _ = models
+    bs, max_len = 16, 64
+    engine = dict(device="cpu", num_kv_blocks=64, block_size=bs, decode_chunk=2, max_model_len=max_len)
+    plain = LLM(str(target), **engine)
+    llm = LLM(str(target), **engine, speculative_method="draft", draft_model=str(target), num_speculative_tokens=K,
+              speculative_max_batch=64)
+    drafter = llm.engine.core.speculation.drafter
+    drafter.graphs = GraphDecoder(drafter.runner, max_batch=8, max_steps=K, table_width=max_len // bs,
+                                  use_cuda_graphs=False, variants=("greedy",))
+    drafter.graphs.capture(progress=False)
+    free, draft_free = llm.engine.block_manager.num_free_blocks, drafter.blocks.num_free_blocks
+    prompts = [prompts[2][:n] for n in range(21, 31)]  # rounds of 5 tokens: every distance to the end
+    params = [SamplingParams(max_tokens=max_len - len(p), temperature=0, ignore_eos=True) for p in prompts]
+    want = outputs(plain, prompts, params)
+    assert all(len(tokens) + len(p) == max_len for (tokens, _), p in zip(want, prompts))
+    assert outputs(llm, prompts, params) == want
+    stats = llm.engine.stats()
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
+    check_nothing_left(llm, free, draft_free)
+
+
 def test_preemption_with_a_draft_model_keeps_tokens_and_frees_both_pools(models, prompts, plain):
     """A target pool too small for the batch: sequences are preempted and recomputed while others
     speculate; the draft model's copies follow their tokens."""

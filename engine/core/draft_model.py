@@ -38,13 +38,17 @@ class DraftModelDrafter(Drafter):
         self.k = k
         self.graphs = graphs
         self.max_prefill_tokens = max_prefill_tokens
-        self.params = SamplingParams(max_tokens=max_model_len, temperature=0, ignore_eos=True)
+        self.max_model_len = max_model_len
+        self.params = SamplingParams(max_tokens=max_model_len, temperature=0, ignore_eos=True)  # of catch-up steps
         self.seqs: dict[str, Sequence] = {}
         self.fed: dict[str, list[int]] = {}  # request id -> the drafts its last round fed in (k - 1)
         self.num_rounds = 0  # draft decode rounds run (one per propose that drafted)
 
     def add_request(self, request_id: str, token_ids: Seq[int]) -> None:
-        self.seqs[request_id] = Sequence(request_id, list(token_ids), self.params)
+        # a round writes KV only below max_model_len: plan_steps stops a row at its max_tokens
+        params = SamplingParams(max_tokens=max(1, self.max_model_len - len(token_ids)), temperature=0,
+                                ignore_eos=True)
+        self.seqs[request_id] = Sequence(request_id, list(token_ids), params)
 
     def on_append(self, request_id: str, token_ids: Seq[int]) -> None:
         seq = self.seqs[request_id]
@@ -71,8 +75,9 @@ class DraftModelDrafter(Drafter):
     def propose(self, request_ids: Seq[str], max_drafts: Seq[int]) -> list[list[int]]:
         rows = [self.seqs[rid] for rid, n in zip(request_ids, max_drafts) if n > 0]
         # every row needs its KV up to its last token, and slots for the round's k steps (the last
-        # token and k - 1 drafts fed in: what a verify step of k - 1 drafts writes)
-        rows = [s for s in rows if self.blocks.reserve_draft_slots(s, self.k - 1)]
+        # token and k - 1 drafts fed in: what a verify step of k - 1 drafts writes), within max_model_len
+        rows = [s for s in rows if s.num_tokens < self.max_model_len
+                and self.blocks.reserve_draft_slots(s, min(self.k, self.max_model_len - s.num_tokens) - 1)]
         self._catch_up(rows)
         drafts: dict[str, list[int]] = {}
         if rows:
@@ -80,7 +85,8 @@ class DraftModelDrafter(Drafter):
             self.num_rounds += 1
             for seq in rows:
                 drafts[seq.request_id] = tokens[seq.request_id].tokens
-                self.fed[seq.request_id] = drafts[seq.request_id][:self.k - 1]
+                fed = min(self.k, self.max_model_len - seq.num_tokens) - 1  # their KV written for real
+                self.fed[seq.request_id] = drafts[seq.request_id][:fed]
         return [drafts.get(rid, [])[:n] for rid, n in zip(request_ids, max_drafts)]
 
     def _decode(self, rnd: DecodeRound, collect: bool) -> dict | None:
@@ -98,7 +104,7 @@ class DraftModelDrafter(Drafter):
         speculation), a prefill in steps of at most max_prefill_tokens tokens."""
         one_behind = [s for s in seqs if s.num_computed_tokens == s.num_tokens - 2]
         if one_behind:
-            self._decode(DecodeRound([_before_last_token(s) for s in one_behind], 1), collect=False)
+            self._decode(DecodeRound([_before_last_token(s, self.params) for s in one_behind], 1), collect=False)
             for seq in one_behind:
                 seq.num_computed_tokens += 1
         while True:
@@ -116,10 +122,10 @@ class DraftModelDrafter(Drafter):
             self.runner.prefill(PrefillBatch(batch, lens))
 
 
-def _before_last_token(seq: Sequence) -> Sequence:
+def _before_last_token(seq: Sequence, params: SamplingParams) -> Sequence:
     """A decoding view of `seq` without its last token, sharing its block table: a decode step of it
-    writes the KV of the token before the last."""
-    view = Sequence(seq.request_id, seq.token_ids[:-2], seq.params)
+    writes the KV of the token before the last (`params` leave it room for that step)."""
+    view = Sequence(seq.request_id, seq.token_ids[:-2], params)
     view.token_ids.append(seq.token_ids[-2])
     view.block_table = seq.block_table
     view.num_computed_tokens = seq.num_tokens - 2
