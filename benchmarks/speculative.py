@@ -265,6 +265,8 @@ def main() -> None:
     parser.add_argument("--draft-quantization", choices=["fp8"], default=None,
                         help="the draft model's quantization (default: the target's)")
     parser.add_argument("--draft-k", type=int, default=4)
+    parser.add_argument("--adaptive", action="store_true",
+                        help="an arm of k = --draft-k, alpha = --draft-alpha with the engine's default speculative_max_batch")
     parser.add_argument("--draft-only", action="store_true", help="of the speculating arms, the draft model's alone")
     parser.add_argument("--draft-alpha", type=float, default=0.7)
     parser.add_argument("--breakdown", action="store_true",
@@ -325,10 +327,12 @@ def main() -> None:
                 rows.append(plain)
                 print(f"{name:14s} {label:5s} B={batch:<3d} plain          {batch / plain_s:10.1f} tok/s", flush=True)
                 continuations = {tuple(p): t for p, t in zip(prompts, plain_tokens)}
-                spec.max_batch = None
-                arms = [] if args.draft_only else [(k, alpha, None) for k in args.k for alpha in args.alphas]
-                arms += [(args.draft_k, args.draft_alpha, draft_drafter)] if draft_drafter is not None else []
-                for k, alpha, with_draft in arms:
+                arms = [] if args.draft_only else [(k, alpha, None, None) for k in args.k for alpha in args.alphas]
+                arms += [(args.draft_k, args.draft_alpha, draft_drafter, None)] if draft_drafter is not None else []
+                if args.adaptive:  # the engine's own choice: rounds over its default batch do not speculate
+                    arms += [(args.draft_k, args.draft_alpha, None, speculation.default_max_batch(core.device))]
+                for k, alpha, with_draft, max_batch in arms:
+                    spec.max_batch = max_batch  # None: every round speculates
                     spec.k = k
                     forced = ForcedDrafter(continuations, args.prompt_len, alpha, vocab, seed=batch * 100 + k)
                     spec.drafter = forced if with_draft is None else ForcedDraftModel(with_draft, forced)
@@ -349,16 +353,20 @@ def main() -> None:
                                      same_tokens=f"{same}/{batch}" if args.acceptance == "match" else None,
                                      mean_accepted_length=1 + accepted / verify_rows if verify_rows else None,
                                      expected_accepted_length=expected_length(alpha, k),
-                                     verify_rows=verify_rows, drafter="forced" if with_draft is None else
-                                     draft_label, draft_ms_per_propose=None if with_draft is None
+                                     verify_rows=verify_rows, speculative_max_batch=max_batch,
+                                     drafter=draft_label if with_draft is not None else "forced" if max_batch is None
+                                     else f"forced, adaptive (speculative_max_batch {max_batch})",
+                                     draft_ms_per_propose=None if with_draft is None
                                      else spec.drafter.propose_s / max(1, spec.drafter.proposes) * 1e3))
                     r = rows[-1]
                     length = r["mean_accepted_length"] or float("nan")
                     print(f"{name:14s} {label:5s} B={batch:<3d} k={k} alpha={alpha:.1f} {r['tokens_per_s']:10.1f} "
                           f"tok/s {r['speedup']:5.2f}x  length {length:.2f} (expected "
                           f"{r['expected_accepted_length']:.2f})  same tokens {r['same_tokens'] or '(forced)'}"
-                          + ("" if with_draft is None else f"  draft {r['draft_ms_per_propose']:.2f} ms a propose"),
+                          + ("" if with_draft is None else f"  draft {r['draft_ms_per_propose']:.2f} ms a propose")
+                          + ("" if max_batch is None else f"  adaptive (max batch {max_batch})"),
                           flush=True)
+                spec.max_batch = None
                 if args.breakdown:
                     for with_draft in [None] + ([draft_drafter] if draft_drafter is not None else []):
                         k, alpha = args.draft_k, args.draft_alpha

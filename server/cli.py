@@ -75,7 +75,8 @@ ENGINE_FLAG_HELP = {
                           "draft step reads; default: the target's --quantization",
     "num_speculative_tokens": "k: most draft tokens verified per sequence and step, 1 to 16",
     "speculative_max_batch": "decode rounds of more running sequences than this do not speculate (at large "
-                             "batch verifying drafts costs more than it saves); default: 8 on CPU (measured), any batch on CUDA",
+                             "batch verifying drafts costs more than it saves); default: 8 on CPU, 16 on CUDA (measured: "
+                             "docs/benchmarks.md)",
 }
 
 

@@ -43,12 +43,16 @@ from graphserve.engine.spec.ngram import NgramDrafter
 # CPU: verifying k + 1 rows costs more than a decode step on 2 cores, so the gain fades with the
 # batch: served n-gram speculation (benchmarks/spec_serving.py, 30 input-grounded prompts, k = 4,
 # acceptance 0.52) gave output tok/s 1.67x / 1.37x / 1.18x / 1.03x of speculation off at 1 / 2 / 4 / 8
-# streams (2026-12-05). CUDA: no limit but what one verify step holds (SpeculativeDecoder.max_verify).
+# streams (2026-12-05). CUDA: a verify step of B x (k + 1) rows stops being a memory-bound step as B
+# grows; Llama-3.1-8B bf16 on an H200 (benchmarks/speculative.py, k = 4, 2026-12-06) gave 1.76x /
+# 1.37x / 0.99x / 0.72x of speculation off at batch 8 / 16 / 32 / 64 with 70% of drafts right, and
+# 1.17x / 0.99x / 0.73x / 0.53x with 50%.
 CPU_MAX_BATCH = 8
+CUDA_MAX_BATCH = 16
 
 
-def default_max_batch(device: torch.device) -> int | None:
-    return CPU_MAX_BATCH if device.type == "cpu" else None
+def default_max_batch(device: torch.device) -> int:
+    return CPU_MAX_BATCH if device.type == "cpu" else CUDA_MAX_BATCH
 
 
 def make_drafter(method: str, draft_runner: ModelRunner | None = None, k: int = 4, max_model_len: int = 0,
