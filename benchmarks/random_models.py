@@ -41,6 +41,24 @@ CONFIGS["llama-3.2-1b"] = {**CONFIGS["llama-3.1-8b"], "hidden_size": 2048, "inte
                            "num_hidden_layers": 16, "head_dim": 64, "tie_word_embeddings": True,
                            "rope_scaling": {**CONFIGS["llama-3.1-8b"]["rope_scaling"], "factor": 32.0}}
 
+# mixtures of experts (issue 41's shapes): made with load_format="dummy" (random_model_config) on the GPU
+CONFIGS["qwen3-30b-a3b"] = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+    "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False, "sliding_window": None,
+    "use_sliding_window": False, "max_window_layers": 48, "output_router_logits": False,
+}
+CONFIGS["mixtral-8x7b"] = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 1,
+    "eos_token_id": 2, "torch_dtype": "bfloat16", "hidden_act": "silu", "output_router_logits": False,
+}
+
 
 def models_root() -> Path:
     return Path(os.environ.get("GRAPHSERVE_RANDOM_MODELS", "/tmp/graphserve-random-models"))

@@ -271,6 +271,27 @@ def test_supported_configs_parse():
     assert mixtral.sliding_window is None and not mixtral.qk_norm
 
 
+def test_the_benchmark_shapes_of_qwen3_30b_a3b_and_mixtral_parse_as_served(monkeypatch, tmp_path):
+    """benchmarks/random_models.py's real configs, as the GPU benchmarks load them (load_format
+    dummy): the engine reads the experts, top-k and renormalization the models define, and nothing
+    in them is refused on CUDA."""
+    import sys
+
+    monkeypatch.setenv("GRAPHSERVE_RANDOM_MODELS", str(tmp_path))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from random_models import random_model_config
+
+    from graphserve.engine.models.moe_config import check_moe_servable
+
+    want = {"qwen3-30b-a3b": MoeArgs(num_experts=128, top_k=8, expert_intermediate_size=768, renormalize=True),
+            "mixtral-8x7b": MoeArgs(num_experts=8, top_k=2, expert_intermediate_size=14336, renormalize=True)}
+    for name, moe in want.items():
+        args = ModelArgs.from_dir(random_model_config(name))
+        assert args.moe == moe and args.sliding_window is None
+        check_moe_servable(args.architecture, args.moe, args.sliding_window, args.quantization,
+                           torch.device("cuda"), 384, None)
+
+
 @pytest.mark.parametrize("arch, field, value", [
     ("qwen3_moe", "decoder_sparse_step", 2),
     ("qwen3_moe", "mlp_only_layers", [0]),
