@@ -280,7 +280,9 @@ class GraphDecoder:
         rows = structured.constrained_rows(seqs) if structured is not None else []
         lead_from = [self._last_feed_rows.get(carried[i], -1) if carried is not None and carried[i] >= 0 else -1
                      for i in rows]
-        st = build_sampling_tensors(seqs, self.runner.vocab_size, self.runner.eos_ids, torch.device("cpu"), pending)
+        # a decoder of greedy graphs alone (a draft model's) reads no sampling input: none is staged
+        st = None if self.variants == ("greedy",) else build_sampling_tensors(
+            seqs, self.runner.vocab_size, self.runner.eos_ids, torch.device("cpu"), pending)
         table = slot.view("block_tables", (b, self.table_width))
         table.fill_(DUMMY_BLOCK)
         for i, s in enumerate(seqs):
@@ -288,7 +290,7 @@ class GraphDecoder:
         positions, slots, context_lens = plan_steps(seqs, k, table, self.runner.block_size, pending)
         values = {"step_positions": positions, "step_slots": slots, "step_context_lens": context_lens,
                   **{name: getattr(st, name) for name in ("temperature", "top_k", "top_p", "min_p", "seeds",
-                                                          "output_pos")}}
+                                                          "output_pos") if st is not None}}
         host = {name: slot.stage(name, src) for name, src in values.items()}
         host["block_tables"] = table
         non_blocking = self.device.type == "cuda"
@@ -298,7 +300,7 @@ class GraphDecoder:
         if rows:  # their masks come from the feed, step by step; the other rows allow everything
             self.token_bitmask[:b].fill_(-1)
             self.mask_rows[:len(rows)].copy_(slot.stage("mask_rows", torch.tensor(rows)), non_blocking=non_blocking)
-        return ("greedy" if st.all_greedy else "sample") + ("_masked" if rows else ""), rows, lead_from
+        return ("greedy" if st is None or st.all_greedy else "sample") + ("_masked" if rows else ""), rows, lead_from
 
     def _stage_input_ids(self, slot: _HostSlot, seqs: list[Sequence], carried: list[int] | None,
                          non_blocking: bool) -> None:
