@@ -5,6 +5,7 @@ and every block free again afterwards."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from graphserve import LLM, SamplingParams
 from tiny_models import make_tiny_model
@@ -35,7 +36,10 @@ def run(llm: LLM, prompt: list[int], params: SamplingParams, max_steps: int = 20
 
 
 def kv_bytes(llm: LLM) -> int:
-    return sum(k.nbytes + v.nbytes for k, v in llm.engine.core.kv_caches)
+    """The memory the KV pool holds: its tensors' storage (the layers' K and V are views of it)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for pair in llm.engine.core.kv_caches for t in pair}
+    return sum(storages.values())
 
 
 @pytest.mark.parametrize("usable", [1, 4])
@@ -64,6 +68,9 @@ def test_kv_cache_bytes_sets_the_pool_to_as_many_blocks_as_fit(model_dir):
     fit in it (a block: K and V of every layer for block_size tokens)."""
     measured = make_llm(model_dir, num_kv_blocks=8)
     per_block = kv_bytes(measured) // 8
+    core = measured.engine.core
+    args, element = core.model.kv_args, torch.empty((), dtype=core.dtype).element_size()
+    assert per_block == 2 * args.num_layers * BS * args.num_kv_heads * args.head_dim * element
     for budget in (20 * per_block, 20 * per_block + per_block // 2, 21 * per_block - 1):
         llm = make_llm(model_dir, kv_cache_bytes=budget)
         assert kv_bytes(llm) == 20 * per_block

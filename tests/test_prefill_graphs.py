@@ -109,17 +109,22 @@ def test_prompt_logprobs_take_the_eager_path(model_dir):
     assert static.engine.core.runner.num_graph_prefills == 0
 
 
+def two_running_requests(blocks) -> tuple[Sequence, Sequence]:
+    """Two requests of 35 tokens holding their blocks: one to end (or be aborted), one that runs on."""
+    pair = (Sequence("ending", list(range(5, 40)), GREEDY), Sequence("fresh", list(range(5, 40)), GREEDY))
+    for seq in pair:
+        blocks.allocate(seq, 35)
+    return pair
+
+
 def test_a_prefill_overtakes_running_rounds_only_into_blocks_they_cannot_write(model_dir):
     """EngineCore._may_overtake: a prefill may run ahead of the rounds still on the device
     unless a block it writes was freed after the launch of one of them (a request that ended
     inside that round, whose steps past its end that round still runs)."""
     core = make_llm(model_dir, graphs=64, prefill_ahead=True).engine.core
     blocks = core.block_manager
-    ended = Sequence("ended", list(range(5, 40)), GREEDY)
-    blocks.allocate(ended, 35)
+    ended, fresh = two_running_requests(blocks)
     reused = list(ended.block_table)
-    fresh = Sequence("fresh", list(range(5, 40)), GREEDY)
-    blocks.allocate(fresh, 35)
     batch = lambda seq: PrefillBatch([seq], [35])  # noqa: E731
     assert not core._may_overtake(batch(fresh))  # nothing running: nothing to overtake
     blocks.rounds_launched, core._rounds_completed = 4, 3  # round 4 runs
@@ -148,6 +153,23 @@ def test_a_prefill_overtakes_running_rounds_only_into_blocks_they_cannot_write(m
     core.config.prefill_ahead = True
     core.runner.prefill_graphs = None  # only prefill graphs overtake
     assert not core._may_overtake(batch(again))
+
+
+def test_a_prefill_never_overtakes_the_first_rounds_into_a_block_freed_while_they_run(model_dir):
+    """From a fresh engine: a request aborted while the first decode round runs, the next round
+    launched ahead of the first's collection; a prefill into the aborted request's blocks may not
+    overtake them (the first round may still write those blocks), one into other blocks may."""
+    core = make_llm(model_dir, graphs=64, prefill_ahead=True).engine.core
+    blocks = core.block_manager
+    aborted, fresh = two_running_requests(blocks)
+    reused = list(aborted.block_table)
+    blocks.rounds_launched += 1  # the first round (EngineCore._launch counts each launch)
+    blocks.free(aborted)  # aborted while it runs
+    blocks.rounds_launched += 1  # the second, launched before the first is collected
+    again = Sequence("again", list(range(5, 40)), GREEDY)
+    again.block_table = reused
+    assert not core._may_overtake(PrefillBatch([again], [35]))
+    assert core._may_overtake(PrefillBatch([fresh], [35]))
 
 
 def run_arrivals_on_cuda(model_dir, kind: str, arrive: str, seed: int, overtake: bool):

@@ -140,12 +140,13 @@ def test_preempted_requests_are_readmitted_through_the_cache(model_dir, plain):
 
 
 def test_a_hash_collision_never_hands_out_wrong_kv(model_dir, plain, monkeypatch):
-    """Every block hashes alike: the stored token ids tell them apart."""
+    """Every block hashes alike: the stored token ids tell them apart (other prompts whose ids are
+    above and below the cached one's)."""
     monkeypatch.setattr(prefix_hash, "block_key", lambda parent, toks: b"same")
     cached = make_llm(model_dir, caching=True)
-    other = [[200 + (3 * j) % 50 for j in range(53)]]
     assert tokens(cached, PROMPTS[:1]) == tokens(plain, PROMPTS[:1])
-    assert tokens(cached, other) == tokens(plain, other)
+    for other in ([200 + (3 * j) % 50 for j in range(53)], [3 + (5 * j) % 4 for j in range(53)]):
+        assert tokens(cached, [other]) == tokens(plain, [other])
     assert cached.engine.stats().prefix_cache_hits == 0
     assert_idle(cached)
 
@@ -315,3 +316,74 @@ def test_a_cached_1500_token_prefix_cuts_time_to_first_token_over_http():
     assert cold_usage["prompt_tokens_details"]["cached_tokens"] == 0
     assert warm_usage["prompt_tokens_details"]["cached_tokens"] == 1500 // BS * BS
     assert warm * 3 <= cold, (cold, warm)
+
+
+def test_a_request_sharing_a_running_requests_prefix_needs_blocks_only_for_the_rest(model_dir, plain):
+    """A pool that holds the shared prefix once, and the tail of each request: a request whose prefix
+    a running one holds is admitted beside it (the shared blocks are not taken from the free ones
+    again), both decode together without preemption, and every block is free afterwards."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)  # 56 + 8 - 1 slots: 4 blocks
+    cached = make_llm(model_dir, caching=True, num_kv_blocks=1 + 4 + 1)  # 3 shared, 1 + 1 own
+    engine = cached.engine
+    engine.add_request("first", PROMPTS[0], params)
+    outs: dict = {"first": engine.step()}  # its prefill: 4 of the 5 blocks taken
+    engine.add_request("second", PROMPTS[1], params)
+    first_done_at = second_first_at = None
+    for step in range(100):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+            if out.request_id == "second" and out.token_ids and second_first_at is None:
+                second_first_at = step
+            if out.request_id == "first" and out.finished:
+                first_done_at = step
+    assert second_first_at is not None and first_done_at is not None
+    assert second_first_at < first_done_at  # admitted while the first still ran
+    assert outs["second"][0].num_cached_tokens == 3 * BS
+    got = {r: [t for o in outs[r] for t in o.token_ids] for r in outs}
+    assert [got["first"], got["second"]] == tokens(plain, PROMPTS[:2], params)
+    assert engine.stats().num_preemptions == 0
+    assert_idle(cached)
+
+
+def test_eviction_takes_the_least_recently_used_prefix_first(model_dir, plain):
+    """A pool that keeps three prompts' prefixes: a fourth prompt evicts the one used least
+    recently (the first, since the second was resent), and the resent one still hits."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    first, second, third, fourth = ([3 + (5 * i + 7 * j) % 240 for j in range(2 * BS + 1)] for i in range(4))
+    cached = make_llm(model_dir, caching=True, num_kv_blocks=1 + 7)  # 3 blocks each, 2 of them cached
+
+    def cached_tokens(prompt: list[int]) -> int:
+        out = cached.generate([prompt], params)[0]
+        assert out.token_ids == tokens(plain, [prompt], params)[0]
+        return out.num_cached_tokens
+
+    assert [cached_tokens(p) for p in (first, second, third, second)] == [0, 0, 0, 2 * BS]
+    assert cached_tokens(fourth) == 0  # takes the last truly free block and evicts two cached ones
+    assert cached_tokens(second) == 2 * BS
+    assert cached_tokens(third) == 2 * BS
+    assert cached_tokens(first) == 0  # the least recently used: evicted
+    assert_idle(cached)
+
+
+def test_a_prefill_aborted_midway_leaves_its_prompt_to_the_next_request(model_dir, plain):
+    """A request aborted during its chunked prefill, before it computed all its prompt's blocks: a
+    later request with the same prompt hits the blocks it did compute, computes the rest itself
+    (nobody else will), and gets the tokens of a run without the cache."""
+    prompt = PROMPTS[0]
+    cached = make_llm(model_dir, caching=True, max_num_batched_tokens=BS)
+    engine = cached.engine
+    engine.add_request("cut", prompt, GREEDY)
+    engine.step()  # the first chunk: one block of the prompt's four computed
+    engine.abort("cut")
+    engine.add_request("again", prompt, GREEDY)
+    outs = []
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        outs += [out for out in engine.step() if out.request_id == "again"]
+    assert not engine.has_unfinished(), "the request with the same prompt never ran"
+    assert [t for out in outs for t in out.token_ids] == tokens(plain, [prompt])[0]
+    assert outs[0].num_cached_tokens == BS
+    assert_idle(cached)
