@@ -10,7 +10,7 @@ token and the first k - 1 drafts, so after the verify step the KV of the drafts 
 stays valid (on_append counts them) and the rest is overwritten later; blocks past a request's
 tokens go back to the pool. When the target accepted all k drafts, the k-th one's KV is missing:
 one decode step of the graphs (the row as it was before its last token) computes it, launched
-just before the round; an eager prefill of one token would cost several draft steps.
+just before the round (an eager one-token prefill would launch the model op by op).
 
 Greedy drafts are a deterministic drafter's (one-hot q): acceptance.py's exact rule applies, and a
 request gets the tokens it would get without speculation.
@@ -77,7 +77,7 @@ class DraftModelDrafter(Drafter):
         # every row needs its KV up to its last token, and slots for the round's k steps (the last
         # token and k - 1 drafts fed in: what a verify step of k - 1 drafts writes), within max_model_len
         rows = [s for s in rows if s.num_tokens < self.max_model_len
-                and self.blocks.reserve_draft_slots(s, min(self.k, self.max_model_len - s.num_tokens) - 1)]
+                and self.blocks.reserve_draft_slots(s, self._drafts_fed(s))]
         self._catch_up(rows)
         drafts: dict[str, list[int]] = {}
         if rows:
@@ -85,9 +85,12 @@ class DraftModelDrafter(Drafter):
             self.num_rounds += 1
             for seq in rows:
                 drafts[seq.request_id] = tokens[seq.request_id].tokens
-                fed = min(self.k, self.max_model_len - seq.num_tokens) - 1  # their KV written for real
-                self.fed[seq.request_id] = drafts[seq.request_id][:fed]
+                self.fed[seq.request_id] = drafts[seq.request_id][:self._drafts_fed(seq)]
         return [drafts.get(rid, [])[:n] for rid, n in zip(request_ids, max_drafts)]
+
+    def _drafts_fed(self, seq: Sequence) -> int:
+        """Drafts a round feeds `seq` with their KV written: k - 1, fewer near max_model_len."""
+        return min(self.k, self.max_model_len - seq.num_tokens) - 1
 
     def _decode(self, rnd: DecodeRound, collect: bool) -> dict | None:
         """A greedy round through the graphs where it fits them (not waited for unless `collect`),
