@@ -6,7 +6,8 @@ and transformers `generate` (eager), in one run, for real model shapes with rand
 Decode time is measured as T(prompt + 1 + N tokens) - T(prompt + 1 token), so prefill is
 excluded. Every timed run draws fresh prompts, so with prefix caching on nothing hits;
 `--prefix-caching both` times every engine row with it on and off (issue 10: the lookup must
-cost nothing measurable when nothing hits). Roofline: bytes a step must read (weights + KV cache) over the copy bandwidth
+cost nothing measurable when nothing hits). Roofline: bytes a step must read (weights + KV cache; of a
+mixture of experts only the experts its tokens choose: step_bytes) over the copy bandwidth
 measured in the same run. `--tp N` (issue 11) also times the graph rows with the model sharded over
 N GPUs (N processes, NCCL; on CPU gloo), after the one-GPU rows of the same run, and reports
 each as a multiple of the one-GPU tok/s (`tp_speedup`).
@@ -110,10 +111,54 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def weight_bytes(model) -> int:
-    """Weights a decode step reads (the input embedding only where it is also the LM head)."""
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-               if not (n.startswith("embed_tokens") and model.lm_head is not None))
+class StepShape(NamedTuple):
+    """The weights of a model as a decode step reads them (step_bytes): `dense_bytes` every step reads
+    whole (attention, norms, routers, the LM head; the input embedding only where it is also the LM
+    head: a step reads just its tokens' rows of it), `expert_bytes` one routed expert of every MoE
+    layer, summed over the layers (gate, up and down with their FP8 scales; 0 for a dense model),
+    and the model's ModelArgs (layers, KV heads; `moe`: experts and top-k)."""
+
+    dense_bytes: int
+    expert_bytes: int
+    args: object
+
+
+_EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_scale", "down_scale")  # moe.SparseMoE's stacked experts
+
+
+def model_shape(model) -> StepShape:
+    """A LlamaModel's StepShape (its parameters' sizes only: a model on the meta device will do)."""
+    from graphserve.engine.models.moe import SparseMoE
+
+    def nbytes(p) -> int:
+        return p.numel() * p.element_size()
+
+    experts, expert_bytes = set(), 0
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            stacked = [p for p in (getattr(module, n) for n in _EXPERT_PARAMS) if p is not None]
+            experts.update(id(p) for p in stacked)
+            expert_bytes += sum(nbytes(p) for p in stacked) // module.moe.num_experts
+    dense = sum(nbytes(p) for n, p in model.named_parameters()
+                if id(p) not in experts and not (n.startswith("embed_tokens") and model.lm_head is not None))
+    return StepShape(dense, expert_bytes, model.args)
+
+
+def experts_read(num_experts: int, top_k: int, batch: int) -> float:
+    """The expected number of distinct experts of a layer that `batch` tokens route to, each token
+    picking `top_k` distinct experts of `num_experts` uniformly and independently: an expert is missed
+    by a token with probability 1 - k/E, so E * (1 - (1 - k/E)^B) (k at batch 1; at E=128, k=8, B=64
+    about 126)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** batch)
+
+
+def step_bytes(shape: StepShape, batch: int, avg_context: int) -> float:
+    """The bytes a decode step of `batch` sequences of `avg_context` tokens must read, dense and MoE
+    models alike: the dense weights, the experts its tokens choose (experts_read per MoE layer, with
+    routing spread uniformly) and the KV cache."""
+    moe = shape.args.moe
+    experts = experts_read(moe.num_experts, moe.top_k, batch) * shape.expert_bytes if moe is not None else 0
+    return shape.dense_bytes + experts + kv_bytes(shape.args, batch, avg_context)
 
 
 DTYPE_LABELS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -176,21 +221,24 @@ def time_tensor_parallel(size: int, path: str | None, device: str, batches: list
     return run_on_ranks(_tp_rank, size, (path, device, batches, k, prompt_len, new_tokens, engine), timeout=1800)[0]
 
 
-def meta_shape(path: str | None, quantization: str | None) -> tuple[int, object]:
-    """(weight bytes a decode step reads, ModelArgs) of the whole bf16 (or FP8) model, from its
-    config alone (a model built on the meta device: nothing allocated)."""
+def meta_shape(path: str | None, quantization: str | None) -> StepShape:
+    """The StepShape of the whole bf16 (or FP8) model, from its config alone (a model built on the
+    meta device: nothing allocated). FP8 covers what the loader quantizes: the projections and the
+    routed experts, not an MoE router."""
     from graphserve.engine.models.config import ModelArgs
     from graphserve.engine.models.layers import Linear
     from graphserve.engine.models.llama import LlamaModel
+    from graphserve.engine.models.moe import SparseMoE
 
     args = ModelArgs.from_dir(Path(path))
     with torch.device("meta"):
         model = LlamaModel(args, None, torch.empty(1, args.head_dim)).to(torch.bfloat16)
         if quantization == "fp8":
+            routers = {id(m.router) for m in model.layers.modules() if isinstance(m, SparseMoE)}
             for module in model.layers.modules():
-                if isinstance(module, Linear):
-                    module.to_fp8()
-    return weight_bytes(model), args
+                if isinstance(module, SparseMoE) or (isinstance(module, Linear) and id(module) not in routers):
+                    module.to_fp8(quantize=False)  # the FP8 weights' and scales' shapes, nothing computed
+    return model_shape(model)
 
 
 def time_transformers(hf, prompts, new_tokens: int) -> float:
@@ -270,13 +318,11 @@ def main() -> None:
     avg_context = args.prompt_len + args.new_tokens // 2
 
     def record(model_name, engine_kind, batch, k, timing: EngineTiming, shape, quant, caching=None, ranks=1):
-        """shape: (weight bytes, ModelArgs) of the model timed; quant: its weights ("bf16", "fp8");
-        caching: prefix caching (engine rows); ranks: devices the model is sharded over (each reads
-        1/ranks of the bytes)."""
+        """shape: the StepShape of the model timed; quant: its weights ("bf16", "fp8"); caching: prefix
+        caching (engine rows); ranks: devices the model is sharded over (each reads 1/ranks of the bytes)."""
         step_s, busy_s, idle_s = timing
         tok_s = batch / step_s
-        roof = ((shape[0] + kv_bytes(shape[1], batch, avg_context)) / ranks / bandwidth if bandwidth
-                else float("nan"))
+        roof = step_bytes(shape, batch, avg_context) / ranks / bandwidth if bandwidth else float("nan")
         rows.append(dict(model=model_name, engine=engine_kind, quantization=quant, batch=batch, decode_chunk=k,
                          ms_per_step=step_s * 1e3, tokens_per_s=tok_s,
                          roofline_fraction=roof / step_s if bandwidth else None,
@@ -322,7 +368,7 @@ def main() -> None:
                          quantization=quant_setting, load_format=args.load_format)
 
         def single_device():
-            """The one-device engine's rows; returns the model's (weight bytes, ModelArgs)."""
+            """The one-device engine's rows; returns the model's StepShape."""
             llm = LLM(path and str(path), device=args.device, **tp_engine)
             engine = llm.engine.core
             graphs = engine.graphs
@@ -338,7 +384,7 @@ def main() -> None:
                 print(f"{name} ({quant}): engine start {captures[-1]['engine_start_s']:.1f}s, of which capturing "
                       f"{len(engine.graphs.graphs)} CUDA graphs (buckets up to {engine.graphs.max_bucket}) "
                       f"{engine.graphs.capture_seconds:.1f}s, {engine.graphs.capture_gib:.2f} GiB", flush=True)
-            shape = (weight_bytes(engine.model), engine.model.args)
+            shape = model_shape(engine.model)
             for batch in args.batches:
                 prompts = fresh(batch)
                 engine.config.decode_chunk = args.k
