@@ -16,8 +16,12 @@ so `same_tokens` and the measured accepted length are reported beside the expect
 With --draft-model NAME (e.g. llama-3.2-1b for llama-3.1-8b) the engine also loads that draft model
 (speculative_method "draft"), and a last arm per batch (k and alpha: --draft-k, --draft-alpha) runs
 it: ForcedDraftModel asks the draft model for its k tokens each step (its prefill catch-up and k-step
-round are paid in full, timed as `draft_ms_per_propose`) and then proposes the recorded continuation
-corrupted as above instead, since a random draft model would never agree with a random target.
+round are paid in full) and then proposes the recorded continuation corrupted as above instead, since
+a random draft model would never agree with a random target. As the engine runs a draft model (arm
+"engine"), its round is launched and not waited for, and the forced drafts are copied to the device
+behind it for the verify step to read there; `draft_ms_per_propose` is then the host's part. Arms of
+--draft-arms: "host" (the drafts read on the host before the verify step, `draft_ms_per_propose` the
+whole round), "bf16-head" (an FP8 draft's LM head in bf16, its graphs recaptured).
 
 On random bf16 weights the logits of a big model are flat enough that the verify step's rounding (at
 another row count than plain decoding's) turns a near-tie the other way within the first tokens (the
@@ -50,7 +54,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from measure import copy_bandwidth, run_info, write_json  # noqa: E402
 from workload import provenance, resolve_model  # noqa: E402
 
-from graphserve.engine.spec.drafter import Drafter  # noqa: E402
+from graphserve.engine.spec.drafter import DeviceDrafts, Drafter  # noqa: E402
 
 
 class ForcedDrafter(Drafter):
@@ -91,16 +95,21 @@ class ForcedDraftModel(Drafter):
     as many tokens), so its catch-up is a right draft's: one token after a round that was accepted
     whole."""
 
-    def __init__(self, draft: Drafter, forced: ForcedDrafter):
+    def __init__(self, draft: Drafter, forced: ForcedDrafter, on_device: bool = True):
         self.draft, self.forced = draft, forced
+        self.on_device = on_device  # False: the drafts reach the host before the verify step (the "host" arm)
         self.propose_s = 0.0
         self.proposes = 0
+        self.forced_fed: dict[str, list[int]] = {}  # the forced drafts the draft model's round is taken to feed
 
     def add_request(self, request_id: str, token_ids: Sequence[int]) -> None:
         self.draft.add_request(request_id, token_ids)
         self.forced.add_request(request_id, token_ids)
 
     def on_append(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self.draft._read_round()  # records the drafts its round fed; the forced ones take their place
+        if request_id in self.draft.fed and request_id in self.forced_fed:
+            self.draft.fed[request_id] = self.forced_fed.pop(request_id)
         self.draft.on_append(request_id, token_ids)
         self.forced.on_append(request_id, token_ids)
 
@@ -114,10 +123,48 @@ class ForcedDraftModel(Drafter):
         self.propose_s += time.perf_counter() - start
         self.proposes += 1
         proposals = self.forced.propose(request_ids, max_drafts)
-        for rid, proposal in zip(request_ids, proposals):
-            if rid in self.draft.fed:  # as if the draft model had proposed (and so fed) these tokens:
-                self.draft.fed[rid] = proposal[:self.draft.k - 1]  # the same catch-up as a right draft's
+        self._feed_forced(request_ids, proposals, read=True)
         return proposals
+
+    def propose_on_device(self, request_ids: Sequence[str], max_drafts: Sequence[int]) -> DeviceDrafts | None:
+        """The draft model's round launched, not waited for; the forced drafts copied to the device
+        behind it, where the verify step reads them."""
+        if not self.on_device:
+            return None
+        start = time.perf_counter()
+        launched = self.draft.propose_on_device(request_ids, max_drafts)
+        self.propose_s += time.perf_counter() - start
+        self.proposes += 1
+        if launched is None:
+            return None
+        proposals = self.forced.propose(request_ids, max_drafts)
+        self._feed_forced(request_ids, proposals, read=False)
+        tokens = torch.zeros(len(request_ids), self.draft.k, dtype=torch.int64)
+        for row, proposal in enumerate(proposals):
+            tokens[row, :len(proposal)] = torch.tensor(proposal, dtype=torch.int64)
+        tokens = tokens.pin_memory().to(launched.tokens.device, non_blocking=True)
+        return DeviceDrafts([len(p) for p in proposals], list(range(len(request_ids))), tokens)
+
+    def _feed_forced(self, request_ids: Sequence[str], proposals: list[list[int]], read: bool) -> None:
+        """As if the draft model had proposed (and so fed) these tokens: the same catch-up as a right
+        draft's. In place of what its round fed: now (`read`: the round was read), else once it is
+        read (on_append)."""
+        self.forced_fed = {rid: proposal[:self.draft.k - 1] for rid, proposal in zip(request_ids, proposals)}
+        for rid in request_ids if read else []:
+            if rid in self.draft.fed:
+                self.draft.fed[rid] = self.forced_fed.pop(rid)
+
+
+def set_draft_head(drafter, bf16: bool = False, fp8: tuple | None = None) -> tuple | None:
+    """The "bf16-head" arm: an FP8 draft's LM head back in bf16 (bf16), or its FP8 copy given back
+    (fp8), the draft's graphs recaptured either way; returns the FP8 copy taken away."""
+    model = None if drafter is None else drafter.runner.model
+    if model is None or not (bf16 and model.lm_head_fp8 is not None or fp8 is not None):
+        return None
+    taken, model.lm_head_fp8 = model.lm_head_fp8, fp8
+    if drafter.graphs is not None:
+        drafter.graphs.capture(progress=False)
+    return taken if bf16 else None
 
 
 def forced_acceptance(alpha: float, seed: int = 0):
@@ -268,6 +315,9 @@ def main() -> None:
     parser.add_argument("--adaptive", action="store_true",
                         help="an arm of k = --draft-k, alpha = --draft-alpha with the engine's default speculative_max_batch")
     parser.add_argument("--draft-only", action="store_true", help="of the speculating arms, the draft model's alone")
+    parser.add_argument("--draft-arms", nargs="+", default=["engine"], choices=["engine", "host", "bf16-head"],
+                        help="the draft model's arms: engine (as the engine runs it), host (its drafts read on the "
+                             "host before the verify step), bf16-head (an FP8 draft's LM head left in bf16)")
     parser.add_argument("--draft-alpha", type=float, default=0.7)
     parser.add_argument("--breakdown", action="store_true",
                         help="after each batch's arms, one diagnostic run of k = --draft-k, alpha = --draft-alpha "
@@ -327,15 +377,18 @@ def main() -> None:
                 rows.append(plain)
                 print(f"{name:14s} {label:5s} B={batch:<3d} plain          {batch / plain_s:10.1f} tok/s", flush=True)
                 continuations = {tuple(p): t for p, t in zip(prompts, plain_tokens)}
-                arms = [] if args.draft_only else [(k, alpha, None, None) for k in args.k for alpha in args.alphas]
-                arms += [(args.draft_k, args.draft_alpha, draft_drafter, None)] if draft_drafter is not None else []
+                arms = [] if args.draft_only else [(k, alpha, None, None, None) for k in args.k for alpha in args.alphas]
+                if draft_drafter is not None:
+                    arms += [(args.draft_k, args.draft_alpha, draft_drafter, None, variant) for variant in args.draft_arms]
                 if args.adaptive:  # the engine's own choice: rounds over its default batch do not speculate
-                    arms += [(args.draft_k, args.draft_alpha, None, speculation.default_max_batch(core.device))]
-                for k, alpha, with_draft, max_batch in arms:
+                    arms += [(args.draft_k, args.draft_alpha, None, speculation.default_max_batch(core.device), None)]
+                for k, alpha, with_draft, max_batch, variant in arms:
                     spec.max_batch = max_batch  # None: every round speculates
                     spec.k = k
                     forced = ForcedDrafter(continuations, args.prompt_len, alpha, vocab, seed=batch * 100 + k)
-                    spec.drafter = forced if with_draft is None else ForcedDraftModel(with_draft, forced)
+                    spec.drafter = forced if with_draft is None else ForcedDraftModel(with_draft, forced,
+                                                                                      on_device=variant != "host")
+                    head = set_draft_head(with_draft, bf16=variant == "bf16-head")
                     if args.acceptance == "forced":
                         speculation.accept_greedy = forced_acceptance(alpha, seed=batch * 100 + k)
                     if with_draft is not None:
@@ -347,6 +400,7 @@ def main() -> None:
                     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
                     same = sum(a == b for a, b in zip(tokens, plain_tokens))
                     speculation.accept_greedy = real_accept
+                    set_draft_head(with_draft, fp8=head)
                     rows.append(dict(model=name, quantization=label, batch=batch, k=k, alpha=alpha,
                                      ms_per_step=step_s * 1e3, tokens_per_s=batch / step_s,
                                      speedup=plain_s / step_s, acceptance=args.acceptance,
@@ -354,7 +408,7 @@ def main() -> None:
                                      mean_accepted_length=1 + accepted / verify_rows if verify_rows else None,
                                      expected_accepted_length=expected_length(alpha, k),
                                      verify_rows=verify_rows, speculative_max_batch=max_batch,
-                                     drafter=draft_label if with_draft is not None else "forced" if max_batch is None
+                                     drafter=f"{draft_label}, {variant}" if with_draft is not None else "forced" if max_batch is None
                                      else f"forced, adaptive (speculative_max_batch {max_batch})",
                                      draft_ms_per_propose=None if with_draft is None
                                      else spec.drafter.propose_s / max(1, spec.drafter.proposes) * 1e3))

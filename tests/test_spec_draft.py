@@ -49,6 +49,16 @@ def outputs(llm: LLM, prompts, params):
     return [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
 
 
+def with_graph_decoders(llm: LLM, table_width: int = 32) -> None:
+    """Both models' rounds through static graph decoders, as on CUDA (on CPU their rows run eagerly)."""
+    drafter, core = llm.engine.core.speculation.drafter, llm.engine.core
+    drafter.graphs = GraphDecoder(drafter.runner, max_batch=8, max_steps=K, table_width=table_width,
+                                  use_cuda_graphs=False, variants=("greedy",))  # as the engine captures a draft model's
+    drafter.graphs.capture(progress=False)
+    core.graphs = GraphDecoder(core.runner, max_batch=64, max_steps=2, table_width=table_width, use_cuda_graphs=False)
+    core.graphs.capture(progress=False)
+
+
 def check_nothing_left(llm: LLM, free: int, draft_free: int) -> None:
     spec = llm.engine.core.speculation
     assert llm.engine.block_manager.num_free_blocks == free
@@ -109,13 +119,8 @@ def test_draft_rounds_through_the_drafts_graph_decoder(models, prompts, plain):
     every draft is right."""
     target, _ = models
     llm = speculating(target, target)
+    with_graph_decoders(llm)
     drafter = llm.engine.core.speculation.drafter
-    drafter.graphs = GraphDecoder(drafter.runner, max_batch=8, max_steps=K, table_width=32, use_cuda_graphs=False,
-                                  variants=("greedy",))  # as the engine captures a draft model's
-    drafter.graphs.capture(progress=False)
-    core = llm.engine.core
-    core.graphs = GraphDecoder(core.runner, max_batch=64, max_steps=2, table_width=32, use_cuda_graphs=False)
-    core.graphs.capture(progress=False)
     prefilled, real_prefill = [], drafter.runner.prefill
     drafter.runner.prefill = lambda batch: prefilled.extend(batch.chunk_lens) or real_prefill(batch)
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -127,15 +132,38 @@ def test_draft_rounds_through_the_drafts_graph_decoder(models, prompts, plain):
     assert sum(prefilled) == sum(len(p) for p in prompts)
 
 
+def test_drafts_left_on_the_device_give_plain_tokens_in_mixed_batches(models, prompts, plain):
+    """Both graph decoders (so the drafts stay where the draft's graphs made them and the verify step
+    reads them there): the target drafts for greedy rows (every draft right) and seeded ones (its
+    greedy drafts often wrong) in one batch, rows drop out of drafting at different steps
+    (max_tokens), and the tokens are plain decoding's."""
+    target, _ = models
+    llm = speculating(target, target)
+    with_graph_decoders(llm)
+    drafter = llm.engine.core.speculation.drafter
+    free, draft_free = llm.engine.block_manager.num_free_blocks, drafter.blocks.num_free_blocks
+    on_device, real = [], drafter.propose_on_device
+    drafter.propose_on_device = lambda ids, n: on_device.append(len(ids)) or real(ids, n)
+    params = [SamplingParams(max_tokens=12 + 5 * i, temperature=0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    assert outputs(llm, prompts, params) == outputs(plain, prompts, params)
+    stats = llm.engine.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens and on_device
+    check_nothing_left(llm, free, draft_free)
+
+
 def test_an_fp8_draft_model_drafts_for_a_full_precision_target(models, prompts, plain):
-    """--draft-quantization fp8: the draft model's projections in FP8 (half the bytes of a draft
-    step), the target's untouched; the tokens are plain decoding's, and an FP8 copy of the target
+    """--draft-quantization fp8: the draft model's projections and LM head in FP8 (half the bytes of
+    a draft step), the target's untouched; the tokens are plain decoding's, and an FP8 copy of the target
     agrees with it on most drafts."""
     target, _ = models
     llm = speculating(target, target, draft_quantization="fp8")
     draft_layer = llm.engine.core.speculation.drafter.runner.model.layers[0]
     assert draft_layer.mlp.down_proj.weight.dtype == torch.float8_e4m3fn
     assert llm.engine.core.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    # the draft's logits from an FP8 copy of its LM head; the target's LM head is untouched
+    assert llm.engine.core.speculation.drafter.runner.model.lm_head_fp8[0].dtype == torch.float8_e4m3fn
+    assert llm.engine.core.model.lm_head_fp8 is None
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     assert outputs(llm, prompts, greedy) == outputs(plain, prompts, greedy)
     stats = llm.engine.stats()
@@ -167,16 +195,22 @@ def test_requests_running_to_max_model_len_draft_within_it(models, prompts):
     check_nothing_left(llm, free, draft_free)
 
 
-def test_preemption_with_a_draft_model_keeps_tokens_and_frees_both_pools(models, prompts, plain):
+@pytest.mark.parametrize("through_graphs", [False, True])
+def test_preemption_with_a_draft_model_keeps_tokens_and_frees_both_pools(models, prompts, plain, through_graphs):
     """A target pool too small for the batch: sequences are preempted and recomputed while others
-    speculate; the draft model's copies follow their tokens."""
+    speculate (some rows find no slots for their drafts); the draft model's copies follow their
+    tokens. Through both graph decoders each verified row reads its own drafts on the device: the
+    target drafting for itself, every draft is accepted."""
     target, other = models
     llm = LLM(str(target), device="cpu", num_kv_blocks=14, block_size=16, decode_chunk=2, max_model_len=96,
               speculative_method="draft", draft_model=str(target), num_speculative_tokens=K, speculative_max_batch=64)
+    if through_graphs:
+        with_graph_decoders(llm, table_width=96 // 16)
     free, draft_free = llm.engine.block_manager.num_free_blocks, llm.engine.core.speculation.drafter.blocks.num_free_blocks
     greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     assert outputs(llm, prompts, greedy) == outputs(plain, prompts, greedy)
-    assert llm.engine.stats().num_preemptions > 0
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
     check_nothing_left(llm, free, draft_free)
 
 

@@ -72,9 +72,9 @@ def verified(on: LLM, monkeypatch) -> Verified:
     record = Verified()
     real_verify = spec.verify
 
-    def verify(seqs, drafts, graphs=None):
+    def verify(seqs, drafts, graphs=None, device_tokens=None):
         positions = [s.num_output_tokens for s in seqs]
-        step = real_verify(seqs, drafts, graphs)
+        step = real_verify(seqs, drafts, graphs, device_tokens)
         for seq, pos, proposal in zip(seqs, positions, drafts):
             record.steps.append((seq.request_id, pos, list(proposal), step.tokens[seq.request_id].tokens))
         return step
@@ -244,7 +244,7 @@ def test_verify_through_the_decode_graphs_gives_plain_outputs(off, prompts, monk
     graphs = llm.engine.core.graphs
     calls = []
     real = graphs.verify_logits
-    monkeypatch.setattr(graphs, "verify_logits", lambda seqs, drafts, k: calls.append(len(seqs)) or real(seqs, drafts, k))
+    monkeypatch.setattr(graphs, "verify_logits", lambda seqs, drafts, k, *more: calls.append(len(seqs)) or real(seqs, drafts, k, *more))
     start = llm.engine.block_manager.num_free_blocks
     for params in (greedy(), [SamplingParams(max_tokens=32, temperature=0.8, seed=100 + i) for i in range(len(prompts))]):
         want, got = off.generate(prompts, params), llm.generate(prompts, params)

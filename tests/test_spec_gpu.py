@@ -82,7 +82,7 @@ def test_speculative_greedy_through_the_graphs_equals_plain_greedy(llm, batch, m
 
     rows = []
     real = graphs.verify_logits
-    monkeypatch.setattr(graphs, "verify_logits", lambda seqs, drafts, k: rows.append(len(seqs)) or real(seqs, drafts, k))
+    monkeypatch.setattr(graphs, "verify_logits", lambda seqs, drafts, k, *more: rows.append(len(seqs)) or real(seqs, drafts, k, *more))
     ngram = spec.drafter
     spec.drafter = RecordedDrafter({tuple(p): t for p, t in zip(prompts, plain)}, 0.7, core.runner.vocab_size)
     try:

@@ -20,7 +20,8 @@ from graphserve.engine.runner.model_runner import ModelRunner
 from graphserve.engine.sched.kv_cache import BlockManager, allocate_kv_cache
 from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch
 from graphserve.engine.spec.acceptance import verify_drafts
-from graphserve.engine.spec.drafter import pack_drafts
+from graphserve.engine.core.speculation import SpeculativeDecoder
+from graphserve.engine.spec.drafter import DeviceDrafts, Drafter, pack_drafts
 from graphserve.engine.spec.ngram import NgramDrafter
 
 BS = 16
@@ -341,3 +342,40 @@ def test_reserving_draft_slots_takes_nothing_when_the_pool_is_short():
     blocks.roll_back_drafts(seq)
     assert not blocks.reserve_draft_slots(seq, 16)  # positions 17..33: a third block, none left
     assert len(seq.block_table) == 2 and blocks.num_free_blocks == 0
+
+
+class _DeviceRowDrafter(Drafter):
+    """Drafts left on the device: request i of a proposal gets [10 i, 10 i + 1, ...]."""
+
+    def add_request(self, request_id, token_ids):
+        pass
+
+    def on_append(self, request_id, token_ids):
+        pass
+
+    def on_finish(self, request_id):
+        pass
+
+    def propose(self, request_ids, max_drafts):
+        raise AssertionError("the drafts stay on the device")
+
+    def propose_on_device(self, request_ids, max_drafts):
+        tokens = torch.tensor([[10 * i + j for j in range(4)] for i in range(len(request_ids))])
+        return DeviceDrafts(list(max_drafts), list(range(len(request_ids))), tokens)
+
+
+def test_a_plan_gives_each_verified_row_its_own_drafts_from_the_device(llm):
+    """Drafts left on the device: a row between two others finds no KV slots for its drafts, so it
+    decodes plainly, and the rows around it are verified with their own drafts."""
+    blocks = BlockManager(4, BS)  # three usable blocks, one for each sequence
+    seqs = []
+    for i, n in enumerate((10, 16, 5)):  # the second one's drafts would need a block of their own
+        seq = Sequence(f"r{i}", list(range(3, 3 + n)), greedy(100))
+        blocks.allocate(seq, n - 1)
+        seq.num_computed_tokens = n - 1
+        seqs.append(seq)
+    spec = SpeculativeDecoder(_DeviceRowDrafter(), 4, llm.engine.core.runner, blocks, max_model_len=256)
+    plan = spec.plan(seqs, on_device=True)
+    assert plan.verify_seqs == [seqs[0], seqs[2]] and plan.decode_seqs == [seqs[1]]
+    assert [len(d) for d in plan.drafts] == [4, 4]
+    assert plan.device_tokens.tolist() == [[0, 1, 2, 3], [20, 21, 22, 23]]

@@ -208,10 +208,12 @@ class EngineCore:
         if draft_args.vocab_size > self.args.vocab_size:
             raise InvalidConfigError(f"the draft model {path} has a vocabulary of {draft_args.vocab_size} tokens, more "
                                      f"than the target's {self.args.vocab_size}: a draft model must share its tokenizer")
-        return load_model(path, self.dtype, self.device, backend, max_positions,
-                          quantization=self.config.draft_quantization
-                          or resolve_quantization(self.config, path, self.device),
-                          load_format=self.config.load_format)
+        quantization = self.config.draft_quantization or resolve_quantization(self.config, path, self.device)
+        draft = load_model(path, self.dtype, self.device, backend, max_positions, quantization=quantization,
+                           load_format=self.config.load_format)
+        if quantization == "fp8":  # its LM head too: a draft's logits only pick drafts
+            draft.quantize_lm_head()
+        return draft
 
     def _make_drafter(self, draft, num_blocks: int):
         cfg = self.config
@@ -663,10 +665,10 @@ class EngineCore:
         """A decode round with speculation on: the sequences with drafts run one verify step (up to
         k + 1 tokens each), the others the round's K decode steps; _process appends both alike."""
         spec = self.speculation
-        plan = spec.plan(rnd.seqs, spec.max_verify(self.graphs))
+        plan = spec.plan(rnd.seqs, spec.max_verify(self.graphs), on_device=self.graphs is not None)
         tokens = self.decode(DecodeRound(plan.decode_seqs, rnd.num_steps)) if plan.decode_seqs else {}
         if plan.verify_seqs:
-            verified = spec.verify(plan.verify_seqs, plan.drafts, self.graphs)
+            verified = spec.verify(plan.verify_seqs, plan.drafts, self.graphs, plan.device_tokens)
             stats = self.stats_counters
             stats.spec_verify_rows += len(plan.verify_seqs)
             stats.spec_draft_tokens += verified.num_draft_tokens

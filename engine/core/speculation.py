@@ -79,8 +79,9 @@ class DraftPlan:
     the rest, which run the round's K decode steps."""
 
     verify_seqs: list[Sequence]
-    drafts: list[list[int]]
+    drafts: list[list[int]]  # placeholders of the right lengths when device_tokens holds them
     decode_seqs: list[Sequence]
+    device_tokens: torch.Tensor | None = None  # [len(verify_seqs), k] on the device, not waited for
 
 
 @dataclass
@@ -111,10 +112,13 @@ class SpeculativeDecoder:
         """Whether a decode round of this many sequences speculates (else it decodes as without)."""
         return self.max_batch is None or num_seqs <= self.max_batch
 
-    def plan(self, seqs: list[Sequence], max_verify: int | None = None) -> DraftPlan:
+    def plan(self, seqs: list[Sequence], max_verify: int | None = None, on_device: bool = False) -> DraftPlan:
         """Propose drafts for the eligible sequences (the first `max_verify` of them, when given) and
         reserve their KV slots. A sequence without drafts (not eligible or not among them, none
-        proposed, one token left, the pool short of blocks) decodes as usual."""
+        proposed, one token left, the pool short of blocks) decodes as usual. on_device: the verify
+        step runs through the decode graphs, which take drafts left on the device (the drafter's
+        propose_on_device, when it has them there); the plan's drafts are then placeholders of the
+        right lengths, and device_tokens the tokens."""
         vocab = self.runner.vocab_size
         candidates = [s for s in seqs if is_eligible(s, vocab)][:max_verify]
         for seq in candidates:
@@ -123,15 +127,22 @@ class SpeculativeDecoder:
         # (admission capped max_tokens at it; the min is a guard)
         limits = [max(0, min(self.k, s.params.max_tokens - s.num_output_tokens - 1,
                              self.max_model_len - s.num_tokens - 1)) for s in candidates]
-        proposals = self.drafter.propose([s.request_id for s in candidates], limits)
+        ids = [s.request_id for s in candidates]
+        on_device = self.drafter.propose_on_device(ids, limits) if on_device and candidates else None
+        proposals = self.drafter.propose(ids, limits) if on_device is None else [[0] * n for n in on_device.counts]
         plan = DraftPlan([], [], [])
-        drafted = set()
-        for seq, proposal in zip(candidates, proposals):
+        rows = []  # of the kept ones, in on_device.tokens
+        for i, (seq, proposal) in enumerate(zip(candidates, proposals)):
             if proposal and self.blocks.reserve_draft_slots(seq, len(proposal)):
                 plan.verify_seqs.append(seq)
                 plan.drafts.append(proposal)
-                drafted.add(seq.request_id)
+                rows.append(i if on_device is None else on_device.rows[i])
+        drafted = {s.request_id for s in plan.verify_seqs}
         plan.decode_seqs = [s for s in seqs if s.request_id not in drafted]
+        if on_device is not None and rows:  # a pinned index, so as not to wait for the drafts in flight
+            tokens = on_device.tokens
+            index = torch.tensor(rows, pin_memory=tokens.is_cuda).to(tokens.device, non_blocking=True)
+            plan.device_tokens = tokens.index_select(0, index)
         return plan
 
     def max_verify(self, graphs: GraphDecoder | None) -> int | None:
@@ -139,18 +150,27 @@ class SpeculativeDecoder:
         return None if graphs is None else graphs.max_bucket // (self.k + 1)
 
     @torch.inference_mode()
-    def verify(self, seqs: list[Sequence], drafts: list[list[int]], graphs: GraphDecoder | None = None) -> VerifyStep:
-        """One verify pass over `seqs` and their drafts, through the decode graphs when given; gives
-        back the slots of rejected drafts. Changes no token list: the caller appends the returned tokens."""
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]], graphs: GraphDecoder | None = None,
+               device_tokens: torch.Tensor | None = None) -> VerifyStep:
+        """One verify pass over `seqs` and their drafts, through the decode graphs when given (which
+        read the drafts from device_tokens when given: DraftPlan); gives back the slots of rejected
+        drafts. Changes no token list: the caller appends the returned tokens."""
         runner = self.runner
         if graphs is not None:
-            logits = graphs.verify_logits(seqs, drafts, self.k)  # [B, k + 1, V]
+            logits = graphs.verify_logits(seqs, drafts, self.k, device_tokens)  # [B, k + 1, V]
         else:
             logits = runner.verify(seqs, drafts, self.k)
         if all(s.params.greedy for s in seqs):
-            num_accepted, token_ids = accept_greedy(greedy_targets(logits), drafts)
+            targets = greedy_targets(logits, device_tokens)  # with the drafts: one read for both
+            if device_tokens is not None:
+                drafts = [row[self.k + 1:self.k + 1 + len(d)] for row, d in zip(targets, drafts)]
+            num_accepted, token_ids = accept_greedy(targets, drafts)
         else:
-            draft_ids, num_drafts = pack_drafts(drafts, self.k, runner.device)
+            if device_tokens is not None:
+                draft_ids = device_tokens
+                num_drafts = torch.tensor(list(map(len, drafts)), dtype=torch.int64).to(runner.device)
+            else:
+                draft_ids, num_drafts = pack_drafts(drafts, self.k, runner.device)
             # the sampler's temperature, seeds and output positions of each row's first token
             st = build_sampling_tensors(seqs, runner.vocab_size, runner.eos_ids, runner.device)
             out = verify_drafts(logits, draft_ids, num_drafts, st.temperature, st.seeds, st.output_pos)

@@ -379,7 +379,8 @@ class GraphDecoder:
         return num_seqs * (k + 1) <= self.max_bucket
 
     @torch.inference_mode()
-    def verify_logits(self, seqs: list[Sequence], drafts: list[list[int]], k: int) -> torch.Tensor:
+    def verify_logits(self, seqs: list[Sequence], drafts: list[list[int]], k: int,
+                      device_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Speculative decoding's verify step through the decode graphs: sequence i's last token and
         its drafts become k + 1 rows of one decode step, row j fed token j at position
         num_tokens - 1 + j with its own context length, over the sequence's block table. So every
@@ -388,7 +389,9 @@ class GraphDecoder:
         their K/V into the dummy block. Returns the logits [B, k + 1, V] (model dtype), a view of a
         static buffer valid until the next launch. The slots of the drafts are reserved by the
         caller; nothing here changes the sequences. The host waits for the step (the next drafts
-        need its tokens), so no round may be in flight."""
+        need its tokens), so no round may be in flight. device_tokens [B, k] (drafts still being
+        made on the device, in stream order): row i's drafts are read from its row there, and
+        `drafts` give only their number."""
         b, width, bs = len(seqs), k + 1, self.runner.block_size
         rows = b * width
         if not self.verify_fits(b, k):
@@ -417,6 +420,8 @@ class GraphDecoder:
             for name, src in values.items():
                 self._device_rows(name, 1, rows).copy_(slot.stage(name, src), non_blocking=non_blocking)
             self.block_tables[:rows].copy_(table, non_blocking=non_blocking)
+            if device_tokens is not None:  # rows past a sequence's drafts take tokens too: padding, never read
+                self.input_ids[:rows].view(b, width)[:, 1:].copy_(device_tokens[:, :k])
             self._reset_padding(rows, bucket)
             self.step.zero_()
             entry = self.graphs[(bucket, "forward")]

@@ -114,9 +114,10 @@ def verify_drafts(logits: torch.Tensor, draft_token_ids: torch.Tensor, num_draft
     return VerifyOutput(num_accepted=num_accepted, token_ids=token_ids)
 
 
-def greedy_targets(logits: torch.Tensor) -> list[list[int]]:
+def greedy_targets(logits: torch.Tensor, also: torch.Tensor | None = None) -> list[list[int]]:
     """The argmax of each position of logits [B, k + 1, V] (ties to the lowest id, as the sampler's),
-    on the host: on CUDA the sampler's greedy kernel, one pass over the logits in their own dtype."""
+    on the host: on CUDA the sampler's greedy kernel, one pass over the logits in their own dtype.
+    `also` [B, n] (a device's drafts): each row's targets come followed by its row of it, in one read."""
     b, width, vocab = logits.shape
     flat = logits.reshape(b * width, vocab)
     if flat.is_cuda:
@@ -125,7 +126,8 @@ def greedy_targets(logits: torch.Tensor) -> list[list[int]]:
         ids = greedy_sample(flat)[0]
     else:
         ids = flat.argmax(dim=-1)
-    return ids.view(b, width).tolist()
+    ids = ids.view(b, width)
+    return (ids if also is None else torch.cat([ids, also.to(ids.dtype)], dim=1)).tolist()
 
 
 def accept_greedy(targets: list[list[int]], drafts: list[list[int]]) -> tuple[list[int], list[list[int]]]:

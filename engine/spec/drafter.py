@@ -3,14 +3,28 @@
 A drafter sees a request's tokens (prompt, then each accepted token) and proposes up to a given
 number of next tokens. The verify step (acceptance.py) only sees the proposals as tensors, so an
 n-gram table, a draft model or an EAGLE head can sit behind this interface without changing it.
+A drafter whose tokens come from the device (a draft model) may leave them there
+(propose_on_device): the verify step reads them in stream order, so the host stages it while the
+drafts are still being made.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class DeviceDrafts:
+    """Proposals still on the device, written by work queued on its current stream: per requested
+    request its number of drafts and its row of `tokens` [R, k] (the drafts first, then anything)."""
+
+    counts: list[int]
+    rows: list[int]
+    tokens: torch.Tensor
 
 
 class Drafter(ABC):
@@ -33,6 +47,11 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, request_ids: Sequence[str], max_drafts: Sequence[int]) -> list[list[int]]:
         """Per request, up to max_drafts[i] draft tokens (possibly none) continuing its tokens."""
+
+    def propose_on_device(self, request_ids: Sequence[str], max_drafts: Sequence[int]) -> DeviceDrafts | None:
+        """propose's drafts left on the device, not waited for; None where this drafter makes them on
+        the host (then the caller calls propose)."""
+        return None
 
 
 def pack_drafts(drafts: Sequence[Sequence[int]], k: int, device: torch.device | str = "cpu",
