@@ -21,7 +21,7 @@ a random draft model would never agree with a random target. As the engine runs 
 "engine"), its round is launched and not waited for, and the forced drafts are copied to the device
 behind it for the verify step to read there; `draft_ms_per_propose` is then the host's part. Arms of
 --draft-arms: "host" (the drafts read on the host before the verify step, `draft_ms_per_propose` the
-whole round), "bf16-head" (an FP8 draft's LM head in bf16, its graphs recaptured).
+whole round).
 
 On random bf16 weights the logits of a big model are flat enough that the verify step's rounding (at
 another row count than plain decoding's) turns a near-tie the other way within the first tokens (the
@@ -153,18 +153,6 @@ class ForcedDraftModel(Drafter):
         for rid in request_ids if read else []:
             if rid in self.draft.fed:
                 self.draft.fed[rid] = self.forced_fed.pop(rid)
-
-
-def set_draft_head(drafter, bf16: bool = False, fp8: tuple | None = None) -> tuple | None:
-    """The "bf16-head" arm: an FP8 draft's LM head back in bf16 (bf16), or its FP8 copy given back
-    (fp8), the draft's graphs recaptured either way; returns the FP8 copy taken away."""
-    model = None if drafter is None else drafter.runner.model
-    if model is None or not (bf16 and model.lm_head_fp8 is not None or fp8 is not None):
-        return None
-    taken, model.lm_head_fp8 = model.lm_head_fp8, fp8
-    if drafter.graphs is not None:
-        drafter.graphs.capture(progress=False)
-    return taken if bf16 else None
 
 
 def forced_acceptance(alpha: float, seed: int = 0):
@@ -315,9 +303,9 @@ def main() -> None:
     parser.add_argument("--adaptive", action="store_true",
                         help="an arm of k = --draft-k, alpha = --draft-alpha with the engine's default speculative_max_batch")
     parser.add_argument("--draft-only", action="store_true", help="of the speculating arms, the draft model's alone")
-    parser.add_argument("--draft-arms", nargs="+", default=["engine"], choices=["engine", "host", "bf16-head"],
+    parser.add_argument("--draft-arms", nargs="+", default=["engine"], choices=["engine", "host"],
                         help="the draft model's arms: engine (as the engine runs it), host (its drafts read on the "
-                             "host before the verify step), bf16-head (an FP8 draft's LM head left in bf16)")
+                             "host before the verify step)")
     parser.add_argument("--draft-alpha", type=float, default=0.7)
     parser.add_argument("--breakdown", action="store_true",
                         help="after each batch's arms, one diagnostic run of k = --draft-k, alpha = --draft-alpha "
@@ -388,7 +376,6 @@ def main() -> None:
                     forced = ForcedDrafter(continuations, args.prompt_len, alpha, vocab, seed=batch * 100 + k)
                     spec.drafter = forced if with_draft is None else ForcedDraftModel(with_draft, forced,
                                                                                       on_device=variant != "host")
-                    head = set_draft_head(with_draft, bf16=variant == "bf16-head")
                     if args.acceptance == "forced":
                         speculation.accept_greedy = forced_acceptance(alpha, seed=batch * 100 + k)
                     if with_draft is not None:
@@ -400,7 +387,6 @@ def main() -> None:
                     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
                     same = sum(a == b for a, b in zip(tokens, plain_tokens))
                     speculation.accept_greedy = real_accept
-                    set_draft_head(with_draft, fp8=head)
                     rows.append(dict(model=name, quantization=label, batch=batch, k=k, alpha=alpha,
                                      ms_per_step=step_s * 1e3, tokens_per_s=batch / step_s,
                                      speedup=plain_s / step_s, acceptance=args.acceptance,

@@ -47,7 +47,7 @@ class EngineConfig:
     # with the target's vocabulary, `draft_model`, engine/core/draft_model.py) or None (off)
     speculative_method: str | None = None
     draft_model: str | None = None
-    draft_quantization: str | None = None  # "fp8": the draft model's projections and LM head in FP8; None: the target's setting
+    draft_quantization: str | None = None  # "fp8": the draft model's projections in FP8; None: the target's setting
     num_speculative_tokens: int = 4  # k: drafts verified per sequence and step
     # decode rounds of more sequences do not speculate (None: the device's default, speculation.default_max_batch)
     speculative_max_batch: int | None = None

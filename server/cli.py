@@ -71,8 +71,8 @@ ENGINE_FLAG_HELP = {
                           "sampling rows; left out: off",
     "draft_model": "the draft model of --speculative-method draft: a folder or hub name of a smaller model with the "
                    "target's tokenizer (e.g. Llama-3.2-1B-Instruct for Llama-3.1-8B-Instruct)",
-    "draft_quantization": "fp8: the draft model's projection and LM head weights in FP8 (per-channel scales), half "
-                          "the bytes a draft step reads; default: the target's --quantization",
+    "draft_quantization": "fp8: the draft model's projection weights in FP8 (per-channel scales), half the bytes a "
+                          "draft step reads; default: the target's --quantization",
     "num_speculative_tokens": "k: most draft tokens verified per sequence and step, 1 to 16",
     "speculative_max_batch": "decode rounds of more running sequences than this do not speculate (at large "
                              "batch verifying drafts costs more than it saves); default: 8 on CPU, 16 on CUDA (measured: "

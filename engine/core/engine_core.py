@@ -208,12 +208,10 @@ class EngineCore:
         if draft_args.vocab_size > self.args.vocab_size:
             raise InvalidConfigError(f"the draft model {path} has a vocabulary of {draft_args.vocab_size} tokens, more "
                                      f"than the target's {self.args.vocab_size}: a draft model must share its tokenizer")
-        quantization = self.config.draft_quantization or resolve_quantization(self.config, path, self.device)
-        draft = load_model(path, self.dtype, self.device, backend, max_positions, quantization=quantization,
-                           load_format=self.config.load_format)
-        if quantization == "fp8":  # its LM head too: a draft's logits only pick drafts
-            draft.quantize_lm_head()
-        return draft
+        return load_model(path, self.dtype, self.device, backend, max_positions,
+                          quantization=self.config.draft_quantization
+                          or resolve_quantization(self.config, path, self.device),
+                          load_format=self.config.load_format)
 
     def _make_drafter(self, draft, num_blocks: int):
         cfg = self.config

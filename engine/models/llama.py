@@ -16,7 +16,6 @@ from graphserve.engine.models.attention import AttentionMetadata
 from graphserve.engine.distributed import SINGLE, TensorParallel
 from graphserve.engine.models.sharding import shard_for
 from graphserve.engine.models.config import ModelArgs
-from graphserve.engine.models.fp8 import quantize_per_channel
 from graphserve.engine.models.moe import SparseMoE
 from graphserve.engine.models.layers import (
     Linear,
@@ -134,7 +133,6 @@ class LlamaModel(nn.Module):
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, rows, bias=False)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
         self.lm_head_packed: torch.Tensor | None = None
-        self.lm_head_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # quantize_lm_head's (weight, scale)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -163,18 +161,10 @@ class LlamaModel(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def quantize_lm_head(self) -> None:
-        """Compute the logits with an FP8 copy of the LM head (per-row scales; the embedding keeps its
-        table): a draft model's, whose logits only pick drafts, so a step reads half the head's bytes."""
-        self.lm_head_fp8 = quantize_per_channel(self.lm_head_weight)
-
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """Logits in `dtype` (None: the model's dtype), rounded to the model's dtype first; under
         tensor parallelism gathered whole on every rank."""
-        if self.lm_head_fp8 is not None:  # a few rows take the FP8 GEMV, as the projections do
-            logits = linear(hidden, self.lm_head_fp8[0], scale=self.lm_head_fp8[1], out_dtype=dtype)
-        else:
-            logits = linear(hidden, self.lm_head_weight, packed=self.lm_head_packed, out_dtype=dtype, lm_head=True)
+        logits = linear(hidden, self.lm_head_weight, packed=self.lm_head_packed, out_dtype=dtype, lm_head=True)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather_last_dim(logits)[..., :self.args.vocab_size]
