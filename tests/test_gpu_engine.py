@@ -306,3 +306,24 @@ def test_constrained_rows_replay_masked_graphs(llm):
         engine.graphs = graphs
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
     assert engine.stats().grammar_requests == 0
+
+
+def test_a_bf16_model_loads_without_a_float32_copy(tmp_path):
+    """Loading in bf16 takes about the model's own bytes on the device at its peak: no float32 copy of
+    the weights on the way (which would keep a model of more than half the GPU's memory from loading)."""
+    from tiny_models import make_tiny_model
+
+    from graphserve.engine.models.attention import make_attention_backend
+    from graphserve.engine.models.loader import load_model
+
+    path = make_tiny_model(tmp_path / "wide", "llama", hidden_size=1024, intermediate_size=4096,
+                           num_hidden_layers=4, vocab_size=32000)
+    device = torch.device("cuda")
+    _free()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    model = load_model(path, torch.bfloat16, device, make_attention_backend(device, 16), 1024)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert torch.cuda.max_memory_allocated(device) - before < 1.5 * weights
+    del model
+    _free()

@@ -80,7 +80,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
     cos_sin = build_cos_sin_cache(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
     with torch.device("meta"):
         model = LlamaModel(args, backend, cos_sin, tp)
-    model = model.to_empty(device=device).to(dtype)
+    # in the model's dtype while still on meta: a float32 copy first would need twice the memory
+    model = model.to(dtype).to_empty(device=device)
     model.cos_sin = cos_sin.to(device)
     # what FP8 covers: the projections and the routed experts, not an MoE router (kept in the model's dtype)
     to_fp8 = [m for name, m in model.layers.named_modules()
