@@ -2,7 +2,7 @@
 # Decode on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, decode
 # latency in bf16 and fp8, and where a step's time goes. Writes logs and JSON under $OUT. Each part fits
 # one 10-minute device call:
-#   bash benchmarks/gpu_latency.sh tests|kernels|decode|curve|targets|accuracy|profile|profile-b64|round-gap|engine-tests|ncu|kconst|suite
+#   bash benchmarks/gpu_latency.sh tests|kernels|decode|moe|curve|targets|accuracy|profile|profile-b64|round-gap|engine-tests|ncu|kconst|suite
 # (A/B parts of settled switches and of probes leave once measured: each result JSON in benchmarks/results
 # holds its commands, docs/benchmarks.md lists what was measured and removed; to A/B a switch, run
 # benchmarks/decode_latency.py --SWITCH on|off interleaved, as its --help lists)
@@ -28,6 +28,13 @@ decode)
   for m in qwen2.5-0.5b llama-3.1-8b; do
     timeout 280 python3 benchmarks/decode_latency.py --models $m --batches ${BATCHES:-1 8 64} --chunks 8 --no-eager \
       --skip-transformers --max-num-seqs 64 --quantization none fp8 --out "$OUT/decode_$m.json" 2>&1 | quiet
+  done
+  ;;
+moe)  # mixture-of-experts shapes, random weights made on the GPU (MODELS: qwen3-30b-a3b; mixtral-8x7b needs an H200's memory)
+  for m in ${MODELS:-qwen3-30b-a3b}; do
+    timeout ${MOE_TIMEOUT:-400} python3 benchmarks/decode_latency.py --models $m --load-format dummy --batches ${BATCHES:-1 64} \
+      --chunks 8 --no-eager --skip-transformers --max-num-seqs 64 --gpu-memory-utilization 0.92 \
+      --out "$OUT/decode_$m.json" 2>&1 | quiet
   done
   ;;
 curve)

@@ -316,8 +316,8 @@ def test_a_bf16_model_loads_without_a_float32_copy(tmp_path):
     from graphserve.engine.models.attention import make_attention_backend
     from graphserve.engine.models.loader import load_model
 
-    path = make_tiny_model(tmp_path / "wide", "llama", hidden_size=1024, intermediate_size=4096,
-                           num_hidden_layers=4, vocab_size=32000)
+    path = make_tiny_model(tmp_path / "wide", "llama", dtype=torch.bfloat16, hidden_size=1024,
+                           intermediate_size=4096, num_hidden_layers=4, vocab_size=32000)  # a bf16 checkpoint
     device = torch.device("cuda")
     _free()
     torch.cuda.reset_peak_memory_stats(device)
