@@ -190,9 +190,9 @@ def test_a_request_that_fails_inside_a_step_fails_alone() -> None:
     batch holding it raises) fails that request alone; its batch mates are retried without
     it and return exactly their solo text, and the server stays healthy."""
     # long enough to be still running together when the attacker joins
-    victims = [{"prompt": p, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+    victims = [{"prompt": p, "max_tokens": 96, "temperature": 0, "ignore_eos": True}
                for p in ("The capital of France", "One, two,", "def f(x):")]
-    attacker = {"prompt": "Once upon a time", "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+    attacker = {"prompt": "Once upon a time", "max_tokens": 96, "temperature": 0, "ignore_eos": True}
     env = {"GRAPHSERVE_ENABLE_FAULT_INJECTION": "1"}
     with ServerProcess(SERVER_ARGS, env=env) as faulty:
         faulty.wait_ready()
