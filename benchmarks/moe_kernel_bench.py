@@ -4,10 +4,12 @@ enough layer copies that L2 holds none of them. Reports us per layer and the ban
 the bytes a layer must read at that batch: the distinct experts the batch's routing chose times an
 expert's bytes, plus the router weight. --sweep also times a grid of tiles at --sweep-tokens: for each
 block_m, the gate_up tiles (down at its default shape), then the down tiles beside the best gate_up.
+--kernels adds each kernel's device time a layer (the torch profiler over eager calls).
 
     python benchmarks/moe_kernel_bench.py --out benchmarks/results/moe_kernel_bench-h200-<date>.json
     python benchmarks/moe_kernel_bench.py --shapes qwen3-30b-a3b --tokens 1 16 --out moe.json
     python benchmarks/moe_kernel_bench.py --sweep --sweep-tokens 1 64 --out moe-sweep.json
+    python benchmarks/moe_kernel_bench.py --shapes qwen3-30b-a3b --tokens 1 --kernels --out moe-kernels.json
 """
 
 from __future__ import annotations
@@ -34,7 +36,28 @@ SHAPES = {  # name: (hidden, inter, experts, top_k, renormalize)
 MIN_BYTES = 2 * 2**30
 
 
-def bench_shape(name: str, tokens_list: list[int], copy_gbs: float, sweep_tokens: list[int]) -> list[dict]:
+def kernel_times(layer_call, copies: int, calls: int = 60) -> dict[str, float]:
+    """Device time a layer of each kernel (name: us), from the profiler over `calls` eager calls
+    cycling through the layer copies: where a layer's time goes (the graph runs the same kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(copies):  # compiled and warm
+        layer_call(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            layer_call(i % copies)
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        if us > 0 and event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.key[:90]] = totals.get(event.key[:90], 0.0) + us / calls
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def bench_shape(name: str, tokens_list: list[int], copy_gbs: float, sweep_tokens: list[int],
+                profile: bool = False) -> list[dict]:
     from graphserve.kernels._common import sm_count
     from graphserve.kernels.moe import default_moe_tiles, fused_moe, route
 
@@ -82,6 +105,13 @@ def bench_shape(name: str, tokens_list: list[int], copy_gbs: float, sweep_tokens
               f"{row['gb_per_s']:7.0f} GB/s ({row['fraction_of_copy']:.0%} of copy)", flush=True)
         if tokens in sweep_tokens:
             sweep(tokens, default, time_tiles, record)
+        if profile:
+            kernels = kernel_times(lambda i: fused_moe(x, F.linear(x, layers[i][0]), layers[i][1], layers[i][2],
+                                                       top_k, renormalize), copies)
+            rows.append(dict(shape=name, tokens=tokens, kind="kernels", us_per_layer=kernels))
+            print(f"  device time a layer by kernel (eager, {sum(kernels.values()):.1f} us in all):", flush=True)
+            for kernel, us in kernels.items():
+                print(f"    {us:8.2f} us  {kernel}", flush=True)
         del x
     del layers
     torch.cuda.empty_cache()
@@ -119,6 +149,8 @@ def main() -> int:
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64, 256])
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tiles at --sweep-tokens")
     parser.add_argument("--sweep-tokens", nargs="+", type=int, default=[1, 16, 64, 256])
+    parser.add_argument("--kernels", action="store_true",
+                        help="also each kernel's device time a layer (torch profiler, eager calls)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -128,7 +160,8 @@ def main() -> int:
     rows = []
     for name in args.shapes:
         with torch.no_grad():
-            rows += bench_shape(name, args.tokens, copy["gb_per_s"], args.sweep_tokens if args.sweep else [])
+            rows += bench_shape(name, args.tokens, copy["gb_per_s"], args.sweep_tokens if args.sweep else [],
+                                args.kernels)
     write_json(args.out, dict(**run_info("moe_kernel_bench"), copy=copy, rows=rows))
     return 0
 
