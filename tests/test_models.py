@@ -208,3 +208,20 @@ def test_an_fp8_gate_up_hands_down_proj_its_rows_amax_and_changes_no_bit(monkeyp
     being false: no reference for the bits.)"""
     layer, run = one_layer_decode(monkeypatch, intermediate=2048)
     assert_amaxed_input_changes_no_bit(monkeypatch, layer, run, "mlp.down_proj", "FP8_ROW_AMAX")
+
+
+def test_loading_and_decoding_never_import_torch_dynamo(tmp_path):
+    """Every engine start loads a model: nothing on that path (nor a decode step) may initialize
+    weights the checkpoint replaces on the meta device, whose torch normal_ imports torch._dynamo,
+    seconds of every start."""
+    import subprocess
+    import sys
+
+    path = make_tiny_model(tmp_path / "llama", "llama")
+    script = ("import sys\nfrom graphserve import LLM, SamplingParams\n"
+              f"llm = LLM({str(path)!r}, device='cpu', num_kv_blocks=16)\n"
+              "llm.generate(['hi'], SamplingParams(max_tokens=2))\n"
+              "print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "False"

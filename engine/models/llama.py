@@ -127,7 +127,9 @@ class LlamaModel(nn.Module):
         self.tp = tp
         self.shard = shard_for(args, tp)
         local, rows = self.shard.local, self.shard.vocab_rows
-        self.embed_tokens = nn.Embedding(rows, args.hidden_size)
+        # an empty table given, so no random init runs: on the meta device torch's normal_ would import
+        # torch._dynamo (seconds of every start) to initialize weights the checkpoint replaces anyway
+        self.embed_tokens = nn.Embedding(rows, args.hidden_size, _weight=torch.empty(rows, args.hidden_size))
         self.layers = nn.ModuleList([DecoderLayer(local, backend, tp) for _ in range(args.num_layers)])
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, rows, bias=False)
