@@ -160,6 +160,20 @@ def test_a_gguf_model_on_a_cpu_serves_its_blocks_unless_float32_is_asked_for(tin
     assert LLM(model=str(hf_folder), device="cpu", kv_cache_bytes=16 * 1024**2).engine.core.quantization is None
 
 
+def test_loading_the_blocks_reads_no_float_weight_of_a_projection_they_serve(tiny, monkeypatch) -> None:
+    """A start serving the blocks reads the float32 checkpoint for the embedding and norms only: the
+    projections' float weights (most of the file) are not read, then dropped."""
+    import graphserve.engine.models.loader as loader
+
+    _, _, _, path = tiny
+    reads, read = [], loader.read_tensor
+    monkeypatch.setattr(loader, "read_tensor", lambda f, name, rows, cols: reads.append(name) or read(f, name, rows, cols))
+    llm = LLM(model=str(path), device="cpu", kv_cache_bytes=16 * 1024**2)
+    assert llm.engine.core.quantization == "gguf"
+    assert reads and not [name for name in reads if name.endswith("_proj.weight")]
+    assert "model.embed_tokens.weight" in reads
+
+
 def test_float32_without_the_option_serves_the_dequantized_weights(tiny) -> None:
     _, _, reference, path = tiny
     llm = LLM(model=str(path), device="cpu", dtype="float32", kv_cache_bytes=16 * 1024**2)

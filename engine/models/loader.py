@@ -90,14 +90,15 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
     if prequantized:  # empty FP8 weights and scales, for the checkpoint to fill
         for module in to_fp8:
             module.to_fp8(quantize=False)
+    # projections served from GGUF blocks first: their float weights are then not read at all
+    quantized = _keep_quantized_projections(model, blocks)
     if load_format == "dummy":
         _fill_random(model, seed=tp.rank)
     else:
-        _read_checkpoint(model, path, files)
+        _read_checkpoint(model, path, files, skip=quantized)
     if quantization == "fp8" and not prequantized:
         for module in to_fp8:
             module.to_fp8()
-    _keep_quantized_projections(model, blocks)
     model.pack_for_cpu()
     head = _quantized(blocks, ["model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"])
     if head is not None:  # (a tied table stays float32 too, for the embedding lookup)
@@ -146,10 +147,12 @@ def _quantized(blocks: dict[str, tuple[str, torch.Tensor]], names: list[str]) ->
     return tuple(parts)
 
 
-def _keep_quantized_projections(model: LlamaModel, blocks: dict[str, tuple[str, torch.Tensor]]) -> None:
-    """Each projection whose source tensors all have blocks serves from them; the rest stay float32."""
+def _keep_quantized_projections(model: LlamaModel, blocks: dict[str, tuple[str, torch.Tensor]]) -> set[str]:
+    """Each projection whose source tensors all have blocks serves from them; the rest stay float32.
+    Returns the names of the weights that now hold no data (the checkpoint's floats are not needed)."""
+    quantized: set[str] = set()
     if not blocks:
-        return
+        return quantized
     sources: dict[str, list[str]] = {}
     for hf_module, (fused, _) in _FUSED.items():
         sources.setdefault(fused, []).append(hf_module)
@@ -160,12 +163,15 @@ def _keep_quantized_projections(model: LlamaModel, blocks: dict[str, tuple[str, 
                 parts = _quantized(blocks, names)
                 if parts is not None:
                     module.keep_quantized(parts)
+                    quantized.add(f"layers.{index}.{name}.weight")
+    return quantized
 
 
-def _read_checkpoint(model: LlamaModel, path: Path, files: list[Path]) -> None:
-    """Every parameter from the safetensors files (this rank's slices), or ModelFilesError."""
+def _read_checkpoint(model: LlamaModel, path: Path, files: list[Path], skip: set[str] = frozenset()) -> None:
+    """Every parameter from the safetensors files (this rank's slices) but those in `skip` (served
+    otherwise), or ModelFilesError."""
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    loaded: set[str] = set(skip)
     with torch.no_grad():
         if model.shard.vocab_rows > model.shard.vocab[1] - model.shard.vocab[0]:  # the last rank's padding
             model.embed_tokens.weight.zero_()
@@ -262,6 +268,8 @@ def _load_tensor(shard: Shard, params: dict, loaded: set, name: str, f) -> None:
         rows = shard.vocab
     if target not in params:
         raise ModelFilesError(f"unexpected tensor {name!r} in checkpoint for {args.architecture}")
+    if target in loaded:  # served from elsewhere (GGUF blocks): not read
+        return
     param = params[target]
     if name.endswith(".weight_scale"):  # [out, 1], [out], or one for the whole tensor (tiny: read whole)
         tensor = read_tensor(f, name, None, None).float().flatten()
