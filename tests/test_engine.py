@@ -72,8 +72,9 @@ def test_decode_chunk_does_not_change_tokens(model_dir, hf_greedy, decode_chunk)
     assert [o.token_ids for o in llm.generate(PROMPTS[:4], GREEDY)] == hf_greedy[:4]
 
 
-def test_chunked_prefill_gives_same_tokens(model_dir, hf_greedy):
-    llm = make_llm(model_dir, max_num_batched_tokens=7)
+@pytest.mark.parametrize("budget", [1, 7])
+def test_chunked_prefill_gives_same_tokens(model_dir, hf_greedy, budget):
+    llm = make_llm(model_dir, max_num_batched_tokens=budget)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hf_greedy
 
 
@@ -410,3 +411,215 @@ def test_updates_carry_only_what_is_new(llm):
     assert [t for u in updates for t in u.token_ids] == whole.token_ids
     assert "".join(u.text for u in updates) == whole.text
     assert [lp.token_id for u in updates for lp in u.logprobs] == whole.token_ids
+
+
+def test_a_pool_holding_what_the_running_requests_write_serves_them_without_preemption(model_dir):
+    """KV is reserved for the positions a decode round writes, no more: two requests whose
+    tokens fill the 4 usable blocks exactly at the step where the first one ends (10 + 8 - 1
+    slots, 2 blocks; 25 + 7 slots, 2 blocks, a third only after that) run side by side to the
+    end, a token each per step, with no preemption, and get the tokens they get alone."""
+    small = make_llm(model_dir, num_kv_blocks=1 + 4, decode_chunk=1)
+    engine = small.engine
+    first, second = PROMPTS[4][:10], PROMPTS[4][10:35]
+    params = {"first": SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+              "second": SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)}
+    engine.add_request("first", first, params["first"])
+    engine.add_request("second", second, params["second"])
+    seen: dict = {}
+    while engine.has_unfinished():
+        step = {out.request_id: out for out in engine.step()}
+        if "first" in seen and not seen["first"].finished:
+            assert {rid: len(out.token_ids) for rid, out in step.items()} == {"first": 1, "second": 1}
+        for out in step.values():
+            if out.request_id in seen:
+                seen[out.request_id].merge(out)
+            else:
+                seen[out.request_id] = out
+    assert engine.stats().num_preemptions == 0
+    roomy = make_llm(model_dir)
+    for rid, prompt in (("first", first), ("second", second)):
+        assert seen[rid].token_ids == roomy.generate([prompt], params[rid])[0].token_ids
+        assert seen[rid].finish_reason == "length"
+    assert engine.block_manager.num_free_blocks == 4
+
+
+def test_a_prefill_step_on_cpu_also_gives_each_running_request_its_next_token(llm, hf_greedy):
+    """Serving on a CPU, a newcomer's prefill step also advances every running request by one
+    token, the one that ends it included: no running request waits for another's prompt."""
+    engine = llm.engine
+    params = {"last": SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+              "more": SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), "new": GREEDY}
+    engine.add_request("last", PROMPTS[0], params["last"])
+    engine.add_request("more", PROMPTS[1], params["more"])
+    try:
+        seen = {out.request_id: out for out in engine.step()}  # both prefills: a first token each
+        engine.add_request("new", PROMPTS[2], params["new"])
+        step = engine.step()
+        assert {o.request_id: (len(o.token_ids), o.finish_reason) for o in step} == \
+            {"last": (1, "length"), "more": (1, None), "new": (1, None)}
+        for out in step:
+            if out.request_id in seen:
+                seen[out.request_id].merge(out)
+            else:
+                seen[out.request_id] = out
+        _run_merged(engine, seen=seen)
+    finally:  # a failure leaves the shared engine idle for the next tests
+        for rid in params:
+            engine.abort(rid)
+    assert [seen[rid].token_ids for rid in ("last", "more", "new")] == [hf_greedy[0][:2], hf_greedy[1][:10],
+                                                                         hf_greedy[2]]
+
+
+def test_under_kv_pressure_the_newest_request_gives_way(model_dir):
+    """Three requests that the pool cannot hold to their end: the one that arrived last is
+    preempted (and recomputed later); the two before it stream a token every step to their
+    end. Every request gets the tokens it gets alone."""
+    small = make_llm(model_dir, num_kv_blocks=1 + 8, decode_chunk=1)  # 3 blocks each at the end: 9
+    engine = small.engine
+    prompts = {rid: PROMPTS[4][i:i + 16] for i, rid in enumerate(("old", "middle", "new"))}
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)  # 16 + 20 - 1 slots: 3 blocks
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    seen: dict = {}
+    steps = 0
+    while engine.has_unfinished():
+        step = {out.request_id: out for out in engine.step()}
+        steps += 1
+        for rid in ("old", "middle"):
+            if not (rid in seen and seen[rid].finished):
+                assert rid in step and len(step[rid].token_ids) == 1, (steps, rid)
+        for out in step.values():
+            if out.request_id in seen:
+                seen[out.request_id].merge(out)
+            else:
+                seen[out.request_id] = out
+    assert engine.stats().num_preemptions == 1
+    assert [seen[rid].finished for rid in prompts] == [True] * 3
+    roomy = make_llm(model_dir)
+    for rid, prompt in prompts.items():
+        assert seen[rid].token_ids == roomy.generate([prompt], params)[0].token_ids
+
+
+@pytest.mark.parametrize("decode_chunk", [1, 4])
+def test_each_update_carries_a_full_round_while_no_prefill_could_take_a_waiting_request(model_dir, hf_greedy,
+                                                                                         decode_chunk):
+    """A round is cut short only for requests a prefill could take now. With max_num_seqs 1, the
+    second request waits for the first to end, and the first streams its prefill's token and then
+    decode_chunk tokens per update (the last update what is left); then the second does the same."""
+    llm = make_llm(model_dir, decode_chunk=decode_chunk, max_num_seqs=1)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    engine.add_request("first", PROMPTS[4], params)
+    engine.add_request("queued", PROMPTS[1], params)
+    sizes: dict = {"first": [], "queued": []}
+    tokens: dict = {"first": [], "queued": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            sizes[out.request_id].append(len(out.token_ids))
+            tokens[out.request_id] += out.token_ids
+    rounds = [1] + [decode_chunk] * (13 // decode_chunk) + ([13 % decode_chunk] if 13 % decode_chunk else [])
+    assert sizes == {"first": rounds, "queued": rounds}
+    assert [tokens["first"], tokens["queued"]] == [hf_greedy[4][:14], hf_greedy[1][:14]]
+
+
+def test_the_first_update_times_the_wait_and_the_prefill_apart(model_dir):
+    """The update with a request's first token carries when its prefill was first scheduled and
+    when that token reached the engine's host (the server's queue and prefill time metrics): the
+    request that waits for the batch (max_num_seqs 1) is scheduled only after the first one ends,
+    and each prefill takes time after its scheduling."""
+    import time
+
+    llm = make_llm(model_dir, max_num_seqs=1)
+    engine = llm.engine
+    added = time.monotonic()
+    for rid, prompt in (("first", PROMPTS[4]), ("second", PROMPTS[1])):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    times = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.core_times is not None:
+                times[out.request_id] = out.core_times
+    for rid in ("first", "second"):
+        scheduled, first_token = times[rid]
+        assert added <= scheduled < first_token
+    assert times["second"][0] > times["first"][1]  # it waited for the first request's rounds
+
+
+def test_a_pool_that_holds_one_request_at_a_time_serves_two_in_turn(model_dir):
+    """Two requests whose KV outgrows a pool of 2 blocks on their first decode step: the older one
+    runs to its end, the newer one is preempted and then recomputed, and each gets the tokens it
+    gets alone, ending on max_tokens."""
+    small = make_llm(model_dir, num_kv_blocks=1 + 2, decode_chunk=1)
+    engine = small.engine
+    prompts = {"older": PROMPTS[4][:16], "newer": PROMPTS[4][16:32]}  # a full block each
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)  # 16 + 10 - 1 slots: 2 blocks
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    seen: dict = {}
+    finished = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id in seen:
+                seen[out.request_id].merge(out)
+            else:
+                seen[out.request_id] = out
+            if out.finished:
+                finished.append(out.request_id)
+    assert finished == ["older", "newer"]
+    assert engine.stats().num_preemptions >= 1
+    roomy = make_llm(model_dir)
+    for rid, prompt in prompts.items():
+        assert (seen[rid].token_ids, seen[rid].finish_reason) == \
+            (roomy.generate([prompt], params)[0].token_ids, "length")
+    assert engine.block_manager.num_free_blocks == 2
+
+
+def test_a_request_arriving_while_the_batch_is_full_does_not_cut_the_round(model_dir, hf_greedy):
+    """Serving on a CPU with max_num_seqs 1: a request that arrives during a decode round cannot
+    be prefilled before the running one ends, so the round is not cut for it; the running request
+    still gets its decode_chunk tokens in one update, and the late one its tokens after it."""
+    llm = make_llm(model_dir, decode_chunk=8, max_num_seqs=1)
+    engine, core = llm.engine, llm.engine.core
+    engine.add_request("running", PROMPTS[4], GREEDY)
+    updates = engine.step()  # its prefill
+    arrived = []
+
+    def arrive(outputs):  # as CoreLoop does between two steps of a round: take what came in
+        if not arrived:
+            arrived.append(engine.add_request("late", PROMPTS[1], GREEDY))
+
+    core.on_wait = arrive
+    try:
+        whole = engine.step()
+        assert [(u.request_id, len(u.token_ids)) for u in whole] == [("running", 8)]
+        updates += whole
+        while engine.has_unfinished():
+            updates += engine.step()
+    finally:
+        core.on_wait = None
+    for rid, i in (("running", 4), ("late", 1)):
+        assert [t for u in updates if u.request_id == rid for t in u.token_ids] == hf_greedy[i]
+
+
+def test_a_request_waits_until_a_step_has_prefill_budget_left_for_it(model_dir):
+    """Chunked prefill (16 tokens a step): a second 40-token prompt waits (num_waiting, and the
+    queue time of its first update) while the first prompt's chunks take the whole budget, and
+    starts in the step where the first one's last chunk leaves room."""
+    import time
+
+    llm = make_llm(model_dir, max_num_batched_tokens=16)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    engine.add_request("first", PROMPTS[4][:40], params)
+    engine.add_request("second", PROMPTS[4][10:50], params)
+    counts, ends, times = [], [], {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.core_times is not None:
+                times[out.request_id] = out.core_times
+        ends.append(time.monotonic())
+        stats = engine.stats()
+        counts.append((stats.num_running, stats.num_waiting))
+    assert counts[:2] == [(1, 1), (1, 1)]  # chunks 16 and 16 of the first
+    assert counts[2] == (2, 0)  # its last 8, and the second's first 8
+    assert ends[1] < times["second"][0] < times["second"][1]

@@ -277,3 +277,70 @@ def test_the_pipeline_survives_turnover(engines):
     ahead = after.decode_rounds_ahead - before.decode_rounds_ahead
     # only the first round (nothing in flight yet) and a round after the batch emptied start cold
     assert ahead >= rounds - 2, (ahead, rounds)
+
+
+def test_a_request_prefilled_behind_a_round_in_flight_joins_the_next_rounds(engines):
+    """A short request arriving while a long one's rounds are in flight is prefilled behind the
+    round in flight and decodes in the rounds launched after it: it is not held back until the
+    long request ends, so it finishes first. Both get eager's tokens."""
+    engine = engines["overlap"].engine
+    long, short = params_for("greedy", 60, ignore_eos=True), params_for("greedy", 6, ignore_eos=True)
+    engine.add_request("long", PROMPTS[0], long)
+    seen: dict = {}
+    for _ in range(2):  # its prefill, then its first round collected with the next one in flight
+        for out in engine.step():
+            merge_into(seen, out)
+    engine.add_request("short", PROMPTS[1], short)
+    finished = []
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                merge_into(seen, out)
+                if out.finished:
+                    finished.append(out.request_id)
+    finally:  # a failure leaves the shared engine idle for the next tests
+        for rid in ("long", "short"):
+            engine.abort(rid)
+    assert finished == ["short", "long"]
+    eager = engines["eager"]
+    assert seen["long"].token_ids == eager.generate([PROMPTS[0]], long)[0].token_ids
+    assert seen["short"].token_ids == eager.generate([PROMPTS[1]], short)[0].token_ids
+
+
+@pytest.mark.parametrize("lengths", [[9], MAX_TOKENS], ids=["one", "five"])
+def test_overlap_runs_no_step_for_a_request_ending_by_length_in_the_round_in_flight(engines, lengths):
+    """A request that reaches max_tokens inside (or at the end of) the round in flight is known
+    to end there: the round launched ahead leaves it out, so the device runs exactly the decode
+    steps of one round at a time (graph replays per batch size), not one more."""
+    params = [params_for("greedy", n, ignore_eos=True) for n in lengths]
+    work = {}
+    for mode in ("serial", "overlap"):
+        before = engines[mode].engine.stats()
+        assert [len(t) for t, _ in generate(engines[mode], PROMPTS[:len(lengths)], params)] == lengths
+        after = engines[mode].engine.stats()
+        work[mode] = {bucket: n - before.graph_replays.get(bucket, 0) for bucket, n in after.graph_replays.items()
+                      if n != before.graph_replays.get(bucket, 0)}
+    assert work["overlap"] == work["serial"]
+
+
+@pytest.mark.parametrize("lengths", [[6, 30], MAX_TOKENS], ids=["two", "five"])
+def test_overlap_sends_each_request_its_tokens_in_the_same_steps_as_serial(engines, lengths):
+    """Rounds launched ahead change when the host reads a round, not what each step hands each
+    request: step by step, every request gets the same tokens with and without overlap (a request
+    with one token left after the round in flight gets it from the round launched next)."""
+    params = [params_for("greedy", n, ignore_eos=True) for n in lengths]
+    steps = {}
+    ahead = engines["overlap"].engine.stats().decode_rounds_ahead
+    for mode in ("serial", "overlap"):
+        engine = engines[mode].engine
+        for i, p in enumerate(params):
+            engine.add_request(f"s{i}", PROMPTS[i], p)
+        steps[mode] = []
+        try:
+            while engine.has_unfinished():
+                steps[mode].append(sorted((o.request_id, o.token_ids, o.finish_reason) for o in engine.step()))
+        finally:  # a failure leaves the shared engine idle for the next tests
+            for i in range(len(params)):
+                engine.abort(f"s{i}")
+    assert steps["overlap"] == steps["serial"]
+    assert engines["overlap"].engine.stats().decode_rounds_ahead > ahead

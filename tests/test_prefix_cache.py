@@ -387,3 +387,27 @@ def test_a_prefill_aborted_midway_leaves_its_prompt_to_the_next_request(model_di
     assert [t for out in outs for t in out.token_ids] == tokens(plain, [prompt])[0]
     assert outs[0].num_cached_tokens == BS
     assert_idle(cached)
+
+
+def test_a_request_waiting_for_a_shared_prefix_holds_back_no_one_behind_it(model_dir, plain):
+    """Three requests arrive together: the second shares the first one's prefix and waits for its
+    prefill to hit it; the third shares nothing and is prefilled beside the first at once, not held
+    back behind the second. The second then hits the prefix. Tokens as without the cache."""
+    cached = make_llm(model_dir, caching=True)
+    engine = cached.engine
+    other = [200 + (3 * j) % 50 for j in range(40)]
+    prompts = {"first": PROMPTS[0], "second": PROMPTS[1], "other": other}
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, GREEDY)
+    outs: dict = {}
+    first_step = engine.step()
+    assert sorted(o.request_id for o in first_step) == ["first", "other"]
+    for out in first_step:
+        outs[out.request_id] = [out]
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert outs["second"][0].num_cached_tokens == 3 * BS
+    got = {rid: [t for o in outs[rid] for t in o.token_ids] for rid in prompts}
+    assert [got[rid] for rid in prompts] == tokens(plain, list(prompts.values()))
+    assert_idle(cached)
