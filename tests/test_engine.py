@@ -78,6 +78,28 @@ def test_chunked_prefill_gives_same_tokens(model_dir, hf_greedy, budget):
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hf_greedy
 
 
+def merge_updates(seen: dict, updates) -> None:
+    """Each request's updates so far merged into one output (by request id)."""
+    for out in updates:
+        if out.request_id in seen:
+            seen[out.request_id].merge(out)
+        else:
+            seen[out.request_id] = out
+
+
+def arrive_late(engine, core) -> list:
+    """A request ("late") arrives between two steps of the next round, as CoreLoop takes what came
+    in while a round runs; the list holds its id once it has."""
+    arrived = []
+
+    def arrive(outputs):
+        if not arrived:
+            arrived.append(engine.add_request("late", PROMPTS[1], GREEDY))
+
+    core.on_wait = arrive
+    return arrived
+
+
 def test_decodes_riding_along_prefill_steps_keep_their_tokens(model_dir, hf_greedy):
     """On CPU the running decodes join each prefill step with one token: greedy tokens stay
     transformers', seeded samples stay those of separate steps, and the prompt-token count
@@ -115,13 +137,7 @@ def test_a_request_arriving_during_a_cpu_round_waits_one_step_not_the_round(mode
     engine, core = llm.engine, llm.engine.core
     engine.add_request("running", PROMPTS[4], GREEDY)
     updates = engine.step()  # its prefill
-    arrived = []
-
-    def arrive(outputs):  # as CoreLoop does between two steps of a round: take what came in
-        if not arrived:
-            arrived.append(engine.add_request("late", PROMPTS[1], GREEDY))
-
-    core.on_wait = arrive
+    arrived = arrive_late(engine, core)
     try:
         cut = engine.step()
         assert [(u.request_id, len(u.token_ids)) for u in cut] == [("running", 1)]  # one step of the 8
@@ -430,11 +446,7 @@ def test_a_pool_holding_what_the_running_requests_write_serves_them_without_pree
         step = {out.request_id: out for out in engine.step()}
         if "first" in seen and not seen["first"].finished:
             assert {rid: len(out.token_ids) for rid, out in step.items()} == {"first": 1, "second": 1}
-        for out in step.values():
-            if out.request_id in seen:
-                seen[out.request_id].merge(out)
-            else:
-                seen[out.request_id] = out
+        merge_updates(seen, step.values())
     assert engine.stats().num_preemptions == 0
     roomy = make_llm(model_dir)
     for rid, prompt in (("first", first), ("second", second)):
@@ -488,11 +500,7 @@ def test_under_kv_pressure_the_newest_request_gives_way(model_dir):
         for rid in ("old", "middle"):
             if not (rid in seen and seen[rid].finished):
                 assert rid in step and len(step[rid].token_ids) == 1, (steps, rid)
-        for out in step.values():
-            if out.request_id in seen:
-                seen[out.request_id].merge(out)
-            else:
-                seen[out.request_id] = out
+        merge_updates(seen, step.values())
     assert engine.stats().num_preemptions == 1
     assert [seen[rid].finished for rid in prompts] == [True] * 3
     roomy = make_llm(model_dir)
@@ -582,13 +590,7 @@ def test_a_request_arriving_while_the_batch_is_full_does_not_cut_the_round(model
     engine, core = llm.engine, llm.engine.core
     engine.add_request("running", PROMPTS[4], GREEDY)
     updates = engine.step()  # its prefill
-    arrived = []
-
-    def arrive(outputs):  # as CoreLoop does between two steps of a round: take what came in
-        if not arrived:
-            arrived.append(engine.add_request("late", PROMPTS[1], GREEDY))
-
-    core.on_wait = arrive
+    arrived = arrive_late(engine, core)
     try:
         whole = engine.step()
         assert [(u.request_id, len(u.token_ids)) for u in whole] == [("running", 8)]
