@@ -148,7 +148,10 @@ class DraftModelDrafter(Drafter):
             seq.num_computed_tokens += 1
         if views and self.graphs is not None and len(views) + len(seqs) > self.graphs.max_bucket:
             rnd = DecodeRound(views, 1)  # its output is not read
-            self.graphs.launch(rnd) if len(views) <= self.graphs.max_bucket else self.runner.decode(rnd)
+            if len(views) <= self.graphs.max_bucket:
+                self.graphs.launch(rnd)
+            else:
+                self.runner.decode(rnd)
             views = []
         while True:
             batch, lens, budget = [], [], self.max_prefill_tokens
