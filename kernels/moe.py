@@ -2,9 +2,10 @@
 
     out[t] = sum over token t's k picks (expert e, weight w) of w * down_e(silu(gate_e x_t) * up_e x_t)
 
-1. route(): float32 softmax of the router logits, torch.topk, optional renormalization -- the one
-   routing function, which engine/models/moe.py's torch path imports too, so both pick the same
-   experts (ties included: torch.topk's order).
+1. route(): float32 softmax of the router logits, torch.topk, optional renormalization -- the
+   routing of engine/models/moe.py's torch path (CPU) and of the reference; here the same in one
+   kernel, kernels/moe_route.py's route_fused (ties to the lowest expert id, the set CUDA's
+   torch.topk picks).
 2. moe_align() (kernels/moe_align.py): the T*k picks (pick p = token p // k, its p % k-th choice)
    grouped by expert and each expert's run padded to a multiple of block_m with a sentinel pick
    (T*k), so every block of block_m picks belongs to one expert; static sizes, no host sync.
@@ -18,8 +19,8 @@
    Blocks past the padded length (their count is known on the device only) return at once.
    Programs are ordered blocks-fastest, so the blocks of one expert that share a weight tile run
    together and read it from L2 once.
-4. combine: the [T, k, H] per-pick rows summed over k in float32, in pick order -- deterministic,
-   no atomics.
+4. combine (_combine_kernel): the [T, k, H] per-pick rows summed over k in float32, in pick order,
+   rounded once -- deterministic, no atomics, one kernel (torch's sum and cast were three).
 
 Small batches (decode, T <= 16): block_m = 16 >= T, and an expert is picked at most once a token,
 so each chosen expert's picks fit one block: every selected expert's weights are read exactly once
@@ -48,6 +49,7 @@ import triton.language as tl
 
 from graphserve.kernels._common import dot_precision, sm_count
 from graphserve.kernels.moe_align import moe_align
+from graphserve.kernels.moe_route import route_fused
 from graphserve.kernels.skinny_gemm import W_ONLY_X_SCALE
 
 FP8 = torch.float8_e4m3fn
@@ -205,7 +207,7 @@ def fused_moe(
     [T, E], gate_up [E, 2I, H] (each expert's [gate; up] rows) and down [E, H, I] of x's dtype, or
     float8 e4m3 with gate_up_scale [E, 2I] and down_scale [E, H] float32 (one per output channel);
     float32 accumulation. tiles: (gate_up, down) launch shapes with one block_m (benchmark sweeps)."""
-    weights, expert_ids = route(router_logits, top_k, renormalize)
+    weights, expert_ids = route_fused(router_logits, top_k, renormalize)
     return fused_experts(x, weights, expert_ids, gate_up, down, gate_up_scale=gate_up_scale, down_scale=down_scale,
                          tiles=tiles)
 
@@ -270,7 +272,23 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )
-    return per_pick.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    out = torch.empty_like(x)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(tokens, triton.cdiv(hidden, block_h))](per_pick, out, hidden, TOP_K=top_k, BLOCK_H=block_h)
+    return out
+
+
+@triton.jit
+def _combine_kernel(per_pick_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = the sum over token t's k picks' rows of per_pick [T*k, H], in float32 and pick order
+    (the order torch's sum over the k dim takes), rounded once to out's dtype."""
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(per_pick_ptr + (token * TOP_K + j) * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,

@@ -22,6 +22,7 @@ from graphserve.engine.models.moe import SparseMoE, combine_experts
 from graphserve.engine.models.moe_config import MoeArgs
 from graphserve.kernels.moe import MoeTile, default_moe_tiles, fused_moe, fused_moe_ref, route
 from graphserve.kernels.moe_align import max_padded_picks, moe_align, moe_align_torch
+from graphserve.kernels.moe_route import route_fused
 
 align_module = importlib.import_module("graphserve.kernels.moe_align")
 ALIGNS = {"kernel": moe_align, "torch": moe_align_torch}
@@ -45,10 +46,17 @@ def torch_path(x, logits, gate_up, down, top_k, renormalize) -> torch.Tensor:
     return combine_experts(x, weights, experts, gate_up, down)
 
 
+def lowest_id_top_k(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top k of each row, ties to the lowest id (a stable descending sort): the GPU path's rule."""
+    values, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    return values[:, :top_k], ids[:, :top_k]
+
+
 def per_token_reference(x, logits, gate_up, down, top_k, renormalize) -> torch.Tensor:
-    """Independent of kernels.moe.route: softmax, torch.topk, each pick's expert token by token."""
+    """Independent of the kernels' routing: softmax, the top k by a stable sort (ties to the lowest
+    expert id), each pick's expert token by token."""
     probs = torch.softmax(logits.float(), dim=-1)
-    weights, picks = torch.topk(probs, top_k, dim=-1)
+    weights, picks = lowest_id_top_k(probs, top_k)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     out = torch.zeros_like(x)
@@ -61,7 +69,7 @@ def per_token_reference(x, logits, gate_up, down, top_k, renormalize) -> torch.T
 
 # (tokens, experts, top_k, hidden, inter): decode-sized (small path, blocks of 16) and past it
 CASES = [(t, e, k, h, i) for t, (h, i) in zip((1, 3, 17), ((32, 32), (64, 48), (32, 48)))
-         for e in (4, 8) for k in (1, 2)]
+         for e in (4, 8) for k in (1, 2)] + [(2, 4, 2, 1100, 16)]  # the combine over several blocks of H
 
 
 @torch.no_grad()
@@ -198,8 +206,9 @@ def test_an_idle_expert_and_one_expert_taking_every_token(top_k, poisoned_output
 @pytest.mark.parametrize("tie", ["three experts tie for two places", "all experts tie"])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_router_ties_pick_the_reference_experts(tie, renormalize, poisoned_outputs):
-    """Equal logits: the kernel path picks the experts torch.topk picks (a different pick would change
-    the output: every expert's weights differ)."""
+    """Equal logits: the kernel path picks the lowest expert ids among equals (a different pick would
+    change the output: every expert's weights differ). (torch.topk on the CPU picks other ones: 6 and 5
+    of eight zeros; on CUDA its set is the lowest ids', test_routing_picks_the_set_cuda_topk_picks.)"""
     tokens, experts, hidden, inter = 5, 8, 32, 32
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(tokens, hidden, generator=gen)
@@ -211,6 +220,30 @@ def test_router_ties_pick_the_reference_experts(tie, renormalize, poisoned_outpu
         logits[:, [1, 4, 6]] = 0.5
     out = fused_moe(x, logits, gate_up, down, 2, renormalize)
     torch.testing.assert_close(out, per_token_reference(x, logits, gate_up, down, 2, renormalize), **F32_TOL)
+
+
+@pytest.mark.parametrize("experts, top_k", [(128, 8), (8, 2), (60, 4), (1, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_fused_routing_equals_softmax_top_k_and_renormalization(experts, top_k, dtype, renormalize):
+    """route_fused against softmax, a stable top k and the division: the same experts in the same order
+    (bf16 logits tie often: the lowest ids first), weights within float32 rounding."""
+    gen = torch.Generator().manual_seed(experts + top_k)
+    logits = (torch.randn(9, experts, generator=gen) * 2).to(dtype)
+    weights, ids = route_fused(logits, top_k, renormalize)
+    want_weights, want_ids = lowest_id_top_k(torch.softmax(logits, dim=-1, dtype=torch.float32), top_k)
+    if renormalize:
+        want_weights = want_weights / want_weights.sum(-1, keepdim=True)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=2e-6, atol=1e-8)
+
+
+def test_fused_routing_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="experts"):
+        route_fused(torch.zeros(2, 4), 5, True)
+    with pytest.raises(ValueError, match="experts"):
+        route_fused(torch.zeros(2, 2048), 8, True)
 
 
 def test_mismatched_shapes_are_refused():
@@ -447,3 +480,19 @@ def test_sparse_moe_on_cuda_uses_the_kernels(tokens, monkeypatch):
     got = layer(x.to(DEV, BF16))
     assert calls, "the CUDA path did not go through kernels.moe.fused_moe"
     assert rel_err(got.cpu(), want) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts, top_k", [(128, 8), (8, 2)])
+def test_routing_picks_the_set_cuda_topk_picks(experts, top_k):
+    """On CUDA, route_fused picks the experts kernels.moe.route (torch.topk) picks, ties included:
+    bf16 logits rounded to a coarse grid, so many tokens have a tie at the k-th place."""
+    gen = torch.Generator(device=DEV).manual_seed(experts)
+    logits = (torch.randn(4096, experts, device=DEV, generator=gen) * 4).round().to(BF16) / 4
+    weights, ids = route_fused(logits, top_k, True)
+    want_weights, want_ids = route(logits, top_k, True)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    kth = probs.topk(top_k + 1).values
+    assert (kth[:, top_k - 1] == kth[:, top_k]).float().mean() > 0.1  # ties at the boundary are common
+    assert torch.equal(ids.sort(dim=-1).values, want_ids.sort(dim=-1).values)
+    torch.testing.assert_close(weights.sort(dim=-1).values, want_weights.sort(dim=-1).values, rtol=2e-6, atol=1e-8)
