@@ -4,7 +4,9 @@ enough layer copies that L2 holds none of them. Reports us per layer and the ban
 the bytes a layer must read at that batch: the distinct experts the batch's routing chose times an
 expert's bytes, plus the router weight. --sweep also times a grid of tiles at --sweep-tokens: for each
 block_m, the gate_up tiles (down at its default shape), then the down tiles beside the best gate_up.
---kernels adds each kernel's device time a layer (the torch profiler over eager calls).
+At decode sizes (up to SMALL_BATCH_MAX_TOKENS) the GEMV path (kernels/moe_gemv.py) and the grouped GEMMs are
+each timed too, beside the path fused_moe takes ("default"); --sweep sweeps the GEMV path's tiles up to
+GEMV_MAX_TOKENS. --kernels adds each kernel's device time a layer (the torch profiler over eager calls).
 
     python benchmarks/moe_kernel_bench.py --out benchmarks/results/moe_kernel_bench-h200-<date>.json
     python benchmarks/moe_kernel_bench.py --shapes qwen3-30b-a3b --tokens 1 16 --out moe.json
@@ -59,7 +61,8 @@ def kernel_times(layer_call, copies: int, calls: int = 60) -> dict[str, float]:
 def bench_shape(name: str, tokens_list: list[int], copy_gbs: float, sweep_tokens: list[int],
                 profile: bool = False) -> list[dict]:
     from graphserve.kernels._common import sm_count
-    from graphserve.kernels.moe import default_moe_tiles, fused_moe, route
+    from graphserve.kernels.moe import SMALL_BATCH_MAX_TOKENS, default_moe_tiles, fused_moe, route
+    from graphserve.kernels.moe_gemv import GEMV_MAX_TOKENS
 
     hidden, inter, experts, top_k, renormalize = SHAPES[name]
     expert_bytes = 3 * hidden * inter * 2
@@ -79,10 +82,11 @@ def bench_shape(name: str, tokens_list: list[int], copy_gbs: float, sweep_tokens
         chosen = [route(F.linear(x, r), top_k, renormalize)[1].unique().numel() for r, _, _ in layers]
         must_read = sum(c * expert_bytes + router_bytes for c in chosen) / copies
 
-        def time_tiles(tiles, quiet_errors: bool = False) -> float | None:
+        def time_tiles(tiles, quiet_errors: bool = False, gemv: bool | None = None) -> float | None:
             def layer_fn(i):
                 router, gate_up, down = layers[i]
-                return lambda: fused_moe(x, F.linear(x, router), gate_up, down, top_k, renormalize, tiles=tiles)
+                return lambda: fused_moe(x, F.linear(x, router), gate_up, down, top_k, renormalize, tiles=tiles,
+                                         gemv=gemv)
             try:
                 return graph_ms([layer_fn(i) for i in range(copies)], min_calls=max(40, 2 * copies)) * 1e3
             except Exception as e:  # a swept tile that does not compile or fit
@@ -93,18 +97,25 @@ def bench_shape(name: str, tokens_list: list[int], copy_gbs: float, sweep_tokens
 
         def record(kind: str, tiles, us: float) -> dict:
             row = dict(shape=name, tokens=tokens, hidden=hidden, inter=inter, experts=experts, top_k=top_k,
-                       kind=kind, tiles=[list(t) for t in tiles], experts_chosen=sum(chosen) / copies,
+                       kind=kind, tiles=[list(t) for t in tiles] if tiles else None, experts_chosen=sum(chosen) / copies,
                        bytes_must_read=must_read, us=us, gb_per_s=must_read / us / 1e3,
                        fraction_of_copy=must_read / us / 1e3 / copy_gbs)
             rows.append(row)
             return row
 
         default = default_moe_tiles(tokens, top_k, experts, hidden, inter, sm_count(x.device))
-        row = record("default", default, time_tiles(default))
-        print(f"{name:14s} T={tokens:5d} experts read {row['experts_chosen']:6.1f} {row['us']:9.1f} us/layer "
-              f"{row['gb_per_s']:7.0f} GB/s ({row['fraction_of_copy']:.0%} of copy)", flush=True)
+        # default: the path fused_moe takes at this size; at decode sizes each path forced as well
+        timings = [("default", None, time_tiles(None))]
+        if tokens <= SMALL_BATCH_MAX_TOKENS:
+            timings += [("gemv", None, time_tiles(None, gemv=True)), ("grouped", default, time_tiles(default))]
+        for kind, tiles, us in timings:
+            row = record(kind, tiles, us)
+            print(f"{name:14s} T={tokens:5d} {kind:8s} experts read {row['experts_chosen']:6.1f} {row['us']:9.1f} "
+                  f"us/layer {row['gb_per_s']:7.0f} GB/s ({row['fraction_of_copy']:.0%} of copy)", flush=True)
         if tokens in sweep_tokens:
             sweep(tokens, default, time_tiles, record)
+            if tokens <= GEMV_MAX_TOKENS:
+                sweep_gemv(tokens, layers, x, top_k, renormalize, copies, record)
         if profile:
             kernels = kernel_times(lambda i: fused_moe(x, F.linear(x, layers[i][0]), layers[i][1], layers[i][2],
                                                        top_k, renormalize), copies)
@@ -116,6 +127,51 @@ def bench_shape(name: str, tokens_list: list[int], copy_gbs: float, sweep_tokens
     del layers
     torch.cuda.empty_cache()
     return rows
+
+
+def sweep_gemv(tokens: int, layers, x, top_k: int, renormalize: bool, copies: int, record) -> None:
+    """The decode path's tiles (kernels/moe_gemv.py): gate_up's with down's at their default, then
+    down's beside the best gate_up; prints the best pair."""
+    from graphserve.kernels._common import sm_count
+    from graphserve.kernels.gemv import GemvTile
+    from graphserve.kernels.moe_gemv import default_gemv_tiles, experts_gemv
+    from graphserve.kernels.moe_route import route_fused
+
+    hidden, inter = x.shape[1], layers[0][2].shape[2]
+
+    def time_gemv(tiles) -> float | None:
+        def layer_fn(i):
+            router, gate_up, down = layers[i]
+
+            def layer():
+                weights, ids = route_fused(F.linear(x, router), top_k, renormalize)
+                return experts_gemv(x, weights, ids, gate_up, down, None, None, tiles)
+            return layer
+        try:
+            return graph_ms([layer_fn(i) for i in range(copies)], min_calls=max(40, 2 * copies)) * 1e3
+        except Exception as e:  # a tile that does not compile or fit
+            print(f"  T={tokens} {tiles}: {type(e).__name__}: {str(e)[:100]}")
+            return None
+
+    default = default_gemv_tiles(tokens, top_k, hidden, inter, sm_count(x.device))
+    best = (time_gemv(default), default)
+    pair = default
+    candidates = [GemvTile(block_n, block_k, warps)
+                  for block_n, block_k, warps in itertools.product((1, 2, 4, 8, 16), (128, 256, 512, 1024), (4, 8))]
+    for which in (0, 1):
+        timed = []
+        for tile in candidates:
+            tiles = (tile, pair[1]) if which == 0 else (pair[0], tile)
+            us = time_gemv(tiles)
+            if us is not None:
+                record(f"sweep gemv {('gate_up', 'down')[which]}", tiles, us)
+                timed.append((us, tiles))
+        if timed:
+            us, pair = min(timed, key=lambda t: t[0])
+            if us < best[0]:
+                best = (us, pair)
+    print(f"  best of the gemv sweep {best[0]:9.1f} us/layer {[list(t) for t in best[1]]} "
+          f"(default {[list(t) for t in default]})", flush=True)
 
 
 def sweep(tokens: int, default, time_tiles, record) -> None:

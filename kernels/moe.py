@@ -22,7 +22,10 @@
 4. combine (_combine_kernel): the [T, k, H] per-pick rows summed over k in float32, in pick order,
    rounded once -- deterministic, no atomics, one kernel (torch's sum and cast were three).
 
-Small batches (decode, T <= 16): block_m = 16 >= T, and an expert is picked at most once a token,
+Decode steps of up to GEMV_MAX_TOKENS tokens skip 2-4 for kernels/moe_gemv.py's two matrix-vector kernels
+(no alignment, the combine fused into the down projection).
+
+Small batches (T <= 16): block_m = 16 >= T, and an expert is picked at most once a token,
 so each chosen expert's picks fit one block: every selected expert's weights are read exactly once
 (a GEMV-like pass over the chosen experts, bandwidth-bound), with narrow output tiles so the few
 experts still give every SM programs. Larger T (prefill, large decode batches): block_m up to 64 from
@@ -49,6 +52,7 @@ import triton.language as tl
 
 from graphserve.kernels._common import dot_precision, sm_count
 from graphserve.kernels.moe_align import moe_align
+from graphserve.kernels.moe_gemv import GEMV_MAX_TOKENS, default_gemv_tiles, experts_gemv
 from graphserve.kernels.moe_route import route_fused
 from graphserve.kernels.skinny_gemm import W_ONLY_X_SCALE
 
@@ -202,14 +206,17 @@ def fused_moe(
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     tiles: tuple[MoeTile, MoeTile] | None = None,
+    gemv: bool | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum [T, H] for x [T, H] (bf16 / fp16 / fp32), router_logits
     [T, E], gate_up [E, 2I, H] (each expert's [gate; up] rows) and down [E, H, I] of x's dtype, or
     float8 e4m3 with gate_up_scale [E, 2I] and down_scale [E, H] float32 (one per output channel);
-    float32 accumulation. tiles: (gate_up, down) launch shapes with one block_m (benchmark sweeps)."""
+    float32 accumulation. tiles: (gate_up, down) launch shapes of the grouped path with one block_m
+    (benchmark sweeps); gemv: the decode path (kernels/moe_gemv.py) forced on or off, None: up to
+    GEMV_MAX_TOKENS tokens."""
     weights, expert_ids = route_fused(router_logits, top_k, renormalize)
     return fused_experts(x, weights, expert_ids, gate_up, down, gate_up_scale=gate_up_scale, down_scale=down_scale,
-                         tiles=tiles)
+                         tiles=tiles, gemv=gemv)
 
 
 def _check_fp8_scales(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torch.Tensor | None,
@@ -230,7 +237,7 @@ def _check_fp8_scales(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, *, gate_up_scale: torch.Tensor | None = None,
                   down_scale: torch.Tensor | None = None,
-                  tiles: tuple[MoeTile, MoeTile] | None = None) -> torch.Tensor:
+                  tiles: tuple[MoeTile, MoeTile] | None = None, gemv: bool | None = None) -> torch.Tensor:
     """fused_moe after routing: weights [T, k] float32 and expert_ids [T, k] from route()."""
     if x.dim() != 2 or gate_up.dim() != 3 or expert_ids.shape != weights.shape or expert_ids.dim() != 2:
         raise ValueError(f"expected x [T, H], gate_up [E, 2I, H] and routing [T, k], got x {tuple(x.shape)}, "
@@ -248,6 +255,10 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
         raise ValueError("x needs contiguous rows, gate_up and down must be contiguous")
     if tokens == 0:
         return torch.zeros_like(x)
+    use_gemv = gemv if gemv is not None else tiles is None and tokens <= GEMV_MAX_TOKENS
+    if use_gemv:
+        return experts_gemv(x, weights, expert_ids, gate_up, down, gate_up_scale, down_scale,
+                            default_gemv_tiles(tokens, top_k, hidden, inter, sm_count(x.device), gate_up.element_size()))
     gate_up_tile, down_tile = tiles or default_moe_tiles(tokens, top_k, num_experts, hidden, inter,
                                                          sm_count(x.device), x.element_size())
     if gate_up_tile.block_m != down_tile.block_m:

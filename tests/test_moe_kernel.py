@@ -21,6 +21,7 @@ from graphserve.engine.models.fp8 import FP8, dequantize, quantize_experts
 from graphserve.engine.models.moe import SparseMoE, combine_experts
 from graphserve.engine.models.moe_config import MoeArgs
 from graphserve.kernels.moe import MoeTile, default_moe_tiles, fused_moe, fused_moe_ref, route
+from graphserve.kernels.moe_gemv import GEMV_MAX_TOKENS
 from graphserve.kernels.moe_align import max_padded_picks, moe_align, moe_align_torch
 from graphserve.kernels.moe_route import route_fused
 
@@ -67,20 +68,29 @@ def per_token_reference(x, logits, gate_up, down, top_k, renormalize) -> torch.T
     return out
 
 
-# (tokens, experts, top_k, hidden, inter): decode-sized (small path, blocks of 16) and past it
+# (tokens, experts, top_k, hidden, inter): decode-sized (the GEMV path) and past it (the grouped GEMMs)
 CASES = [(t, e, k, h, i) for t, (h, i) in zip((1, 3, 17), ((32, 32), (64, 48), (32, 48)))
          for e in (4, 8) for k in (1, 2)] + [(2, 4, 2, 1100, 16)]  # the combine over several blocks of H
 
 
+# each case by the path its size takes, and by the other path: the grouped GEMMs at every decode size, the
+# GEMV path past its sizes once (tokens sharing experts; slow in the interpreter)
+PATH_CASES = [(*case, "by-size") for case in CASES] + [
+    (*case, "the-other") for case in CASES if case[0] < 17 or case[1:3] == (8, 2)]
+
+
 @torch.no_grad()
-@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", CASES)
-def test_fused_moe_matches_the_torch_path(tokens, experts, top_k, hidden, inter, poisoned_outputs):
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, path", PATH_CASES)
+def test_fused_moe_matches_the_torch_path(tokens, experts, top_k, hidden, inter, path, poisoned_outputs):
+    """Both paths at every size: the one fused_moe takes for the size, and the other (the GEMV path
+    past its sizes too, where tokens share experts)."""
+    gemv = None if path == "by-size" else tokens > GEMV_MAX_TOKENS
     gen = torch.Generator().manual_seed(tokens * 100 + experts * 10 + top_k)
     x = torch.randn(tokens, hidden, generator=gen)
     logits = torch.randn(tokens, experts, generator=gen)
     gate_up, down = moe_weights(experts, hidden, inter, seed=tokens)
     renormalize = top_k % 2 == 0 or tokens == 3
-    out = fused_moe(x, logits, gate_up, down, top_k, renormalize)
+    out = fused_moe(x, logits, gate_up, down, top_k, renormalize, gemv=gemv)
     torch.testing.assert_close(out, torch_path(x, logits, gate_up, down, top_k, renormalize), **F32_TOL)
 
 
@@ -186,9 +196,10 @@ def test_small_batches_read_each_chosen_expert_once():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("tokens", [17, GEMV_MAX_TOKENS], ids=["grouped", "gemv"])
 @pytest.mark.parametrize("top_k", [1, 2])
-def test_an_idle_expert_and_one_expert_taking_every_token(top_k, poisoned_outputs):
-    tokens, experts, hidden, inter = 17, 8, 32, 48
+def test_an_idle_expert_and_one_expert_taking_every_token(top_k, tokens, poisoned_outputs):
+    experts, hidden, inter = 8, 32, 48
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(tokens, hidden, generator=gen)
     gate_up, down = moe_weights(experts, hidden, inter, seed=3)
@@ -401,7 +412,7 @@ def test_real_shapes_every_token_on_one_expert(real_layer, tokens, poisoned_outp
 
 @pytest.mark.gpu
 @torch.no_grad()
-@pytest.mark.parametrize("tokens", [4, 64, 1024])  # the small-batch path, the GEMM path; Qwen's torch align
+@pytest.mark.parametrize("tokens", [1, 4, 64, 1024])  # GEMV, small grouped, GEMM paths; Qwen's torch align
 def test_cuda_graph_replay_equals_eager(real_layer, tokens):
     name, gate_up, down, top_k, renormalize = real_layer
     hidden, experts = gate_up.shape[2], gate_up.shape[0]
