@@ -196,11 +196,11 @@ def test_a_request_that_fails_inside_a_step_fails_alone() -> None:
     env = {"GRAPHSERVE_ENABLE_FAULT_INJECTION": "1"}
     with ServerProcess(SERVER_ARGS, env=env) as faulty:
         faulty.wait_ready()
-        with httpx.Client(base_url=faulty.url, timeout=60.0) as http:
+        with httpx.Client(base_url=faulty.url, timeout=120.0) as http:
             solo = [http.post("/v1/completions", json=v).json()["choices"][0]["text"] for v in victims]
 
         async def scenario() -> tuple[list[httpx.Response], httpx.Response]:
-            async with httpx.AsyncClient(base_url=faulty.url, timeout=60.0) as http:
+            async with httpx.AsyncClient(base_url=faulty.url, timeout=120.0) as http:
                 async def running(n: int) -> None:
                     deadline = time.monotonic() + 30
                     while "graphserve_num_requests_running " + f"{n}.0" not in (await http.get("/metrics")).text:
