@@ -8,8 +8,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import wheel_env  # noqa: E402
 
 pytest_plugins = ["tensor_checks"]  # the poisoned_outputs fixture
+
+
+def pytest_collection_finish(session):
+    # the installed wheel's environment takes ~40 s of pip: built beside the tests that run first
+    if any("wheel_env" in item.fixturenames for item in session.items):
+        wheel_env.start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    wheel_env.discard()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,8 +4,9 @@ transformers and Hugging Face's `kernels` package (whose top-level name our kern
 The wheel installs one top-level module, `graphserve`; from the repository root and from any other
 folder, transformers imports as it should and the `graphserve` command runs; from the repository root
 (where our kernels/ and server/ folders sit beside the wheel's), `graphserve serve` starts on the
-embedded model and answers the official openai client. The environment is built once per test run (a few minutes on two cores:
-torch installs from the machine's local file, the rest from pip's cache)."""
+embedded model and answers the official openai client. The environment is built once per test run, in the
+background from the start of the run (tests/wheel_env.py; torch installs from the machine's local file, the
+rest from pip's cache)."""
 
 import os
 import subprocess
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 
 OpenAI = pytest.importorskip("openai", reason="the openai client (a dev extra) drives the HTTP server").OpenAI
+
+import wheel_env as wheel_env_build
 
 from graphserve.engine.model_files.default_model import MODEL_NAME
 from graphserve.server.testing import ServerProcess
@@ -35,25 +38,20 @@ print(transformers.__version__, LlamaConfig.model_type)
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(ROOT)], check=True, cwd=out, timeout=300)
-    (built,) = out.glob("graphserve-*.whl")
-    return built
+def wheel_env() -> tuple[Path, str]:
+    """(the wheel, a fresh venv's python with it installed): tests/wheel_env.py, started by conftest
+    when the run began."""
+    return wheel_env_build.ready()
 
 
 @pytest.fixture(scope="module")
-def wheel_python(wheel, tmp_path_factory) -> str:
-    venv = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    # --no-compile: byte-compiling all of torch would triple the time; what runs compiles as it imports
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check"]
-    torch_spec = os.environ.get("TORCH_SPEC", "torch==2.13.0")  # the Makefile's CPU pin
-    subprocess.run([*pip, torch_spec], check=True, timeout=900)
-    # transformers and kernels unpinned: the newest releases the index has
-    subprocess.run([*pip, str(wheel), "transformers", "kernels"], check=True, timeout=900)
-    return str(venv / "bin" / "python")
+def wheel(wheel_env) -> Path:
+    return wheel_env[0]
+
+
+@pytest.fixture(scope="module")
+def wheel_python(wheel_env) -> str:
+    return wheel_env[1]
 
 
 def test_the_wheel_holds_graphserve_only_and_every_source_file(wheel):
@@ -74,7 +72,9 @@ def test_the_wheel_holds_graphserve_only_and_every_source_file(wheel):
 @pytest.mark.parametrize("where", ["repository root", "another folder"])
 def test_the_installed_wheel_imports_and_serves(wheel_python, where, tmp_path):
     cwd = ROOT if where == "repository root" else tmp_path
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # bytecode written: the venv was installed without it, and each of this test's processes would
+    # otherwise compile torch and transformers again as it imports them (a few seconds each)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
     checked = subprocess.run([wheel_python, "-c", IMPORT_CHECK], cwd=cwd, env=env, capture_output=True, text=True,
                              timeout=300)
     assert checked.returncode == 0, checked.stderr
@@ -88,7 +88,7 @@ def test_the_installed_wheel_imports_and_serves(wheel_python, where, tmp_path):
 
     # as a user runs it: without the Triton interpreter that conftest turns on for every other process
     with ServerProcess(["--max-model-len", "256", "--max-num-seqs", "2"], python=wheel_python, cwd=cwd,
-                       env={"TRITON_INTERPRET": "0"}) as server:
+                       env={"TRITON_INTERPRET": "0", "PYTHONDONTWRITEBYTECODE": ""}) as server:
         server.wait_ready()
         client = OpenAI(base_url=server.url + "/v1", api_key="unused")
         completion = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=4,
