@@ -21,7 +21,8 @@ from graphserve.engine.models.fp8 import FP8, dequantize, quantize_experts
 from graphserve.engine.models.moe import SparseMoE, combine_experts
 from graphserve.engine.models.moe_config import MoeArgs
 from graphserve.kernels.moe import MoeTile, default_moe_tiles, fused_moe, fused_moe_ref, route
-from graphserve.kernels.moe_gemv import GEMV_MAX_TOKENS
+from graphserve.kernels.gemv import GemvTile
+from graphserve.kernels.moe_gemv import GEMV_MAX_TOKENS, experts_gemv
 from graphserve.kernels.moe_align import max_padded_picks, moe_align, moe_align_torch
 from graphserve.kernels.moe_route import route_fused
 
@@ -341,6 +342,30 @@ def test_fp8_experts_with_ragged_tiles(poisoned_outputs):
     out = fused_moe(x, logits, gate_up, down, 2, True, gate_up_scale=gate_up_scale, down_scale=down_scale,
                     tiles=tiles)
     assert rel_err(out, fp8_reference(x, logits, *weights, 2, True)) < FP8_F32_REL_ERR
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_the_gemv_path_with_several_k_tiles_a_pick_and_ragged_rows(fp8, poisoned_outputs):
+    """Explicit small tiles: three K tiles a pick in both kernels (the last one ragged in gate_up), so
+    the down kernel's tile read ahead crosses from each pick's last tile to the next pick's first, and
+    row tiles past N in both (masked rows and scales)."""
+    tokens, experts, top_k, hidden, inter = 2, 6, 3, 40, 48
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    weights, expert_ids = route(logits, top_k, True)
+    # gate_up: rows 48 of 2 x 32, K 40 in 3 tiles of 16; down: rows 40 of 3 x 16, K 48 in 3 tiles of 16
+    tiles = (GemvTile(32, 16, 4), GemvTile(16, 16, 4))
+    if fp8:
+        gate_up, gate_up_scale, down, down_scale = fp8_moe_weights(experts, hidden, inter)
+        out = experts_gemv(x, weights, expert_ids, gate_up, down, gate_up_scale, down_scale, tiles)
+        ref = fp8_reference(x, logits, gate_up, gate_up_scale, down, down_scale, top_k, True)
+        assert rel_err(out, ref) < FP8_F32_REL_ERR, rel_err(out, ref)
+    else:
+        gate_up, down = moe_weights(experts, hidden, inter)
+        out = experts_gemv(x, weights, expert_ids, gate_up, down, None, None, tiles)
+        torch.testing.assert_close(out, torch_path(x, logits, gate_up, down, top_k, True), **F32_TOL)
 
 
 def test_fp8_experts_without_their_scales_are_refused():
