@@ -347,9 +347,8 @@ def test_fp8_experts_with_ragged_tiles(poisoned_outputs):
 @torch.no_grad()
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 def test_the_gemv_path_with_several_k_tiles_a_pick_and_ragged_rows(fp8, poisoned_outputs):
-    """Explicit small tiles: three K tiles a pick in both kernels (the last one ragged in gate_up), so
-    the down kernel's tile read ahead crosses from each pick's last tile to the next pick's first, and
-    row tiles past N in both (masked rows and scales)."""
+    """Explicit small tiles: three K tiles a pick in both kernels (the last one ragged in gate_up, the
+    weight tile read ahead masked past K) and row tiles past N in both (masked rows and scales)."""
     tokens, experts, top_k, hidden, inter = 2, 6, 3, 40, 48
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(tokens, hidden, generator=gen)
