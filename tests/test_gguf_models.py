@@ -142,19 +142,20 @@ def test_chat_completions_use_the_files_chat_template(llama_q8: tuple[torch.nn.M
 
 
 def test_second_start_reuses_the_conversion(llama_q8: tuple[torch.nn.Module, Path]) -> None:
-    """`graphserve generate` on a file converted before: no conversion, the folder untouched."""
+    """`graphserve generate` on a file converted and served before: no conversion, the folder untouched
+    (the first start served from it packed its blocks for the CPU kernel, gguf/packed.safetensors)."""
     _, path = llama_q8
     folder = ensure_gguf_model(path, progress=False)
-    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
     expected = LLM(model=str(folder), device="cpu", kv_cache_bytes=16 * 1024**2).generate(
         PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))[0].text
+    before = {p.relative_to(folder): p.stat().st_mtime_ns for p in folder.rglob("*")}
 
     result = _graphserve("generate", "--device", "cpu", "--model", str(path), "--max-tokens", str(MAX_TOKENS),
                          "--ignore-eos", "--kv-cache-bytes", "16MiB", PROMPTS[0])
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected + "\n"
     assert "converting" not in result.stderr and "dequantizing" not in result.stderr
-    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
+    assert {p.relative_to(folder): p.stat().st_mtime_ns for p in folder.rglob("*")} == before
 
 
 def test_a_rewritten_file_gets_a_folder_of_its_own(files: Path) -> None:

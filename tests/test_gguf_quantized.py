@@ -12,6 +12,7 @@ through graphserve's conversion). Against the float32 path, the test bounds the 
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +173,44 @@ def test_loading_the_blocks_reads_no_float_weight_of_a_projection_they_serve(tin
     assert llm.engine.core.quantization == "gguf"
     assert reads and not [name for name in reads if name.endswith("_proj.weight")]
     assert "model.embed_tokens.weight" in reads
+
+
+def test_a_later_start_reads_the_packed_projections_and_a_changed_file_is_packed_again(tiny, monkeypatch) -> None:
+    """The first start packs the blocks for the kernel and keeps them (gguf/packed.safetensors); the next
+    serves the same tokens without packing anything; blocks rewritten since are packed again; a folder
+    the pack cannot be written to still serves."""
+    import graphserve.engine.cpu.packed_cache as packed_cache
+    from graphserve.engine.cpu.packed_cache import PACKED_FILE
+
+    _, _, _, path = tiny
+    folder = ensure_gguf_model(path, progress=False)
+    (folder / PACKED_FILE).unlink(missing_ok=True)
+    prompt = [[5, 6, 7, 8]]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+    def start_and_generate() -> tuple[list[int], int]:
+        packed, pack = [], ql.pack_quantized
+        monkeypatch.setattr(ql, "pack_quantized", lambda *a: packed.append(a[1]) or pack(*a))
+        llm = LLM(model=str(path), device="cpu", kv_cache_bytes=16 * 1024**2)
+        assert llm.engine.core.quantization == "gguf"
+        return llm.generate(prompt, params)[0].token_ids, len(packed)
+
+    tokens, packs = start_and_generate()
+    assert packs > 0 and (folder / PACKED_FILE).is_file()
+    assert start_and_generate() == (tokens, 0)
+
+    blocks = folder / ql.GGUF_BLOCKS_FILE
+    os.utime(blocks, ns=(blocks.stat().st_mtime_ns + 10**9,) * 2)
+    assert start_and_generate() == (tokens, packs)
+    assert start_and_generate() == (tokens, 0)
+
+    def unwritable(*args, **kwargs):
+        raise OSError("read-only file system")
+
+    (folder / PACKED_FILE).unlink()
+    monkeypatch.setattr(packed_cache, "save_file", unwritable)
+    assert start_and_generate() == (tokens, packs)
+    assert not list((folder / PACKED_FILE).parent.glob("packed*"))
 
 
 def test_float32_without_the_option_serves_the_dequantized_weights(tiny) -> None:

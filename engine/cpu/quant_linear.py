@@ -433,6 +433,11 @@ class QuantizedWeight:
     k: int
     panels: torch.Tensor
 
+    def __post_init__(self) -> None:
+        # the kernel reads panels with aligned vector loads: a misaligned tensor would crash it
+        if self.panels.data_ptr() % 64 or self.panels.stride(-1) != 1 or self.panels.dtype != torch.uint8:
+            raise ValueError("quantized panels must be contiguous uint8 rows starting on a 64-byte boundary")
+
     @property
     def nbytes(self) -> int:
         return self.panels.numel()

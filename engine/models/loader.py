@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from graphserve.engine.cpu import quant_linear
+from graphserve.engine.cpu.packed_cache import PackedCache
 from graphserve.engine.distributed import SINGLE, TensorParallel
 from graphserve.engine.models.sharding import Shard
 from graphserve.engine.errors import InvalidConfigError, ModelFilesError
@@ -80,8 +81,9 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
     cos_sin = build_cos_sin_cache(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
     with torch.device("meta"):
         model = LlamaModel(args, backend, cos_sin, tp)
-    # in the model's dtype while still on meta: a float32 copy first would need twice the memory
-    model = model.to(dtype).to_empty(device=device)
+    # in the model's dtype while still on meta: a float32 copy first would need twice the memory. torch.empty,
+    # not Module.to_empty: its empty_like of a meta tensor imports torch.fx's symbolic shapes (~0.7 s a start)
+    model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.cos_sin = cos_sin.to(device)
     # what FP8 covers: the projections and the routed experts, not an MoE router (kept in the model's dtype)
     to_fp8 = [m for name, m in model.layers.named_modules()
@@ -91,7 +93,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
         for module in to_fp8:
             module.to_fp8(quantize=False)
     # projections served from GGUF blocks first: their float weights are then not read at all
-    quantized = _keep_quantized_projections(model, blocks)
+    packed = PackedCache(path) if blocks else None
+    quantized = _keep_quantized_projections(model, blocks, packed)
     if load_format == "dummy":
         _fill_random(model, seed=tp.rank)
     else:
@@ -100,9 +103,11 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
         for module in to_fp8:
             module.to_fp8()
     model.pack_for_cpu()
-    head = _quantized(blocks, ["model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"])
+    head = _quantized(blocks, ["model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"], packed)
     if head is not None:  # (a tied table stays float32 too, for the embedding lookup)
         model.lm_head_packed = head
+    if packed is not None:
+        packed.save()
     return model.eval()
 
 
@@ -124,11 +129,15 @@ def _gguf_blocks(path: Path, dtype: torch.dtype, device: torch.device,
         return {name: (types[name], f.get_tensor(name)) for name in f.keys()}
 
 
-def _quantized(blocks: dict[str, tuple[str, torch.Tensor]], names: list[str]) -> QuantizedParts | None:
+def _quantized(blocks: dict[str, tuple[str, torch.Tensor]], names: list[str],
+               packed: PackedCache | None) -> QuantizedParts | None:
     """The named tensors' rows, in order, in the quantized kernel's layout (neighbours of one type
-    as one part), or None where one is missing or the kernel is not built here."""
+    as one part), or None where one is missing or the kernel is not built here; from `packed` when
+    an earlier start packed them, else packed now and added to it."""
     if not names or not all(name in blocks for name in names):
         return None
+    if packed is not None and (parts := packed.get(names)) is not None:
+        return parts
     groups: list[tuple[str, list[torch.Tensor]]] = []
     for name in names:
         qtype, raw = blocks[name]
@@ -144,10 +153,13 @@ def _quantized(blocks: dict[str, tuple[str, torch.Tensor]], names: list[str]) ->
         if part is None:
             return None
         parts.append(part)
+    if packed is not None:
+        packed.put(names, tuple(parts))
     return tuple(parts)
 
 
-def _keep_quantized_projections(model: LlamaModel, blocks: dict[str, tuple[str, torch.Tensor]]) -> set[str]:
+def _keep_quantized_projections(model: LlamaModel, blocks: dict[str, tuple[str, torch.Tensor]],
+                                packed: PackedCache | None) -> set[str]:
     """Each projection whose source tensors all have blocks serves from them; the rest stay float32.
     Returns the names of the weights that now hold no data (the checkpoint's floats are not needed)."""
     quantized: set[str] = set()
@@ -160,7 +172,7 @@ def _keep_quantized_projections(model: LlamaModel, blocks: dict[str, tuple[str, 
         for name, module in layer.named_modules():
             if isinstance(module, Linear):
                 names = [f"model.layers.{index}.{source}.weight" for source in sources.get(name, [name])]
-                parts = _quantized(blocks, names)
+                parts = _quantized(blocks, names, packed)
                 if parts is not None:
                     module.keep_quantized(parts)
                     quantized.add(f"layers.{index}.{name}.weight")
