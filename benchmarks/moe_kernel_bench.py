@@ -129,6 +129,24 @@ def bench_shape(name: str, tokens_list: list[int], copy_gbs: float, sweep_tokens
     return rows
 
 
+def sweep_pair(pair, candidates, time_pair, record, label: str, best: tuple):
+    """gate_up's candidates beside pair's down, then down's beside the best gate_up; each timing recorded.
+    Returns the better of `best` and the sweep's best, as (us, tile pair)."""
+    for which in (0, 1):
+        timed = []
+        for tile in candidates:
+            tiles = (tile, pair[1]) if which == 0 else (pair[0], tile)
+            us = time_pair(tiles)
+            if us is not None:
+                record(f"{label} {('gate_up', 'down')[which]}", tiles, us)
+                timed.append((us, tiles))
+        if timed:
+            us, pair = min(timed, key=lambda t: t[0])
+            if us < best[0]:
+                best = (us, pair)
+    return best
+
+
 def sweep_gemv(tokens: int, layers, x, top_k: int, renormalize: bool, copies: int, record) -> None:
     """The decode path's tiles (kernels/moe_gemv.py): gate_up's with down's at their default, then
     down's beside the best gate_up; prints the best pair."""
@@ -155,21 +173,9 @@ def sweep_gemv(tokens: int, layers, x, top_k: int, renormalize: bool, copies: in
 
     default = default_gemv_tiles(tokens, top_k, hidden, inter, sm_count(x.device))
     best = (time_gemv(default), default)
-    pair = default
     candidates = [GemvTile(block_n, block_k, warps)
                   for block_n, block_k, warps in itertools.product((1, 2, 4, 8, 16), (128, 256, 512, 1024), (4, 8))]
-    for which in (0, 1):
-        timed = []
-        for tile in candidates:
-            tiles = (tile, pair[1]) if which == 0 else (pair[0], tile)
-            us = time_gemv(tiles)
-            if us is not None:
-                record(f"sweep gemv {('gate_up', 'down')[which]}", tiles, us)
-                timed.append((us, tiles))
-        if timed:
-            us, pair = min(timed, key=lambda t: t[0])
-            if us < best[0]:
-                best = (us, pair)
+    best = sweep_pair(default, candidates, time_gemv, record, "sweep gemv", best)
     print(f"  best of the gemv sweep {best[0]:9.1f} us/layer {[list(t) for t in best[1]]} "
           f"(default {[list(t) for t in default]})", flush=True)
 
@@ -184,18 +190,7 @@ def sweep(tokens: int, default, time_tiles, record) -> None:
         candidates = [MoeTile(block_m, block_n, block_k, 8 if block_n == 128 else 4, stages)
                       for block_n, block_k, stages in itertools.product((16, 32, 64, 128), (64, 128, 256), (3, 4))]
         pair = (default[0]._replace(block_m=block_m), default[1]._replace(block_m=block_m))
-        for which in (0, 1):  # gate_up, then down beside the best gate_up
-            timed = []
-            for tile in candidates:
-                tiles = (tile, pair[1]) if which == 0 else (pair[0], tile)
-                us = time_tiles(tiles, quiet_errors=True)
-                if us is not None:
-                    record(f"sweep {('gate_up', 'down')[which]}", tiles, us)
-                    timed.append((us, tiles))
-            if timed:
-                us, pair = min(timed, key=lambda t: t[0])
-                if us < best[0]:
-                    best = (us, pair)
+        best = sweep_pair(pair, candidates, lambda tiles: time_tiles(tiles, quiet_errors=True), record, "sweep", best)
     print(f"  best of sweep {best[0]:9.1f} us/layer {[list(t) for t in best[1]]}", flush=True)
 
 
