@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import codecs
 import functools
+import json
 import random
 import time
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, normalizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
 from graphserve.engine import tokenizer as engine_tokenizer
 from graphserve.engine.model_files.default_model import ensure_default_model
@@ -107,10 +108,49 @@ def test_stop_matcher_semantics() -> None:
     assert StopStringMatcher([""], False).stops == []
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_matcher_semantics_hold_deep_into_a_long_output(include: bool) -> None:
+    """The rules above (earliest start; on an equal start the stop earlier in the list, when
+    both end in the same token) also a thousand characters into an output streamed token by
+    token."""
+    words = "".join(random.Random(2).choice(["the ", "a ", "cat ", "sat ", "on ", "mat. "]) for _ in range(300))
+    for stops, tail, stop, start in [(["abc", "ab"], "zabcd", "abc", 1), (["ab", "abc"], "zabcd", "ab", 1),
+                                     (["bc", "xabcd"], "xabcd", "xabcd", 0)]:
+        chunks = [words[i:i + 3] for i in range(0, len(words), 3)] + [tail[:start], tail[start:]]
+        end = len(words) + start + (len(stop) if include else 0)
+        assert _drive(StopStringMatcher(stops, include), chunks)[-1] == (end, stop)
+        assert _drive(StopStringMatcher(stops, include), chunks) == _drive(ReferenceStopMatcher(stops, include), chunks)
+
+
 def test_stop_matcher_recovers_from_calls_that_do_not_extend_the_text() -> None:
     ref, new = ReferenceStopMatcher(["hello"], False), StopStringMatcher(["hello"], False)
     for text, emitted in [("say hel", 0), ("say h", 0), ("say hello", 4), ("abc hello", 0), ("xx", 0)]:
         assert new.check(text, emitted) == ref.check(text, emitted), (text, emitted)
+
+
+@pytest.mark.parametrize("alphabet", ["ab", "ab é\n"])
+def test_stop_matcher_answers_calls_outside_the_stream_as_the_previous_one(alphabet: str) -> None:
+    """Calls other than a growing text with num_emitted = the last end (a shorter text, more
+    emitted than the last answer allowed, a call after a stop was found) get the previous
+    matcher's answer, on random inputs: each is answered from the window it depends on."""
+    rng = random.Random(len(alphabet))
+    for _ in range(2000):
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 5))]
+        include = rng.random() < 0.5
+        new, ref = StopStringMatcher(stops, include), ReferenceStopMatcher(stops, include)
+        text, emitted = "", 0
+        for _ in range(rng.randint(1, 12)):
+            kind = rng.choice(["grow", "shorter", "ahead"])
+            if kind == "shorter":
+                text = text[:rng.randint(0, len(text))]
+                emitted = min(emitted, len(text))
+            else:
+                text += "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 5)))
+                if kind == "ahead":
+                    emitted = rng.randint(emitted, len(text))
+            answer = new.check(text, emitted)
+            assert answer == ref.check(text, emitted), (stops, include, text, emitted)
+            emitted = answer[0]
 
 
 def test_stop_matcher_cost_does_not_grow_with_the_stops_or_the_text() -> None:
@@ -136,6 +176,33 @@ def test_stop_matcher_cost_does_not_grow_with_the_stops_or_the_text() -> None:
     assert build < 2.0, f"automaton build {build:.2f} s"
     # n > 1 choices with the same stops share one automaton
     assert StopStringMatcher(stops, False)._ac is matcher._ac
+
+
+def test_stop_matcher_reads_each_character_of_a_stream_once() -> None:
+    """The cost promised above, counted rather than timed: as the output processor calls it
+    (the whole text each time, num_emitted = the last end; the same text again after a token
+    that completes no character), the matcher reads each character of the text once, however
+    long the stops are (64 x 512 characters, the server's caps), not the last longest stop's
+    worth again at every token."""
+    reads = 0
+
+    class Text(str):
+        def __getitem__(self, index):
+            nonlocal reads
+            reads += 1
+            return super().__getitem__(index)
+
+    rng = random.Random(1)
+    stops = ["the " + "".join(rng.choice("abcdefgh ") for _ in range(508)) for _ in range(64)]
+    matcher = StopStringMatcher(stops, False)
+    text, emitted = "", 0
+    for _ in range(100):
+        text += " the cat sat on the mat and the dog"
+        for _ in range(2):  # again with no new text: a token that completes no character
+            emitted, stop = matcher.check(Text(text), emitted)
+            assert stop is None
+    assert emitted >= len(text) - 512
+    assert reads <= len(text)
 
 
 # ---- incremental detokenizer --------------------------------------------------------------
@@ -293,6 +360,79 @@ def test_detokenizer_with_byte_fallback_tokens(tmp_path) -> None:
             assert "".join(deltas) + detok.flush() == text
 
 
+def _every_byte_vocabulary(path, config: dict | None = None, post_bos: bool = False,
+                           template: str | None = None, specials: bool = True) -> Tokenizer:
+    """A GPT-2-style byte-level vocabulary with a token for every byte (ids 0-255, no merges)
+    and its special tokens (if `specials`) appended after them, as Llama 3's are; written to
+    `path` as a model's tokenizer files. post_bos: its post-processor adds <s> (as Llama 3's
+    does)."""
+    symbol = {b: c for c, b in byte_level_map().items()}
+    hf = HFTokenizer(models.BPE(vocab={symbol[b]: b for b in range(256)}, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    if specials:
+        hf.add_special_tokens(["<s>", "</s>", "<|im_start|>", "<|im_end|>"])
+    if post_bos:
+        hf.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                          special_tokens=[("<s>", hf.token_to_id("<s>"))])
+    path.mkdir(parents=True, exist_ok=True)
+    hf.save(str(path / "tokenizer.json"))
+    if config is not None:
+        (path / "tokenizer_config.json").write_text(json.dumps(config))
+    if template is not None:
+        (path / "chat_template.jinja").write_text(template)
+    return Tokenizer(path)
+
+
+def _complete_text(data: bytes) -> str:
+    """`data` decoded, less a last character whose bytes are not all in: a proper prefix of a
+    well-formed sequence of Unicode's table 3-7, which Python's strict decoder reports as an
+    unexpected end of data."""
+    for back in range(1, min(3, len(data)) + 1):
+        try:
+            data[-back:].decode()
+            break
+        except UnicodeDecodeError as e:
+            if e.start == 0 and e.reason == "unexpected end of data":
+                return data[:-back].decode(errors="replace")
+    return data.decode(errors="replace")
+
+
+# The first and last character of each row of table 3-7 (and a common one, "—" = E2 80 94),
+# and byte sequences just outside those rows: a continuation byte alone, the leads C0, C1 and
+# F5-FF, each lead's second byte one below or above its range, a character cut short.
+EDGE_CHARACTERS = [chr(c) for c in (0x80, 0x7FF, 0x800, 0xFFF, 0x1000, 0xCFFF, 0xD000, 0xD7FF, 0xE000, 0xFFFF,
+                                    0x10000, 0x3FFFF, 0x40000, 0xFFFFF, 0x100000, 0x10FFFF, 0x2014)]
+ILL_FORMED = [b"\x80", b"\xbf", b"\xc0\x80", b"\xc1\xbf", b"\xc2\x7f", b"\xc2\xc0", b"\xdf\xc0", b"\xe0\x9f\x80",
+              b"\xe0\xa0\x7f", b"\xe0\xc0", b"\xe1\x7f", b"\xe1\x80\xc0", b"\xec\xc0", b"\xed\xa0\x80",
+              b"\xed\x9f\xc0", b"\xee\x80\x7f", b"\xef\xbf\xc0", b"\xf0\x8f\x80\x80", b"\xf0\xc0", b"\xf0\x90\x80\x7f",
+              b"\xf1\x7f", b"\xf1\x80\x80\xc0", b"\xf3\xc0", b"\xf4\x90\x80\x80", b"\xf4\x8f\xc0", b"\xf5\x80\x80\x80",
+              b"\xf8\x88", b"\xfe", b"\xff", b"\xe2\xc3\xa9", b"\xf0\x90\xe2\x80\x94", b"\xf4\x8f\xbf"]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_streamed_text_follows_the_well_formed_utf8_table_at_every_edge(tmp_path, chunk: int) -> None:
+    """A model that writes characters byte by byte (every byte a token, as GPT-2-style
+    vocabularies have): each round streams every character whose bytes are all in, so no
+    well-formed character is ever broken into U+FFFD, and the U+FFFD of ill-formed bytes
+    streams in the round that shows them ill-formed, not later. At the edges of every
+    range of Unicode's table 3-7 (Python's strict decoder as the reference)."""
+    tok = _every_byte_vocabulary(tmp_path)
+    for case in [c.encode() for c in EDGE_CHARACTERS] + ILL_FORMED:
+        data = b"a" + case + b"z"
+        for start in range(min(chunk, len(data))):  # every alignment of the rounds to the bytes
+            detok = IncrementalDetokenizer(tok)
+            ids, sent = list(data), ""
+            rounds = [ids[:start]] if start else []
+            rounds += [ids[i:i + chunk] for i in range(start, len(ids), chunk)]
+            done = 0
+            for round_ids in rounds:
+                done += len(round_ids)
+                sent += detok.add(round_ids)
+                assert sent == _complete_text(data[:done]), (case, chunk, start, done, sent)
+            assert sent + detok.flush() == data.decode(errors="replace") == tok.decode(ids)
+
+
 # ---- chat contents stay text --------------------------------------------------------------
 
 
@@ -369,3 +509,153 @@ def test_templates_that_transform_contents(tok: Tokenizer) -> None:
     assert render_chat_prompt(custom, [ChatMessage(role="user", content="Hi")], False)
     with pytest.raises(InvalidRequestError):
         render_chat_prompt(custom, [ChatMessage(role="user", content=FORGED)], False)
+
+
+@pytest.mark.parametrize("asks_for_bos", ["add_bos_token", "post_processor", None])
+def test_bos_starts_completion_prompts_only_where_the_tokenizer_asks_for_it(tmp_path, asks_for_bos: str | None) -> None:
+    """A model whose tokenizer asks for BOS (tokenizer_config's add_bos_token, or a
+    post-processor adding it, as Llama 3's does), whose special tokens come after the text
+    tokens, and whose chat template is in chat_template.jinja (as transformers saves it): a
+    completion prompt starts with BOS (with add_bos_token exactly one, also when its text
+    starts with BOS itself); tokenizing without special tokens adds none, and neither does a
+    tokenizer that does not ask for it. A chat prompt holds only the BOS its template writes,
+    as transformers' apply_chat_template gives, with special-token text in a content too."""
+    config = {"bos_token": "<s>", "eos_token": "</s>"}
+    if asks_for_bos == "add_bos_token":
+        config["add_bos_token"] = True
+    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    tok = _every_byte_vocabulary(tmp_path, config, post_bos=asks_for_bos == "post_processor", template=template)
+    bos = tok.bos_token_id
+    assert (bos, tok.eos_token_id) == (256, 257)
+    text = list(b"hello world")
+    assert tok.encode("hello world") == ([bos, *text] if asks_for_bos else text)
+    assert tok.encode("hello world", add_special_tokens=False) == text
+    if asks_for_bos == "add_bos_token":
+        assert tok.encode("<s>hello world") == [bos, *text]
+    start, end = tok.special_tokens["<|im_start|>"], tok.special_tokens["<|im_end|>"]
+    with_bos = Tokenizer(tmp_path)
+    with_bos.chat_template = "{{ bos_token }}" + template
+    for content in ("hi", "hi <s> there"):
+        message = [ChatMessage(role="user", content=content)]
+        expected = [start, *b"user\n", *content.encode(), end, *b"\n"]
+        assert render_chat_prompt(tok, message, False) == expected
+        assert render_chat_prompt(with_bos, message, False) == [bos, *expected]
+
+
+def test_a_list_of_chat_templates_uses_the_one_named_default(tmp_path) -> None:
+    """tokenizer_config's chat_template may be a list of named templates (a tool-use one
+    beside the default, as Cohere's and Hermes' are): chats use the one named "default",
+    else the first."""
+    def rendered(templates: list[dict[str, str]]) -> str:
+        tok = _every_byte_vocabulary(tmp_path, {"chat_template": templates})
+        return tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False)
+
+    tool_use = {"name": "tool_use", "template": "tools: {{ messages[0]['content'] }}"}
+    rag = {"name": "rag", "template": "rag: {{ messages[0]['content'] }}"}
+    chatml = {"name": "chatml", "template": "chatml: {{ messages[0]['content'] }}"}
+    default = {"name": "default", "template": "chat: {{ messages[0]['content'] }}"}
+    assert rendered([chatml, tool_use, default, rag]) == "chat: hi"
+    assert rendered([default, tool_use]) == "chat: hi"
+    assert rendered([tool_use, rag]) == "tools: hi"
+    assert rendered([rag]) == "rag: hi"
+
+
+CHAT_TEMPLATE = """{% for m in messages %}
+  {% if m['role'] == 'system' %}
+[{{ m['content'] }}]
+  {% else %}
+    {{ m['role'] }}: {{ m['content'] | tojson }}
+  {% endif %}
+{% endfor %}
+{% if tools %}
+tools: {{ tools | tojson }}
+{% endif %}
+{{ bos_token }}|{{ eos_token }}"""
+
+
+def test_chat_templates_render_as_transformers_renders_them(tmp_path) -> None:
+    """The template sees what transformers' apply_chat_template gives it, and renders alike
+    (each expected text is what transformers 5 renders): block tags trim their line's
+    indentation and newline, tojson keeps non-ASCII characters and the order of keys, the
+    tools (when the request has any), bos_token and eos_token. A template that rejects the
+    messages (raise_exception, or a failure while rendering) is the client's error, a 400,
+    and so is a chat with a model that has no template."""
+    from graphserve.engine.errors import InvalidRequestError
+
+    tok = _every_byte_vocabulary(tmp_path, {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE})
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": 'héllo "q"'}]
+    weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    tools = [{"type": "function", "function": weather}]
+    assert tok.apply_chat_template(messages, add_generation_prompt=False) == (
+        '[be brief]\n    user: "héllo \\"q\\""\n<s>|</s>')
+    assert tok.apply_chat_template(messages, add_generation_prompt=False, tools=tools) == (
+        '[be brief]\n    user: "héllo \\"q\\""\ntools: [{"type": "function", "function": {"name": "get_weather", '
+        '"parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]\n<s>|</s>')
+    tok.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first message must be the "
+                         "user\\'s') }}{% endif %}{{ messages[0]['content'] }}{{ messages[0]['content'].upper(1) }}")
+    tok._template = None
+    with pytest.raises(InvalidRequestError, match="the first message must be the user's"):
+        tok.apply_chat_template(messages)
+    with pytest.raises(InvalidRequestError, match="chat template failed"):
+        tok.apply_chat_template(messages[1:])  # str.upper(1): a TypeError while rendering
+    with pytest.raises(InvalidRequestError, match="no chat template"):
+        _every_byte_vocabulary(tmp_path / "no_template").apply_chat_template(messages)
+
+
+def test_chat_special_token_text_stays_text_wherever_the_template_puts_it(tmp_path) -> None:
+    """Special-token text in contents stays text also where the template writes a content
+    before its first control token, and inside past tool calls (the arguments object the
+    template gets: strings, numbers, lists, null), while the template's own markup stays
+    control tokens and the text around keeps its ids."""
+    tok = _every_byte_vocabulary(tmp_path)
+    end = tok.special_tokens["<|im_end|>"]
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
+    for first, second in [("plain", "x<|im_start|>y"), ("a<|im_end|>b", "plain"), ("<s>", "</s>")]:
+        messages = [ChatMessage(role="user", content=first), ChatMessage(role="user", content=second)]
+        assert render_chat_prompt(tok, messages, False) == [*first.encode(), end, *second.encode(), end]
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                         "{% for c in m['tool_calls'] or [] %}{{ c['function']['name'] }}"
+                         "({{ c['function']['arguments'] | tojson }}){% endfor %}<|im_end|>\n{% endfor %}")
+    tok._template = None
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "find", "arguments": {"q": "<|im_end|>", "n": 2, "tags": ["<s>", None]}}}
+    conversation = [{"role": "user", "content": "look it up"},
+                    {"role": "assistant", "content": "", "tool_calls": [call]}]
+    start = tok.special_tokens["<|im_start|>"]
+    assert render_chat_prompt(tok, conversation, False) == [
+        start, *b"user\nlook it up", end, *b"\n",
+        start, *b'assistant\nfind({"q": "<|im_end|>", "n": 2, "tags": ["<s>", null]})', end, *b"\n"]
+
+
+def test_a_vocabulary_without_special_tokens_renders_chats_as_text(tmp_path) -> None:
+    """A model whose vocabulary has no special tokens at all still serves chats: the rendered
+    conversation, tokenized as text."""
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tok = _every_byte_vocabulary(tmp_path, {"chat_template": template}, specials=False)
+    assert tok.special_tokens == {}
+    messages = [ChatMessage(role="user", content="hi <s> there")]
+    assert render_chat_prompt(tok, messages, False) == list(b"user: hi <s> there\n")
+
+
+def test_logit_bias_may_name_the_special_tokens_after_the_base_vocabulary(tmp_path) -> None:
+    """A vocabulary whose special tokens come after its base tokens (Llama 3's <|eot_id|> is
+    128009, past 128000 base tokens): logit_bias may name them, as it may any token of the
+    vocabulary, and an id past them is a 400."""
+    from graphserve.server.errors import APIError
+    from graphserve.server.sampling import parse_logit_bias
+
+    tok = _every_byte_vocabulary(tmp_path)
+    end = tok.special_tokens["<|im_end|>"]
+    assert end == 259
+    assert parse_logit_bias({str(end): -100, "0": 1}, tok.vocab_size) == {259: -100.0, 0: 1.0}
+    with pytest.raises(APIError, match="outside the vocabulary"):
+        parse_logit_bias({"260": 1}, tok.vocab_size)
+
+
+def test_logprobs_show_a_special_token_as_its_text(tok: Tokenizer) -> None:
+    """The text a logprobs entry (and /tokenize's token_strs) gives a token: its own text,
+    special tokens included (the end of a turn is "<|im_end|>", not an empty string)."""
+    assert tok.token_text(tok.eos_token_id) == "<|im_end|>"
+    assert tok.token_text(tok.special_tokens["<|im_start|>"]) == "<|im_start|>"
+    (world,) = tok.encode(" world", add_special_tokens=False)
+    assert tok.token_text(world) == " world"
