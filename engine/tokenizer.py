@@ -289,20 +289,41 @@ class IncrementalDetokenizer:
         pieces = []
         for token in new_ids:
             self.ids.append(token)
-            try:
-                piece = self._stream.step(self.tokenizer._tok, token)
-            except Exception:  # the window's text no longer starts with its prefix: hold it back
-                continue
-            if piece is not None:
-                self.prefix_offset = self.read_offset
-                self.read_offset = len(self.ids)
-                pieces.append(piece)
+            pieces += self._step(len(self.ids) - 1)
         text = "".join(pieces)
         if pieces and self._tail_sent:  # the first piece starts with what was sent of it
             text, self._tail_sent = text[len(self._tail_sent):], ""
         if self.read_offset < len(self.ids):
             text += self._release_tail()
         return text
+
+    def _step(self, index: int) -> list[str]:
+        """Feeds ids[index] to the stream: the piece it releases, if any."""
+        try:
+            piece = self._stream.step(self.tokenizer._tok, self.ids[index])
+        except Exception:
+            return self._restart_window()
+        if piece is None:
+            return []
+        self.prefix_offset = self.read_offset
+        self.read_offset = index + 1
+        return [piece]
+
+    def _restart_window(self) -> list[str]:
+        """The window's text no longer starts with what it already released: in a byte-fallback
+        vocabulary a stray byte right after a complete character turns the whole run of byte tokens,
+        that character's included, into U+FFFD. What was sent stands; the held ids start a fresh
+        window, so the stray byte reads as U+FFFD and the text after it still comes."""
+        self._stream = decoders.DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        start = self.prefix_offset = self.read_offset
+        pieces = []
+        for index in range(start, len(self.ids)):
+            piece = self._stream.step(self.tokenizer._tok, self.ids[index])  # a fresh window has no prefix to lose
+            if piece is not None:
+                self.prefix_offset = self.read_offset
+                self.read_offset = index + 1
+                pieces.append(piece)
+        return pieces
 
     def _release_tail(self) -> str:
         """What is not yet sent of the held ids' text, up to an incomplete last character."""

@@ -360,6 +360,30 @@ def test_detokenizer_with_byte_fallback_tokens(tmp_path) -> None:
             assert "".join(deltas) + detok.flush() == text
 
 
+def test_a_stray_byte_after_a_complete_character_loses_no_text_after_it(tmp_path) -> None:
+    """Byte-fallback tokens <E2 82 AC> (euro) then a stray <80>: decoded together the whole run is
+    U+FFFD, so the window no longer starts with the euro already sent. The stray byte streams as
+    U+FFFD and everything after it still comes, as a UTF-8 decoder replacing bad bytes gives it."""
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "a": 258, "▁a": 259}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[("▁", "a")], unk_token="<unk>", byte_fallback=True))
+    hf.normalizer = normalizers.Replace(" ", "▁")
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path)
+    byte = {b: 1 + b for b in range(256)}
+    ids = [byte[0xE2], byte[0x82], byte[0xAC], byte[0x80], 258, byte[0xC3], byte[0x96], byte[0xFF], 259, 258]
+    expected = b"\xe2\x82\xac\x80a\xc3\x96\xff a".decode("utf-8", "replace") + "a"
+    assert expected == "€\ufffdaÖ\ufffd aa"
+    for chunk in (1, 2, 3, len(ids)):
+        detok = IncrementalDetokenizer(tok)
+        text = ""
+        for start in range(0, len(ids), chunk):
+            text += detok.add(ids[start:start + chunk])
+            assert expected.startswith(text), (chunk, text)
+        assert text == expected, chunk  # the last id completes a character: nothing is held back
+        assert detok.flush() == ""
+
+
 def _every_byte_vocabulary(path, config: dict | None = None, post_bos: bool = False,
                            template: str | None = None, specials: bool = True) -> Tokenizer:
     """A GPT-2-style byte-level vocabulary with a token for every byte (ids 0-255, no merges)
