@@ -332,15 +332,21 @@ def test_detokenizer_on_random_tokens_and_rounds(tok: Tokenizer) -> None:
         assert "".join(deltas) == tok.decode(ids, skip), (ids, skip)
 
 
-def test_detokenizer_with_byte_fallback_tokens(tmp_path) -> None:
-    """A SentencePiece-style vocabulary: characters it lacks are <0xNN> byte tokens, and a
-    run of them decodes to U+FFFD per byte until the run is valid UTF-8."""
+def _byte_fallback_tokenizer(path) -> Tokenizer:
+    """A SentencePiece-style vocabulary written to `path`: a <0xNN> token for every byte (id 1 + NN),
+    "▁" 257, "a" 258, "▁a" 259."""
     vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "a": 258, "▁a": 259}
     hf = HFTokenizer(models.BPE(vocab=vocab, merges=[("▁", "a")], unk_token="<unk>", byte_fallback=True))
     hf.normalizer = normalizers.Replace(" ", "▁")
     hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
-    hf.save(str(tmp_path / "tokenizer.json"))
-    tok = Tokenizer(tmp_path)
+    hf.save(str(path / "tokenizer.json"))
+    return Tokenizer(path)
+
+
+def test_detokenizer_with_byte_fallback_tokens(tmp_path) -> None:
+    """A SentencePiece-style vocabulary: characters it lacks are <0xNN> byte tokens, and a
+    run of them decodes to U+FFFD per byte until the run is valid UTF-8."""
+    tok = _byte_fallback_tokenizer(tmp_path)
     text = "a■ a Ö🚀a ■■é a🚀"
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text and "<0xE2>" in [tok._tok.id_to_token(i) for i in ids]
@@ -364,12 +370,7 @@ def test_a_stray_byte_after_a_complete_character_loses_no_text_after_it(tmp_path
     """Byte-fallback tokens <E2 82 AC> (euro) then a stray <80>: decoded together the whole run is
     U+FFFD, so the window no longer starts with the euro already sent. The stray byte streams as
     U+FFFD and everything after it still comes, as a UTF-8 decoder replacing bad bytes gives it."""
-    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "a": 258, "▁a": 259}
-    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[("▁", "a")], unk_token="<unk>", byte_fallback=True))
-    hf.normalizer = normalizers.Replace(" ", "▁")
-    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
-    hf.save(str(tmp_path / "tokenizer.json"))
-    tok = Tokenizer(tmp_path)
+    tok = _byte_fallback_tokenizer(tmp_path)
     byte = {b: 1 + b for b in range(256)}
     ids = [byte[0xE2], byte[0x82], byte[0xAC], byte[0x80], 258, byte[0xC3], byte[0x96], byte[0xFF], 259, 258]
     expected = b"\xe2\x82\xac\x80a\xc3\x96\xff a".decode("utf-8", "replace") + "a"
