@@ -19,7 +19,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # wait still orders it after this kernel). On was slower at batch 1: H200, interleaved
 # (decode_latency.py --pdl-early-trigger on|off), Qwen2.5-0.5B 1,806-1,808 against 1,831-1,834 tok/s,
 # Llama-3.1-8B FP8 324-329 against 355-356; batch 64 0.5B 62,985 / 62,831 against 63,647 / 63,396, 8B FP8
-# within noise (decode_latency-h200-pdl-early-trigger-ab-2026-12-02.json).
+# within noise (8615439:benchmarks/results/decode_latency-h200-pdl-early-trigger-ab-2026-12-02.json).
 EARLY_TRIGGER = tl.constexpr(False)
 
 

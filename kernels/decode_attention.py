@@ -28,7 +28,7 @@ _LOG2E = 1.4426950408889634
 # context the block table can hold), never more splits than _MAX_SPLITS. The floor was 512 until
 # decode_latency's A/B (--attention-min-split-tokens, contexts to 448): 128 gave 0.5B batch 1
 # 1,726-1,688 -> 1,756-1,760 tok/s, batch 8 8,776 -> 9,024, and Llama-3.1-8B within noise
-# (benchmarks/results/decode_latency-h200-*-split*-2026-12-01.json).
+# (8615439:benchmarks/results/decode_latency-h200-*-split*-2026-12-01.json).
 _PROGRAMS_PER_SM = 4
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 64
@@ -53,13 +53,13 @@ _MERGE_CHUNK = 8  # splits merged per load
 # Measured slower and removed (the code is at 278118f): asked for its output quantized per row (an FP8 o_proj's
 # W8A8 input), the program finishing a row's last KV head read the row back from L2 and quantized it, bit for
 # bit the row-quantization kernel, one kernel fewer a layer. Llama-3.1-8B FP8, interleaved
-# (decode_latency-h200-fp8-attention-row-quant-ab-2026-12-03.json): batch 64 16,802 / 16,867 against 16,880 /
+# (8615439:benchmarks/results/decode_latency-h200-fp8-attention-row-quant-ab-2026-12-03.json): batch 64 16,802 / 16,867 against 16,880 /
 # 16,954 tok/s, batch 8 2,683 / 2,686 against 2,694 / 2,693: one program quantizing a whole row lengthens the
 # kernel's tail by about what the separate kernel took.
 # Measured and removed (the code is at 99a6516): each split's first KV tile loaded into registers before the
 # PDL wait but for the step's newest token, read after it (batches up to 8), and a floor of 2 or 4 tiles a
 # split, one split writing the output without partials. H200, interleaved
-# (decode_latency-h200-attention-preload-ab-2026-12-03.json): Qwen2.5-0.5B batch 1 within noise (1,807-1,832
+# (8615439:benchmarks/results/decode_latency-h200-attention-preload-ab-2026-12-03.json): Qwen2.5-0.5B batch 1 within noise (1,807-1,832
 # against 1,816-1,823 tok/s), batch 8 1.5% slower; floors of 2 and 4 tiles ~3.5% slower; Llama-3.1-8B batch 1
 # within noise (FP8 +0.3%).
 

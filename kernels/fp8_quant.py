@@ -54,7 +54,7 @@ INV_FP8_MAX = float(torch.tensor(1.0) / FP8_MAX)  # 1/448 rounded to float32, as
 # at 64 rows chunks of 2048 beat 4096 (4.3 against 5.2 us). So the chunks aim at about
 # ROW_CHUNK_PROGRAMS_PER_SM = 4 programs an SM, not 2 (chunks of 2048 at 64 rows, not 4096): 8B FP8
 # batch 64 15,746 / 15,788 against 15,366 / 15,393 tok/s, interleaved (decode_latency.py
-# --fp8-quant-programs-per-sm 4|2, decode_latency-h200-fp8-quant-programs-per-sm-ab-2026-12-02.json).
+# --fp8-quant-programs-per-sm 4|2, 8615439:benchmarks/results/decode_latency-h200-fp8-quant-programs-per-sm-ab-2026-12-02.json).
 ROW_CHUNKS = True
 ROW_CHUNK_PROGRAMS_PER_SM = 4
 # Measured slower and removed (the code is at 0036f23): each chunk program loading its chunk before the amax

@@ -33,11 +33,11 @@ from graphserve.kernels._pdl import wait_for_previous_kernel
 
 # K compiled into the kernel (one variant a model width) instead of a run-time argument: loops of one
 # trip vanish and ptxas may schedule loads across the unrolled ones (sm_90 SASS of Qwen2.5-0.5B's qkv
-# GEMV: 744 instructions against 1,208). Off: per projection on an H200 (gemv_bench-h200-ahead-*-2026-12-03.json)
+# GEMV: 744 instructions against 1,208). Off: per projection on an H200 (8615439:benchmarks/results/gemv_bench-h200-ahead-*-2026-12-03.json)
 # it gained ~0.9 us each on Llama-3.1-8B's K = 4096 bf16 projections (qkv 14.38 against 15.30, o 8.79 / 9.64,
 # gate_up 57.61 / 58.98) but lost 2.6 on down_proj (K = 14336: 33.18 / 30.56) and was mixed on the 0.5B and
 # FP8; in decode, on everywhere measured 0.5B 1,863-1,870 against 1,857-1,867 tok/s, 8B bf16 239.3 against
-# 240.5, FP8 357.3 against 361 (decode_latency-h200-gemv-ahead-ab-2026-12-03.json). To measure next: on for
+# 240.5, FP8 357.3 against 361 (8615439:benchmarks/results/decode_latency-h200-gemv-ahead-ab-2026-12-03.json). To measure next: on for
 # K <= 4096 only: K_CONSTEXPR_MAX_K = 4096 (0: never; decode_latency.py --gemv-k-constexpr-max-k,
 # gemv_bench.py --k-constexpr-max-k).
 K_CONSTEXPR_MAX_K = 0
@@ -52,9 +52,9 @@ _Y_RESCALE = tl.constexpr(2.0**56)
 # Measured slower and removed (the code is at 279634c, kernels/gemv.WEIGHT_TILES_AHEAD, INPUT_TILE_AHEAD,
 # NORM_ONE_PASS): the weights two K tiles ahead of their use instead of one, each input tile (x, residual,
 # norm weight) loaded an iteration ahead, the fused norm's row read in one load. Per projection at one row
-# (gemv_bench-h200-ahead-*-2026-12-03.json) two tiles ahead lost everywhere (8B FP8 o 9.95 against 6.73 us,
+# (8615439:benchmarks/results/gemv_bench-h200-ahead-*-2026-12-03.json) two tiles ahead lost everywhere (8B FP8 o 9.95 against 6.73 us,
 # 0.5B gate_up 9.75 / 6.16, 8B bf16 gate_up 71.9 / 59.0); the other two moved nothing past 0.5 us. All three
-# with K compiled in, batch-1 decode interleaved (decode_latency-h200-gemv-ahead-ab-2026-12-03.json): 0.5B
+# with K compiled in, batch-1 decode interleaved (8615439:benchmarks/results/decode_latency-h200-gemv-ahead-ab-2026-12-03.json): 0.5B
 # 1,709-1,721 against 1,857-1,867 tok/s, 8B bf16 209.3 against 240.5, FP8 340.6 against 361.
 # Nsight Compute (ncu-h200-skinny-gemv-2026-12-03.json): the FP8 GEMVs issue an instruction on 51-62% of
 # scheduler cycles at 24% occupancy, so more weight bytes in flight a program (registers) trades against
@@ -63,33 +63,33 @@ _Y_RESCALE = tl.constexpr(2.0**56)
 # running sums in packed bf16 pairs (weights read as words of four, one prmt, one mask and two
 # multiply-adds a pair, fma.rn.bf16x2): 37% fewer loop instructions and 80 registers against 126, yet
 # Llama-3.1-8B o 6.49 against 6.82 us, down 19.97 against 19.08, FP8 batch 1 359.0-359.3 against
-# 358.8-359.2 tok/s (decode_latency-h200-fp8-gemv-pairs-ab-2026-12-02.json): the float32 path is not
+# 358.8-359.2 tok/s (8615439:benchmarks/results/decode_latency-h200-fp8-gemv-pairs-ab-2026-12-02.json): the float32 path is not
 # bound by its integer work.
 # Measured slower and removed (the code is at fe79b3e): asking L2 (prefetch.global.L2) for the weight
 # tile 2 or 4 K tiles ahead of the one loaded into registers. H200, one row, 0 / 2 / 4 ahead
-# (gemv_bench-h200-l2-prefetch-ahead-2026-12-02.json): Llama-3.1-8B bf16 down_proj 30.3 / 80.3 / 82.1
+# (8615439:benchmarks/results/gemv_bench-h200-l2-prefetch-ahead-2026-12-02.json): Llama-3.1-8B bf16 down_proj 30.3 / 80.3 / 82.1
 # us, FP8 gate_up 44.8 / 55.8 / 59.2; batch-1 decode Qwen2.5-0.5B 1,829-1,834 / 1,453-1,459 /
 # 1,426-1,429 tok/s, 8B bf16 247.2-247.6 / - / 142.0, FP8 359.3-359.6 / - / 320.5-320.7
-# (decode_latency-h200-gemv-l2-prefetch-ab-2026-12-02.json). A likely cause, not verified: a tile of
+# (8615439:benchmarks/results/decode_latency-h200-gemv-l2-prefetch-ab-2026-12-02.json). A likely cause, not verified: a tile of
 # BLOCK_N x (lines a row) addresses is spread over every thread of the program, so most lines are
 # requested several times (16 times for down_proj's 1 x 1024 tile on 8 warps).
 # Measured and removed (the code is at 7995493): the fused RMSNorm's squares summed in the K loop, over the
 # input tiles the loop reads anyway, and 1 / rms applied to the dot products at the end (no pass over the row
 # before the loop; the normalised input left in float32). Batch 1, interleaved
-# (decode_latency-h200-gemv-norm-in-loop-ab-2026-12-03.json): Qwen2.5-0.5B 1,853-1,859 against 1,829-1,838
+# (8615439:benchmarks/results/decode_latency-h200-gemv-norm-in-loop-ab-2026-12-03.json): Qwen2.5-0.5B 1,853-1,859 against 1,829-1,838
 # tok/s, but Llama-3.1-8B bf16 233.9-234.3 against 248.0-248.2, FP8 within noise.
 # Measured slower and removed (the code is at f7cdaff, kernels/gemv.THREAD_SUM_BYTES): the K loop summing each
 # run of 16 weight bytes a row into one partial as it goes (tl.reshape + tl.sum) instead of a float32 accumulator
 # a weight. Fewer registers on sm_90 (FP8 o / down / qkv 79 / 64 / 92 against 125 / 126 / 166) but ~50% more
 # instructions in the loop (FP8 o_proj: 507 against 340, byte permutes and integer moves). Batch 1, interleaved
-# (decode_latency-h200-gemv-thread-sum-ab-2026-12-03.json): Qwen2.5-0.5B 1,742-1,751 against 1,825-1,831 tok/s,
+# (8615439:benchmarks/results/decode_latency-h200-gemv-thread-sum-ab-2026-12-03.json): Qwen2.5-0.5B 1,742-1,751 against 1,825-1,831 tok/s,
 # Llama-3.1-8B bf16 232.5-232.9 against 241.9-242.6, FP8 318.0-318.7 against 355.2-355.7.
 # Also measured and removed (the code is at ceabb1e): the K loop software-pipelined 4 stages deep through
 # shared memory (Triton's cp.async, after the PDL wait) instead of the next tile in registers loaded
-# before it. One row (gemv_bench-h200-pipelined-stages-2026-12-02.json): FP8 qkv 14.05 against 11.83
+# before it. One row (8615439:benchmarks/results/gemv_bench-h200-pipelined-stages-2026-12-02.json): FP8 qkv 14.05 against 11.83
 # us, o_proj 7.14 against 6.83, down_proj 18.90 against 18.94; Qwen2.5-0.5B bf16 qkv 3.10 against
 # 2.39, down_proj 6.01 against 3.63. Batch-1 decode, one run each
-# (decode_latency-h200-gemv-stages-ab-2026-12-02.json): 0.5B 1,442 against 1,822-1,830 tok/s; 8B FP8
+# (8615439:benchmarks/results/decode_latency-h200-gemv-stages-ab-2026-12-02.json): 0.5B 1,442 against 1,822-1,830 tok/s; 8B FP8
 # 363.0-363.5 against 359.4-359.7, a gain the per-projection times do not explain.
 
 

@@ -24,7 +24,7 @@ from graphserve.kernels.skinny_gemm import SplitPartials, split_sum
 # Warps a row's program takes at most (one per 256 values below that). 16, 8 and 4 measured alike for the
 # 8B's 4096-wide rows at batch 64 (H200, interleaved, decode_latency.py --norm-max-warps: bf16 12,309 /
 # 12,312, 12,281 / 12,274, 12,319 tok/s; FP8 16,326 / 16,236, 16,220 / 16,305, 16,079;
-# decode_latency-h200-norm-warps-ab-2026-12-02.json).
+# 8615439:benchmarks/results/decode_latency-h200-norm-warps-ab-2026-12-02.json).
 MAX_WARPS = 16
 
 

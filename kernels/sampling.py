@@ -28,13 +28,13 @@ _BLOCK = 1024
 # Vocabulary entries a program of the first pass covers (a multiple of _BLOCK): one load deep, so a row
 # spreads over more programs (149 for Qwen's vocabulary instead of 38 at 4096). At batch 64 it measured
 # alike: Qwen2.5-0.5B 64,031 / 64,155 against 64,283 / 63,622 tok/s with 4096
-# (decode_latency-h200-greedy-chunk-b64-ab-2026-12-03.json).
+# (8615439:benchmarks/results/decode_latency-h200-greedy-chunk-b64-ab-2026-12-03.json).
 CHUNK = 1024
 # The last chunk of a row to finish merges the row's partials (kernels/_split_counters.py) instead of a
 # second kernel, and that one kernel launches with programmatic dependent launch (the step's record
 # kernel after it starts during its tail). With CHUNK 1024, H200, interleaved (decode_latency.py
 # --greedy-fused-merge, --greedy-chunk): Qwen2.5-0.5B batch 1 1,836 / 1,845 against 1,829 / 1,831 tok/s
-# without; with PDL_EMBEDDING too 1,844-1,852 (decode_latency-h200-step-kernels-ab-2026-12-03.json).
+# without; with PDL_EMBEDDING too 1,844-1,852 (8615439:benchmarks/results/decode_latency-h200-step-kernels-ab-2026-12-03.json).
 FUSED_MERGE = True
 
 

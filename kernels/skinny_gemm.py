@@ -20,7 +20,7 @@ weights are all the traffic, so the kernel is built around reading them:
   + RMSNorm, kernels/rmsnorm.py: one kernel fewer). (Summing them in
   the last split of each tile to finish, as decode attention merges its splits, was measured slower
   on an H200: Qwen2.5-0.5B batch 64 60,549 / 60,885 against 62,469 / 63,051 tok/s,
-  decode_latency-h200-skinny-fused-reduce-ab-2026-12-02.json);
+  8615439:benchmarks/results/decode_latency-h200-skinny-fused-reduce-ab-2026-12-02.json);
 - the K loop is software-pipelined through shared memory (num_stages); for W8A8 from 33 rows
   (W8A8_TMA_MIN_ROWS, W8A8_TMA_SILU_MIN_ROWS) the copy engine (TMA, host tensor descriptors) fills the stages, one request a tile, instead of
   every thread's cp.async (_skinny_gemm_tma_kernel).
@@ -305,7 +305,7 @@ W8A8_DEEP_PIPELINE = True
 # (qkv 13.1 us at 41% of DRAM bandwidth). With TMA, Llama-3.1-8B at 64 rows (skinny_gemm_bench --w8a8-tma on,
 # skinny_gemm_bench-h200-llama-3.1-8b-fp8-tma-sweep-2026-12-03.json; the default tiles stay the sweep's best):
 # qkv 12.8 us, o_proj 10.3, down_proj 24.4, against 13.3 / 10.6 / 26.3 with pointers. 8B FP8 decode,
-# interleaved on, off, on, off (decode_latency-h200-skinny-w8a8-tma-ab-2026-12-03.json): batch 64 16,605 /
+# interleaved on, off, on, off (8615439:benchmarks/results/decode_latency-h200-skinny-w8a8-tma-ab-2026-12-03.json): batch 64 16,605 /
 # 16,636 against 16,360 / 16,350 tok/s; batch 8 2,629 / 2,631 against 2,657 / 2,658, hence rows past 32 only
 # (from 33 rows the tiles are the 64-row ones).
 W8A8_TMA_MIN_ROWS = 33

@@ -28,7 +28,7 @@ from graphserve.kernels.skinny_gemm import SplitPartials, finish_split
 # 2 rows on for most shapes (our grid re-reads the weights per row). Benchmarks set GEMV_MAX_ROWS
 # to 0 to measure without. (A first tensor-core kernel with the GEMV's fusions for 2-16 rows made
 # whole steps slower than cuBLAS, Llama-3.1-8B at batch 2 8.97 vs 4.80 ms, and gave way to the
-# skinny GEMM below: benchmarks/results/decode_latency-h200-qwen2.5-0.5b-small-gemm-2026-12-01.json.)
+# skinny GEMM below: 8615439:benchmarks/results/decode_latency-h200-qwen2.5-0.5b-small-gemm-2026-12-01.json.)
 GEMV_MAX_ROWS = 1
 # FP8 weights: the GEMV dequantizes in registers (weight-only); more rows go W8A8 (engine/models/fp8.py).
 FP8_GEMV_MAX_ROWS = 1
@@ -53,24 +53,24 @@ FP8_NORM_QUANT = True
 # own: one kernel fewer each, the same bits (one GPU: tensor parallelism all-reduces the summed
 # output). H200, interleaved (decode_latency.py --defer-split-reduce on|off): 8B bf16 batch 64 12,677 /
 # 12,711 vs 12,448 / 12,454 tok/s, FP8 16,597 / 16,571 vs 16,371 / 16,400; 0.5B batch 64 63,910 vs
-# 62,144 (decode_latency-h200-defer-split-reduce-ab-2026-12-02.json).
+# 62,144 (8615439:benchmarks/results/decode_latency-h200-defer-split-reduce-ab-2026-12-02.json).
 DEFER_SPLIT_REDUCE = True
 # On CUDA the embedding lookup runs as kernels/embedding.py's kernel, which launches with programmatic
 # dependent launch (the first layer's kernel then starts, and prefetches its weights, during the lookup),
 # instead of torch's index_select. H200, interleaved with sampling.FUSED_MERGE (decode_latency.py
 # --pdl-embedding): Qwen2.5-0.5B batch 1 1,844-1,852 against 1,836 / 1,845 tok/s with the merge alone, batch 8
-# 10,811 / 10,842 against 10,741 / 10,814 (decode_latency-h200-step-kernels-ab-2026-12-03.json).
+# 10,811 / 10,842 against 10,741 / 10,814 (8615439:benchmarks/results/decode_latency-h200-step-kernels-ab-2026-12-03.json).
 PDL_EMBEDDING = True
 # An FP8 gate_up (SiLU-and-mul, W8A8 skinny GEMM) hands down_proj its output with each row's amax in parts
 # (kernels/skinny_gemm.py row_amax), so the row quantization before down_proj reads those instead of each
 # row whole. H200, interleaved (decode_latency.py --fp8-row-amax): Llama-3.1-8B FP8 batch 64 16,783 / 16,834
 # against 16,615 / 16,701 tok/s, batch 8 2,688 / 2,692 against 2,662 / 2,658
-# (decode_latency-h200-fp8-row-amax-ab-2026-12-03.json).
+# (8615439:benchmarks/results/decode_latency-h200-fp8-row-amax-ab-2026-12-03.json).
 FP8_ROW_AMAX = True
 # Decode attention hands an FP8 o_proj its output with each KV head group's amax the same way
 # (kernels/decode_attention.py row_amax, where one split covers each row: Llama-3.1-8B at batch 64 on an
 # H200). Interleaved on / off / on / off (decode_latency.py --fp8-attention-amax): 8B FP8 batch 64 17,229 /
-# 17,191 against 17,095 / 17,079 tok/s (decode_latency-h200-fp8-attention-amax-ab-2026-12-03.json).
+# 17,191 against 17,095 / 17,079 tok/s (8615439:benchmarks/results/decode_latency-h200-fp8-attention-amax-ab-2026-12-03.json).
 FP8_ATTENTION_AMAX = True
 
 
