@@ -30,11 +30,16 @@ decode)
       --skip-transformers --max-num-seqs 64 --quantization none fp8 --out "$OUT/decode_$m.json" 2>&1 | quiet
   done
   ;;
-moe)  # mixture-of-experts shapes, random weights made on the GPU (MODELS: qwen3-30b-a3b; mixtral-8x7b needs an H200's memory)
+moe)  # mixture-of-experts shapes, random weights made on the GPU (MODELS: qwen3-30b-a3b; mixtral-8x7b needs an H200's
+  # memory); PEERS="mixtral-8x7b" then times the gpt-fast-style peer on the same batches
   for m in ${MODELS:-qwen3-30b-a3b}; do
     timeout ${MOE_TIMEOUT:-400} python3 benchmarks/decode_latency.py --models $m --load-format dummy --batches ${BATCHES:-1 64} \
       --chunks 8 --no-eager --skip-transformers --max-num-seqs 64 --gpu-memory-utilization 0.92 \
       --out "$OUT/decode_$m.json" 2>&1 | quiet
+  done
+  for m in ${PEERS:-}; do  # the gpt-fast-style peer (benchmarks/moe_peer.py) on the same shapes and batches
+    timeout ${PEER_TIMEOUT:-240} python3 benchmarks/moe_peer.py --model $m --batches ${BATCHES:-1 64} \
+      --out "$OUT/moe_peer_$m.json" 2>&1 | quiet
   done
   ;;
 curve)
