@@ -388,9 +388,14 @@ def test_cos_sin_cache_matches_transformers(scaling):
     assert torch.equal(cache[positions[0], half:], sin[0, :, :half])
 
 
-def test_rope_and_store_kv():
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+def test_rope_and_store_kv(qk_norm):
+    """qk_norm: Qwen3's per-head norms of q and k run in the same kernel, before the rotation."""
     gen = torch.Generator().manual_seed(16)
     tokens, hq, hkv, head_dim = 5, 4, 2, 64
+    norms = None
+    if qk_norm:
+        norms = (1 + torch.randn(head_dim, generator=gen), 1 + torch.randn(head_dim, generator=gen), 1e-6)
     cache = build_cos_sin_cache(head_dim, 100, 10000.0, LLAMA3_SCALING)
     qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim, generator=gen)
     q = qkv[:, : hq * head_dim].view(tokens, hq, head_dim)
@@ -399,10 +404,11 @@ def test_rope_and_store_kv():
     k_cache, v_cache = make_cache(4, 16, hkv, head_dim, gen)
     positions = torch.tensor([3, 0, 99, 42, 7])
     slots = torch.tensor([5, -1, 63, 16, 0])
-    ref_q, k_before = q.clone(), k.clone()
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
-    rope_and_store_kv_ref(ref_q, k.clone(), v, positions, cache, ref_k_cache, ref_v_cache, slots)
-    rope_and_store_kv(q, k, v, positions, cache, k_cache, v_cache, slots)
+    qkv *= 3 + torch.arange(tokens)[:, None]  # rows of different scales: a norm that is skipped shows
+    ref_q, k_before = q.clone(), k.clone()
+    rope_and_store_kv_ref(ref_q, k.clone(), v, positions, cache, ref_k_cache, ref_v_cache, slots, qk_norm=norms)
+    rope_and_store_kv(q, k, v, positions, cache, k_cache, v_cache, slots, qk_norm=norms)
     assert rel_err(q, ref_q) < TOL
     assert torch.equal(k, k_before)
     assert rel_err(k_cache, ref_k_cache) < TOL and torch.equal(v_cache, ref_v_cache)

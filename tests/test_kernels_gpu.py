@@ -308,19 +308,27 @@ def test_attention_fp16_fp32(dtype, tol):
 
 
 @pytest.mark.gpu
-def test_rope_and_store_kv_llama_8b():
+@pytest.mark.parametrize("shape", ["llama-8b", "qwen3-30b-a3b-qk-norm"])
+def test_rope_and_store_kv(shape):
+    """Llama-3.1-8B's heads; Qwen3-30B-A3B's (32 q, 4 kv) with its per-head q/k norms in the kernel."""
     gen = torch.Generator(device=DEV).manual_seed(6)
-    k_cache, v_cache, _, _ = paged_setup(4, 1024, 8, 128)
+    hq, hkv = (32, 8) if shape == "llama-8b" else (32, 4)
+    k_cache, v_cache, _, _ = paged_setup(4, 1024, hkv, 128)
     cache = build_cos_sin_cache(128, 131072, 500000.0, LLAMA3_SCALING, device=DEV)
     tokens = 300
-    qkv = torch.randn(tokens, 48 * 128, device=DEV, dtype=BF16, generator=gen)
-    q, k, v = (qkv[:, a * 128 : b * 128].view(tokens, b - a, 128) for a, b in ((0, 32), (32, 40), (40, 48)))
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * 128, device=DEV, dtype=BF16, generator=gen)
+    qkv *= torch.rand(tokens, 1, device=DEV, dtype=BF16, generator=gen) * 8
+    q, k, v = (qkv[:, a * 128 : b * 128].view(tokens, b - a, 128)
+               for a, b in ((0, hq), (hq, hq + hkv), (hq + hkv, hq + 2 * hkv)))
+    norms = None
+    if shape.endswith("qk-norm"):
+        norms = tuple(1 + torch.randn(128, device=DEV, dtype=BF16, generator=gen) for _ in range(2)) + (1e-6,)
     positions = torch.randint(0, 131072, (tokens,), device=DEV, generator=gen)
     slots = torch.randperm(k_cache.shape[0] * 16, device=DEV, generator=gen)[:tokens]
     slots[::5] = -1
     ref_q, ref_k_cache, ref_v_cache = q.clone(), k_cache.clone(), v_cache.clone()
-    rope_and_store_kv_ref(ref_q, k, v, positions, cache, ref_k_cache, ref_v_cache, slots)
-    rope_and_store_kv(q, k, v, positions, cache, k_cache, v_cache, slots)
+    rope_and_store_kv_ref(ref_q, k, v, positions, cache, ref_k_cache, ref_v_cache, slots, qk_norm=norms)
+    rope_and_store_kv(q, k, v, positions, cache, k_cache, v_cache, slots, qk_norm=norms)
     # the reference rounds after each bf16 op, the kernel once: they differ by at most one bf16 ulp
     assert rel_err(q, ref_q) < TOL and rel_err(k_cache, ref_k_cache) < TOL
     assert torch.equal(v_cache, ref_v_cache)

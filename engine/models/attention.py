@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from graphserve.engine.cpu.attention import paged_decode_attention
-from graphserve.engine.models.layers import apply_rotary, rotary_tables
+from graphserve.engine.models.layers import apply_rotary, rms_norm, rotary_tables
 from graphserve.kernels.fp8_quant import AmaxedRows
 
 
@@ -61,9 +61,13 @@ class TorchAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, row_amax: bool = False) -> torch.Tensor:
-        """Rotate q and k, write k and v into the cache, attend. Returns [T, Hq, D] (row_amax: the
-        Triton backend's; never asked for on CPU, layers.hands_row_amax)."""
+                scale: float, row_amax: bool = False,
+                qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+        """Norm q and k per head (qk_norm: q weight, k weight, eps; Qwen3), rotate them, write k and v
+        into the cache, attend. Returns [T, Hq, D] (row_amax: the Triton backend's; never asked for on
+        CPU, layers.hands_row_amax)."""
+        if qk_norm is not None:
+            q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
         rope = meta.derived.get("rope")
         if rope is None or rope[0] is not positions:  # keyed by the positions tensor itself (held here)
             rope = meta.derived["rope"] = (positions, rotary_tables(positions, cos_sin, q.dtype))
@@ -164,9 +168,11 @@ class TritonAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, row_amax: bool = False) -> torch.Tensor | AmaxedRows:
-        """row_amax: a decode's output may come as AmaxedRows (kernels/decode_attention.py)."""
-        q = self._rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+                scale: float, row_amax: bool = False,
+                qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor | AmaxedRows:
+        """As TorchAttention.forward, the norms, rotary and store in one kernel. row_amax: a decode's
+        output may come as AmaxedRows (kernels/decode_attention.py)."""
+        q = self._rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, qk_norm=qk_norm)
         if meta.is_prefill:
             return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                                  meta.max_seqlen_q, scale, tiles=meta.attention_tiles)

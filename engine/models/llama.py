@@ -75,10 +75,9 @@ class Attention(nn.Module):
             qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, self.qkv_proj)
             heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
             q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
+            qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             out = self.backend.forward(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale,
-                                       row_amax=row_amax and not meta.is_prefill)
+                                       row_amax=row_amax and not meta.is_prefill, qk_norm=qk_norm)
         if isinstance(out, AmaxedRows):  # [T, Hq * D] already
             o_input = out
         else:
