@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels._common import use_pdl
+from graphserve.kernels._pdl import wait_for_previous_kernel
 from graphserve.kernels.gemv import _X_PRESCALE, _Y_RESCALE, _weight_f32, GemvTile, default_gemv_tile
 
 # At most this many tokens take the GEMV path. H100, bf16, a layer (benchmarks/moe_kernel_bench.py, the
@@ -37,11 +39,15 @@ GEMV_MAX_TOKENS = 2
 @triton.jit
 def _gate_up_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, ids_ptr, h_ptr, N, K,
                          stride_x, stride_we, stride_wn, stride_se, stride_h,
-                         TOP_K: tl.constexpr, W_FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """h[p, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) for pick p (token t = p // TOP_K, expert e)."""
+                         TOP_K: tl.constexpr, W_FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr):
+    """h[p, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) for pick p (token t = p // TOP_K, expert e).
+    PDL: the expert ids come from the kernel just before (routing), so nothing is read before the wait."""
     pick = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    if PDL:
+        wait_for_previous_kernel()
     expert = tl.load(ids_ptr + pick).to(tl.int64)
     x_row = x_ptr + (pick // TOP_K) * stride_x
     gate_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
@@ -78,20 +84,29 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, ids_ptr, h_ptr, N, K,
 @triton.jit
 def _down_gemv_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, routing_ptr, out_ptr, N, K,
                       stride_h, stride_we, stride_wn, stride_se, stride_o,
-                      TOP_K: tl.constexpr, W_FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[t, n] = sum over t's picks p in order of round(w_p * (down_e[n] . h[p])), in float32, rounded once."""
+                      TOP_K: tl.constexpr, W_FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PDL: tl.constexpr):
+    """out[t, n] = sum over t's picks p in order of round(w_p * (down_e[n] . h[p])), in float32, rounded once.
+    PDL: the expert ids (routing, two kernels back, so complete: kernels/_pdl.py) and the first pick's
+    first weight tile are read before the wait for h."""
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     dt = out_ptr.dtype.element_ty
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first_w = _first_down_tile(w_ptr, ids_ptr, token * TOP_K, offs_n, n_mask, K, stride_we, stride_wn, BLOCK_K)
+    if PDL:
+        wait_for_previous_kernel()
     for j in tl.static_range(TOP_K):
         pick = token * TOP_K + j
         expert = tl.load(ids_ptr + pick).to(tl.int64)
         h_row = h_ptr + pick * stride_h
         w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
         offs_k = tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        if j == 0:
+            w = first_w
+        else:
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -106,6 +121,14 @@ def _down_gemv_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, routing_ptr, out_ptr, 
             y *= tl.load(w_scale_ptr + expert * stride_se + offs_n, mask=n_mask, other=0.0) * _Y_RESCALE
         total += (y * tl.load(routing_ptr + pick)).to(dt).to(tl.float32)
     tl.store(out_ptr + token * stride_o + offs_n, total.to(dt), mask=n_mask)
+
+
+@triton.jit
+def _first_down_tile(w_ptr, ids_ptr, pick, offs_n, n_mask, K, stride_we, stride_wn, BLOCK_K: tl.constexpr):
+    expert = tl.load(ids_ptr + pick).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+    return tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
 
 
 def default_gemv_tiles(tokens: int, top_k: int, hidden: int, inter: int, num_sms: int,
@@ -129,16 +152,17 @@ def experts_gemv(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tenso
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
     gate_up_tile, down_tile = tiles
+    pdl = use_pdl(x.device)
     gate_up_w = gate_up.view(torch.int8) if fp8 else gate_up
     down_w = down.view(torch.int8) if fp8 else down
     _gate_up_gemv_kernel[(tokens * top_k, triton.cdiv(inter, gate_up_tile.block_n))](
         x, gate_up_w, gate_up_scale if fp8 else gate_up, ids, h, inter, hidden,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0) if fp8 else 0, h.stride(0),
-        TOP_K=top_k, W_FP8=fp8, BLOCK_N=gate_up_tile.block_n, BLOCK_K=gate_up_tile.block_k,
-        num_warps=gate_up_tile.num_warps)
+        TOP_K=top_k, W_FP8=fp8, BLOCK_N=gate_up_tile.block_n, BLOCK_K=gate_up_tile.block_k, PDL=pdl,
+        num_warps=gate_up_tile.num_warps, launch_pdl=pdl)
     _down_gemv_kernel[(tokens, triton.cdiv(hidden, down_tile.block_n))](
         h, down_w, down_scale if fp8 else down, ids, routing, out, hidden, inter,
         h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0) if fp8 else 0, out.stride(0),
-        TOP_K=top_k, W_FP8=fp8, BLOCK_N=down_tile.block_n, BLOCK_K=down_tile.block_k,
-        num_warps=down_tile.num_warps)
+        TOP_K=top_k, W_FP8=fp8, BLOCK_N=down_tile.block_n, BLOCK_K=down_tile.block_k, PDL=pdl,
+        num_warps=down_tile.num_warps, launch_pdl=pdl)
     return out

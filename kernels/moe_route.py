@@ -14,15 +14,21 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels._common import use_pdl
+from graphserve.kernels._pdl import wait_for_previous_kernel
+
 MAX_EXPERTS = 1024  # a row in one program's registers; past it, kernels/moe.route
 
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t,
-                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < num_experts
+    if PDL:  # the logits are the kernel before's
+        wait_for_previous_kernel()
     logits = tl.load(logits_ptr + token * stride_t + offs, mask=valid, other=float("-inf")).to(tl.float32)
     exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
     remaining = tl.where(valid, exps / tl.sum(exps, axis=0), -1.0)  # taken and padding: below any probability
@@ -52,7 +58,9 @@ def route_fused(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> t
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=router_logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=router_logits.device)
     if tokens:
+        pdl = use_pdl(router_logits.device, elementwise=True)
         _route_kernel[(tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0),
                                  TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-                                 BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if num_experts > 256 else 1)
+                                 BLOCK_K=triton.next_power_of_2(top_k), PDL=pdl,
+                                 num_warps=4 if num_experts > 256 else 1, launch_pdl=pdl)
     return weights, ids
