@@ -13,14 +13,31 @@ import wheel_env  # noqa: E402
 pytest_plugins = ["tensor_checks"]  # the poisoned_outputs fixture
 
 
+def _is_worker(config) -> bool:
+    return hasattr(config, "workerinput")  # a pytest-xdist worker (make test runs two)
+
+
+def pytest_configure(config):
+    if not _is_worker(config):  # the controller names the wheel's folder before its workers start
+        wheel_env.claim()
+
+
 def pytest_collection_finish(session):
     # the installed wheel's environment takes ~40 s of pip: built beside the tests that run first
-    if any("wheel_env" in item.fixturenames for item in session.items):
+    # (under xdist by the controller, below, once a worker has collected test_wheel.py)
+    if not _is_worker(session.config) and any("wheel_env" in item.fixturenames for item in session.items):
+        wheel_env.start()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    if any(i.startswith("tests/test_wheel.py") or "test_wheel.py::" in i for i in ids):
         wheel_env.start()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    wheel_env.discard()
+    if not _is_worker(session.config):
+        wheel_env.discard()
 
 
 def pytest_collection_modifyitems(config, items):

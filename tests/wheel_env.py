@@ -2,9 +2,11 @@
 
 That takes about 40 s of pip on two cores, so conftest starts it in a background process as soon as
 a run that selects test_wheel.py has been collected, and the tests wait for it when they get there
-(`ready()`); the other tests run beside it meanwhile.
+(`ready()`); the other tests run beside it meanwhile. Under pytest-xdist (`make test` runs two
+workers) the controller process builds it once, in the folder it names in WHEEL_ENV_DIR before the
+workers start; the worker that runs test_wheel.py waits for the build's status file there.
 
-    python tests/wheel_env.py OUT   # OUT/wheel/graphserve-*.whl and OUT/venv
+    python tests/wheel_env.py OUT   # OUT/wheel/graphserve-*.whl and OUT/venv, then OUT/status
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-_build: tuple[subprocess.Popen, Path] | None = None
+WHEEL_ENV_DIR = "GRAPHSERVE_TEST_WHEEL_ENV"  # the run's folder, set by the controller for its workers
+_build: subprocess.Popen | None = None
 
 
 def build(out: Path) -> None:
     wheel_dir, venv = out / "wheel", out / "venv"
-    wheel_dir.mkdir(parents=True)
+    wheel_dir.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(wheel_dir), str(ROOT)], check=True, cwd=wheel_dir, timeout=300)
     (wheel,) = wheel_dir.glob("graphserve-*.whl")
@@ -35,39 +39,65 @@ def build(out: Path) -> None:
     subprocess.run([*pip, str(wheel), "transformers", "kernels"], check=True, timeout=900)
 
 
+def claim() -> None:
+    """Names the run's folder (the controller, or a run without workers; before any worker starts)."""
+    os.environ[WHEEL_ENV_DIR] = tempfile.mkdtemp(prefix="graphserve-wheel-")
+
+
+def _folder() -> Path:
+    if WHEEL_ENV_DIR not in os.environ:
+        claim()
+    return Path(os.environ[WHEEL_ENV_DIR])
+
+
 def start() -> None:
     """Begins the build in a background process (once a run)."""
     global _build
-    if _build is None:
-        out = Path(tempfile.mkdtemp(prefix="graphserve-wheel-"))
+    out = _folder()
+    if _build is None and not (out / "started").exists():
+        (out / "started").touch()
         log = open(out / "build.log", "wb")
-        _build = (subprocess.Popen([sys.executable, __file__, str(out / "env")], stdout=log, stderr=subprocess.STDOUT),
-                  out)
+        _build = subprocess.Popen([sys.executable, __file__, str(out)], stdout=log, stderr=subprocess.STDOUT)
         log.close()
 
 
 def ready() -> tuple[Path, str]:
     """(the wheel, the venv's python), once the build has finished; starts it if nothing did."""
     start()
-    process, out = _build
-    if process.wait(timeout=1800) != 0:
-        raise RuntimeError("building the wheel's environment failed:\n"
+    out = _folder()
+    deadline = time.monotonic() + 1800
+    while not (out / "status").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    status = (out / "status").read_text() if (out / "status").exists() else "timed out"
+    if status != "0":
+        raise RuntimeError(f"building the wheel's environment failed ({status}):\n"
                            + (out / "build.log").read_text(errors="replace")[-3000:])
-    (wheel,) = (out / "env" / "wheel").glob("graphserve-*.whl")
-    return wheel, str(out / "env" / "venv" / "bin" / "python")
+    (wheel,) = (out / "wheel").glob("graphserve-*.whl")
+    return wheel, str(out / "venv" / "bin" / "python")
 
 
 def discard() -> None:
-    """Stops a build still running and removes its folder (the end of the run)."""
+    """Stops a build still running and removes the run's folder (the end of the run, by the process
+    that claimed it)."""
     global _build
-    if _build is not None:
-        process, out = _build
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        shutil.rmtree(out, ignore_errors=True)
-        _build = None
+    if _build is not None and _build.poll() is None:
+        _build.kill()
+        _build.wait()
+    _build = None
+    if WHEEL_ENV_DIR in os.environ:
+        shutil.rmtree(os.environ.pop(WHEEL_ENV_DIR), ignore_errors=True)
+
+
+def _main(out: Path) -> None:
+    try:
+        build(out)
+        status = "0"
+    except Exception as exc:  # noqa: BLE001 -- reported to the waiting test through the status file
+        print(f"{type(exc).__name__}: {exc}", flush=True)
+        status = type(exc).__name__
+    (out / "status.tmp").write_text(status)
+    os.replace(out / "status.tmp", out / "status")
 
 
 if __name__ == "__main__":
-    build(Path(sys.argv[1]))
+    _main(Path(sys.argv[1]))
