@@ -198,8 +198,8 @@ class PeerMoE(nn.Module):
 def build(hf_config: dict, device: str, dtype: torch.dtype, seed: int = 0) -> PeerMoE:
     """The model with random weights made on `device` (std 0.02, norms 1, as decode_latency's dummy load)."""
     with torch.device("meta"):
-        model = PeerMoE(PeerConfig(hf_config))
-    model = model.to_empty(device=device).to(dtype)
+        model = PeerMoE(PeerConfig(hf_config)).to(dtype)  # in the dtype before any memory is taken
+    model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -262,10 +262,12 @@ def main() -> None:
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    bandwidth = copy_bandwidth()["gb_per_s"] if cuda else None  # before the weights take the memory
     model = build(CONFIGS[args.model], device, dtype)
     rows = []
     for batch in args.batches:
-        row = {"model": args.model, "engine": "gpt-fast-style peer (torch.compile, reduce-overhead)", "batch": batch,
+        row = {"model": args.model, "batch": batch,
+               "engine": f"gpt-fast-style peer ({'torch.compile, reduce-overhead' if cuda else 'eager'})",
                "quantization": "bf16" if cuda else "float32"}
         try:
             seconds = time_decode(model, batch, args.prompt_len, args.new_tokens, args.repeats, compile_step=cuda)
@@ -277,9 +279,9 @@ def main() -> None:
             torch.cuda.empty_cache()
         print(row, flush=True)
         rows.append(row)
-    write_json(args.out, dict(**run_info(), benchmark="moe_peer", prompt_len=args.prompt_len,
-                              new_tokens=args.new_tokens,
-                              copy_bandwidth_gb_s=copy_bandwidth()["gb_per_s"] if cuda else None, rows=rows))
+    info = run_info("moe_peer") if cuda else {"benchmark": "moe_peer"}
+    write_json(args.out, dict(**info, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                              copy_bandwidth_gb_s=bandwidth, rows=rows))
 
 
 if __name__ == "__main__":

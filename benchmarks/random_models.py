@@ -58,6 +58,9 @@ CONFIGS["mixtral-8x7b"] = {
     "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 1,
     "eos_token_id": 2, "torch_dtype": "bfloat16", "hidden_act": "silu", "output_router_logits": False,
 }
+# Mixtral at half its depth (46 GB): fits an 80 GB card beside a KV pool, so ours and benchmarks/moe_peer.py
+# can be compared on an H100; every layer is the whole model's, so a step's time is about half of it
+CONFIGS["mixtral-8x7b-16-layers"] = {**CONFIGS["mixtral-8x7b"], "num_hidden_layers": 16}
 
 
 def models_root() -> Path:
