@@ -303,6 +303,10 @@ class IncrementalDetokenizer:
             piece = self._stream.step(self.tokenizer._tok, self.ids[index])
         except Exception:
             return self._restart_window()
+        return self._released(piece, index)
+
+    def _released(self, piece: str | None, index: int) -> list[str]:
+        """A piece the stream gave at ids[index] moves the window past that id."""
         if piece is None:
             return []
         self.prefix_offset = self.read_offset
@@ -317,12 +321,8 @@ class IncrementalDetokenizer:
         self._stream = decoders.DecodeStream(skip_special_tokens=self.skip_special_tokens)
         start = self.prefix_offset = self.read_offset
         pieces = []
-        for index in range(start, len(self.ids)):
-            piece = self._stream.step(self.tokenizer._tok, self.ids[index])  # a fresh window has no prefix to lose
-            if piece is not None:
-                self.prefix_offset = self.read_offset
-                self.read_offset = index + 1
-                pieces.append(piece)
+        for index in range(start, len(self.ids)):  # a fresh window has no prefix to lose: no restart here
+            pieces += self._released(self._stream.step(self.tokenizer._tok, self.ids[index]), index)
         return pieces
 
     def _release_tail(self) -> str:

@@ -31,7 +31,7 @@ def pytest_collection_finish(session):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
-    if any(i.startswith("tests/test_wheel.py") or "test_wheel.py::" in i for i in ids):
+    if any("test_wheel.py::" in i for i in ids):
         wheel_env.start()
 
 

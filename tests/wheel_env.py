@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,8 +41,9 @@ def build(out: Path) -> None:
 
 
 def claim() -> None:
-    """Names the run's folder (the controller, or a run without workers; before any worker starts)."""
-    os.environ[WHEEL_ENV_DIR] = tempfile.mkdtemp(prefix="graphserve-wheel-")
+    """Names the run's folder (the controller, or a run without workers; before any worker starts).
+    Made only when a build starts, so a run that never builds (or is killed) leaves nothing behind."""
+    os.environ[WHEEL_ENV_DIR] = str(Path(tempfile.gettempdir()) / f"graphserve-wheel-{uuid.uuid4().hex[:12]}")
 
 
 def _folder() -> Path:
@@ -55,6 +57,7 @@ def start() -> None:
     global _build
     out = _folder()
     if _build is None and not (out / "started").exists():
+        out.mkdir(mode=0o700, parents=True, exist_ok=True)
         (out / "started").touch()
         log = open(out / "build.log", "wb")
         _build = subprocess.Popen([sys.executable, __file__, str(out)], stdout=log, stderr=subprocess.STDOUT)
