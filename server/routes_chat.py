@@ -67,9 +67,8 @@ async def create_chat_completion(request: Request) -> Response:
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     tokenizer = engine.tokenizer
-    # the cheap checks first (n against the queue: 400 / 429; the parameters), then the
+    # the cheap checks first (the parameters, then n against the queue: 400 / 429), then the
     # template and the tokenizer, O(body size), off the event loop
-    state.admission.admit(body.n)
     fmt = call_format(tokenizer.chat_template)
     use_tools = check_tool_request(body)
     grammar = grammar_from_request(body)
@@ -86,6 +85,7 @@ async def create_chat_completion(request: Request) -> Response:
         vocab_size=tokenizer.vocab_size,
         grammar=grammar,
     )
+    state.admission.admit(body.n)
     messages, template_tools = conversation(body, fmt, use_tools)
     prompt_ids = await asyncio.to_thread(render_chat_prompt, tokenizer, messages, body.add_generation_prompt,
                                          state.chat_content_special_tokens, template_tools)

@@ -98,8 +98,8 @@ async def create_completion(request: Request) -> Response:
     engine = state.ready_engine(body.model)
     tokenizer = engine.tokenizer
     prompts = normalize_prompts(body.prompt)
-    # the cheap checks first: prompts x n against the queue (400 / 429), the parameters
-    state.admission.admit(len(prompts) * body.n)
+    # the cheap checks first: the parameters (a 400 even when the queue is full: they can never
+    # be served), then prompts x n against the queue (400 / 429) before any costly work
     params = build_sampling_params(
         body,
         max_tokens=body.max_tokens,
@@ -108,6 +108,7 @@ async def create_completion(request: Request) -> Response:
         vocab_size=tokenizer.vocab_size,
         grammar=grammar_from_request(body),
     )
+    state.admission.admit(len(prompts) * body.n)
     if params.grammar is not None:  # a 400 for a grammar that fails or takes too long to compile
         await engine.check_grammar(params.grammar)
     if any(isinstance(prompt, str) for prompt in prompts):

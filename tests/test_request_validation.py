@@ -139,6 +139,8 @@ NEVER_SERVED = [
     ("/v1/completions", {"logprobs": -1}, "logprobs"),
     ("/v1/completions", {"stop_token_ids": [-1]}, "stop_token_ids"),
     ("/v1/completions", {"stop_token_ids": [1] * 257}, "stop_token_ids"),
+    ("/v1/completions", {"stop_token_ids": [10**6]}, "stop_token_ids"),  # past the vocabulary
+    ("/v1/completions", {"logit_bias": {str(10**6): 1}}, "logit_bias"),
     ("/v1/completions", {"stop": ["x"] * 65}, "stop"),
     ("/v1/completions", {"stop": ["x" * 513]}, "stop"),
     ("/v1/completions", {"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
@@ -150,6 +152,8 @@ NEVER_SERVED = [
     ("/v1/chat/completions", {"max_tokens": -1}, "max_tokens"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ("/v1/chat/completions", {"temperature": -0.5}, "temperature"),
+    ("/v1/chat/completions", {"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),  # without tools
 ]
 
 
