@@ -15,19 +15,7 @@ import triton.language as tl
 from graphserve.kernels._common import check_kv_cache, use_pdl
 from graphserve.kernels._pdl import wait_for_previous_kernel
 from graphserve.kernels.kv_store import store_kv_ref
-from graphserve.kernels.rotary import _rotate_heads, apply_rotary_ref
-
-
-@triton.jit
-def _head_norm(x1, x2, w_ptr, offs_d, eps, HALF: tl.constexpr, dt: tl.constexpr):
-    """RMSNorm over each head (row) of [heads, 2 * HALF] given as its two halves, float32 in and
-    out, rounded to dt where kernels.rmsnorm rounds (the normed value, then times the weight)."""
-    inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-    w1 = tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + offs_d).to(tl.float32)[None, :]
-    y1 = ((x1 * inv).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
-    y2 = ((x2 * inv).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    return y1, y2
+from graphserve.kernels.rotary import _head_norm, _rotate_heads, apply_rotary_ref
 
 
 @triton.jit
@@ -48,17 +36,7 @@ def _rope_kv_store_kernel(
     dt = q_ptr.dtype.element_ty
     cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d).to(dt).to(tl.float32)[None, :]
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d).to(dt).to(tl.float32)[None, :]
-    if QK_NORM:
-        offs_q = tl.arange(0, Q_PAD)
-        q_mask = offs_q[:, None] < NUM_Q_HEADS
-        ptr1 = q_ptr + t * stride_qt + offs_q[:, None] * stride_qh + offs_d[None, :]
-        q1 = tl.load(ptr1, mask=q_mask, other=0.0).to(tl.float32)
-        q2 = tl.load(ptr1 + HALF, mask=q_mask, other=0.0).to(tl.float32)
-        q1, q2 = _head_norm(q1, q2, q_norm_ptr, offs_d, eps, HALF, dt)
-        tl.store(ptr1, (q1 * cos - q2 * sin).to(dt), mask=q_mask)
-        tl.store(ptr1 + HALF, (q2 * cos + q1 * sin).to(dt), mask=q_mask)
-    else:
-        _rotate_heads(q_ptr, stride_qh, t * stride_qt, cos, sin, NUM_Q_HEADS, Q_PAD, HALF)
+    _rotate_heads(q_ptr, stride_qh, t * stride_qt, cos, sin, q_norm_ptr, eps, NUM_Q_HEADS, Q_PAD, HALF, QK_NORM)
 
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, KV_PAD)

@@ -16,8 +16,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_h, row_off, cos, sin,
-                  NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
+def _head_norm(x1, x2, w_ptr, offs_d, eps, HALF: tl.constexpr, dt: tl.constexpr):
+    """RMSNorm over each head (row) of [heads, 2 * HALF] given as its two halves, float32 in and
+    out, rounded to dt where kernels.rmsnorm rounds (the normed value, then times the weight)."""
+    inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+    w1 = tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + offs_d).to(tl.float32)[None, :]
+    y1 = ((x1 * inv).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+    y2 = ((x2 * inv).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    return y1, y2
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_h, row_off, cos, sin, norm_ptr, eps,
+                  NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    """Rotate one token's heads in place; with NORM, RMS-norm each head first (weight norm_ptr)."""
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HALF)
     mask = offs_h[:, None] < NUM_HEADS
@@ -28,6 +41,8 @@ def _rotate_heads(x_ptr, stride_h, row_off, cos, sin,
     dt = x1.dtype
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
+    if NORM:
+        x1, x2 = _head_norm(x1, x2, norm_ptr, offs_d, eps, HALF, dt)
     tl.store(ptr1, (x1 * cos - x2 * sin).to(dt), mask=mask)
     tl.store(ptr2, (x2 * cos + x1 * sin).to(dt), mask=mask)
 
@@ -48,8 +63,8 @@ def _rotary_kernel(
     dt = q_ptr.dtype.element_ty
     cos = cos.to(dt).to(tl.float32)[None, :]
     sin = sin.to(dt).to(tl.float32)[None, :]
-    _rotate_heads(q_ptr, stride_qh, t * stride_qt, cos, sin, NUM_Q_HEADS, Q_PAD, HALF)
-    _rotate_heads(k_ptr, stride_kh, t * stride_kt, cos, sin, NUM_K_HEADS, K_PAD, HALF)
+    _rotate_heads(q_ptr, stride_qh, t * stride_qt, cos, sin, q_ptr, 0.0, NUM_Q_HEADS, Q_PAD, HALF, False)
+    _rotate_heads(k_ptr, stride_kh, t * stride_kt, cos, sin, k_ptr, 0.0, NUM_K_HEADS, K_PAD, HALF, False)
 
 
 def apply_rotary(
