@@ -50,7 +50,7 @@ class StreamOptions(_Request):
 
 
 class JsonSchemaFormat(_Request):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     name: Annotated[str, Field(pattern=TOOL_NAME_PATTERN)] = "response"
     description: str | None = None
@@ -75,7 +75,7 @@ class StructuredOutputs(_Request):
     json_object: bool | None = None
     structural_tag: str | None = None
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class _SamplingFields(_Request):

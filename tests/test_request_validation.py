@@ -146,6 +146,7 @@ NEVER_SERVED = [
     ("/v1/completions", {"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
     ("/v1/completions", {"guided_choice": []}, "guided_choice"),
     ("/v1/completions", {"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ("/v1/completions", {"structured_outputs": {"json_": {"type": "object"}}}, "structured_outputs.json_"),
     ("/v1/completions", {"prompt": [["a"]]}, "prompt"),
     ("/v1/completions", {"prompt": [[1000, True]]}, "prompt"),
     ("/v1/chat/completions", {"max_completion_tokens": -1}, "max_completion_tokens"),
