@@ -53,10 +53,14 @@ bench-cpu: model
 
 # Mutation testing (cosmic-ray, tests/mutate.toml), not part of `make test`. It runs in a copy of the
 # working tree under MUTATE_DIR (cosmic-ray edits files in place), with cosmic-ray in its own venv there.
-# SESSIONS="sampler tools" picks sessions (default: all); STOP_AT=HH:MM (UTC) stops then; RESUME=1 goes on;
-# REPORT=1 only prints the scores of the sessions there. Scores are kept in docs/mutation.md.
+# SESSIONS="sampler tools" picks sessions (default: all); MUTATE_JOBS sessions run side by side; MINUTES
+# is the run's time budget (each session stops at the end of its equal slot, its score then an estimate
+# from the random sample it ran; MINUTES=0: every mutant); STOP_AT=HH:MM (UTC) stops then; RESUME=1
+# goes on; REPORT=1 only prints the scores of the sessions there. Scores are kept in docs/mutation.md.
 MUTATE_DIR ?= $(or $(TMPDIR),/tmp)/graphserve-mutate
 SESSIONS ?=
+MUTATE_JOBS ?= 2
+MINUTES ?= 55
 STOP_AT ?=
 RESUME ?=
 REPORT ?=
@@ -68,8 +72,9 @@ $(MUTATE_TOOL):
 	touch $@
 
 mutate: model $(MUTATE_TOOL)
-	$(MUTATE_DIR)/venv/bin/python tests/mutate.py --python $(PY) --workdir $(MUTATE_DIR) \
-		$(foreach s,$(SESSIONS),--session $(s)) $(if $(STOP_AT),--stop-at $(STOP_AT)) $(if $(RESUME),--resume) $(if $(REPORT),--report)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(MUTATE_DIR)/venv/bin/python tests/mutate.py --python $(PY) \
+		--workdir $(MUTATE_DIR) --jobs $(MUTATE_JOBS) --minutes $(MINUTES) $(foreach s,$(SESSIONS),--session $(s)) \
+		$(if $(STOP_AT),--stop-at $(STOP_AT)) $(if $(RESUME),--resume) $(if $(REPORT),--report)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,19 +1,24 @@
 """`make mutate`: mutation testing with cosmic-ray, one session per module (tests/mutate.toml).
 
 cosmic-ray edits the module under test in place and runs a test command against each mutant, so
-this never runs in the repository itself: it copies the working tree (tracked files and untracked
-ones git does not ignore, so uncommitted tests count) to WORKDIR/tree, maps the `graphserve`
-namespace onto that copy with a link tree on PYTHONPATH (what pyproject's package-dir says; the
-project's venv keeps its own editable install, which PYTHONPATH shadows), and runs the tests there
-with the project's Python. cosmic-ray lives in its own venv (WORKDIR/venv); run this file with it.
+this never runs in the repository itself: each session copies the working tree (tracked files and
+untracked ones git does not ignore, so uncommitted tests count) to WORKDIR/<session>/tree, maps the
+`graphserve` namespace onto that copy with a link tree on PYTHONPATH (what pyproject's package-dir
+says; the project's venv keeps its own editable install, which PYTHONPATH shadows), and runs the
+tests there with the project's Python. cosmic-ray lives in its own venv (WORKDIR/venv); run this
+file with it.
 
-    mutate.py --python .venv/bin/python [--session sampler ...] [--workdir DIR] [--stop-at 19:50] [--resume]
+    mutate.py --python .venv/bin/python [--session sampler ...] [--workdir DIR] [--jobs 2]
+              [--minutes 55 | --stop-at 19:50] [--resume] [--report]
 
 Per session: a baseline run of its tests (they must pass; its time sets the mutants' timeout),
 `cosmic-ray init`, the equivalent mutants of the config marked as such, `cosmic-ray exec` (one
-process), then the score: killed (a timeout counts as killed), survived, equivalent, pending.
-WORKDIR/report.md gets the scores and every survivor's diff. --stop-at HH:MM (UTC) interrupts
-exec then, leaving the rest pending; --resume goes on with the copy and sessions already there.
+process, mutants in random order), then the score: killed (a timeout counts as killed), survived,
+equivalent, pending. --jobs sessions run side by side, each in its own copy. --minutes gives the
+whole run a time budget: each session gets an equal slot and stops at its end, so what it ran is a
+random sample of its mutants, and its score comes with a 95% interval. --stop-at HH:MM (UTC)
+interrupts every session then. Either leaves the rest pending; --resume goes on with the copies and
+sessions already there. WORKDIR/report.md gets the scores and every survivor's diff.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ast
 import datetime as dt
+import math
 import os
 import re
 import shlex
@@ -28,8 +34,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -199,9 +208,21 @@ def score(db_path: Path) -> dict:
                 counts["timeout"] += 1
             else:
                 counts["killed"] += 1
-    decided = counts["killed"] + counts["timeout"] + counts["survived"]
-    counts["score"] = f"{100 * (counts['killed'] + counts['timeout']) / decided:.1f}%" if decided else "n/a"
+    killed = counts["killed"] + counts["timeout"]
+    decided = killed + counts["survived"]
+    counts["score"] = f"{100 * killed / decided:.1f}% ({killed}/{decided})" if decided else "n/a"
+    if decided and counts["pending"]:  # a random sample of the session's mutants: an estimate
+        low, high = wilson_interval(killed, decided)
+        counts["score"] += f", 95% interval {100 * low:.0f}-{100 * high:.0f}%"
     return {"counts": counts, "survivors": survivors}
+
+
+def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's 95% interval for a kill rate of k in n mutants drawn at random."""
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def _children(pid: int) -> list[int]:
@@ -214,12 +235,13 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def run_exec(tool_bin: Path, cfg: Path, db: Path, tree: Path, env: dict[str, str], stop_at: dt.datetime | None) -> bool:
-    """cosmic-ray exec until done or `stop_at`; True when it finished."""
+def run_exec(tool_bin: Path, cfg: Path, db: Path, tree: Path, env: dict[str, str], stop_at: dt.datetime | None,
+             interrupted: threading.Event) -> bool:
+    """cosmic-ray exec until done, `stop_at` or `interrupted`; True when it finished."""
     process = subprocess.Popen([str(tool_bin / "cosmic-ray"), "exec", str(cfg), str(db)], cwd=tree, env=env,
                                start_new_session=True)
     while process.poll() is None:
-        if stop_at is not None and dt.datetime.now(dt.UTC) >= stop_at:
+        if interrupted.is_set() or (stop_at is not None and dt.datetime.now(dt.UTC) >= stop_at):
             tests = _children(process.pid)  # the running test command: its own session, out of reach of SIGINT
             os.killpg(process.pid, signal.SIGINT)  # cosmic-ray puts the module back, records nothing for it
             try:
@@ -233,10 +255,71 @@ def run_exec(tool_bin: Path, cfg: Path, db: Path, tree: Path, env: dict[str, str
                 except ProcessLookupError:
                     pass
             return False
-        time.sleep(2)
+        interrupted.wait(2)
     if process.returncode != 0:
         raise SystemExit(f"cosmic-ray exec exited with {process.returncode}")
     return True
+
+
+@dataclass(frozen=True)
+class Run:
+    """What every session of one `make mutate` shares."""
+
+    config: dict
+    python: str
+    tool_bin: Path
+    workdir: Path
+    fresh: bool  # new copies and sessions (not --resume / --report)
+    report_only: bool
+    interrupted: threading.Event
+
+
+def run_session(run: Run, name: str, stop_at: dt.datetime | None) -> tuple[bool, list[str]]:
+    """One session in its own copy of the tree, until done or `stop_at`: (finished, report lines)."""
+    session = run.config["session"][name]
+    started = dt.datetime.now(dt.UTC)
+    folder = run.workdir / name
+    tree, path = folder / "tree", folder / "path"
+    cfg, db = folder / "session.toml", folder / "session.sqlite"
+    if run.report_only and not db.exists():
+        return True, [f"## {name}: not run", ""]
+    if run.fresh or not tree.exists():
+        print(f"[{name}] copying the working tree to {tree}", flush=True)
+        snapshot(tree)
+    link_tree(tree, path)
+    env = environment(path)
+    check_mapping(run.python, tree, env, session["modules"][0])
+    mine = [e for e in run.config.get("equivalent", []) if e["module"] in session["modules"]]
+    excluded = run.config["tool"].get("exclude_operators", [])
+    if run.fresh or not db.exists():
+        print(f"[{name}] baseline: {' '.join(session['tests'])}", flush=True)
+        start = time.monotonic()
+        baseline = subprocess.run(shlex.split(test_command(run.python, session["tests"])), cwd=tree, env=env,
+                                  check=False, stdout=subprocess.DEVNULL)
+        took = time.monotonic() - start
+        if baseline.returncode != 0:
+            raise SystemExit(f"[{name}] the tests fail without any mutation (exit {baseline.returncode})")
+        timeout = max(run.config["tool"]["timeout_min"], run.config["tool"]["timeout_factor"] * took)
+        print(f"[{name}] baseline {took:.0f} s; timeout per mutant {timeout:.0f} s", flush=True)
+        cfg.write_text(cosmic_ray_config(session["modules"], test_command(run.python, session["tests"], timeout),
+                                         timeout))
+        subprocess.run([str(run.tool_bin / "cosmic-ray"), "init", "--force", str(cfg), str(db)], cwd=tree, env=env,
+                       check=True, stdout=subprocess.DEVNULL)
+        for entry in filter_mutants(db, tree, session, mine, excluded):
+            print(f"[{name}] an equivalent entry matches no mutant: {entry}", flush=True)
+    if run.report_only:
+        filter_mutants(db, tree, session, mine, excluded)  # entries added since the run
+        finished = True
+    else:
+        finished = run_exec(run.tool_bin, cfg, db, tree, env, stop_at, run.interrupted)
+    result = score(db)
+    counts = result["counts"]
+    print(f"[{name}] {counts}", flush=True)
+    lines = [f"## {name}: {', '.join(session['modules'])}", "", f"tests: {' '.join(session['tests'])}", "",
+             f"ran {started:%H:%M}-{dt.datetime.now(dt.UTC):%H:%M} UTC" if not run.report_only else "report only", "",
+             " | ".join(f"{k} {v}" for k, v in counts.items()), "", "### survivors", ""]
+    lines += [f"```\n{s}\n```" for s in result["survivors"]] or ["none"]
+    return finished, [*lines, ""]
 
 
 def main() -> None:
@@ -244,8 +327,11 @@ def main() -> None:
     parser.add_argument("--python", required=True, help="the project's Python (its venv has the test dependencies)")
     parser.add_argument("--session", action="append", help="a session of tests/mutate.toml (default: all)")
     parser.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "graphserve-mutate"))
+    parser.add_argument("--jobs", type=int, default=2, help="sessions run side by side, each in its own copy")
+    parser.add_argument("--minutes", type=float, default=0,
+                        help="time budget of the whole run (0: none): each session stops at the end of its slot")
     parser.add_argument("--stop-at", help="HH:MM UTC: interrupt then, leaving the rest pending")
-    parser.add_argument("--resume", action="store_true", help="go on with the copy and sessions in WORKDIR")
+    parser.add_argument("--resume", action="store_true", help="go on with the copies and sessions in WORKDIR")
     parser.add_argument("--report", action="store_true",
                         help="only the scores of the sessions in WORKDIR (after marking the config's equivalents)")
     args = parser.parse_args()
@@ -258,62 +344,42 @@ def main() -> None:
     workdir = Path(args.workdir).resolve()
     if workdir == REPO or workdir.is_relative_to(REPO):
         raise SystemExit("the work folder must be outside the repository: cosmic-ray edits files in place")
-    tree, path = workdir / "tree", workdir / "path"
-    python = str(Path(args.python).absolute())
-    tool_bin = Path(sys.executable).parent
+    now = dt.datetime.now(dt.UTC)
     stop_at = None
     if args.stop_at:
         hour, minute = map(int, args.stop_at.split(":"))
-        now = dt.datetime.now(dt.UTC)
         stop_at = now.replace(hour=hour, minute=minute, second=0, microsecond=0)
         if stop_at <= now:
             stop_at += dt.timedelta(days=1)
+    jobs = max(1, min(args.jobs, len(sessions)))
+    # equal slots: the sessions run in ceil(n / jobs) rounds of `jobs` side by side
+    slot = dt.timedelta(minutes=args.minutes / math.ceil(len(sessions) / jobs)) if args.minutes > 0 else None
+    end = min(filter(None, [stop_at, now + dt.timedelta(minutes=args.minutes) if slot else None]), default=None)
+    run = Run(config, str(Path(args.python).absolute()), Path(sys.executable).parent, workdir,
+              fresh=not (args.resume or args.report), report_only=args.report, interrupted=threading.Event())
+    workdir.mkdir(parents=True, exist_ok=True)
+    if slot:
+        print(f"{len(sessions)} sessions, {jobs} at a time, {slot.total_seconds() / 60:.1f} min each", flush=True)
 
-    if not ((args.resume or args.report) and tree.exists()):
-        print(f"copying the working tree to {tree}", flush=True)
-        snapshot(tree)
-    link_tree(tree, path)
-    env = environment(path)
-    equivalents = config.get("equivalent", [])
-    report = [f"# mutation testing, {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC", ""]
-    for name in sessions:
-        session = config["session"][name]
-        check_mapping(python, tree, env, session["modules"][0])
-        cfg, db = workdir / f"{name}.toml", workdir / f"{name}.sqlite"
-        if not ((args.resume or args.report) and db.exists()):
-            print(f"[{name}] baseline: {' '.join(session['tests'])}", flush=True)
-            start = time.monotonic()
-            baseline = subprocess.run(shlex.split(test_command(python, session["tests"])), cwd=tree, env=env, check=False)
-            took = time.monotonic() - start
-            if baseline.returncode != 0:
-                raise SystemExit(f"[{name}] the tests fail without any mutation (exit {baseline.returncode})")
-            timeout = max(config["tool"]["timeout_min"], config["tool"]["timeout_factor"] * took)
-            print(f"[{name}] baseline {took:.0f} s; timeout per mutant {timeout:.0f} s", flush=True)
-            cfg.write_text(cosmic_ray_config(session["modules"], test_command(python, session["tests"], timeout),
-                                             timeout))
-            subprocess.run([str(tool_bin / "cosmic-ray"), "init", "--force", str(cfg), str(db)], cwd=tree, env=env,
-                           check=True)
-            mine = [e for e in equivalents if e["module"] in session["modules"]]
-            for entry in filter_mutants(db, tree, session, mine, config["tool"].get("exclude_operators", [])):
-                print(f"[{name}] an equivalent entry matches no mutant: {entry}", flush=True)
-        if args.report:
-            mine = [e for e in equivalents if e["module"] in session["modules"]]
-            filter_mutants(db, tree, session, mine, config["tool"].get("exclude_operators", []))
-            finished = True
-        else:
-            finished = run_exec(tool_bin, cfg, db, tree, env, stop_at)
-        result = score(db)
-        counts = result["counts"]
-        print(f"[{name}] {counts}", flush=True)
-        report += [f"## {name}: {', '.join(session['modules'])}", "",
-                   f"tests: {' '.join(session['tests'])}", "",
-                   " | ".join(f"{k} {v}" for k, v in counts.items()), "", "### survivors", ""]
-        report += [f"```\n{s}\n```" for s in result["survivors"]] or ["none"]
-        report.append("")
-        (workdir / "report.md").write_text("\n".join(report))
-        if not finished:
-            print(f"stopped at {args.stop_at} UTC; `make mutate RESUME=1` goes on", flush=True)
-            break
+    def session_in_slot(name: str) -> tuple[bool, list[str]]:
+        start = dt.datetime.now(dt.UTC)
+        ends = [t for t in (end, start + slot if slot else None) if t is not None]
+        return run_session(run, name, min(ends, default=None))
+
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        results = list(pool.map(session_in_slot, sessions))
+    except BaseException:
+        run.interrupted.set()  # each session puts its module back and stops its tests
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
+    report = [f"# mutation testing, {now:%Y-%m-%d %H:%M} UTC", ""]
+    for _, lines in results:
+        report += lines
+    (workdir / "report.md").write_text("\n".join(report))
+    if not all(finished for finished, _ in results):
+        print("stopped with mutants pending; `make mutate RESUME=1` goes on", flush=True)
     print(f"report: {workdir / 'report.md'}")
 
 
