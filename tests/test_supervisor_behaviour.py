@@ -298,21 +298,27 @@ def test_a_front_end_that_dies_stops_the_server_with_status_1_once_the_other_fin
 def test_the_engine_core_dying_stops_the_server_with_status_1_even_when_a_front_end_hangs() -> None:
     """kill -9 of the engine core while its front end is stuck (SIGSTOP: it can neither fail its
     requests nor exit): the server still stops, with status 1, its log names the core's exit,
-    and none of its processes is left."""
+    and none of its processes is left. While it waits for the stuck front end, the supervisor
+    sleeps."""
     server = Server(["--api-server-count", "1"])
     try:
         server.wait_ready()
         (frontend,) = server.frontends()
         core = server.core()
+        supervisor_pid = server.process.process.pid
         os.kill(frontend, signal.SIGSTOP)
         os.kill(core, signal.SIGKILL)
-        killed_at = time.monotonic()
+        killed_at, cpu_before = time.monotonic(), cpu_seconds(supervisor_pid)
+        time.sleep(5.0)  # within the 10 s it gives the front ends after the core died
+        waiting = time.monotonic() - killed_at
+        used = cpu_seconds(supervisor_pid) - cpu_before
         code = server.wait_exit(HUNG_FRONT_END_EXIT_S + 10)
         took = time.monotonic() - killed_at
     finally:
         server.stop()
     assert code == 1, server.log[-3000:]
     assert took < HUNG_FRONT_END_EXIT_S, took
+    assert used < 0.1 * waiting, f"the supervisor used {used:.2f} s of CPU in {waiting:.1f} s while it waited"
     assert any(f"the engine core exited with status {-signal.SIGKILL}" in line for line in server.lines()), \
         server.log[-3000:]
     server.assert_no_orphans()
