@@ -105,11 +105,21 @@ def serve(server: ServerSettings, engine: EngineConfig) -> int:
     for process in frontends:
         _stop(process, signal.SIGTERM)
     _stop(core, signal.SIGTERM)
-    if core.exitcode not in (0, -signal.SIGTERM) and core_failure.poll():
+    cause = _start_failure(core_failure) if core.exitcode not in (0, -signal.SIGTERM) else None
+    if cause is not None:
         # last, after every child's own lines: a bad --model reads as its cause, not as the front ends' echo
-        print(f"graphserve: the engine could not start: {core_failure.recv()}", file=sys.stderr, flush=True)
+        print(f"graphserve: the engine could not start: {cause}", file=sys.stderr, flush=True)
         return 1
     return code
+
+
+def _start_failure(pipe: Any) -> str | None:
+    """What the core sent when it failed to start; None when it sent nothing (a core that died after
+    ready closes the pipe, which poll() also reports)."""
+    try:
+        return pipe.recv() if pipe.poll() else None
+    except EOFError:
+        return None
 
 
 def _watch(core: Any, frontends: list[Any], waiting_ready: list[Any], stopping: list[int], url: str) -> int:

@@ -321,6 +321,7 @@ def test_the_engine_core_dying_stops_the_server_with_status_1_even_when_a_front_
     assert used < 0.1 * waiting, f"the supervisor used {used:.2f} s of CPU in {waiting:.1f} s while it waited"
     assert any(f"the engine core exited with status {-signal.SIGKILL}" in line for line in server.lines()), \
         server.log[-3000:]
+    assert "Traceback" not in server.log, server.log[-3000:]  # a core that died after ready: no start failure
     server.assert_no_orphans()
 
 
