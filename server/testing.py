@@ -199,6 +199,38 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def tcp_sockets() -> list[tuple[int, int, str, int]]:
+    """(local port, remote port, state, inode) of every TCP socket in this network namespace."""
+    rows = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            fields = line.split()
+            rows.append((int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16), fields[3],
+                         int(fields[9])))
+    return rows
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets `pid` holds open."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except (FileNotFoundError, PermissionError):
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[len("socket:[") : -1]))
+    return inodes
+
+
 def child_pids(pid: int) -> list[int]:
     """The children of `pid` (every thread's), from /proc/PID/task/*/children."""
     children: list[int] = []

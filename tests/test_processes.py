@@ -40,7 +40,8 @@ from graphserve.engine.config import EngineConfig
 from graphserve.engine.llm import LLM
 from graphserve.engine.request import SamplingParams
 from graphserve.server.app import create_app
-from graphserve.server.testing import BackgroundServer, ServerProcess, child_pids, descendant_pids, sse_payloads, still_running
+from graphserve.server.testing import (BackgroundServer, ServerProcess, child_pids, descendant_pids, socket_inodes, sse_payloads,
+                                       still_running, tcp_sockets)
 
 DECODE_CHUNK = 8  # K: tokens per decode round
 MAX_MODEL_LEN = 512
@@ -138,37 +139,6 @@ def stop_gracefully(served: Served) -> None:
     code = served.server.wait(60)
     assert code == 0, served.server.log[-3000:]
     served.assert_no_orphans()
-
-
-def tcp_sockets() -> list[tuple[int, int, str, int]]:
-    """(local port, remote port, state, inode) of every TCP socket in this network namespace."""
-    rows = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except FileNotFoundError:
-            continue
-        for line in lines:
-            fields = line.split()
-            rows.append((int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16), fields[3],
-                         int(fields[9])))
-    return rows
-
-
-def socket_inodes(pid: int) -> set[int]:
-    inodes = set()
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except (FileNotFoundError, PermissionError):
-        return inodes
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(int(target[len("socket:[") : -1]))
-    return inodes
 
 
 def accepted_by(served: Served, client: socket.socket, frontends: list[int], timeout: float = 10.0) -> int:

@@ -31,7 +31,7 @@ import pytest
 httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
 
 from graphserve.server import supervisor
-from graphserve.server.testing import ServerProcess, child_pids, descendant_pids, still_running
+from graphserve.server.testing import ServerProcess, child_pids, descendant_pids, socket_inodes, still_running, tcp_sockets
 
 SERVER_ARGS = ["--device", "cpu", "--max-model-len", "256", "--kv-cache-bytes", "32MiB", "--max-num-seqs", "4",
                "--decode-chunk", "4"]
@@ -106,37 +106,6 @@ class Server:
 
     def stop(self) -> None:
         self.process.stop()  # SIGKILL if it still runs: its children die with it
-
-
-def tcp_sockets() -> list[tuple[int, int, str, int]]:
-    """(local port, remote port, state, inode) of every TCP socket in this network namespace."""
-    rows = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except FileNotFoundError:
-            continue
-        for line in lines:
-            fields = line.split()
-            rows.append((int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16), fields[3],
-                         int(fields[9])))
-    return rows
-
-
-def socket_inodes(pid: int) -> set[int]:
-    inodes = set()
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except (FileNotFoundError, PermissionError):
-        return inodes
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(int(target[len("socket:[") : -1]))
-    return inodes
 
 
 def accepted_by(server: Server, client: socket.socket, frontends: list[int], timeout: float = 10.0) -> int:
