@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import wheel_env  # noqa: E402
 
-pytest_plugins = ["tensor_checks"]  # the poisoned_outputs fixture
+pytest_plugins = ["tensor_checks", "server_clients"]  # poisoned_outputs; client, oai and model of a `server`
 
 
 def _is_worker(config) -> bool:

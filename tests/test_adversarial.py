@@ -62,12 +62,6 @@ def server() -> Iterator[ServerProcess]:
         yield process
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60.0) as http:
-        yield http
-
-
 def assert_error(response: httpx.Response, status: int, param: str | None = "any") -> dict[str, Any]:
     assert response.status_code == status, response.text
     error = response.json()["error"]

@@ -56,22 +56,6 @@ def server(model_dir) -> Iterator[BackgroundServer]:
         yield background
 
 
-@pytest.fixture(scope="module")
-def client(server: BackgroundServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60.0) as http:
-        yield http
-
-
-@pytest.fixture(scope="module")
-def oai(server: BackgroundServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60.0)
-
-
-@pytest.fixture(scope="module")
-def model(client: httpx.Client) -> str:
-    return client.get("/v1/models").json()["data"][0]["id"]
-
-
 def error_of(response: httpx.Response, param: str) -> dict[str, Any]:
     """The OpenAI error body of a 400 naming `param`."""
     assert response.status_code == 400, response.text

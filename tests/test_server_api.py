@@ -49,22 +49,6 @@ def server() -> Iterator[BackgroundServer]:
         yield background
 
 
-@pytest.fixture(scope="module")
-def client(server: BackgroundServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=120.0) as http:
-        yield http
-
-
-@pytest.fixture(scope="module")
-def oai(server: BackgroundServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120.0)
-
-
-@pytest.fixture(scope="module")
-def model_name(client: httpx.Client) -> str:
-    return client.get("/v1/models").json()["data"][0]["id"]
-
-
 def complete(client: httpx.Client, **body: Any) -> dict[str, Any]:
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
@@ -385,17 +369,17 @@ def test_chat_non_stream_and_stream(client: httpx.Client) -> None:
     assert newer["usage"]["completion_tokens"] <= 2, "max_completion_tokens takes precedence"
 
 
-def test_openai_client(oai: openai.OpenAI, model_name: str) -> None:
-    assert [m.id for m in oai.models.list().data] == [model_name]
+def test_openai_client(oai: openai.OpenAI, model: str) -> None:
+    assert [m.id for m in oai.models.list().data] == [model]
 
-    completion = oai.completions.create(model=model_name, prompt=PROMPTS[6], max_tokens=8, temperature=0)
+    completion = oai.completions.create(model=model, prompt=PROMPTS[6], max_tokens=8, temperature=0)
     assert completion.choices[0].text and completion.usage.completion_tokens > 0
-    stream = oai.completions.create(model=model_name, prompt=PROMPTS[6], max_tokens=8, temperature=0, stream=True)
+    stream = oai.completions.create(model=model, prompt=PROMPTS[6], max_tokens=8, temperature=0, stream=True)
     assert "".join(chunk.choices[0].text for chunk in stream) == completion.choices[0].text
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     chat = oai.chat.completions.create(
-        model=model_name, messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2
+        model=model, messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2
     )
     content = chat.choices[0].logprobs.content
     assert chat.usage.completion_tokens == len(content) > 0
@@ -406,7 +390,7 @@ def test_openai_client(oai: openai.OpenAI, model_name: str) -> None:
         )
     chunks = list(
         oai.chat.completions.create(
-            model=model_name,
+            model=model,
             messages=messages,
             max_tokens=12,
             temperature=0,

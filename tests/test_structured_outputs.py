@@ -295,22 +295,16 @@ def test_a_schema_enum_is_output_exactly_as_written(llm):
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[BackgroundServer, AsyncEngine]]:
-    engine = AsyncEngine(EngineConfig(model=None, device="cpu", max_num_seqs=16, decode_chunk=4, max_model_len=512,
-                                      kv_cache_bytes=64 * 1024**2))
+def engine() -> AsyncEngine:
+    return AsyncEngine(EngineConfig(model=None, device="cpu", max_num_seqs=16, decode_chunk=4, max_model_len=512,
+                                   kv_cache_bytes=64 * 1024**2))
+
+
+@pytest.fixture(scope="module")
+def server(engine: AsyncEngine) -> Iterator[BackgroundServer]:
     with BackgroundServer(create_app(engine)) as background:
         background.wait_ready()
-        yield background, engine
-
-
-@pytest.fixture(scope="module")
-def oai(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=120.0)
-
-
-@pytest.fixture(scope="module")
-def model(served) -> str:
-    return httpx.get(served[0].url + "/v1/models").json()["data"][0]["id"]
+        yield background
 
 
 class Person(BaseModel):
@@ -364,20 +358,20 @@ def test_completions_extensions_and_n_sampled(oai, model):
     ({"structured_outputs": {"regex": "a" * 70_000}}, "structured_outputs"),
 ], ids=["bad-schema", "no-schema", "unknown-type", "bad-regex", "two-kinds", "bad-ebnf", "two-fields", "bad-ref",
         "too-large"])
-def test_bad_constraints_are_400s_naming_the_field(served, model, body, param):
+def test_bad_constraints_are_400s_naming_the_field(server, model, body, param):
     for path, base in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                        ("/v1/completions", {"prompt": "hi"})):
-        r = httpx.post(served[0].url + path, json={"model": model, "max_tokens": 4, **base, **body}, timeout=60)
+        r = httpx.post(server.url + path, json={"model": model, "max_tokens": 4, **base, **body}, timeout=60)
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["param"] == param, error
 
 
-def test_a_choice_with_an_unpaired_surrogate_is_refused(served, model, llm):
+def test_a_choice_with_an_unpaired_surrogate_is_refused(server, model, llm):
     """No UTF-8 spells a lone surrogate (JSON can write one: \\ud800), so no token could output it: over
     HTTP the body's JSON is refused; through the Python API, the choice."""
     body = '{"model": "%s", "prompt": "hi", "max_tokens": 4, "guided_choice": ["ok", "a\\ud800"]}' % model
-    r = httpx.post(served[0].url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
     with pytest.raises(InvalidRequestError, match="unpaired surrogate"):
@@ -400,8 +394,7 @@ def test_a_choice_the_vocabulary_cannot_write_is_a_400_not_a_500(oai, model, llm
     assert_idle(llm)
 
 
-def test_a_grammar_that_compiles_too_long_is_a_400(served, model, monkeypatch):
-    server, engine = served
+def test_a_grammar_that_compiles_too_long_is_a_400(server, engine, model, monkeypatch):
     real = GrammarCompiler.compile
 
     def slow_compile(self, spec):
@@ -416,8 +409,8 @@ def test_a_grammar_that_compiles_too_long_is_a_400(served, model, monkeypatch):
     assert "compile" in r.json()["error"]["message"]
 
 
-def test_nothing_leaks_after_all_requests(served):
-    client = httpx.Client(base_url=served[0].url)
+def test_nothing_leaks_after_all_requests(server):
+    client = httpx.Client(base_url=server.url)
     deadline = time.monotonic() + 30
     while True:
         text = client.get("/metrics").text

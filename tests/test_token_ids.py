@@ -36,19 +36,9 @@ def server() -> Iterator[BackgroundServer]:
 
 
 @pytest.fixture(scope="module")
-def oai(server: BackgroundServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120.0)
-
-
-@pytest.fixture(scope="module")
 def llm() -> LLM:
     """The same embedded model offline: what the engine generates for given prompt ids."""
     return LLM(device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, decode_chunk=4)
-
-
-@pytest.fixture(scope="module")
-def model(server: BackgroundServer) -> str:
-    return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
 
 
 def engine_ids(llm: LLM, prompt_ids: list[int]) -> list[int]:

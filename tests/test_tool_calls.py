@@ -58,16 +58,6 @@ def server() -> Iterator[BackgroundServer]:
         yield background
 
 
-@pytest.fixture(scope="module")
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120.0)
-
-
-@pytest.fixture(scope="module")
-def model(server) -> str:
-    return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
-
-
 def assert_valid_calls(calls, names=None) -> None:
     assert calls
     for call in calls:

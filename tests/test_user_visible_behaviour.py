@@ -38,22 +38,6 @@ def server() -> Iterator[BackgroundServer]:
         yield background
 
 
-@pytest.fixture(scope="module")
-def client(server: BackgroundServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=120.0) as http:
-        yield http
-
-
-@pytest.fixture(scope="module")
-def oai(server: BackgroundServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120.0)
-
-
-@pytest.fixture(scope="module")
-def model(client: httpx.Client) -> str:
-    return client.get("/v1/models").json()["data"][0]["id"]
-
-
 def error_of(response: httpx.Response) -> dict[str, Any]:
     """The OpenAI error body of a 400."""
     assert response.status_code == 400, response.text
