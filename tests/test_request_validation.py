@@ -11,8 +11,9 @@ embedded model on CPU:
   server's 128 past tool calls and 4096 messages): at the cap a request is not refused for
   it, one past it is a 400 naming the field;
 - the boundary values of every range are served, values just outside name the field the
-  client sent (top_logprobs, max_completion_tokens), prompt shapes other than the four
-  OpenAI ones are 400s, an empty choice list is a 400;
+  client sent (top_logprobs, max_completion_tokens, a max_tokens that max_completion_tokens
+  overrides), prompt shapes other than the four OpenAI ones are 400s, an empty choice list is a
+  400; every numeric range /openapi.json publishes is the one enforced, to the last value;
 - the defaults: completions stop at 16 tokens, no echo, no token ids, no usage chunk in a
   stream unless asked, the stop string cut from the text, special tokens left out, the end
   of sequence honoured from the first token, parallel tool calls allowed; chat's
@@ -23,6 +24,7 @@ embedded model on CPU:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,12 +66,6 @@ def server() -> Iterator[BackgroundServer]:
     with BackgroundServer(app) as background:
         background.wait_ready()
         yield background
-
-
-@pytest.fixture(scope="module")
-def client(server: BackgroundServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60.0) as http:
-        yield http
 
 
 def completion(client: httpx.Client, **body: Any) -> dict[str, Any]:
@@ -286,8 +282,60 @@ def test_values_just_outside_name_the_field_the_client_sent(client: httpx.Client
         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ({"max_completion_tokens": -1}, "max_completion_tokens"),
         ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": -1, "max_completion_tokens": 2}, "max_tokens"),  # checked though the other one wins
     ):
         assert_error(client.post("/v1/chat/completions", json={"messages": CHAT, **body}), 400, param)
+
+
+# the token counts also meet the context's rules (0 only with echo, no more than fits), checked above;
+# seed's bounds (+-2**63) are past a float's exact integers, and FastAPI writes every bound as a float
+# (its range is tested in test_sampling_params.py)
+NOT_BY_SCHEMA = {"max_tokens", "max_completion_tokens", "seed"}
+ROUTES = {"/v1/completions": {"prompt": [1000], "max_tokens": 1},
+          "/v1/chat/completions": {"messages": CHAT, "max_tokens": 1, "logprobs": True}}
+
+
+def published_ranges(client: httpx.Client, route: str) -> dict[str, tuple[str, dict[str, float]]]:
+    """Each numeric field of the route's body in /openapi.json: its type and its bounds."""
+    body = client.get("/openapi.json").json()["paths"][route]["post"]["requestBody"]
+    ranges = {}
+    for name, prop in body["content"]["application/json"]["schema"]["properties"].items():
+        for option in prop.get("anyOf", [prop]):
+            bounds = {k: option[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+                      if k in option}
+            if bounds and option.get("type") in ("integer", "number"):
+                ranges[name] = (option["type"], bounds)
+    return ranges
+
+
+def just_past(kind: str, bound: str, value: float) -> float:
+    step = -1 if bound == "minimum" else 1
+    if kind == "integer":
+        return int(value) + step
+    return math.nextafter(value, step * math.inf)
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_every_published_range_is_the_one_the_server_enforces(client: httpx.Client, route: str) -> None:
+    """A client generated from /openapi.json sends what the schema allows: each inclusive bound is
+    served, and the value just past it (or an exclusive bound itself) is a 400 naming the field."""
+    base = ROUTES[route]
+    ranges = published_ranges(client, route)
+    assert {"temperature", "top_p", "top_k", "min_p", "n", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "min_tokens", "logprobs" if route == "/v1/completions" else "top_logprobs"
+            } <= set(ranges), ranges
+    for name, (kind, bounds) in ranges.items():
+        if name in NOT_BY_SCHEMA:
+            continue
+        for bound, value in bounds.items():
+            value = int(value) if kind == "integer" else value
+            if bound.startswith("exclusive"):
+                refused = value
+            else:
+                response = client.post(route, json={**base, name: value})
+                assert response.status_code == 200, (name, value, response.text)
+                refused = just_past(kind, bound, value)
+            assert_error(client.post(route, json={**base, name: refused}), 400, name)
 
 
 def test_prompts_other_than_the_four_openai_shapes_are_400(client: httpx.Client) -> None:

@@ -27,27 +27,21 @@ CHOICE_LIMIT = 1024
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[BackgroundServer, AsyncEngine]]:
-    engine = AsyncEngine(EngineConfig(model=None, device="cpu", max_num_seqs=8, decode_chunk=4, max_model_len=512,
-                                      kv_cache_bytes=32 * 1024**2))
+def engine() -> AsyncEngine:
+    return AsyncEngine(EngineConfig(model=None, device="cpu", max_num_seqs=8, decode_chunk=4, max_model_len=512,
+                                   kv_cache_bytes=32 * 1024**2))
+
+
+@pytest.fixture(scope="module")
+def server(engine: AsyncEngine) -> Iterator[BackgroundServer]:
     with BackgroundServer(create_app(engine)) as background:
         background.wait_ready()
-        yield background, engine
+        yield background
 
 
 @pytest.fixture(scope="module")
-def oai(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=120.0)
-
-
-@pytest.fixture(scope="module")
-def model(served) -> str:
-    return httpx.get(served[0].url + "/v1/models").json()["data"][0]["id"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(served) -> Tokenizer:
-    return Tokenizer(served[1].model_path)
+def tokenizer(engine: AsyncEngine, server) -> Tokenizer:  # the model is prepared once the server is up
+    return Tokenizer(engine.model_path)
 
 
 def complete(oai, model, extra: dict, **kw) -> openai.types.Completion:
@@ -55,8 +49,8 @@ def complete(oai, model, extra: dict, **kw) -> openai.types.Completion:
     return oai.completions.create(model=model, prompt=kw.pop("prompt", PROMPT), extra_body=extra, **kw)
 
 
-def post(served, body: dict) -> httpx.Response:
-    return httpx.post(served[0].url + "/v1/completions", timeout=120,
+def post(server, body: dict) -> httpx.Response:
+    return httpx.post(server.url + "/v1/completions", timeout=120,
                       json={"prompt": "hi", "max_tokens": 4, **body})
 
 
@@ -74,17 +68,17 @@ def padded_schema(length: int) -> dict:
     return schema
 
 
-def test_a_spec_of_64_kib_is_served_and_one_character_more_is_a_400(served, oai, model):
+def test_a_spec_of_64_kib_is_served_and_one_character_more_is_a_400(server, oai, model):
     out = complete(oai, model, {"guided_json": padded_schema(SPEC_LIMIT)}, max_tokens=8)
     assert isinstance(json.loads(out.choices[0].text), str) and out.choices[0].finish_reason == "stop"
-    assert_400(post(served, {"guided_json": padded_schema(SPEC_LIMIT + 1)}), "guided_json")
+    assert_400(post(server, {"guided_json": padded_schema(SPEC_LIMIT + 1)}), "guided_json")
 
 
-def test_1024_choices_are_served_and_1025_are_a_400(served, oai, model):
+def test_1024_choices_are_served_and_1025_are_a_400(server, oai, model):
     choices = [f"option {i}" for i in range(CHOICE_LIMIT)]
     out = complete(oai, model, {"guided_choice": choices}, max_tokens=8)
     assert out.choices[0].text in choices and out.choices[0].finish_reason == "stop"
-    assert_400(post(served, {"guided_choice": [*choices, "one more"]}), "guided_choice")
+    assert_400(post(server, {"guided_choice": [*choices, "one more"]}), "guided_choice")
 
 
 # ---- what a vocabulary can spell: surrogates ------------------------------------------------------
@@ -296,8 +290,8 @@ def test_response_format_text_is_free_text(oai, model):
     ({"structured_outputs": {"json_object": False}}, "structured_outputs"),
     ({"guided_choice": ["yes", ""]}, "guided_choice"),
 ], ids=["schema-text-not-json", "schema-text-a-list", "schema-text-a-number", "no-constraint", "json-object-false", "empty-choice"])
-def test_malformed_constraints_are_400s_naming_the_field(served, body, param):
-    assert_400(post(served, body), param)
+def test_malformed_constraints_are_400s_naming_the_field(server, body, param):
+    assert_400(post(server, body), param)
 
 
 def test_grammars_keep_compiling_once_the_cache_is_full(oai, model, monkeypatch):
@@ -311,6 +305,37 @@ def test_grammars_keep_compiling_once_the_cache_is_full(oai, model, monkeypatch)
         choice = complete(oai, model, {"guided_regex": pattern}, max_tokens=8).choices[0]
         assert re.fullmatch(pattern, choice.text) and choice.finish_reason == "stop", (pattern, choice.text)
 
+
+def test_a_grammar_seen_before_is_not_compiled_again(oai, model, monkeypatch):
+    """Compiling a grammar can take seconds: while the cache has room, a request repeating an earlier
+    request's constraint is served without compiling it again."""
+    import xgrammar as xgr
+
+    compiled = []
+    real = xgr.GrammarCompiler.compile_grammar
+
+    def counting(self, grammar, *args, **kwargs):
+        compiled.append(grammar)
+        return real(self, grammar, *args, **kwargs)
+
+    monkeypatch.setattr(xgr.GrammarCompiler, "compile_grammar", counting)
+    patterns = [r"q[0-9]{2}", r"[d-f]{2}q", r"w[a-c]w"]  # no other test here uses these
+    for repeat in range(2):
+        for pattern in patterns:
+            choice = complete(oai, model, {"guided_regex": pattern}, max_tokens=8).choices[0]
+            assert re.fullmatch(pattern, choice.text) and choice.finish_reason == "stop", (pattern, choice.text)
+        if repeat == 0:
+            first_pass = len(compiled)
+            assert first_pass >= len(patterns), compiled
+    assert len(compiled) == first_pass, compiled[first_pass:]
+
+
+def test_a_choice_is_written_exactly_control_characters_and_all(oai, model):
+    """A choice reaches the client as given: newlines, a tab, a carriage return, another control
+    character, characters past ASCII."""
+    for text in ("one\ntwo", "tab\there", "a\r\nb", "bell\x07", "\u00e9\u2028z"):
+        choice = complete(oai, model, {"guided_choice": [text]}, max_tokens=12).choices[0]
+        assert choice.text == text and choice.finish_reason == "stop", (text, choice.text)
 
 def test_the_python_api_refuses_an_empty_choice(surrogate_llm):
     """An empty string would let the output be empty: LLM.generate refuses it, naming the field,
