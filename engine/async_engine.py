@@ -101,6 +101,7 @@ class AsyncEngine:
 
         from graphserve.engine.core.engine_core import EngineCore
         from graphserve.engine.core.loop import CoreLoop, bind_core_socket
+        from graphserve.engine.core.process import remove_core_address
 
         context = zmq.Context()
         socket = bind_core_socket(context, address)
@@ -111,6 +112,7 @@ class AsyncEngine:
         finally:
             socket.close()
             context.term()
+            remove_core_address(address)
 
     @property
     def ready(self) -> bool:

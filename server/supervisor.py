@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -65,13 +66,24 @@ def bind_listeners(host: str, port: int, count: int) -> list[socket.socket]:
 
 
 def serve(server: ServerSettings, engine: EngineConfig) -> int:
-    from graphserve.engine.core.process import start_core_process
-
     count = frontend_count(server, engine)
-    url = f"http://{server.host}:{server.port}"
-    if count > 1:  # /metrics of any front end adds up all of them (server/metrics.py)
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="graphserve-metrics-")
     listeners = bind_listeners(server.host, server.port, count)
+    if count == 1:
+        return _serve(server, engine, listeners)
+    # /metrics of any front end adds up all of them (server/metrics.py), from their files in this folder
+    metrics_dir = tempfile.mkdtemp(prefix="graphserve-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    try:
+        return _serve(server, engine, listeners)
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _serve(server: ServerSettings, engine: EngineConfig, listeners: list[socket.socket]) -> int:
+    from graphserve.engine.core.process import remove_core_address, start_core_process
+
+    count = len(listeners)
+    url = f"http://{server.host}:{server.port}"
     core, address, core_failure = start_core_process(engine)
     spawn = multiprocessing.get_context("spawn")
     from graphserve.server.frontend import run_frontend
@@ -105,6 +117,7 @@ def serve(server: ServerSettings, engine: EngineConfig) -> int:
     for process in frontends:
         _stop(process, signal.SIGTERM)
     _stop(core, signal.SIGTERM)
+    remove_core_address(address)
     cause = _start_failure(core_failure) if core.exitcode not in (0, -signal.SIGTERM) else None
     if cause is not None:
         # last, after every child's own lines: a bad --model reads as its cause, not as the front ends' echo

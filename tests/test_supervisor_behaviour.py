@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,8 +31,10 @@ import pytest
 
 httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
 
+from graphserve import AsyncEngine, EngineConfig
 from graphserve.server import supervisor
-from graphserve.server.testing import ServerProcess, child_pids, descendant_pids, socket_inodes, still_running, tcp_sockets
+from graphserve.server.app import create_app
+from graphserve.server.testing import BackgroundServer, ServerProcess, child_pids, descendant_pids, socket_inodes, still_running, tcp_sockets
 
 SERVER_ARGS = ["--device", "cpu", "--max-model-len", "256", "--kv-cache-bytes", "32MiB", "--max-num-seqs", "4",
                "--decode-chunk", "4"]
@@ -229,14 +232,18 @@ def test_an_engine_that_cannot_start_ends_the_server_with_status_1_and_its_cause
 # ---- a child that dies --------------------------------------------------------------------------
 
 
-def test_a_front_end_that_dies_stops_the_server_with_status_1_once_the_other_finished_its_request() -> None:
+def test_a_front_end_that_dies_stops_the_server_with_status_1_once_the_other_finished_its_request(
+    tmp_path: Path,
+) -> None:
     """kill -9 of one of two front ends: the server stops with status 1; the other front end is
     stopped as on SIGTERM, so the request it is running still gets its whole answer first (within
-    the 10 s the supervisor gives a front end to exit)."""
+    the 10 s the supervisor gives a front end to exit). The folders the server made in TMPDIR (the
+    core's socket, the metrics the front ends share) go with it."""
     new_tokens = 16
-    server = Server(["--api-server-count", "2"])
+    server = Server(["--api-server-count", "2"], env={"TMPDIR": str(tmp_path)})
     try:
         server.wait_ready()
+        assert len(list(tmp_path.glob("graphserve-*"))) == 2, list(tmp_path.iterdir())  # the core's socket too
         with httpx.Client(base_url=server.url, timeout=60.0) as http:  # the first forward passes are slow
             assert http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2}).status_code == 200
         frontends = server.frontends()
@@ -262,7 +269,21 @@ def test_a_front_end_that_dies_stops_the_server_with_status_1_once_the_other_fin
     assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == new_tokens
     assert not any(line.startswith("Traceback") for line in server.lines()), server.log[-3000:]
     server.assert_no_orphans()
+    assert not list(tmp_path.glob("graphserve-*")), list(tmp_path.iterdir())
 
+
+
+def test_an_engine_in_this_process_leaves_nothing_in_the_temp_folder(tmp_path: Path, monkeypatch) -> None:
+    """graphserve as a library (AsyncEngine, its core in a thread of this process): once it has
+    stopped, the folder of its core's socket is gone from TMPDIR."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    engine = AsyncEngine(EngineConfig(model=None, device="cpu", max_num_seqs=2, kv_cache_bytes=16 * 1024**2))
+    with BackgroundServer(create_app(engine)) as background:
+        background.wait_ready()
+        assert list(tmp_path.glob("graphserve-*")), list(tmp_path.iterdir())
+        assert httpx.post(background.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                          timeout=60).status_code == 200
+    assert not list(tmp_path.glob("graphserve-*")), list(tmp_path.iterdir())
 
 def test_the_engine_core_dying_stops_the_server_with_status_1_even_when_a_front_end_hangs() -> None:
     """kill -9 of the engine core while its front end is stuck (SIGSTOP: it can neither fail its

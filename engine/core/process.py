@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import tempfile
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 
 from graphserve.engine import gc_stats
 from graphserve.engine.child_process import (
@@ -30,7 +32,12 @@ logger = logging.getLogger("graphserve.engine")
 
 
 def new_core_address() -> str:
+    """A socket path in a folder of its own; remove_core_address removes both."""
     return f"ipc://{tempfile.mkdtemp(prefix='graphserve-')}/core"
+
+
+def remove_core_address(address: str) -> None:
+    shutil.rmtree(Path(address.removeprefix("ipc://")).parent, ignore_errors=True)
 
 
 def startup_failure(exc: BaseException) -> str:
