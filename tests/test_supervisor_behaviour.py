@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -272,6 +273,23 @@ def test_a_front_end_that_dies_stops_the_server_with_status_1_once_the_other_fin
     assert not list(tmp_path.glob("graphserve-*")), list(tmp_path.iterdir())
 
 
+
+
+def test_the_metrics_folder_removed_under_a_running_server_does_not_spoil_its_stop(tmp_path: Path) -> None:
+    """A tmp cleaner (systemd-tmpfiles) may remove the front ends' metrics folder under a server that
+    runs for weeks: Ctrl-C still stops it with status 0 and no traceback."""
+    server = Server(["--api-server-count", "2"], env={"TMPDIR": str(tmp_path)})
+    try:
+        server.wait_ready()
+        (folder,) = tmp_path.glob("graphserve-metrics-*")
+        shutil.rmtree(folder)
+        server.process.process.send_signal(signal.SIGINT)
+        code = server.wait_exit(60)
+    finally:
+        server.stop()
+    assert code == 0, server.log[-3000:]
+    assert not any(line.startswith("Traceback") for line in server.lines()), server.log[-3000:]
+    server.assert_no_orphans()
 
 def test_an_engine_in_this_process_leaves_nothing_in_the_temp_folder(tmp_path: Path, monkeypatch) -> None:
     """graphserve as a library (AsyncEngine, its core in a thread of this process): once it has
