@@ -2,7 +2,7 @@
 prompts of the serving benchmark's lengths, decode rounds timed by wall clock, then one
 round under torch.profiler (op self-times per step).
 
-    python benchmarks/cpu_profile.py --batch 1 8 16 [--threads 2] [--rounds 6] [--profile]
+    python benchmarks/cpu_profile.py --batch 1 8 16 [--threads 2] [--rounds 6] [--profile] [--dtype float32]
 
 Prompts: random token ids, 128-256 tokens (as benchmarks/serving.py --min-len 128 --max-len 256)
 plus 0-255 more, standing for the tokens a stream of the serving benchmark has already generated
@@ -97,12 +97,14 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--prefill", type=int, nargs="*", default=[],
                         help="also time the prefill of this many 190-token prompts submitted together")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto: the embedded model's Q4_1 blocks (the default server); float32: dequantized")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     from graphserve import LLM
 
-    llm = LLM(device="cpu", dtype="float32", num_threads=args.threads, decode_chunk=args.decode_chunk)
+    llm = LLM(device="cpu", dtype=args.dtype, num_threads=args.threads, decode_chunk=args.decode_chunk)
     out = dict(threads=torch.get_num_threads(), torch=torch.__version__, command=" ".join(sys.argv), results=[])
     run(llm, 2, 2, False, 0)  # warm-up
     for b in args.batch:

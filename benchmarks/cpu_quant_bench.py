@@ -134,7 +134,7 @@ def main() -> int:
         result["cpu_flags"] = [f for f in flags if f.startswith(("avx512", "avx_vnni", "fma", "avx2"))]
     except (OSError, StopIteration):
         pass
-    result["kernel_build"] = quant_linear.KERNEL_PATHS[quant_linear._LIBRARY.get().kernel_path()]
+    result["kernel_build"] = quant_linear.LIBRARY.isa()
     write_json(args.out, result)
     return 0
 

@@ -1,12 +1,15 @@
 """The CPU backend's decode attention: the C kernel (engine/cpu/attention.py) and the gather +
 SDPA fallback both equal attention over each row's own context, for ragged lengths, GQA and a
-strided q (a slice of the fused qkv tensor)."""
+strided q (a slice of the fused qkv tensor); the kernel in every build this machine executes
+(tests/cpu_builds.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from cpu_builds import builds, loaded
 
 from graphserve.engine.cpu import attention as cpu_attention
 from graphserve.engine.models.attention import AttentionMetadata, TorchAttention
@@ -48,6 +51,29 @@ def test_decode_matches_per_row_attention(use_kernel, batch, kv_heads, heads, di
                              block_tables=tables, context_lens=lens)
     out = TorchAttention(BLOCK, use_kernel=use_kernel).attend_decode(q, k_cache, v_cache, meta, 0.125)
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, lens, 0.125), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads,heads,dim", SHAPES + [pytest.param(2, 4, 80, id="dim80"),
+                                                      pytest.param(1, 2, 36, id="dim36")])
+@pytest.mark.parametrize("library", builds(cpu_attention.LIBRARY))
+def test_each_build_matches_per_row_attention(library, kv_heads, heads, dim):
+    """Each instruction-set level's paths, for the head_dims they take (a multiple of 16, of 8, of
+    4, any) and both task splits (few rows: one task per KV head; many: one per sequence)."""
+    library = loaded(library)
+    gen = torch.Generator().manual_seed(dim)
+    k_cache = torch.randn(200, BLOCK, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(200, BLOCK, kv_heads, dim, generator=gen)
+    for batch in (1, 9):
+        lens = torch.randint(1, 150, (batch,), generator=gen, dtype=torch.int32)
+        lens[0] = 1
+        lens[-1] = 16 * 7 + 5  # whole blocks and a tail
+        width = -(-int(lens.max()) // BLOCK)
+        tables = (torch.randperm(199, generator=gen)[:batch * width] + 1).view(batch, width).int()
+        q = torch.randn(batch, heads + 2 * kv_heads, dim, generator=gen)[:, :heads]
+        q[0, 0] *= 40  # a peaked softmax: exp's range, far from 0
+        out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5, library)
+        torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, lens, dim ** -0.5),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_loading_the_kernel_keeps_denormals():

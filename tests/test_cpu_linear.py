@@ -1,12 +1,15 @@
 """The CPU backend's decode-sized projection (engine/cpu/linear.py) equals x @ W.T + bias for
-every row count it takes, ragged output widths, strided rows and no bias; the engine takes it
-for decode batches and keeps torch for prefill-sized ones."""
+every row count it takes, ragged output widths, strided rows and no bias, in every build this
+machine executes (tests/cpu_builds.py); the engine takes it for decode batches and keeps torch for
+prefill-sized ones."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from cpu_builds import builds, loaded
 
 from graphserve.engine.cpu import linear as cpu_linear
 from graphserve.engine.models import layers
@@ -17,12 +20,14 @@ pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="no C compile
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 70), (16, 1), (17, 33)])
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 32])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_panel_linear_matches_the_float64_product(n, k, rows, with_bias):
+@pytest.mark.parametrize("library", builds(cpu_linear.LIBRARY))
+def test_panel_linear_matches_the_float64_product(n, k, rows, with_bias, library):
+    library = loaded(library)
     gen = torch.Generator().manual_seed(n * 1000 + k + rows)
     weight = torch.randn(n, k, generator=gen)
     bias = torch.randn(n, generator=gen) if with_bias else None
     x = torch.randn(rows, k, generator=gen)
-    out = cpu_linear.panel_linear(x, cpu_linear.pack_panels(weight), n, bias)
+    out = cpu_linear.panel_linear(x, cpu_linear.pack_panels(weight, library), n, bias, library)
     reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     assert out.shape == (rows, n) and out.dtype == torch.float32
     # float32 sums of k products: bounded by k ulps of the largest partial sum

@@ -1,7 +1,8 @@
 """The CPU kernel over GGUF-quantized weights (engine/cpu/quant_linear.py) against gguf-py's own
 dequantization, for each type, at ragged shapes (N not a multiple of 16, several K, prefill and
 decode row counts), with and without bias, in this machine's build and in the builds a machine
-with fewer instruction sets takes (AVX-VNNI, AVX2, plain C).
+with fewer instruction sets takes (tests/cpu_builds.py: every GRAPHSERVE_CPU_ISA level this machine
+executes, and the pthreads pool).
 
 The kernel quantizes the activations per row and block of 32 to int8 (as llama.cpp does), so two
 claims are checked: (1) given those quantized activations, the result is x_q @ dequant(W).T to
@@ -19,6 +20,8 @@ import torch
 
 
 gguf = pytest.importorskip("gguf", reason="gguf (gguf-py, a dependency of the CPU install) reads the files")
+
+from cpu_builds import builds, loaded  # noqa: E402
 
 from graphserve.engine.cpu import quant_linear as ql  # noqa: E402
 
@@ -108,23 +111,20 @@ def test_matches_gguf_dequantization(qtype, n, k, rows, with_bias):
     assert ((out.double() - exact).abs() <= bound).all()
 
 
-# the path each fallback build takes (the AVX-VNNI one is the AVX2 one on a CPU without AVX-VNNI)
-FALLBACK_PATHS = {"AVX-VNNI": ("AVX-VNNI", "AVX2"), "AVX2": ("AVX2",), "plain C": ("plain C",)}
-
-
-@pytest.mark.parametrize("build", list(ql.FALLBACK_LIBRARIES))
+@pytest.mark.parametrize("library", builds(ql.LIBRARY))
 @pytest.mark.parametrize("qtype,n,k", [("Q8_0", 37, 96), ("Q4_0", 50, 64), ("Q4_1", 33, 576), ("Q4_K", 21, 256),
                                        ("Q6_K", 40, 512)])
 @pytest.mark.parametrize("rows", [1, 5, 17])
-def test_fallback_builds_give_the_same_numbers(build, qtype, n, k, rows):
-    library = ql.FALLBACK_LIBRARIES[build]
-    lib = library.get()
-    assert lib is not None and ql.KERNEL_PATHS[lib.kernel_path()] in FALLBACK_PATHS[build]
+def test_each_build_gives_the_same_numbers(library, qtype, n, k, rows):
+    """Every instruction-set level this machine executes (a smaller machine's build) does the same
+    arithmetic: exact int32 block sums, then the same float steps."""
+    library = loaded(library)
     raw, x, bias = case(qtype, n, k, rows, True)
     weight = ql.pack_quantized(raw, qtype, n, k)
     out = ql.quant_linear(x, weight, bias, library=library)
     check_against_quantized_activations(out, raw, qtype, x, bias)
     torch.testing.assert_close(out, ql.quant_linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert torch.equal(ql.quantize_activations(x, library)[0], ql.quantize_activations(x)[0])
 
 
 @pytest.mark.parametrize("qtype,k", [("Q4_1", 576), ("Q8_0", 96), ("Q6_K", 256)])

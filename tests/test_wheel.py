@@ -34,6 +34,8 @@ from transformers import LlamaConfig
 for module in (transformers, kernels, graphserve):
     assert "site-packages" in module.__file__, module.__file__
 print(transformers.__version__, LlamaConfig.model_type)
+from graphserve.engine.cpu import attention, quant_linear  # built from the C sources the wheel carries
+assert attention.LIBRARY.isa() and quant_linear.LIBRARY.isa()
 """
 
 
@@ -62,7 +64,7 @@ def test_the_wheel_holds_graphserve_only_and_every_source_file(wheel):
     assert zipfile.ZipFile(wheel).read(top_level_txt).decode().split() == ["graphserve"]
     tracked = subprocess.run(["git", "ls-files", *PACKAGE_FOLDERS], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.split()
-    wanted = [f for f in tracked if f.endswith((".py", ".toml"))]
+    wanted = [f for f in tracked if f.endswith((".py", ".toml", ".c", ".h"))]  # C: the CPU kernels' sources
     assert len(wanted) > 50
     for folder, package in PACKAGE_FOLDERS.items():
         for path in (p for p in wanted if p.startswith(folder + "/")):

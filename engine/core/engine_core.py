@@ -29,6 +29,7 @@ from graphserve.engine.core.warm_up import warm_up
 from graphserve.engine.distributed import init_tensor_parallel
 from graphserve.engine.errors import InvalidConfigError, InvalidRequestError
 from graphserve.engine.models.config import ModelArgs
+from graphserve.engine.cpu import paths as cpu_paths
 from graphserve.engine.cpu import quant_linear
 from graphserve.engine.model_files.model_path import resolve_model_path
 from graphserve.engine.models.sharding import check_tensor_parallel
@@ -112,6 +113,11 @@ class EngineCore:
         if self.device.type == "cpu":
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
+            try:
+                cpu_paths.check_requested_isa()
+            except ValueError as exc:
+                raise InvalidConfigError(str(exc)) from None
+            logger.info(cpu_paths.describe())
         else:  # the host's share of a GPU round is tiny; idle OpenMP workers would spin on the front ends' cores
             torch.set_num_threads(1)
         args = ModelArgs.from_dir(self.model_path)

@@ -68,361 +68,12 @@ GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (25
 # in a folder of its own: tools that load every top-level *.safetensors of a model folder (vLLM) must not see it
 GGUF_BLOCKS_FILE = "gguf/blocks.safetensors"
 
-_SOURCE = r"""
-/* the instruction sets to use, read before any header: immintrin.h's target pragmas define the
-   feature macros again (tests build with some of them taken away) */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define USE_AVX512_VNNI 1
-#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-#define USE_AVX2 1
-#if defined(__AVXVNNI__)
-#define USE_AVX_VNNI 1
-#endif
-#endif
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <math.h>
-#define PANEL 16
-#define QK 32
-#define MAX_ROWS 16
-/* bytes of quants ahead of the block in use to prefetch */
-#define PREFETCH 2048
-
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4 };
-
-/* per (panel, block): bytes of quants, of scales, of mins */
-static inline int64_t quant_bytes(int t) { return (t == Q8_0 || t == Q6_K) ? 512 : 256; }
-static inline int64_t scale_bytes(int t) { return t == Q6_K ? 128 : t == Q4_K ? 64 : 32; }
-static inline int64_t min_bytes(int t) { return t == Q4_1 ? 32 : t == Q4_K ? 64 : 0; }
-/* the unsigned quant's zero: dot(q - offset, x) = dot(q, x) - offset * sum(x) */
-static inline int32_t offset(int t) { return t == Q8_0 ? 128 : t == Q4_0 ? 8 : t == Q6_K ? 32 : 0; }
-
-/* x [rows, k] (row stride ldx) -> xq int8 [rows, k], dx [rows, nb] (scale), sx [rows, nb, 2] (sums
-   of each half block's quants). Round to nearest: |x - dx * xq| <= dx / 2. */
-static void quantize_block(const float* x, int8_t* xq, float* dx, int32_t* sx) {
-    float amax = 0.f;
-    #pragma omp simd reduction(max:amax)
-    for (int i = 0; i < QK; ++i) amax = fmaxf(amax, fabsf(x[i]));
-    const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t s0 = 0, s1 = 0;
-    #pragma omp simd reduction(+:s0)
-    for (int i = 0; i < QK / 2; ++i) { xq[i] = (int8_t)lrintf(x[i] * id); s0 += xq[i]; }
-    #pragma omp simd reduction(+:s1)
-    for (int i = QK / 2; i < QK; ++i) { xq[i] = (int8_t)lrintf(x[i] * id); s1 += xq[i]; }
-    *dx = d; sx[0] = s0; sx[1] = s1;
-}
-
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-    float f;
-    if (exp == 0) { f = ldexpf((float)man, -24); return sign ? -f : f; }
-    uint32_t bits = sign | ((exp == 31 ? 255 : exp - 15 + 127) << 23) | (man << 13);
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-#if defined(USE_AVX512_VNNI)
-#include <immintrin.h>
-static inline __attribute__((always_inline)) __m512 load_scales(const int t, const uint8_t* p) {
-    return (t == Q4_K || t == Q6_K) ? _mm512_loadu_ps(p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-}
-static inline __attribute__((always_inline)) __m512i bcast4(const int8_t* p) {
-    int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v);
-}
-/* rows (<= 16) x 16 outputs of one panel: one float accumulator register per row; per block and
-   row, 8 vpdpbusd into an int32 sum, then one scaled add (two with mins, two halves for Q6_K) */
-static inline __attribute__((always_inline)) void block(const int t, const int rows, const int8_t* xq,
-        int64_t k, const float* dx, const int32_t* sx, int64_t nb, const uint8_t* panel,
-        const float* bias, float* out, int64_t ldo, int64_t valid) {
-    const uint8_t* qs = panel;
-    const uint8_t* sc = qs + nb * quant_bytes(t);
-    const uint8_t* mn = sc + nb * scale_bytes(t);
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    __m512 acc[MAX_ROWS];
-    #pragma GCC unroll 16
-    for (int m = 0; m < rows; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* q = qs + b * quant_bytes(t);
-        __m512i w[8];
-        if (t == Q8_0 || t == Q6_K) {
-            #pragma GCC unroll 8
-            for (int g = 0; g < 8; ++g) {
-                _mm_prefetch((const char*)(q + PREFETCH + 64 * g), _MM_HINT_T0);
-                w[g] = _mm512_load_si512((const void*)(q + 64 * g));
-            }
-        } else {
-            #pragma GCC unroll 4
-            for (int c = 0; c < 4; ++c) {
-                _mm_prefetch((const char*)(q + PREFETCH + 64 * c), _MM_HINT_T0);
-                const __m512i v = _mm512_load_si512((const void*)(q + 64 * c));
-                w[c] = _mm512_and_si512(v, low);
-                w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            }
-        }
-        const __m512 d = load_scales(t, sc + b * scale_bytes(t));
-        const __m512 d2 = t == Q6_K ? _mm512_loadu_ps(sc + b * scale_bytes(t) + 64) : d;
-        const __m512 mw = min_bytes(t) ? load_scales(t, mn + b * min_bytes(t)) : d;
-        #pragma GCC unroll 16
-        for (int m = 0; m < rows; ++m) {
-            const int8_t* xb = xq + m * k + b * QK;
-            const int64_t i = m * nb + b;
-            const float dxm = dx[i];
-            if (t == Q6_K) {  /* a scale per half block */
-                __m512i s0 = _mm512_set1_epi32(-offset(t) * sx[2 * i]);
-                __m512i s1 = _mm512_set1_epi32(-offset(t) * sx[2 * i + 1]);
-                #pragma GCC unroll 4
-                for (int g = 0; g < 4; ++g) {
-                    s0 = _mm512_dpbusd_epi32(s0, w[g], bcast4(xb + 4 * g));
-                    s1 = _mm512_dpbusd_epi32(s1, w[g + 4], bcast4(xb + 16 + 4 * g));
-                }
-                const __m512 x = _mm512_set1_ps(dxm);
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d, x), acc[m]);
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d2, x), acc[m]);
-                continue;
-            }
-            __m512i s = _mm512_set1_epi32(-offset(t) * (sx[2 * i] + sx[2 * i + 1]));
-            #pragma GCC unroll 8
-            for (int g = 0; g < 8; ++g) s = _mm512_dpbusd_epi32(s, w[g], bcast4(xb + 4 * g));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dxm)), acc[m]);
-            if (min_bytes(t))
-                acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dxm * (float)(sx[2 * i] + sx[2 * i + 1])), acc[m]);
-        }
-    }
-    const __mmask16 mask = valid >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-    #pragma GCC unroll 16
-    for (int m = 0; m < rows; ++m) _mm512_mask_storeu_ps(out + m * ldo, mask, _mm512_add_ps(acc[m], bv));
-}
-#define KERNEL_PATH 0
-#elif defined(USE_AVX2)
-#include <immintrin.h>
-static inline __attribute__((always_inline)) __m256 load_scales(const int t, const uint8_t* p) {
-    return (t == Q4_K || t == Q6_K) ? _mm256_loadu_ps((const float*)p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-}
-static inline __attribute__((always_inline)) __m256i bcast4(const int8_t* p) {
-    int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v);
-}
-#if defined(USE_AVX_VNNI)
-#define SIGNED_Q8 0
-static inline __attribute__((always_inline)) __m256i dot4(const int t, __m256i s, __m256i w, __m256i x) {
-    (void)t; return _mm256_dpbusd_avx_epi32(s, w, x);
-}
-#define KERNEL_PATH 3
-#else
-/* vpdpbusd from vpmaddubsw (pairs, saturating at int16) and vpmaddwd: 4- and 6-bit quants stay below
-   the bound (63 * 127 * 2); 8-bit ones are taken signed, |w| times x with w's sign (128 * 127 * 2) */
-#define SIGNED_Q8 1
-static inline __attribute__((always_inline)) __m256i dot4(const int t, __m256i s, __m256i w, __m256i x) {
-    __m256i p;
-    if (t == Q8_0) {
-        const __m256i ws = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
-        p = _mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(x, ws));
-    } else {
-        p = _mm256_maddubs_epi16(w, x);
-    }
-    return _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-}
-#define KERNEL_PATH 2
-#endif
-/* as the AVX-512 block, in two passes of 8 outputs (each the half of every 64 bytes that is theirs) */
-static inline __attribute__((always_inline)) void block(const int t, const int rows, const int8_t* xq,
-        int64_t k, const float* dx, const int32_t* sx, int64_t nb, const uint8_t* panel,
-        const float* bias, float* out, int64_t ldo, int64_t valid) {
-    const uint8_t* qs = panel;
-    const uint8_t* sc = qs + nb * quant_bytes(t);
-    const uint8_t* mn = sc + nb * scale_bytes(t);
-    const int64_t half_scales = (t == Q4_K || t == Q6_K) ? 32 : 16;  /* bytes of 8 rows' scales */
-    const int32_t off = (t == Q8_0 && SIGNED_Q8) ? 0 : offset(t);
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int h = 0; h < 2 && 8 * h < valid; ++h) {
-        __m256 acc[MAX_ROWS];
-        #pragma GCC unroll 16
-        for (int m = 0; m < rows; ++m) acc[m] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t* q = qs + b * quant_bytes(t) + 32 * h;
-            __m256i w[8];
-            if (t == Q8_0 || t == Q6_K) {
-                #pragma GCC unroll 8
-                for (int g = 0; g < 8; ++g) {
-                    if (h == 0) _mm_prefetch((const char*)(q + PREFETCH + 64 * g), _MM_HINT_T0);
-                    w[g] = _mm256_load_si256((const __m256i*)(q + 64 * g));
-                }
-            } else {
-                #pragma GCC unroll 4
-                for (int c = 0; c < 4; ++c) {
-                    if (h == 0) _mm_prefetch((const char*)(q + PREFETCH + 64 * c), _MM_HINT_T0);
-                    const __m256i v = _mm256_load_si256((const __m256i*)(q + 64 * c));
-                    w[c] = _mm256_and_si256(v, low);
-                    w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                }
-            }
-            const uint8_t* sb = sc + b * scale_bytes(t) + half_scales * h;
-            const __m256 d = load_scales(t, sb);
-            const __m256 d2 = t == Q6_K ? _mm256_loadu_ps((const float*)(sb + 64)) : d;
-            const __m256 mw = min_bytes(t) ? load_scales(t, mn + b * min_bytes(t) + half_scales * h) : d;
-            #pragma GCC unroll 16
-            for (int m = 0; m < rows; ++m) {
-                const int8_t* xb = xq + m * k + b * QK;
-                const int64_t i = m * nb + b;
-                const __m256 x = _mm256_set1_ps(dx[i]);
-                if (t == Q6_K) {
-                    __m256i s0 = _mm256_set1_epi32(-off * sx[2 * i]), s1 = _mm256_set1_epi32(-off * sx[2 * i + 1]);
-                    #pragma GCC unroll 4
-                    for (int g = 0; g < 4; ++g) {
-                        s0 = dot4(t, s0, w[g], bcast4(xb + 4 * g));
-                        s1 = dot4(t, s1, w[g + 4], bcast4(xb + 16 + 4 * g));
-                    }
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d, x), acc[m]);
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d2, x), acc[m]);
-                    continue;
-                }
-                __m256i s = _mm256_set1_epi32(-off * (sx[2 * i] + sx[2 * i + 1]));
-                #pragma GCC unroll 8
-                for (int g = 0; g < 8; ++g) s = dot4(t, s, w[g], bcast4(xb + 4 * g));
-                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, x), acc[m]);
-                if (min_bytes(t))
-                    acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(dx[i] * (float)(sx[2 * i] + sx[2 * i + 1])), acc[m]);
-            }
-        }
-        const int64_t left = valid - 8 * h;
-        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left < 8 ? (int)left : 8),
-                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        const __m256 bv = bias ? _mm256_maskload_ps(bias + 8 * h, mask) : _mm256_setzero_ps();
-        #pragma GCC unroll 16
-        for (int m = 0; m < rows; ++m) _mm256_maskstore_ps(out + m * ldo + 8 * h, mask, _mm256_add_ps(acc[m], bv));
-    }
-}
-#else
-static inline float scale_at(const int t, const uint8_t* p, int j) {
-    if (t == Q4_K || t == Q6_K) { float f; memcpy(&f, p + 4 * j, 4); return f; }
-    uint16_t h; memcpy(&h, p + 2 * j, 2); return half_to_float(h);
-}
-/* the same arithmetic in plain C: exact int32 block sums, then the same float steps */
-static void block(const int t, const int rows, const int8_t* xq, int64_t k, const float* dx,
-        const int32_t* sx, int64_t nb, const uint8_t* panel, const float* bias, float* out,
-        int64_t ldo, int64_t valid) {
-    const uint8_t* qs = panel;
-    const uint8_t* sc = qs + nb * quant_bytes(t);
-    const uint8_t* mn = sc + nb * scale_bytes(t);
-    float acc[MAX_ROWS][PANEL] = {{0}};
-    uint8_t w[QK][PANEL];
-    float d[PANEL], d2[PANEL], mw[PANEL];
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* q = qs + b * quant_bytes(t);
-        for (int g = 0; g < 8; ++g)
-            for (int j = 0; j < PANEL; ++j)
-                for (int e = 0; e < 4; ++e) {
-                    const uint8_t byte = (t == Q8_0 || t == Q6_K) ? q[g * 64 + j * 4 + e] : q[(g & 3) * 64 + j * 4 + e];
-                    w[4 * g + e][j] = (t == Q8_0 || t == Q6_K) ? byte : g < 4 ? byte & 15 : byte >> 4;
-                }
-        for (int j = 0; j < PANEL; ++j) {
-            d[j] = scale_at(t, sc + b * scale_bytes(t), j);
-            d2[j] = t == Q6_K ? scale_at(t, sc + b * scale_bytes(t) + 64, j) : d[j];
-            mw[j] = min_bytes(t) ? scale_at(t, mn + b * min_bytes(t), j) : 0.f;
-        }
-        for (int m = 0; m < rows; ++m) {
-            const int8_t* xb = xq + m * k + b * QK;
-            const int64_t i = m * nb + b;
-            int32_t s0[PANEL], s1[PANEL];
-            for (int j = 0; j < PANEL; ++j) { s0[j] = -offset(t) * sx[2 * i]; s1[j] = -offset(t) * sx[2 * i + 1]; }
-            for (int kk = 0; kk < QK; ++kk) {
-                const int32_t xv = xb[kk];
-                int32_t* s = kk < QK / 2 ? s0 : s1;
-                #pragma omp simd
-                for (int j = 0; j < PANEL; ++j) s[j] += (int32_t)w[kk][j] * xv;
-            }
-            for (int j = 0; j < PANEL; ++j) {
-                if (t == Q6_K) {
-                    acc[m][j] += (float)s0[j] * (d[j] * dx[i]);
-                    acc[m][j] += (float)s1[j] * (d2[j] * dx[i]);
-                } else {
-                    acc[m][j] += (float)(s0[j] + s1[j]) * (d[j] * dx[i]);
-                    if (min_bytes(t)) acc[m][j] += mw[j] * (dx[i] * (float)(sx[2 * i] + sx[2 * i + 1]));
-                }
-            }
-        }
-    }
-    for (int m = 0; m < rows; ++m)
-        for (int j = 0; j < valid; ++j) out[m * ldo + j] = acc[m][j] + (bias ? bias[j] : 0.f);
-}
-#define KERNEL_PATH 1
-#endif
-
-/* which of the above this build took: 0 AVX-512 VNNI, 1 plain C, 2 AVX2, 3 AVX-VNNI (256-bit) */
-int kernel_path(void) { return KERNEL_PATH; }
-
-#define CASE(T, R) case R: block(T, R, xm, k, dxm, sxm, nb, panel, b, om, ldo, valid); break;
-#define DISPATCH(NAME, T) \
-static void NAME(int rows, const int8_t* xm, int64_t k, const float* dxm, const int32_t* sxm, int64_t nb, \
-                 const uint8_t* panel, const float* b, float* om, int64_t ldo, int64_t valid) { \
-    switch (rows) { \
-    CASE(T, 1) CASE(T, 2) CASE(T, 3) CASE(T, 4) CASE(T, 5) CASE(T, 6) CASE(T, 7) CASE(T, 8) \
-    CASE(T, 9) CASE(T, 10) CASE(T, 11) CASE(T, 12) CASE(T, 13) CASE(T, 14) CASE(T, 15) CASE(T, 16) \
-    } \
-}
-DISPATCH(rows_q8_0, Q8_0)
-DISPATCH(rows_q4_0, Q4_0)
-DISPATCH(rows_q4_1, Q4_1)
-DISPATCH(rows_q4_k, Q4_K)
-DISPATCH(rows_q6_k, Q6_K)
-
-/* out[rows, n] (row stride ldo) = x[rows, k] (row stride ldx) @ W.T (+ bias), W as pack_quantized
-   laid it out: panels of panel_stride bytes. */
-void quant_linear(int type, const float* x, int64_t rows, int64_t ldx, const uint8_t* weight, int64_t n,
-                  int64_t k, int64_t panel_stride, const float* bias, float* out, int64_t ldo) {
-    const int64_t nb = k / QK, count = (n + PANEL - 1) / PANEL;
-    int8_t* xq = (int8_t*)malloc((size_t)(rows * k));
-    float* dx = (float*)malloc(sizeof(float) * (size_t)(rows * nb));
-    int32_t* sx = (int32_t*)malloc(sizeof(int32_t) * 2 * (size_t)(rows * nb));
-    void (*fn)(int, const int8_t*, int64_t, const float*, const int32_t*, int64_t, const uint8_t*,
-               const float*, float*, int64_t, int64_t) =
-        type == Q8_0 ? rows_q8_0 : type == Q4_0 ? rows_q4_0 : type == Q4_1 ? rows_q4_1
-        : type == Q4_K ? rows_q4_k : rows_q6_k;
-    #pragma omp parallel
-    {
-        #pragma omp for schedule(static)
-        for (int64_t i = 0; i < rows * nb; ++i)
-            quantize_block(x + (i / nb) * ldx + (i % nb) * QK, xq + (i / nb) * k + (i % nb) * QK, dx + i, sx + 2 * i);
-        #pragma omp for schedule(static)
-        for (int64_t p = 0; p < count; ++p) {
-            const uint8_t* panel = weight + p * panel_stride;
-            const int64_t valid = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
-            const float* b = bias ? bias + p * PANEL : 0;
-            for (int64_t m0 = 0; m0 < rows; m0 += MAX_ROWS)
-                fn(rows - m0 < MAX_ROWS ? (int)(rows - m0) : MAX_ROWS, xq + m0 * k, k, dx + m0 * nb, sx + 2 * m0 * nb,
-                   nb, panel, b, out + m0 * ldo + p * PANEL, ldo, valid);
-        }
-    }
-    free(xq); free(dx); free(sx);
-}
-
-/* the activation quantization alone (for tests): xq [rows, k], dx [rows, k / 32] */
-void quantize_rows(const float* x, int64_t rows, int64_t ldx, int64_t k, int8_t* xq, float* dx) {
-    const int64_t nb = k / QK;
-    int32_t sx[2];
-    for (int64_t i = 0; i < rows * nb; ++i)
-        quantize_block(x + (i / nb) * ldx + (i % nb) * QK, xq + (i / nb) * k + (i % nb) * QK, dx + i, sx);
-}
-"""
 
 _i32, _i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-_FUNCTIONS = {
+LIBRARY = CLibrary("quant_linear", "quant_linear.c", {
     "quant_linear": ([_i32, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64], None),
     "quantize_rows": ([_ptr, _i64, _i64, _i64, _ptr, _ptr], None),
-    "kernel_path": ([], _i32),
-}
-KERNEL_PATHS = {0: "AVX-512 VNNI", 1: "plain C", 2: "AVX2", 3: "AVX-VNNI"}
-_LIBRARY = CLibrary("quant_linear", _SOURCE, _FUNCTIONS, disable_env="GRAPHSERVE_CPU_QUANT")
-# The builds a machine with less than this one's instruction sets would take (the compiler's feature
-# macros taken away), for the tests to check each gives the same numbers: name -> its library.
-_WITHOUT = {"AVX-VNNI": ["__AVX512VNNI__"], "AVX2": ["__AVX512VNNI__", "__AVXVNNI__"],
-            "plain C": ["__AVX512VNNI__", "__AVXVNNI__", "__AVX2__"]}
-FALLBACK_LIBRARIES = {
-    name: CLibrary(f"quant_linear_{name.replace(' ', '_').replace('-', '_').lower()}",
-                   "".join(f"#undef {macro}\n" for macro in macros) + _SOURCE, _FUNCTIONS,
-                   disable_env="GRAPHSERVE_CPU_QUANT")
-    for name, macros in _WITHOUT.items()}
+}, disable_env="GRAPHSERVE_CPU_QUANT")
 
 
 @dataclass(frozen=True)
@@ -444,7 +95,7 @@ class QuantizedWeight:
 
 
 def available() -> bool:
-    return _LIBRARY.get() is not None
+    return LIBRARY.get() is not None
 
 
 def _float_bytes(values: np.ndarray) -> np.ndarray:
@@ -493,7 +144,7 @@ def pack_quantized(raw: np.ndarray | torch.Tensor, qtype: str, n: int, k: int) -
     """A GGUF tensor's bytes (uint8 [n, bytes per row], as gguf's reader gives them) for a weight
     [n, k], repacked for the kernel; None where the kernel does not apply (not built here, a type
     it lacks, k not a whole number of the type's blocks)."""
-    if qtype not in TYPES or k % GGUF_BLOCKS[qtype][0] or _LIBRARY.get() is None:
+    if qtype not in TYPES or k % GGUF_BLOCKS[qtype][0] or LIBRARY.get() is None:
         return None
     raw = np.ascontiguousarray(raw.numpy() if isinstance(raw, torch.Tensor) else raw).view(np.uint8).reshape(n, -1)
     quants, fields = _unpack(raw, qtype, n, k)
@@ -522,7 +173,7 @@ def applies(x: torch.Tensor, weight: QuantizedWeight | None) -> bool:
 
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                 library: CLibrary = _LIBRARY) -> torch.Tensor:
+                 library: CLibrary = LIBRARY) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) -> [M, n] float32, the activations quantized per row and block of 32
     (the module docstring); the caller checked applies()."""
     lib = library.get()
@@ -535,10 +186,10 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     return out
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, library: CLibrary = LIBRARY) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's own quantization of x [M, K] (float32, rows contiguous): (int8 [M, K], float32
     scales [M, K / 32]), so that x ~ xq * scale per block."""
-    lib = _LIBRARY.get()
+    lib = library.get()
     rows, k = x.shape
     xq, dx = torch.empty((rows, k), dtype=torch.int8), torch.empty((rows, k // BLOCK), dtype=torch.float32)
     lib.quantize_rows(x.data_ptr(), rows, x.stride(0), k, xq.data_ptr(), dx.data_ptr())
@@ -547,5 +198,4 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 if __name__ == "__main__":  # build it now (e.g. in a Docker image) and say whether it works
     logging.basicConfig(level=logging.INFO)
-    lib = _LIBRARY.get()
-    print("CPU quantized linear:", "unavailable" if lib is None else KERNEL_PATHS[lib.kernel_path()], file=sys.stderr)
+    print("CPU quantized linear:", LIBRARY.isa() or "unavailable", file=sys.stderr)

@@ -1,0 +1,148 @@
+/* Paged decode attention for the CPU backend (engine/cpu/attention.py):
+   out[b, h*G + g, :] = softmax_t(scale * q[b, h*G + g, :] . K[b, t, h, :]) @ V[b, t, h, :]
+   over t < context_lens[b], token t of row b at block block_tables[b, t / bs], offset t % bs.
+   q and out: [B, Hq, D] with strides (q_s0, q_s1, 1) and (Hq * D, D, 1);
+   caches: [num_blocks, bs, Hkv, D] contiguous.
+   One task per sequence (its blocks read whole, in order), or with split_heads (few rows) per
+   (sequence, KV head); each task's heads go to the widest vector path this build has for the
+   head_dim, else the plain C one. */
+#include "isa.h"
+#include "parallel.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* one (sequence, KV heads) task's inputs: q and out point at the sequence's rows */
+struct task {
+    const float* q;
+    int64_t q_s1;
+    const float *k_cache, *v_cache;
+    const int32_t* table;
+    int64_t L, G, D, bs, tok_s, blk_s;
+    float scale;
+    float* out;
+};
+
+#if defined(GS_AVX512)
+#include "attention_avx512.h"
+#endif
+#if defined(GS_AVX2)
+#include "attention_avx2.h"
+#endif
+#if defined(GS_NEON)
+#include "attention_neon.h"
+#endif
+
+#if defined(GS_AVX512)
+#define GS_ISA_NAME "AVX-512"
+#elif defined(GS_AVX2)
+#define GS_ISA_NAME "AVX2"
+#elif defined(GS_NEON)
+#define GS_ISA_NAME "NEON"
+#else
+#define GS_ISA_NAME "generic"
+#endif
+const char* gs_isa(void) { return GS_ISA_NAME; }
+
+/* KV head h of a task in plain C; work: G * D floats */
+static void task_generic(const struct task* t, int64_t h, float* scores, float* acc) {
+    const int64_t G = t->G, L = t->L, D = t->D;
+    for (int64_t t0 = 0; t0 < L; t0 += t->bs) {
+        const float* kb = t->k_cache + (int64_t)t->table[t0 / t->bs] * t->blk_s + h * D;
+        const int64_t n = L - t0 < t->bs ? L - t0 : t->bs;
+        for (int64_t o = 0; o < n; ++o) {
+            const float* k = kb + o * t->tok_s;
+            for (int64_t g = 0; g < G; ++g) {
+                const float* qh = t->q + (h * G + g) * t->q_s1;
+                float s = 0.f;
+                #pragma omp simd reduction(+:s)
+                for (int64_t d = 0; d < D; ++d) s += qh[d] * k[d];
+                scores[g * L + t0 + o] = s * t->scale;
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        float* sh = scores + g * L;
+        float m = -INFINITY, sum = 0.f;
+        for (int64_t u = 0; u < L; ++u) m = sh[u] > m ? sh[u] : m;
+        for (int64_t u = 0; u < L; ++u) { sh[u] = expf(sh[u] - m); sum += sh[u]; }
+        const float inv = 1.f / sum;
+        for (int64_t u = 0; u < L; ++u) sh[u] *= inv;
+    }
+    memset(acc, 0, sizeof(float) * G * D);
+    for (int64_t t0 = 0; t0 < L; t0 += t->bs) {
+        const float* vb = t->v_cache + (int64_t)t->table[t0 / t->bs] * t->blk_s + h * D;
+        const int64_t n = L - t0 < t->bs ? L - t0 : t->bs;
+        for (int64_t o = 0; o < n; ++o) {
+            const float* v = vb + o * t->tok_s;
+            for (int64_t g = 0; g < G; ++g) {
+                const float p = scores[g * L + t0 + o];
+                float* a = acc + g * D;
+                #pragma omp simd
+                for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+            }
+        }
+    }
+    memcpy(t->out + h * G * D, acc, sizeof(float) * G * D);
+}
+
+/* a growing buffer per thread, kept for the thread's life: no allocation per task */
+static _Thread_local float* scratch;
+static _Thread_local int64_t scratch_cap;
+
+static float* scratch_floats(int64_t n) {
+    if (n > scratch_cap) {
+        free(scratch);
+        scratch = (float*)malloc(sizeof(float) * (size_t)n);
+        scratch_cap = scratch ? n : 0;
+    }
+    return scratch;
+}
+
+struct call {
+    const float* q;
+    int64_t q_s0, q_s1;
+    const float *k_cache, *v_cache;
+    const int32_t* block_tables;
+    int64_t bt_s0;
+    const int32_t* context_lens;
+    float* out;
+    int64_t Hq, Hkv, D, bs, per_row, heads;
+    float scale;
+};
+
+static void run_tasks(void* arg, int64_t begin, int64_t end) {
+    const struct call* c = (const struct call*)arg;
+    const int64_t G = c->Hq / c->Hkv;
+    for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / c->per_row, h0 = (i % c->per_row) * c->heads, h1 = h0 + c->heads;
+        const struct task t = {c->q + b * c->q_s0, c->q_s1, c->k_cache, c->v_cache, c->block_tables + b * c->bt_s0,
+                               c->context_lens[b], G, c->D, c->bs, c->Hkv * c->D, c->bs * c->Hkv * c->D, c->scale,
+                               c->out + b * c->Hq * c->D};
+        float* scores = scratch_floats(G * t.L + 2 * G * c->D);
+        float* work = scores + G * t.L;
+        for (int64_t h = h0; h < h1; ++h) {
+#if defined(GS_AVX512)
+            if (task_avx512(&t, h, scores, work)) continue;
+#endif
+#if defined(GS_AVX2)
+            if (task_avx2(&t, h, scores, work)) continue;
+#endif
+#if defined(GS_NEON)
+            if (task_neon(&t, h, scores, work)) continue;
+#endif
+            task_generic(&t, h, scores, work);
+        }
+    }
+}
+
+void paged_decode(const float* q, int64_t q_s0, int64_t q_s1, const float* k_cache, const float* v_cache,
+                  const int32_t* block_tables, int64_t bt_s0, const int32_t* context_lens,
+                  float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
+                  int64_t split_heads) {
+    const struct call c = {q, q_s0, q_s1, k_cache, v_cache, block_tables, bt_s0, context_lens, out, Hq, Hkv, D, bs,
+                           split_heads ? Hkv : 1, split_heads ? 1 : Hkv, scale};
+    gs_parallel_for_each(B * c.per_row, run_tasks, (void*)&c);
+}
