@@ -9,7 +9,7 @@ EXTRAS ?= dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: deps install link model serve test test-gpu bench-cpu clean
+.PHONY: deps install link model serve test test-gpu bench-cpu clean arm-tools
 
 # Dependencies first, from pyproject alone (the Docker image caches them in a layer of their own).
 $(STAMP): pyproject.toml Makefile
@@ -42,8 +42,22 @@ serve: model
 # Two pytest-xdist workers, each test file whole on one, each process on one torch thread: on two cores
 # 7.5 min against 12.5 serially with torch's default threads. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-test: model
+test: model arm-tools
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -m "not gpu" $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
+
+# The ARM kernels' tests (tests/test_cpu_arm.py) cross-compile them and run them under qemu, with tools
+# from Debian's packages: installed here where they are missing and we are root (CI). Anyone else
+# without them gets a note, and those tests skip, unless GRAPHSERVE_REQUIRE_ARM_TESTS=1 (.ci/run).
+ARM_PACKAGES := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
+ARM_SKIP := the ARM kernel tests will skip (fail with GRAPHSERVE_REQUIRE_ARM_TESTS=1)
+arm-tools:
+	@if command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	        $(ARM_PACKAGES) >/dev/null || echo "make: installing $(ARM_PACKAGES) failed: $(ARM_SKIP)"; \
+	else \
+	    echo "make: no aarch64-linux-gnu-gcc or qemu-aarch64 (as root, make arm-tools installs $(ARM_PACKAGES)): $(ARM_SKIP)"; \
+	fi
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu tests

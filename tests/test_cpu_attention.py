@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from cpu_builds import builds, loaded
+from cpu_references import attention_reference
 
 from graphserve.engine.cpu import attention as cpu_attention
 from graphserve.engine.models.attention import AttentionMetadata, TorchAttention
@@ -19,17 +19,6 @@ BLOCK = 16
 # vector paths for head_dim 64 and 128), and a head_dim it takes the generic path for
 SHAPES = [pytest.param(3, 9, 64, id="smollm2"), pytest.param(2, 14, 64, id="qwen2.5-0.5b"),
           pytest.param(8, 32, 128, id="llama-3.1-8b"), pytest.param(1, 3, 96, id="generic")]
-
-
-def _reference(q, k_cache, v_cache, tables, lens, scale):
-    rows = []
-    for b in range(q.shape[0]):
-        n = int(lens[b])
-        blocks = tables[b, :-(-n // BLOCK)].long()
-        k = k_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)
-        v = v_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)
-        rows.append(F.scaled_dot_product_attention(q[b][:, None, :], k, v, scale=scale, enable_gqa=True)[:, 0])
-    return torch.stack(rows)
 
 
 @pytest.mark.parametrize("kv_heads,heads,dim", SHAPES)
@@ -50,7 +39,8 @@ def test_decode_matches_per_row_attention(use_kernel, batch, kv_heads, heads, di
     meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(batch, dtype=torch.int64),
                              block_tables=tables, context_lens=lens)
     out = TorchAttention(BLOCK, use_kernel=use_kernel).attend_decode(q, k_cache, v_cache, meta, 0.125)
-    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, lens, 0.125), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, attention_reference(q, k_cache, v_cache, tables, lens, 0.125),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kv_heads,heads,dim", SHAPES + [pytest.param(2, 4, 80, id="dim80"),
@@ -72,7 +62,7 @@ def test_each_build_matches_per_row_attention(library, kv_heads, heads, dim):
         q = torch.randn(batch, heads + 2 * kv_heads, dim, generator=gen)[:, :heads]
         q[0, 0] *= 40  # a peaked softmax: exp's range, far from 0
         out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5, library)
-        torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, lens, dim ** -0.5),
+        torch.testing.assert_close(out, attention_reference(q, k_cache, v_cache, tables, lens, dim ** -0.5),
                                    rtol=1e-5, atol=1e-5)
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cpu_builds import builds, loaded
+from cpu_references import assert_matches_float64_product
 
 from graphserve.engine.cpu import linear as cpu_linear
 from graphserve.engine.models import layers
@@ -28,11 +29,7 @@ def test_panel_linear_matches_the_float64_product(n, k, rows, with_bias, library
     bias = torch.randn(n, generator=gen) if with_bias else None
     x = torch.randn(rows, k, generator=gen)
     out = cpu_linear.panel_linear(x, cpu_linear.pack_panels(weight, library), n, bias, library)
-    reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    assert out.shape == (rows, n) and out.dtype == torch.float32
-    # float32 sums of k products: bounded by k ulps of the largest partial sum
-    bound = k * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T + 1)
-    assert ((out.double() - reference).abs() <= bound).all()
+    assert_matches_float64_product(out, x, weight, bias)
 
 
 def test_strided_rows_read_their_own_elements():

@@ -64,22 +64,48 @@ def levels(machine: str | None = None) -> dict[str, list[str]]:
     return ARM_LEVELS if is_arm(machine) else X86_LEVELS
 
 
-def native_flags(compiler: str) -> list[str]:
+def native_flags(compiler: str | None = None) -> list[str]:
     if is_arm():
         # Apple's clang and gcc both take -mcpu=native on arm64
         return ["-mcpu=native"]
     return ["-march=native"]
 
 
-def cap_flags(isa: str | None) -> list[str]:
+def cap_flags(isa: str | None, machine: str | None = None) -> list[str]:
     """The flags of a cap (None or "native": none). An ARM cap below the machine's own replaces
     -mcpu=native with the cap's -march, which the machine executes (the caps are baselines)."""
     if isa in (None, "", "native"):
         return []
-    table = levels()
+    table = levels(machine)
     if isa not in table:
         raise ValueError(f"{ISA_ENV}={isa!r}: expected native or one of {', '.join(table)}")
     return table[isa]
+
+
+def target_flags(isa: str | None, machine: str | None = None) -> list[str]:
+    """The instruction-set flags of a build at cap `isa`: for this machine (machine None), its own
+    -march=native / -mcpu=native, capped; for a cross build (machine "aarch64": the ARM tests),
+    the cap's baseline alone, as no machine is there to be native to."""
+    target = cap_flags(isa, machine)
+    baseline = any(f.startswith("-march=") for f in target)
+    if machine is not None:
+        if not is_arm(machine) or isa in (None, "", "native"):
+            raise ValueError(f"cross builds are for aarch64 at a named cap, not {machine!r} at {isa!r}")
+        return target if baseline else [*ARM_LEVELS["neon"], *target]  # generic: AArch64's baseline, plain C
+    if is_arm() and baseline:
+        return target
+    return [*native_flags(), *target]
+
+
+def thread_flags(openmp: bool) -> list[str]:
+    """Compile and link flags for OpenMP, or for parallel.h's pthreads pool."""
+    return ["-fopenmp"] if openmp else ["-pthread"]
+
+
+def compile_flags(isa: str | None, machine: str | None = None, openmp: bool = True) -> list[str]:
+    """Every flag a kernel's compile takes, for (cap, machine as target_flags, OpenMP or the pthreads
+    pool): the one place that decides them, for the builds here and the ARM tests' cross builds."""
+    return [*_COMMON_FLAGS, *target_flags(isa, machine), *thread_flags(openmp)]
 
 
 def requested_isa() -> str | None:
@@ -162,15 +188,10 @@ class CLibrary:
             logger.info("no C compiler: the CPU kernel %s is replaced by torch", self.name)
             return None
         cap = self.isa_cap if self.isa_cap is not None else requested_isa()
-        target = cap_flags(cap)
-        if is_arm() and any(f.startswith("-march=") for f in target):
-            flags = [*_COMMON_FLAGS, *target]
-        else:
-            flags = [*_COMMON_FLAGS, *native_flags(compiler), *target]
-        macros, has_openmp = _probe(compiler, tuple(flags))
+        macros, has_openmp = _probe(compiler, tuple([*_COMMON_FLAGS, *target_flags(cap)]))
         openmp = self.openmp and has_openmp
-        flags += ["-fopenmp"] if openmp else ["-pthread"]
-        link = ["-shared", *(["-fopenmp"] if openmp else ["-pthread"])]
+        flags = compile_flags(cap, openmp=openmp)
+        link = ["-shared", *thread_flags(openmp)]
         key = hashlib.sha256("\0".join([_sources(), self.source, *flags, *link, compiler, macros,
                                         platform.machine()]).encode()).hexdigest()[:16]
         path = cache_dir() / f"{self.name}-{key}.so"

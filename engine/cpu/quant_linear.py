@@ -40,7 +40,9 @@ layout, same exact int32 block sums) on 256-bit registers with AVX-VNNI's vpdpbu
 vpmaddubsw + vpmaddwd, else in plain C (correct, not fast). Those builds on this machine (30
 layers, best of 5, interleaved; 1 / 8 / 16 rows, ms): Q4_1 AVX-512 VNNI 3.9 / 6.3 / 10.0, AVX-VNNI
 4.0 / 7.2 / 11.9, AVX2 3.8 / 8.8 / 14.9, plain C 14.2 / 53 / 99; Q8_0 4.7 / 8.2 / 11.3, 5.1 / 8.8 /
-13.2, 5.7 / 10.6 / 17.8, 15.1 / 59 / 111.
+13.2, 5.7 / 10.6 / 17.8, 15.1 / 59 / 111. ARM64 machines take it on NEON (i8mm's smmla, dotprod's
+sdot, else vmull_s8: quant_linear_neon.h), checked under qemu only (tests/test_cpu_arm.py), its
+speed not measured.
 `pack_quantized()` returns None where the kernel cannot be built (no compiler,
 GRAPHSERVE_CPU_QUANT=torch): the caller keeps float weights.
 """

@@ -1,0 +1,32 @@
+"""The references the CPU kernels' tests compare against, shared by the x86 builds' tests
+(tests/test_cpu_attention.py, test_cpu_linear.py) and the ARM builds' (tests/test_cpu_arm.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                        lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention row by row: torch's SDPA over each row's own context, gathered from its
+    blocks (caches [blocks, block_size, Hkv, D])."""
+    block = k_cache.shape[1]
+    rows = []
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        blocks = tables[b, :-(-n // block)].long()
+        k = k_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)
+        v = v_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)
+        rows.append(F.scaled_dot_product_attention(q[b][:, None, :], k, v, scale=scale, enable_gqa=True)[:, 0])
+    return torch.stack(rows)
+
+
+def assert_matches_float64_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                   bias: torch.Tensor | None) -> None:
+    """out equals x @ weight.T + bias computed in float64, within float32 sums' rounding: k ulps of
+    the largest partial sum."""
+    reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert out.shape == reference.shape and out.dtype == torch.float32
+    bound = x.shape[1] * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T + 1)
+    assert ((out.double() - reference).abs() <= bound).all()
