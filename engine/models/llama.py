@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphserve.engine.cpu.decoder import StackDecoder
 from graphserve.engine.models.attention import AttentionMetadata
+from graphserve.engine.models.cpu_stack import decode_stack
 from graphserve.engine.distributed import SINGLE, TensorParallel
 from graphserve.engine.models.sharding import shard_for
 from graphserve.engine.models.config import ModelArgs
@@ -134,13 +136,19 @@ class LlamaModel(nn.Module):
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, rows, bias=False)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
         self.lm_head_packed: torch.Tensor | None = None
+        self.cpu_stack: StackDecoder | None = None  # made by the loader where the model fits it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x = self._embed(input_ids)
-        residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, self.cos_sin, meta, k_cache, v_cache)
+        stacked = None if self.cpu_stack is None else decode_stack(self.cpu_stack, x, positions, self.cos_sin, meta,
+                                                                   kv_caches)
+        if stacked is not None:  # a CPU decode step: every layer in one C call (engine/models/cpu_stack.py)
+            x, residual = stacked
+        else:
+            residual = None
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                x, residual = layer(x, residual, positions, self.cos_sin, meta, k_cache, v_cache)
         x, _ = add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return x
 

@@ -22,6 +22,7 @@ from graphserve.engine.distributed import SINGLE, TensorParallel
 from graphserve.engine.models.sharding import Shard
 from graphserve.engine.errors import InvalidConfigError, ModelFilesError
 from graphserve.engine.models.config import ModelArgs
+from graphserve.engine.models.cpu_stack import stack_decoder
 from graphserve.engine.models.layers import Linear, QuantizedParts
 from graphserve.engine.models.llama import LlamaModel
 from graphserve.engine.models.moe import SparseMoE
@@ -108,6 +109,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
         model.lm_head_packed = head
     if packed is not None:
         packed.save()
+    model.cpu_stack = stack_decoder(model)
     return model.eval()
 
 

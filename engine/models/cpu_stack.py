@@ -1,0 +1,63 @@
+"""A LlamaModel's decode steps on the CPU in one C call for all its layers (engine/cpu/decoder.py),
+where every layer fits the stack: a dense MLP, no per-head q/k norms, one rank, float32, each
+projection in the quantized kernel's layout or in float32 panels, the C attention kernel. The
+numbers are the per-layer path's, bit for bit: only its Python goes."""
+
+from __future__ import annotations
+
+import torch
+
+from graphserve.engine.cpu import decoder
+from graphserve.engine.cpu.decoder import LayerWeights, Projection, Shape, StackDecoder
+from graphserve.engine.models.attention import AttentionMetadata, TorchAttention
+from graphserve.engine.models.layers import Linear, rotary_tables
+
+
+def _projection(proj: Linear) -> Projection | None:
+    if isinstance(proj.packed, tuple):  # GGUF-quantized parts
+        parts = proj.packed
+    elif isinstance(proj.packed, torch.Tensor):  # float32 panels
+        parts = ((proj.packed, proj.weight.shape[0]),)
+    else:
+        return None
+    if len(parts) > decoder.MAX_PARTS:
+        return None
+    return Projection(parts, proj.bias.detach() if proj.bias is not None else None)
+
+
+def stack_decoder(model) -> StackDecoder | None:
+    """The model's StackDecoder, or None where a layer (or this machine) does not fit it."""
+    if model.tp.size != 1 or model.embed_tokens.weight.device.type != "cpu" \
+            or model.embed_tokens.weight.dtype != torch.float32 or model.args.head_dim % 2 or not decoder.available():
+        return None
+    layers = []
+    for layer in model.layers:
+        attn = layer.self_attn
+        if layer.is_moe or attn.q_norm is not None or not isinstance(attn.backend, TorchAttention) \
+                or not attn.backend.use_kernel:
+            return None
+        projections = [_projection(p) for p in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj,
+                                                layer.mlp.down_proj)]
+        if any(p is None for p in projections):
+            return None
+        layers.append(LayerWeights(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                                   *projections))
+    args = model.shard.local
+    first = model.layers[0]
+    return StackDecoder(layers, Shape(args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim,
+                                      args.intermediate_size, first.self_attn.backend.block_size,
+                                      first.input_layernorm.eps, first.self_attn.scale))
+
+
+def decode_stack(stack: StackDecoder, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                 meta: AttentionMetadata,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the last layer's output, the residual) of a decode step, or None where the stack does not
+    take this step (the caller runs the layers one by one)."""
+    if meta.is_prefill or not stack.applies(x):
+        return None
+    rope = meta.derived.get("rope")
+    if rope is None or rope[0] is not positions:  # as TorchAttention keys them
+        rope = meta.derived["rope"] = (positions, rotary_tables(positions, cos_sin, x.dtype))
+    cos, sin = (t.reshape(x.shape[0], -1) for t in rope[1])
+    return stack.run(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, kv_caches)
