@@ -459,6 +459,7 @@ def test_parallel_tool_calls_by_default_an_answer_may_go_on_after_a_call(client:
             "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}],
             "tool_choice": "required", "temperature": 0, "max_tokens": 40}
     choice = chat(client, **body)["choices"][0]
-    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather",
-                                                              "arguments": '{\n    "city": "Paris"\n}'}
+    call = choice["message"]["tool_calls"][0]["function"]
+    # the arguments as parsed values: their whitespace is the quantized model's pick, which differs by CPU
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
     assert choice["finish_reason"] == "length", choice  # went on after the call, up to max_tokens
