@@ -241,8 +241,10 @@ def test_a_burst_of_sigusr1_while_serving_kills_no_process(tmp_path):
     them, 20 ms apart, to the core, the front end and rank 1 while two clients stream greedy
     requests (the core's grammar warm-up thread importing xgrammar meanwhile). faulthandler's own
     asynchronous dump killed the core with SIGSEGV (this test failed 1 run in 3 with it; bursts of
-    300 killed it in 4 runs of 5, after 90-169 signals); the dump now runs with the GIL held. An idle server's rank 1 dumps too (rank 0 wakes it), and
-    afterwards the server answers with one rank's tokens."""
+    300 killed it in 4 runs of 5, after 90-169 signals); the dump now runs with the GIL held, and
+    reads the threads with sys._current_frames (faulthandler.dump_traceback, even with the GIL held,
+    killed it now and then: gloo's threads enter Python). An idle server's rank 1 dumps too (rank 0
+    wakes it), and afterwards the server answers with one rank's tokens."""
     import httpx
     import openai
 
