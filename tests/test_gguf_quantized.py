@@ -105,13 +105,21 @@ def test_the_conversion_keeps_every_projections_blocks(tiny) -> None:
 
 
 def test_served_tokens_are_the_kernels_on_the_files_weights(tiny) -> None:
-    """Through the real server and the openai client: greedy tokens equal the transformers model's
-    with the kernel in its projections; the engine's layers hold the quantized weights."""
+    """Through the real server and the openai client: each greedy token is the transformers model's
+    pick with the kernel in its projections, given the tokens before it (teacher-forced).
+
+    Not its whole greedy sequence: the engine's own attention and norms round a last bit differently
+    from transformers', now and then moving an activation across an int8 rounding step and a logit by
+    about 1e-3 (test_quantized_and_float32_paths_agree_on_most_positions), and this tiny random model's
+    two best logits are sometimes closer than that (4e-5 apart after "The quick brown fox" in Q8_0):
+    such a near-tie may go either way on another CPU, and the sequences part there. So every served
+    token is the reference's best or within 5e-3 of it, and nearly every one is its best exactly."""
     variant, _, reference, path = tiny
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     expected_model = kernel_reference(reference, path, variant)
     engine = AsyncEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", quantization="gguf",
                                       kv_cache_bytes=16 * 1024**2))
+    below_best = []
     with BackgroundServer(create_app(engine)) as server:
         server.wait_ready()
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120.0)
@@ -120,13 +128,26 @@ def test_served_tokens_are_the_kernels_on_the_files_weights(tiny) -> None:
             response = client.completions.create(model=path.stem, prompt=prompt_ids, max_tokens=MAX_TOKENS,
                                                  temperature=0, extra_body={"ignore_eos": True,
                                                                             "return_token_ids": True})
-            assert response.choices[0].model_extra["token_ids"] == greedy(expected_model, prompt_ids), prompt
+            served = response.choices[0].model_extra["token_ids"]
+            assert len(served) == MAX_TOKENS
+            with torch.no_grad():  # the reference's logits for each served token, given the ones before it
+                logits = expected_model(torch.tensor([prompt_ids + served])).logits[0, len(prompt_ids) - 1:-1]
+            below_best += (logits.max(-1).values - logits[torch.arange(MAX_TOKENS), served]).tolist()
+    assert max(below_best) <= 5e-3, below_best
+    assert sum(gap == 0 for gap in below_best) >= 0.9 * len(below_best), below_best
 
 
 def test_quantized_and_float32_paths_agree_on_most_positions(tiny) -> None:
     """Offline: the layers hold quantized weights (no float32 copy); over a long prompt the served
     log-probabilities are the kernel reference's, and the argmax agrees with the float32 path's
-    (same weights, float activations) at most positions: only the activations' int8 rounding differs."""
+    (same weights, float activations) at most positions: only the activations' int8 rounding differs.
+
+    The engine runs its own attention, norms and SiLU (C kernels per instruction set) where the
+    reference runs transformers': a last-bit difference there now and then moves an activation across
+    an int8 rounding step, and that position's log-probability by about 1e-3 (148 positions here: at
+    most one past 1e-5 with the kernels built for AVX-512 or AVX2, five for qwen2-Q4_0 built for no
+    vector paths, the largest 1.2e-3). So: nearly every position the reference's to float rounding,
+    and none far from it; wrong blocks, scales or layout move them all."""
     variant, _, reference, path = tiny
     llm = LLM(model=str(path), device="cpu", dtype="float32", quantization="gguf", kv_cache_bytes=16 * 1024**2)
     model = llm.engine.core.model
@@ -142,7 +163,9 @@ def test_quantized_and_float32_paths_agree_on_most_positions(tiny) -> None:
         float_logits = reference(torch.tensor([ids])).logits[0, :-1]
     expected = torch.log_softmax(kernel_logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     served = torch.tensor([lp.logprob for lp in output.prompt_logprobs[1:]])
-    torch.testing.assert_close(served, expected, atol=1e-3, rtol=0)
+    exact = (served - expected).abs() <= 1e-5
+    assert exact.float().mean() >= 0.9, [(i, served[i].item(), expected[i].item()) for i in (~exact).nonzero()[:, 0]]
+    torch.testing.assert_close(served, expected, atol=1e-2, rtol=0)
     agreement = (kernel_logits.argmax(-1) == float_logits.argmax(-1)).float().mean().item()
     assert agreement >= 0.9, agreement
 

@@ -134,12 +134,19 @@ def test_openai_chat(quick_start: dict[str, Any]) -> None:
     content = chat.choices[0].message.content
     assert quick_start["printed"] == content + "\n"
     # greedy: the embedded model's own reply to the conversation, as the offline engine gives it
-    # (which words: the served Q4_1 weights answer differently on different hosts' rounding)
+    # (which words, and whether they end within 32 tokens: the served Q4_1 weights answer differently
+    # on different hosts' rounding; here 'Le Grand Château, ... is the capital of France.' with the
+    # kernels built for AVX-512, 'The capital of France is Paris.' built for AVX2)
     llm = LLM()
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Which city is the capital of France?"}])
     want = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0))[0]
     assert content == want.text and content.strip()
-    assert chat.choices[0].finish_reason == want.finish_reason == "stop"
+    assert chat.choices[0].finish_reason == want.finish_reason
+    assert chat.usage.completion_tokens == len(want.token_ids)
+    if want.finish_reason == "length":
+        assert len(want.token_ids) == 32
+    else:
+        assert want.finish_reason == "stop" and want.token_ids[-1] == llm.tokenizer.eos_token_id
     assert chat.model == quick_start["model"]
 
 
@@ -174,7 +181,12 @@ def test_tools(quick_start: dict[str, Any]) -> None:
     namespace = dict(quick_start)
     printed = run_python("tools", namespace, None)
     first = namespace["r"].choices[0]
-    assert first.finish_reason == "tool_calls"
+    # OpenAI's default parallel_tool_calls: after its call the model may write on; whether it ends
+    # within max_tokens (60) is its greedy pick on the Q4_1 weights, which differs by CPU
+    if first.finish_reason == "length":
+        assert namespace["r"].usage.completion_tokens == 60
+    else:
+        assert first.finish_reason == "tool_calls"
     call = namespace["call"]
     assert call.id.startswith("call_") and call.type == "function"
     assert call.function.name == "get_weather"
