@@ -51,6 +51,7 @@ def fp8_accuracy(path: str, device: torch.device, dtype: torch.dtype, prompts: i
         if isinstance(module, Linear):
             module.weight.copy_(dequantize(*quantize_per_channel(module.weight), dtype))
             module.packed = None  # on CPU, F.linear on the rounded weight: what an FP8 projection runs there
+    model.cpu_stack = None  # the CPU decode stack holds the panels packed at load, from the unrounded weights
     fake = run(model)
     del model
     gc.collect()
