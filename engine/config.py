@@ -41,7 +41,7 @@ class EngineConfig:
     # projections and LM head kept in the file's quantized blocks (engine/cpu/quant_linear.py)
     quantization: str | None = None
     load_format: str = "safetensors"  # "dummy": random weights, no weight file read (benchmarks of big shapes)
-    # CUDA: before ready, a burst of dummy requests through every path a first burst takes (engine/core/warm_up.py)
+    # before ready, a burst of dummy requests through every path a first burst takes (engine/core/warm_up.py)
     warm_up: bool = True
     # speculative decoding (engine/core/speculation.py): "ngram" (prompt lookup), "draft" (a smaller model
     # with the target's vocabulary, `draft_model`, engine/core/draft_model.py) or None (off)

@@ -42,9 +42,9 @@ ENGINE_FLAG_HELP = {
     "kv_cache_bytes": "KV pool size on CPU, e.g. 536870912 or 512MiB",
     "num_kv_blocks": "force the number of KV blocks (overrides the memory budget)",
     "enforce_eager": "never capture or replay CUDA graphs",
-    "warm_up": "CUDA: before saying ready, run a burst of dummy requests through every path a first burst "
-               "takes, so it compiles, loads and allocates nothing later; --no-warm-up: ready once the graphs "
-               "are captured",
+    "warm_up": "before saying ready, run a burst of dummy requests through every path a first burst takes, "
+               "so it compiles, loads and allocates nothing later; --no-warm-up: ready once the model is "
+               "loaded (and the graphs captured)",
     "prefix_caching": "reuse the KV of a prompt's cached prefix (full blocks, hash chain + token check, "
                       "LRU eviction); --no-prefix-caching: compute every prompt in full",
     "overlap_rounds": "launch each CUDA-graph decode round before the host reads the previous one's tokens "

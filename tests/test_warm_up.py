@@ -1,6 +1,9 @@
-"""The warm-up burst a CUDA engine runs before it says ready (engine/core/warm_up.py), run here on the
+"""The warm-up burst an engine runs before it says ready (engine/core/warm_up.py), on a GPU and on the
 CPU: it goes through the real scheduler, runner and sampler, and leaves nothing a client could see:
-no request, no cached prefix, no counted token, and the same outputs as an engine that never ran it."""
+no request, no cached prefix, no counted token, and the same outputs as an engine that never ran it.
+What a first burst would otherwise wait for is done before ready: on a CPU, the grammar vocabulary
+(xgrammar's import and tables, seconds on two cores, which a background thread read after ready
+while the first clients' steps waited for the GIL)."""
 
 import pytest
 from tiny_models import make_tiny_model
@@ -39,6 +42,14 @@ def test_the_gpu_burst_covers_every_size_class_sampling_variant_and_a_cache_hit(
     assert sum(p.grammar is not None for p in params) == 1
     assert repeat in [p for p, _ in wave] and len(repeat) >= 16  # at least one full block to hit
     assert all(max(p) < 1000 for p, _ in wave)
+
+
+def test_a_cpu_engine_has_read_the_grammar_vocabulary_when_it_says_ready(model_dir):
+    config = EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=96, max_model_len=256)
+    core = EngineCore(config)
+    assert core.warmed_up and core.structured.compiler.vocabulary_loaded
+    cold = EngineCore(EngineConfig(**{**config.__dict__, "warm_up": False}))
+    assert not cold.warmed_up and not cold.structured.compiler.vocabulary_loaded
 
 
 def test_warm_up_leaves_no_trace_and_changes_no_output(model_dir):

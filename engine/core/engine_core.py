@@ -192,7 +192,8 @@ class EngineCore:
         logger.info("loaded %s (%s, %d layers) on %s in %s: %.1fs; KV pool %d blocks x %d tokens, max_model_len %d",
                     self.model_path, args.architecture, args.num_layers, self.device, str(self.dtype).split(".")[-1],
                     time.perf_counter() - started, num_blocks, config.block_size, self.max_model_len)
-        self.warmed_up = config.warm_up and self.device.type == "cuda"  # a CPU has nothing to compile or load
+        # on CPU too: the grammar vocabulary, the C kernels' first calls, the front ends' first requests
+        self.warmed_up = config.warm_up
         if self.warmed_up:
             warm_up(self)
 

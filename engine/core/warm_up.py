@@ -1,7 +1,8 @@
 """Warm-up before ready: a burst of dummy requests through the engine's own scheduler, runner and
 sampler, so that what a first burst of clients would compile, allocate or load (Triton variants,
 cuBLAS kernels loaded on first use, the caching allocator's pools, grammar matchers) is done before
-the server says ready. Then the engine forgets the burst: its prefix-cache entries and its counters.
+the server says ready; on a CPU, where nothing compiles, the grammar vocabulary and each path's
+first call. Then the engine forgets the burst: its prefix-cache entries and its counters.
 
 The burst mirrors a first level of traffic: prompts of every size class up to the prefill token
 budget and past it (chunked), a prefix-cache hit, decode rounds as the batch grows and shrinks, and
@@ -71,7 +72,7 @@ def warm_up(core, timeout: float = 300.0) -> float:
     cfg = core.config
     wave, repeat = burst(core.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.decode_chunk,
                          core.args.vocab_size, core.device.type == "cuda",
-                         grammar=core.tp.size == 1 and core.device.type == "cuda")
+                         grammar=core.tp.size == 1)
     for i, (prompt, params) in enumerate(wave):
         core.add_sequence(core.make_sequence(f"warm-up-{i}", prompt, params))
     _drain(core, started + timeout)

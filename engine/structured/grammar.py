@@ -172,6 +172,11 @@ class GrammarCompiler:
         self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()  # by spec, least recently used first
         self._compiled_bytes = 0
 
+    @property
+    def vocabulary_loaded(self) -> bool:
+        """Whether xgrammar's view of the vocabulary has been built (the first compile builds it)."""
+        return self._compiler is not None
+
     def warm(self) -> None:
         """Read the vocabulary now, in a worker thread, rather than on the first request (servers)."""
         self._pool.submit(self._xgr_compiler)
