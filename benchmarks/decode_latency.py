@@ -48,7 +48,7 @@ from workload import provenance, resolve_model  # noqa: E402
 # The A/B switches: --FLAG sets MODULE.NAME for the run (bool: on / off; int: the value); unset, the
 # shipped value stays.
 SWITCHES = {
-    "pdl-elementwise": ("graphserve.kernels._common", "PDL_ELEMENTWISE", bool, "PDL for the kernels between the projections too"),
+    "pdl-elementwise": ("graphserve.kernels.launch_settings", "PDL_ELEMENTWISE", bool, "PDL for the kernels between the projections too"),
     "fp8-weight-only-max-rows": ("graphserve.engine.models.fp8", "FP8_WEIGHT_ONLY_MAX_ROWS", int, "0: W8A8 from 2 rows"),
     "fp8-gemv-max-rows": ("graphserve.engine.models.layers", "FP8_GEMV_MAX_ROWS", int,
                           "0: batch 1 goes W8A8 through the norm's quantization and the skinny GEMM"),
@@ -283,7 +283,7 @@ def main() -> None:
                         help="also time the graph rows over this many GPUs (tensor parallelism), against one GPU")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/decode_latency.json"))
     parser.add_argument("--pdl", choices=["on", "off"], default="on",
-                        help="programmatic dependent launch of the Triton kernels (kernels/_common.py)")
+                        help="programmatic dependent launch of the Triton kernels (kernels/launch_settings.py)")
     parser.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
                         help="dummy: random weights made on the GPUs, no files (e.g. llama-3.1-70b over --tp 2)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
@@ -300,9 +300,9 @@ def main() -> None:
 
     from graphserve import LLM
     from graphserve.engine.models import fp8, layers
-    from graphserve.kernels import _common
+    from graphserve.kernels import launch_settings
 
-    _common.PDL = args.pdl == "on"
+    launch_settings.PDL = args.pdl == "on"
     for flag, (module, name, kind, _) in SWITCHES.items():
         value = getattr(args, flag.replace("-", "_"))
         if value is not None:

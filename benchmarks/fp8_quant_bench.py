@@ -26,7 +26,7 @@ def main() -> None:
     p.add_argument("--k", type=int, nargs="+", default=[4096, 14336])  # Llama-3.1-8B's o_proj and down_proj inputs
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    from graphserve.kernels._common import sm_count
+    from graphserve.kernels.launch_settings import sm_count
     from graphserve.kernels.fp8_quant import default_block_k, quantize_rows_fp8
 
     sms = sm_count(torch.device("cuda"))

@@ -66,7 +66,7 @@ def make_inputs(rows: int, n: int, k: int, norm: bool, bias: bool, copies: int, 
 def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles: list, fp8: bool = False,
                      pdl_settings: tuple[bool, ...] = (True,)) -> list[dict]:
     from graphserve.engine.models.fp8 import fp8_linear
-    from graphserve.kernels import _common
+    from graphserve.kernels import launch_settings
     from graphserve.kernels.activation import silu_and_mul
     from graphserve.kernels.gemv import gemv
     from graphserve.kernels.rmsnorm import fused_add_rms_norm
@@ -97,7 +97,7 @@ def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles:
     variants = [(baseline, None)] + [("gemv", t) for t in tiles]
     rows_out = []
     for pdl in pdl_settings:
-        _common.PDL = pdl
+        launch_settings.PDL = pdl
         for kind, tile in variants:
             fns = [unfused(i) if kind.startswith("unfused") else fused(i, tile) for i in range(copies)]
             try:
@@ -109,7 +109,7 @@ def bench_projection(model: str, proj: tuple, rows: int, copy_gbs: float, tiles:
                                  silu_mul=silu, weights="fp8" if fp8 else "bf16", pdl=pdl, kind=kind,
                                  tile=list(tile) if tile else None, us=ms * 1e3, gb_per_s=weight_bytes / ms / 1e6,
                                  fraction_of_copy=weight_bytes / ms / 1e6 / copy_gbs))
-    _common.PDL = True
+    launch_settings.PDL = True
     del weights, biases
     torch.cuda.empty_cache()
     return rows_out
@@ -156,7 +156,7 @@ def main() -> int:
 
 
 def bench_all(args, k_constexpr_max_k: int) -> list[dict]:
-    from graphserve.kernels._common import sm_count
+    from graphserve.kernels.launch_settings import sm_count
     from graphserve.kernels.gemv import GemvTile, default_gemv_tile
 
     copy = args.copy

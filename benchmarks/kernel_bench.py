@@ -69,7 +69,7 @@ def decode_inputs(batch: int, ctx: int, hq: int, hkv: int, head_dim: int, block_
 
 
 def bench_decode(case: tuple, block_size: int, rep: int, copy_gbs: float, sweep: bool) -> list[dict]:
-    from graphserve.kernels._common import sm_count
+    from graphserve.kernels.launch_settings import sm_count
     from graphserve.kernels.decode_attention import (
         DecodeTile,
         default_decode_tile,

@@ -60,7 +60,7 @@ def kernel_times(layer_call, copies: int, calls: int = 60) -> dict[str, float]:
 
 def bench_shape(name: str, tokens_list: list[int], copy_gbs: float, sweep_tokens: list[int],
                 profile: bool = False) -> list[dict]:
-    from graphserve.kernels._common import sm_count
+    from graphserve.kernels.launch_settings import sm_count
     from graphserve.kernels.moe import SMALL_BATCH_MAX_TOKENS, default_moe_tiles, fused_moe, route
     from graphserve.kernels.moe_gemv import GEMV_MAX_TOKENS
 
@@ -150,7 +150,7 @@ def sweep_pair(pair, candidates, time_pair, record, label: str, best: tuple):
 def sweep_gemv(tokens: int, layers, x, top_k: int, renormalize: bool, copies: int, record) -> None:
     """The decode path's tiles (kernels/moe_gemv.py): gate_up's with down's at their default, then
     down's beside the best gate_up; prints the best pair."""
-    from graphserve.kernels._common import sm_count
+    from graphserve.kernels.launch_settings import sm_count
     from graphserve.kernels.gemv import GemvTile
     from graphserve.kernels.moe_gemv import default_gemv_tiles, experts_gemv
     from graphserve.kernels.moe_route import route_fused

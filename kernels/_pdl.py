@@ -1,4 +1,4 @@
-"""The programmatic-dependent-launch handshake every PDL kernel makes (kernels/_common.PDL): wait for the
+"""The programmatic-dependent-launch handshake every PDL kernel makes (kernels/launch_settings.PDL): wait for the
 kernel before it, and let the kernel after it launch.
 
 A kernel reads before its wait only what no kernel still running can write: its weights, and (decode

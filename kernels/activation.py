@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels._common import use_pdl
+from graphserve.kernels.launch_settings import use_pdl
 from graphserve.kernels._pdl import wait_for_previous_kernel
 
 

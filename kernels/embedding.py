@@ -2,7 +2,7 @@
 
 torch's index_select is a kernel without programmatic dependent launch: the step's first layer
 cannot start (and prefetch its weights) until it completes. This one launches with PDL like the
-kernels around it (kernels/_common.PDL_ELEMENTWISE). Ids outside the table are the caller's to
+kernels around it (kernels/launch_settings.PDL_ELEMENTWISE). Ids outside the table are the caller's to
 rule out (the engine checks prompts against the vocabulary); here they are clamped, never read
 out of bounds.
 """
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels._common import use_pdl
+from graphserve.kernels.launch_settings import use_pdl
 from graphserve.kernels._pdl import wait_for_previous_kernel
 
 

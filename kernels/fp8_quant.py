@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels._common import sm_count, use_pdl
+from graphserve.kernels.launch_settings import sm_count, use_pdl
 from graphserve.kernels._pdl import wait_for_previous_kernel
 
 FP8 = torch.float8_e4m3fn

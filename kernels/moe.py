@@ -50,7 +50,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from graphserve.kernels._common import dot_precision, sm_count
+from graphserve.kernels.launch_settings import dot_precision, sm_count
 from graphserve.kernels.moe_align import moe_align
 from graphserve.kernels.moe_gemv import GEMV_MAX_TOKENS, default_gemv_tiles, experts_gemv
 from graphserve.kernels.moe_route import route_fused

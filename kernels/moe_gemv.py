@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels._common import use_pdl
+from graphserve.kernels.launch_settings import use_pdl
 from graphserve.kernels._pdl import wait_for_previous_kernel
 from graphserve.kernels.gemv import _X_PRESCALE, _Y_RESCALE, _weight_f32, GemvTile, default_gemv_tile
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels._common import use_pdl
+from graphserve.kernels.launch_settings import use_pdl
 from graphserve.kernels._pdl import wait_for_previous_kernel
 from graphserve.kernels.fp8_quant import INV_FP8_MAX, FP8, quantize_row_values
 from graphserve.kernels.skinny_gemm import SplitPartials, split_sum

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels._common import use_pdl
+from graphserve.kernels.launch_settings import use_pdl
 from graphserve.kernels._pdl import wait_for_previous_kernel
 from graphserve.kernels.bitmask import unpack_bitmask
 from graphserve.kernels._split_counters import last_to_arrive, split_counters

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from graphserve.kernels._common import dot_precision, sm_count, use_pdl
+from graphserve.kernels.launch_settings import dot_precision, sm_count, use_pdl
 from graphserve.kernels._pdl import wait_for_previous_kernel
 from graphserve.kernels.fp8_quant import AmaxedRows
 

@@ -143,7 +143,7 @@ def cases() -> dict[str, dict]:
         _argmax_partial_kernel, dict(CHUNK=1024, BLOCK=1024, MASKED=False, FUSED_MERGE=True, CHUNKS_PAD=256, PDL=True),
         {"part_max_ptr": "*fp32", "part_idx_ptr": "*i32", "part_sum_ptr": "*fp32", "part_lse_max_ptr": "*fp32",
          "counter_ptr": "*i32", "tokens_ptr": "*i64", "logprobs_ptr": "*fp32", "bitmask_ptr": "*i32"}, num_warps=4)
-    from graphserve.kernels.decode_step import _record_step_kernel, _step_inputs_kernel
+    from graphserve.kernels.step_bookkeeping import _record_step_kernel, _step_inputs_kernel
 
     step_ptrs = {"step_ptr": "*i64", "positions_ptr": "*i64", "slots_ptr": "*i64", "context_lens_ptr": "*i32",
                  "pos_out_ptr": "*i64", "slot_out_ptr": "*i64", "ctx_out_ptr": "*i32", "tokens_ptr": "*i64",

@@ -148,7 +148,7 @@ def eager_rounds_both_ways(llm, batch: int, seed: int, switch) -> list:
 @pytest.mark.parametrize("batch", [1, 17])
 def test_fused_step_bookkeeping_matches_the_torch_ops(llm, batch, monkeypatch):
     """engine/runner.FUSED_STEP_BOOKKEEPING: decode rounds whose steps read their inputs and record
-    their tokens through kernels/decode_step.py give the greedy tokens and logprobs of the same
+    their tokens through kernels/step_bookkeeping.py give the greedy tokens and logprobs of the same
     rounds through the torch ops (both eager: only the bookkeeping differs)."""
     from graphserve.engine.runner import model_runner as runner
 

@@ -1,5 +1,5 @@
 """The GPU-only code paths of our kernels compile for an H100/H200 (sm_90) on this CPU machine:
-programmatic dependent launch of the kernels between the projections (kernels/_common.PDL_ELEMENTWISE)
+programmatic dependent launch of the kernels between the projections (kernels/launch_settings.PDL_ELEMENTWISE)
 and of the skinny GEMM, decode attention's KV prefetch before its wait
 (kernels/decode_attention.PREFETCH_TILES), the last split finishing decode attention (FUSED_MERGE),
 and the GEMV's register use.
@@ -82,7 +82,7 @@ def test_the_last_chunk_of_a_row_picks_its_token_after_a_release(compiled):
 
 
 def test_record_step_advances_the_step_after_every_thread_read_it(compiled):
-    """kernels/decode_step._record_step_kernel: the step counter is the last store, after a CTA barrier
+    """kernels/step_bookkeeping._record_step_kernel: the step counter is the last store, after a CTA barrier
     (a warp still to read the old step must not see the new one)."""
     kernel = compiled["record_step"]
     assert kernel["last_line"]["bar.sync"] < kernel["last_line"]["st.global"]

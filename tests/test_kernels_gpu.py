@@ -532,7 +532,7 @@ def test_programmatic_dependent_launch_keeps_a_chain_of_kernels_in_order(prefetc
     (decode_attention.PREFETCH_TILES) it asks L2 for that row before its wait, and must still see the
     value the qkv kernel before it wrote. fused_merge: the attention's two splits merge in the last
     one to finish (decode_attention.FUSED_MERGE), before the o_proj GEMV reads the result."""
-    from graphserve.kernels import _common
+    from graphserve.kernels import launch_settings
 
     use_attention_prefetch(monkeypatch, prefetch_tiles)
     use_fused_merge(monkeypatch, fused_merge)
@@ -564,12 +564,12 @@ def test_programmatic_dependent_launch_keeps_a_chain_of_kernels_in_order(prefetc
             x = gemv(act, w["down"])[0]
         return x + res
 
-    _common.PDL = False
+    launch_settings.PDL = False
     try:
         expected = chain()
     finally:
-        _common.PDL = True
-    assert _common.use_pdl(torch.device(DEV)) == (torch.cuda.get_device_capability()[0] >= 9)
+        launch_settings.PDL = True
+    assert launch_settings.use_pdl(torch.device(DEV)) == (torch.cuda.get_device_capability()[0] >= 9)
     assert_graph_replays_give(chain, expected)
 
 
@@ -591,12 +591,12 @@ def assert_graph_replays_give(chain, expected: torch.Tensor) -> None:
 
 @pytest.mark.gpu
 def test_programmatic_dependent_launch_of_the_kernels_between_projections(monkeypatch):
-    """kernels/_common.PDL_ELEMENTWISE: a decoder-like chain at 8 rows (skinny GEMMs, W8A8 among
+    """kernels/launch_settings.PDL_ELEMENTWISE: a decoder-like chain at 8 rows (skinny GEMMs, W8A8 among
     them, with the RMSNorm, FP8 quantization, rotary + KV store and SiLU-and-mul kernels between
     them, and decode attention asking L2 for its KV before it waits) captured in a CUDA graph with
     every kernel launched with PDL gives bit for bit what it gives launched one by one without: each
     waits for the kernel before it."""
-    from graphserve.kernels import _common
+    from graphserve.kernels import launch_settings
     from graphserve.kernels.fp8_quant import quantize_rows_fp8
     from graphserve.kernels.rmsnorm import rms_norm_fp8
     from graphserve.kernels.skinny_gemm import skinny_gemm
@@ -638,10 +638,10 @@ def test_programmatic_dependent_launch_of_the_kernels_between_projections(monkey
             x = skinny_gemm(act, w["down"]) + side
         return x + res
 
-    monkeypatch.setattr(_common, "PDL", False)
+    monkeypatch.setattr(launch_settings, "PDL", False)
     expected = chain()  # (each layer writes the one slot it then reads: a rerun finds the caches as it needs)
-    monkeypatch.setattr(_common, "PDL", True)
-    monkeypatch.setattr(_common, "PDL_ELEMENTWISE", True)
+    monkeypatch.setattr(launch_settings, "PDL", True)
+    monkeypatch.setattr(launch_settings, "PDL_ELEMENTWISE", True)
     use_attention_prefetch(monkeypatch, 2)
-    assert _common.use_pdl(torch.device(DEV), elementwise=True) == (torch.cuda.get_device_capability()[0] >= 9)
+    assert launch_settings.use_pdl(torch.device(DEV), elementwise=True) == (torch.cuda.get_device_capability()[0] >= 9)
     assert_graph_replays_give(chain, expected)

@@ -22,11 +22,11 @@ from graphserve.engine.request import Sequence, TokenLogprob
 from graphserve.engine.runner.sampler import SamplingTensors, build_sampling_tensors, count_output_tokens, sample
 from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch
 from graphserve.engine.structured.grammar import StructuredOutputs
-from graphserve.kernels.decode_step import record_step, record_step_ref, step_inputs, step_inputs_ref
+from graphserve.kernels.step_bookkeeping import record_step, record_step_ref, step_inputs, step_inputs_ref
 
 
 # On CUDA, a decode step's bookkeeping (reading its row of the round's positions, slots and context
-# lengths; recording the sampled tokens and advancing) runs as kernels/decode_step.py's two kernels
+# lengths; recording the sampled tokens and advancing) runs as kernels/step_bookkeeping.py's two kernels
 # instead of their seven torch ops (step_inputs_ref, record_step_ref). H200, interleaved
 # (decode_latency.py --fused-step-bookkeeping on|off): Qwen2.5-0.5B batch 1 1,822-1,824 against
 # 1,788-1,791 tok/s, batch 8 +1.5%, Llama-3.1-8B batch 1 243.9 against 243.1-243.4.

@@ -181,6 +181,6 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
 
 def count_output_tokens(st: SamplingTensors, tokens: torch.Tensor) -> None:
     """Count a step's sampled `tokens` for the penalties, where asked (in place, on the device; the
-    output position advances with the step's record, kernels/decode_step.py)."""
+    output position advances with the step's record, kernels/step_bookkeeping.py)."""
     if st.output_counts is not None:
         st.output_counts.scatter_add_(1, tokens[:, None], torch.ones_like(tokens[:, None], dtype=torch.float32))

@@ -1,4 +1,4 @@
-"""Small host-side helpers shared by the kernel wrappers (shape/device facts only, never tensor values)."""
+"""How the kernels launch on a device (SM count, programmatic dependent launch, dot precision), and argument checks."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ context lengths, and after sampling writes the tokens and their logprobs into ro
 round's outputs, feeds the tokens back in and advances `step` and each row's output position. In
 torch that is three index_selects before and two index_copies, a copy and two adds after: seven
 small launches a step, none of which can overlap its neighbours. Here it is two, both launched with
-programmatic dependent launch (kernels/_common.PDL_ELEMENTWISE). step_inputs_ref and record_step_ref
+programmatic dependent launch (kernels/launch_settings.PDL_ELEMENTWISE). step_inputs_ref and record_step_ref
 are those torch ops, which the engine runs where the kernels do not apply.
 """
 
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels._common import use_pdl
+from graphserve.kernels.launch_settings import use_pdl
 from graphserve.kernels._pdl import wait_for_previous_kernel
 
 _BLOCK = 256  # rows a program covers at once (the record kernel's one program loops past it)

@@ -1,4 +1,6 @@
-"""kernels/decode_step.py: a decode step's bookkeeping in two kernels (engine/runner/model_runner.py's
+"""Tests of kernels/step_bookkeeping.py, a decode step's bookkeeping in two kernels.
+
+The two kernels (engine/runner/model_runner.py's
 FUSED_STEP_BOOKKEEPING) against what it must do and against the torch ops it replaces (its refs,
 the engine's path elsewhere), on the strided [K, B] views the CUDA graphs hand it (a batch bucket's
 columns of buffers sized for the largest one). In Triton's interpreter here; on CUDA in
@@ -9,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphserve.kernels.decode_step import record_step, record_step_ref, step_inputs, step_inputs_ref
+from graphserve.kernels.step_bookkeeping import record_step, record_step_ref, step_inputs, step_inputs_ref
 
 
 def bucket_views(k: int, batch: int, width: int, seed: int):
