@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.launch_settings import attention_output, check_kv_cache, dot_precision, sm_count, use_pdl
+from graphserve.kernels.arg_checks import attention_output, check_kv_cache
+from graphserve.kernels.launch_settings import dot_precision, sm_count, use_pdl
 from graphserve.kernels._pdl import wait_for_previous_kernel
 from graphserve.kernels._prefetch import prefetch_l2
 from graphserve.kernels._split_counters import last_to_arrive, split_counters

@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.launch_settings import rope_store_shapes, sm_count, use_pdl
+from graphserve.kernels.arg_checks import rope_store_shapes
+from graphserve.kernels.launch_settings import sm_count, use_pdl
 from graphserve.kernels._pdl import wait_for_previous_kernel
 
 

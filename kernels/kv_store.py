@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.launch_settings import check_kv_cache
+from graphserve.kernels.arg_checks import check_kv_cache
 
 
 @triton.jit

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.launch_settings import attention_output, check_kv_cache, dot_precision
+from graphserve.kernels.arg_checks import attention_output, check_kv_cache
+from graphserve.kernels.launch_settings import dot_precision
 
 _LOG2E = 1.4426950408889634
 

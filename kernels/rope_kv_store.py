@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.launch_settings import check_kv_cache, use_pdl
+from graphserve.kernels.arg_checks import check_kv_cache
+from graphserve.kernels.launch_settings import use_pdl
 from graphserve.kernels._pdl import wait_for_previous_kernel
 from graphserve.kernels.kv_store import store_kv_ref
 from graphserve.kernels.rotary import _head_norm, _rotate_heads, apply_rotary_ref
