@@ -180,7 +180,7 @@ def time_engine(llm, prompts, new_tokens: int, repeats: int = 2) -> EngineTiming
     idle is host time before the first batch and after the last."""
     from graphserve import SamplingParams
 
-    timeline = llm.engine.core.timeline
+    timeline = llm.engine.core.worker.timeline
 
     def run(n):
         batch = prompts()
@@ -371,20 +371,20 @@ def main() -> None:
             """The one-device engine's rows; returns the model's StepShape."""
             llm = LLM(path and str(path), device=args.device, **tp_engine)
             engine = llm.engine.core
-            graphs = engine.graphs
-            quant = quantization_label(quant_setting, engine.dtype)
-            if engine.graphs is None:  # CPU
+            graphs = engine.worker.graphs
+            quant = quantization_label(quant_setting, engine.worker.dtype)
+            if engine.worker.graphs is None:  # CPU
                 captures.append(dict(model=name, quantization=quant, prefix_caching=caching,
                                      engine_start_s=time.perf_counter() - started))
             else:
                 captures.append(dict(model=name, quantization=quant, prefix_caching=caching,
                                      engine_start_s=time.perf_counter() - started,
-                                     buckets=len(engine.graphs.buckets), largest_bucket=engine.graphs.max_bucket,
-                                     capture_s=engine.graphs.capture_seconds, capture_gib=engine.graphs.capture_gib))
+                                     buckets=len(engine.worker.graphs.buckets), largest_bucket=engine.worker.graphs.max_bucket,
+                                     capture_s=engine.worker.graphs.capture_seconds, capture_gib=engine.worker.graphs.capture_gib))
                 print(f"{name} ({quant}): engine start {captures[-1]['engine_start_s']:.1f}s, of which capturing "
-                      f"{len(engine.graphs.graphs)} CUDA graphs (buckets up to {engine.graphs.max_bucket}) "
-                      f"{engine.graphs.capture_seconds:.1f}s, {engine.graphs.capture_gib:.2f} GiB", flush=True)
-            shape = model_shape(engine.model)
+                      f"{len(engine.worker.graphs.graphs)} CUDA graphs (buckets up to {engine.worker.graphs.max_bucket}) "
+                      f"{engine.worker.graphs.capture_seconds:.1f}s, {engine.worker.graphs.capture_gib:.2f} GiB", flush=True)
+            shape = model_shape(engine.worker.model)
             for batch in args.batches:
                 prompts = fresh(batch)
                 engine.config.decode_chunk = args.k
@@ -395,10 +395,10 @@ def main() -> None:
                            quant, caching)
                     engine.config.overlap_rounds = True
                 if not args.no_eager:
-                    engine.graphs = None
+                    engine.worker.graphs = None
                     record(name, "eager", batch, args.k, time_engine(llm, prompts, args.new_tokens, repeats=1), shape,
                            quant, caching)
-                    engine.graphs = graphs
+                    engine.worker.graphs = graphs
                 ours = ((layers, "GEMV_MAX_ROWS"), (layers, "SKINNY_GEMM_MAX_ROWS"), (layers, "FP8_GEMV_MAX_ROWS"),
                         (layers, "FP8_GATE_UP_GEMV_MAX_ROWS"),
                         (fp8, "FP8_GEMM_MAX_ROWS"))  # every projection kernel of ours, bf16 and FP8

@@ -75,21 +75,21 @@ def main() -> None:
         torch.cuda.synchronize()
         return (time.perf_counter() - t) / n / K
 
-    graph_step = timed(lambda: engine.graphs.collect(engine.graphs.launch(rnd)))
-    eager_step = timed(lambda: engine.runner.decode(rnd), n=5)
+    graph_step = timed(lambda: engine.worker.graphs.collect(engine.worker.graphs.launch(rnd)))
+    eager_step = timed(lambda: engine.worker.runner.decode(rnd), n=5)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        engine.runner.decode(rnd)
+        engine.worker.runner.decode(rnd)
         torch.cuda.synchronize()
     # the same step as one CUDA graph replay: kernel time inside the graph vs the replay's span
-    entry = engine.graphs.graphs[(engine.graphs.bucket_for(args.batch), "greedy")]
+    entry = engine.worker.graphs.graphs[(engine.worker.graphs.bucket_for(args.batch), "greedy")]
     replays = 20
-    steps = engine.graphs.max_steps  # a replay reads step `step` of the round's [K, B] buffers
+    steps = engine.worker.graphs.max_steps  # a replay reads step `step` of the round's [K, B] buffers
 
     def replay(i: int) -> None:
         if i % steps == 0:
-            engine.graphs.step.zero_()
+            engine.worker.graphs.step.zero_()
         entry.graph.replay()
 
     with profile(activities=[ProfilerActivity.CUDA]) as graph_prof:
@@ -119,7 +119,7 @@ def main() -> None:
     # run slower, e.g. lower clocks?), then those rounds again
     long_replays = max(replays, int(21 * K * graph_step * 1e6 / replay_us))
     replay_long_us = replays_us(long_replays)
-    graph_step_again = timed(lambda: engine.graphs.collect(engine.graphs.launch(rnd)))
+    graph_step_again = timed(lambda: engine.worker.graphs.collect(engine.worker.graphs.launch(rnd)))
 
     kernels = {}
     for evt in prof.key_averages():

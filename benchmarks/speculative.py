@@ -27,7 +27,7 @@ On random bf16 weights the logits of a big model are flat enough that the verify
 another row count than plain decoding's) turns a near-tie the other way within the first tokens (the
 8B on an H200, 2026-12-05: same tokens 0/B, acceptance nil), so by default (--acceptance forced) the
 acceptance decisions themselves are forced for greedy rows: each draft is accepted with probability
-alpha as long as the ones before it were (speculation.accept_greedy replaced), the token after the
+alpha as long as the ones before it were (speculative_decoder.accept_greedy replaced), the token after the
 run is the target's. The device does the same work per step as with drafts that are right that
 often; the tokens are not the plain run's. --acceptance match compares drafts with the target.
 
@@ -156,7 +156,7 @@ class ForcedDraftModel(Drafter):
 
 
 def forced_acceptance(alpha: float, seed: int = 0):
-    """speculation.accept_greedy's stand-in: a leading run of drafts, each accepted with probability
+    """speculative_decoder.accept_greedy's stand-in: a leading run of drafts, each accepted with probability
     alpha, then the target's token after the run."""
     rng = random.Random(seed)
 
@@ -239,7 +239,7 @@ class PhaseTimer:
 def phase_breakdown(llm, prompts: list[list[int]], new_tokens: int, draft=None) -> dict[str, float]:
     """Milliseconds per speculating round of each phase (PhaseTimer), from one run."""
     from graphserve import SamplingParams
-    from graphserve.engine.core import speculation
+    from graphserve.engine.spec import speculative_decoder
 
     core = llm.engine.core
     timer = PhaseTimer()
@@ -258,10 +258,10 @@ def phase_breakdown(llm, prompts: list[list[int]], new_tokens: int, draft=None) 
             timer.wrap(draft.graphs, "launch", "  of which draft round launch", sync_after=False)
             timer.wrap(draft.graphs, "collect", "  of which draft round read",
                        wait_phase="  of which draft round device time after launch")
-    if core.graphs is not None:
-        timer.wrap(core.graphs, "verify_logits", "verify: inputs, copies, graph launch", sync_after=False)
-    timer.wrap(speculation, "greedy_targets", "argmax and read back", wait_phase="verify: device time after launch")
-    timer.wrap(speculation, "accept_greedy", "acceptance on the host")
+    if core.worker.graphs is not None:
+        timer.wrap(core.worker.graphs, "verify_logits", "verify: inputs, copies, graph launch", sync_after=False)
+    timer.wrap(speculative_decoder, "greedy_targets", "argmax and read back", wait_phase="verify: device time after launch")
+    timer.wrap(speculative_decoder, "accept_greedy", "acceptance on the host")
     try:
         sync()
         start = time.perf_counter()
@@ -316,7 +316,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from graphserve import LLM
-    from graphserve.engine.core import speculation
+    from graphserve.engine.spec import factory as spec_factory, speculative_decoder
 
     cuda = args.device != "cpu"
     bandwidth = copy_bandwidth()["gb_per_s"] if cuda else None
@@ -328,7 +328,7 @@ def main() -> None:
                                   new_tokens=args.new_tokens, decode_chunk=args.decode_chunk, repeats=args.repeats,
                                   drafter="ForcedDrafter: the plain run's greedy continuation, each token "
                                           "corrupted with probability 1 - alpha", rows=rows))
-    real_accept = speculation.accept_greedy
+    real_accept = speculative_decoder.accept_greedy
     for name in args.models:
         for quant in [None if q == "none" else q for q in dict.fromkeys(args.quantization)]:
             from random_models import CONFIGS, random_model_config
@@ -354,7 +354,7 @@ def main() -> None:
             print(f"{name} {label}: engine up in {time.perf_counter() - started:.1f}s, max_model_len "
                   f"{core.max_model_len}, {core.block_manager.num_blocks} KV blocks", flush=True)
             gen = torch.Generator().manual_seed(0)
-            vocab = core.runner.vocab_size
+            vocab = core.worker.runner.vocab_size
             for batch in args.batches:
                 prompts = torch.randint(100, min(30000, vocab), (batch, args.prompt_len), generator=gen).tolist()
                 spec.max_batch = 0  # off: the plain engine
@@ -369,7 +369,7 @@ def main() -> None:
                 if draft_drafter is not None:
                     arms += [(args.draft_k, args.draft_alpha, draft_drafter, None, variant) for variant in args.draft_arms]
                 if args.adaptive:  # the engine's own choice: rounds over its default batch do not speculate
-                    arms += [(args.draft_k, args.draft_alpha, None, speculation.default_max_batch(core.device), None)]
+                    arms += [(args.draft_k, args.draft_alpha, None, spec_factory.default_max_batch(core.device), None)]
                 for k, alpha, with_draft, max_batch, variant in arms:
                     spec.max_batch = max_batch  # None: every round speculates
                     spec.k = k
@@ -377,7 +377,7 @@ def main() -> None:
                     spec.drafter = forced if with_draft is None else ForcedDraftModel(with_draft, forced,
                                                                                       on_device=variant != "host")
                     if args.acceptance == "forced":
-                        speculation.accept_greedy = forced_acceptance(alpha, seed=batch * 100 + k)
+                        speculative_decoder.accept_greedy = forced_acceptance(alpha, seed=batch * 100 + k)
                     if with_draft is not None:
                         with_draft.k = k
                     before = core.stats()
@@ -386,7 +386,7 @@ def main() -> None:
                     verify_rows = after.spec_verify_rows - before.spec_verify_rows
                     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
                     same = sum(a == b for a, b in zip(tokens, plain_tokens))
-                    speculation.accept_greedy = real_accept
+                    speculative_decoder.accept_greedy = real_accept
                     rows.append(dict(model=name, quantization=label, batch=batch, k=k, alpha=alpha,
                                      ms_per_step=step_s * 1e3, tokens_per_s=batch / step_s,
                                      speedup=plain_s / step_s, acceptance=args.acceptance,
@@ -413,9 +413,9 @@ def main() -> None:
                         spec.k = k
                         forced = ForcedDrafter(continuations, args.prompt_len, alpha, vocab, seed=batch)
                         spec.drafter = forced if with_draft is None else ForcedDraftModel(with_draft, forced)
-                        speculation.accept_greedy = forced_acceptance(alpha, seed=batch)
+                        speculative_decoder.accept_greedy = forced_acceptance(alpha, seed=batch)
                         phases = phase_breakdown(llm, prompts, args.new_tokens, with_draft)
-                        speculation.accept_greedy = real_accept
+                        speculative_decoder.accept_greedy = real_accept
                         rows.append(dict(model=name, quantization=label, batch=batch, k=k, alpha=alpha,
                                          breakdown_ms=phases, drafter="forced" if with_draft is None
                                          else draft_label))

@@ -15,7 +15,7 @@ class EngineConfig:
     model: str | None = None  # local HF folder; None = the embedded default model
     device: str = "auto"  # auto | cpu | cuda
     # auto | float32 | bfloat16 | float16 (auto: the checkpoint's on CUDA; float32 on CPU, but a GGUF model's
-    # quantized blocks there: engine_core.resolve_quantization)
+    # quantized blocks there: runner/device_setup.resolve_quantization)
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the KV pool
     max_num_seqs: int = 32
@@ -43,13 +43,13 @@ class EngineConfig:
     load_format: str = "safetensors"  # "dummy": random weights, no weight file read (benchmarks of big shapes)
     # before ready, a burst of dummy requests through every path a first burst takes (engine/core/warm_up.py)
     warm_up: bool = True
-    # speculative decoding (engine/core/speculation.py): "ngram" (prompt lookup), "draft" (a smaller model
-    # with the target's vocabulary, `draft_model`, engine/core/draft_model.py) or None (off)
+    # speculative decoding (engine/spec/speculative_decoder.py): "ngram" (prompt lookup), "draft" (a smaller model
+    # with the target's vocabulary, `draft_model`, engine/spec/draft_model.py) or None (off)
     speculative_method: str | None = None
     draft_model: str | None = None
     draft_quantization: str | None = None  # "fp8": the draft model's projections in FP8; None: the target's setting
     num_speculative_tokens: int = 4  # k: drafts verified per sequence and step
-    # decode rounds of more sequences do not speculate (None: the device's default, speculation.default_max_batch)
+    # decode rounds of more sequences do not speculate (None: the device's default, spec/factory.default_max_batch)
     speculative_max_batch: int | None = None
 
     @classmethod

@@ -40,7 +40,7 @@ class LLMEngine:
 
     @property
     def runner(self):
-        return self.core.runner
+        return self.core.worker.runner
 
     def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate; raises InvalidRequestError before anything is queued."""

@@ -25,7 +25,7 @@ class EngineStats:
     generation_tokens: int = 0
     graph_replays: dict[int, int] = field(default_factory=dict)  # batch bucket -> decode steps replayed
     eager_rounds: dict[str, int] = field(default_factory=dict)  # reason -> decode rounds run eagerly
-    # speculative decoding (engine/core/speculation.py): mean accepted length = 1 + accepted / verify rows
+    # speculative decoding (engine/spec/speculative_decoder.py): mean accepted length = 1 + accepted / verify rows
     spec_verify_rows: int = 0  # sequences verified with at least one draft (one per sequence and verify step)
     spec_draft_tokens: int = 0  # draft tokens verified
     spec_accepted_tokens: int = 0  # of them, accepted

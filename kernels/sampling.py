@@ -10,7 +10,7 @@ torch.argmax.
 
 With a grammar's token bitmask ([B, ceil(V/32)] int32, bit j of word w allows token 32w + j), the
 argmax is taken over the allowed tokens only, while the log-probability stays the model's own
-(the log-sum-exp runs over every token), as the torch path of engine/runner/sampler.py does.
+(the log-sum-exp runs over every token), as the torch path of engine/sample/sampler.py does.
 """
 
 from __future__ import annotations

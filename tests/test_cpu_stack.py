@@ -22,7 +22,7 @@ def decode_step_outputs(llm: LLM, batch: int, stack: bool) -> tuple[torch.Tensor
     """Prefill `batch` prompts, then one decode step through the model: (hidden states, the K and V
     each layer wrote at the step's slots), with the stack on or off."""
     core = llm.engine.core
-    model = core.model
+    model = core.worker.model
     kept = model.cpu_stack
     model.cpu_stack = kept if stack else None
     try:
@@ -58,7 +58,7 @@ def tiny_llm(request, tmp_path_factory) -> LLM:
 
 @pytest.mark.parametrize("batch", [1, 3, 17])
 def test_the_stack_equals_the_per_layer_path_on_float32_panels(tiny_llm, batch):
-    assert tiny_llm.engine.core.model.cpu_stack is not None
+    assert tiny_llm.engine.core.worker.model.cpu_stack is not None
     with_stack, k_with = decode_step_outputs(tiny_llm, batch, stack=True)
     without, k_without = decode_step_outputs(tiny_llm, batch, stack=False)
     assert with_stack.shape == (batch, 128)
@@ -73,7 +73,7 @@ def embedded_llm() -> LLM:
 
 @pytest.mark.parametrize("batch", [1, 5])
 def test_the_stack_equals_the_per_layer_path_on_quantized_blocks(embedded_llm, batch):
-    assert embedded_llm.engine.core.quantization == "gguf" and embedded_llm.engine.core.model.cpu_stack is not None
+    assert embedded_llm.engine.core.worker.quantization == "gguf" and embedded_llm.engine.core.worker.model.cpu_stack is not None
     with_stack, k_with = decode_step_outputs(embedded_llm, batch, stack=True)
     without, k_without = decode_step_outputs(embedded_llm, batch, stack=False)
     assert torch.equal(with_stack, without)
@@ -81,7 +81,7 @@ def test_the_stack_equals_the_per_layer_path_on_quantized_blocks(embedded_llm, b
 
 
 def test_greedy_tokens_do_not_change_with_the_stack(embedded_llm):
-    model = embedded_llm.engine.core.model
+    model = embedded_llm.engine.core.worker.model
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     prompts = ["The capital of France is", "Once upon a time"]
     with_stack = embedded_llm.generate(prompts, params)
@@ -98,5 +98,5 @@ def test_greedy_tokens_do_not_change_with_the_stack(embedded_llm):
 def test_models_it_cannot_take_keep_the_per_layer_path(variant, tmp_path):
     path = make_tiny_model(tmp_path / "m", variant, seed=1)
     llm = LLM(str(path), device="cpu", num_kv_blocks=32, max_model_len=128)
-    assert llm.engine.core.model.cpu_stack is None
+    assert llm.engine.core.worker.model.cpu_stack is None
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0))[0].token_ids) >= 1

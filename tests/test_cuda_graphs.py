@@ -37,10 +37,10 @@ def model_dir(tmp_path_factory):
 
 def _with_static_decoder(llm: LLM) -> LLM:
     engine = llm.engine.core
-    engine.graphs = GraphDecoder(engine.runner, max_batch=8, max_steps=engine.config.decode_chunk,
+    engine.worker.graphs = GraphDecoder(engine.worker.runner, max_batch=8, max_steps=engine.config.decode_chunk,
                                  table_width=-(-engine.max_model_len // engine.config.block_size),
                                  use_cuda_graphs=engine.device.type == "cuda")
-    engine.graphs.capture(progress=False)
+    engine.worker.graphs.capture(progress=False)
     return llm
 
 

@@ -58,7 +58,7 @@ def test_the_default_serves_the_files_blocks_and_no_batch_mate_moves_a_requests_
     last-bit difference into another token now and then: so a request's numbers must be bit for
     bit the same alone, together, and with its decodes riding along others' prefill chunks."""
     llm = LLM(device="cpu", max_num_batched_tokens=7, max_num_seqs=3)
-    assert llm.engine.core.quantization == "gguf"
+    assert llm.engine.core.worker.quantization == "gguf"
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=1, ignore_eos=True)
 
     def logprobs(prompts: list[str]) -> list[list[float]]:

@@ -108,20 +108,20 @@ def test_decodes_riding_along_prefill_steps_keep_their_tokens(model_dir, hf_gree
     core = llm.engine.core
     assert core.scheduler.mix_decodes
     seen = []
-    run = core.runner.prefill
+    run = core.worker.runner.prefill
 
     def spy(batch, **kw):
         seen.append(batch.num_decodes)
         return run(batch, **kw)
 
-    core.runner.prefill = spy
+    core.worker.runner.prefill = spy
     try:
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hf_greedy
         assert core.stats().prompt_tokens == sum(map(len, PROMPTS))  # the riders' tokens are not prompt tokens
         sampled = SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True)
         with_riders = [o.token_ids for o in llm.generate(PROMPTS, sampled)]
     finally:
-        core.runner.prefill = run
+        core.worker.runner.prefill = run
     assert max(seen) > 0  # decodes did ride along
     core.scheduler.mix_decodes = False
     assert [o.token_ids for o in llm.generate(PROMPTS, sampled)] == with_riders
@@ -201,7 +201,7 @@ def _next_token_logits(engine, prompt):
     meta = AttentionMetadata(True, torch.arange(16, 16 + n), torch.tensor([[1, 2, 3, 4]], dtype=torch.int32),
                              torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), n, [n], [n])
     with torch.no_grad():
-        return engine.model.compute_logits(engine.model(torch.tensor(prompt), torch.arange(n), meta, kv))[-1]
+        return engine.worker.model.compute_logits(engine.worker.model(torch.tensor(prompt), torch.arange(n), meta, kv))[-1]
 
 
 def test_stop_token_ids_and_eos(llm, hf_greedy):

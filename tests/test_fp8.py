@@ -83,7 +83,7 @@ def test_quantization_fp8_serves_close_to_the_unquantized_model(tiny):
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
     plain = LLM(str(tiny), device="cpu", num_kv_blocks=32, max_model_len=128, prefix_caching=False)
     fp8 = LLM(str(tiny), device="cpu", num_kv_blocks=32, max_model_len=128, prefix_caching=False, quantization="fp8")
-    layer = fp8.engine.core.model.layers[0]
+    layer = fp8.engine.core.worker.model.layers[0]
     assert layer.self_attn.qkv_proj.weight.dtype == FP8 and layer.mlp.down_proj.weight_scale.min() > 0
     agree = total = 0
     for want, got in zip(plain.generate(PROMPTS, params), fp8.generate(PROMPTS, params)):
@@ -108,7 +108,7 @@ def _write_compressed_tensors(src, dst, strategy: str) -> dict[str, torch.Tensor
 def test_a_compressed_tensors_fp8_checkpoint_loads_as_written(tiny, tmp_path, strategy):
     quantized = _write_compressed_tensors(tiny, tmp_path / strategy, strategy)
     llm = LLM(str(tmp_path / strategy), device="cpu", num_kv_blocks=32, max_model_len=128)
-    model = llm.engine.core.model
+    model = llm.engine.core.worker.model
     qkv = model.layers[1].self_attn.qkv_proj
     q_rows = quantized["model.layers.1.self_attn.q_proj.weight"].shape[0]
     assert qkv.weight.dtype == FP8
@@ -171,7 +171,7 @@ def test_an_fp8_engine_decodes_through_the_cuda_graphs():
                   prefix_caching=False, cuda_graph_max_batch=8)
     bf16 = [o.prompt_logprobs[1:] for o in LLM(path, **engine).generate(prompts, logprobs)]
     llm = LLM(path, quantization="fp8", **engine)
-    assert llm.engine.core.model.layers[0].mlp.gate_up_proj.weight.dtype == FP8
+    assert llm.engine.core.worker.model.layers[0].mlp.gate_up_proj.weight.dtype == FP8
     out = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     assert all(len(o.token_ids) == 24 for o in out) and sum(llm.engine.stats().graph_replays.values()) > 0
     fp8 = [o.prompt_logprobs[1:] for o in llm.generate(prompts, logprobs)]

@@ -150,7 +150,7 @@ def test_quantized_and_float32_paths_agree_on_most_positions(tiny) -> None:
     and none far from it; wrong blocks, scales or layout move them all."""
     variant, _, reference, path = tiny
     llm = LLM(model=str(path), device="cpu", dtype="float32", quantization="gguf", kv_cache_bytes=16 * 1024**2)
-    model = llm.engine.core.model
+    model = llm.engine.core.worker.model
     projections = [m for m in model.layers.modules() if isinstance(m, Linear)]
     assert projections and all(isinstance(m.packed, tuple) for m in projections)
     assert all(m.weight.stride() == (0, 0) for m in projections)  # the float32 weight is gone
@@ -177,11 +177,11 @@ def test_a_gguf_model_on_a_cpu_serves_its_blocks_unless_float32_is_asked_for(tin
     _, _, _, path = tiny
     folder = ensure_gguf_model(path, progress=False)
     for model in (path, folder):
-        assert LLM(model=str(model), device="cpu", kv_cache_bytes=16 * 1024**2).engine.core.quantization == "gguf"
+        assert LLM(model=str(model), device="cpu", kv_cache_bytes=16 * 1024**2).engine.core.worker.quantization == "gguf"
     assert LLM(model=str(path), device="cpu", dtype="float32",
-               kv_cache_bytes=16 * 1024**2).engine.core.quantization is None
+               kv_cache_bytes=16 * 1024**2).engine.core.worker.quantization is None
     hf_folder = make_tiny_model(tmp_path / "hf", "llama")
-    assert LLM(model=str(hf_folder), device="cpu", kv_cache_bytes=16 * 1024**2).engine.core.quantization is None
+    assert LLM(model=str(hf_folder), device="cpu", kv_cache_bytes=16 * 1024**2).engine.core.worker.quantization is None
 
 
 def test_loading_the_blocks_reads_no_float_weight_of_a_projection_they_serve(tiny, monkeypatch) -> None:
@@ -193,7 +193,7 @@ def test_loading_the_blocks_reads_no_float_weight_of_a_projection_they_serve(tin
     reads, read = [], loader.read_tensor
     monkeypatch.setattr(loader, "read_tensor", lambda f, name, rows, cols: reads.append(name) or read(f, name, rows, cols))
     llm = LLM(model=str(path), device="cpu", kv_cache_bytes=16 * 1024**2)
-    assert llm.engine.core.quantization == "gguf"
+    assert llm.engine.core.worker.quantization == "gguf"
     assert reads and not [name for name in reads if name.endswith("_proj.weight")]
     assert "model.embed_tokens.weight" in reads
 
@@ -215,7 +215,7 @@ def test_a_later_start_reads_the_packed_projections_and_a_changed_file_is_packed
         packed, pack = [], ql.pack_quantized
         monkeypatch.setattr(ql, "pack_quantized", lambda *a: packed.append(a[1]) or pack(*a))
         llm = LLM(model=str(path), device="cpu", kv_cache_bytes=16 * 1024**2)
-        assert llm.engine.core.quantization == "gguf"
+        assert llm.engine.core.worker.quantization == "gguf"
         return llm.generate(prompt, params)[0].token_ids, len(packed)
 
     tokens, packs = start_and_generate()

@@ -131,7 +131,7 @@ def eager_rounds_both_ways(llm, batch: int, seed: int, switch) -> list:
                for n in torch.randint(8, 200, (batch,), generator=gen)]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=0)
     caching, engine.block_manager.prefix_caching = engine.block_manager.prefix_caching, False
-    graphs, engine.graphs = engine.graphs, None
+    graphs, engine.worker.graphs = engine.worker.graphs, None
     try:
         runs = []
         for on in (False, True):
@@ -139,7 +139,7 @@ def eager_rounds_both_ways(llm, batch: int, seed: int, switch) -> list:
             outs = llm.generate(prompts, params)
             runs.append(([o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]))
     finally:
-        engine.graphs = graphs
+        engine.worker.graphs = graphs
         engine.block_manager.prefix_caching = caching
     assert all(len(tokens) == 64 for tokens in runs[0][0])
     return runs
@@ -186,7 +186,7 @@ def test_graph_path_matches_eager_path(llm, batch):
     from graphserve import SamplingParams
 
     engine = llm.engine.core
-    assert engine.graphs is not None
+    assert engine.worker.graphs is not None
     gen = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(100, 30000, (int(n),), generator=gen).tolist()
                for n in torch.randint(8, 200, (batch,), generator=gen)]
@@ -197,14 +197,14 @@ def test_graph_path_matches_eager_path(llm, batch):
     try:
         with_graphs = [o.token_ids for o in llm.generate(prompts, params)]
         after = engine.stats().graph_replays
-        graphs, engine.graphs = engine.graphs, None
+        graphs, engine.worker.graphs = engine.worker.graphs, None
         try:
             eager = [o.token_ids for o in llm.generate(prompts, params)]
         finally:
-            engine.graphs = graphs
+            engine.worker.graphs = graphs
     finally:
         engine.block_manager.prefix_caching = caching
-    assert after.get(engine.graphs.bucket_for(batch), 0) > before.get(engine.graphs.bucket_for(batch), 0)
+    assert after.get(engine.worker.graphs.bucket_for(batch), 0) > before.get(engine.worker.graphs.bucket_for(batch), 0)
     assert with_graphs == eager
     assert engine.block_manager.num_free_blocks == free_before
 
@@ -220,7 +220,7 @@ def test_prefill_graphs_match_eager_prefill(llm, lengths):
     from graphserve import SamplingParams
 
     engine = llm.engine.core
-    graphs = engine.runner.prefill_graphs
+    graphs = engine.worker.runner.prefill_graphs
     assert graphs is not None
     replay_errors = []
     run = graphs.run
@@ -244,12 +244,12 @@ def test_prefill_graphs_match_eager_prefill(llm, lengths):
     finally:
         del graphs.run
     assert engine.stats().prefill_graph_steps == before + 2
-    engine.runner.prefill_graphs = None
+    engine.worker.runner.prefill_graphs = None
     try:
         eager_first = llm.generate(prompts, first)
         eager_tokens = [o.token_ids for o in llm.generate(prompts, greedy)]
     finally:
-        engine.runner.prefill_graphs = graphs
+        engine.worker.runner.prefill_graphs = graphs
     worst = 0.0
     for g, e in zip(graph_first, eager_first):
         assert g.token_ids == e.token_ids
@@ -299,11 +299,11 @@ def test_constrained_rows_replay_masked_graphs(llm):
     if outs[4].finish_reason == "stop":  # strict=False: xgrammar lets control characters into strings
         assert isinstance(json.loads(outs[4].text, strict=False), dict)
     assert engine.stats().decode_rounds_ahead > ahead_before  # grammar rows do not stop the overlap
-    graphs, engine.graphs = engine.graphs, None
+    graphs, engine.worker.graphs = engine.worker.graphs, None
     try:
         eager = llm.generate(prompts, params)  # each mask computed between the steps, synchronously
     finally:
-        engine.graphs = graphs
+        engine.worker.graphs = graphs
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
     assert engine.stats().grammar_requests == 0
 

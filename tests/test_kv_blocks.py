@@ -38,7 +38,7 @@ def run(llm: LLM, prompt: list[int], params: SamplingParams, max_steps: int = 20
 def kv_bytes(llm: LLM) -> int:
     """The memory the KV pool holds: its tensors' storage (the layers' K and V are views of it)."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for pair in llm.engine.core.kv_caches for t in pair}
+                for pair in llm.engine.core.worker.kv_caches for t in pair}
     return sum(storages.values())
 
 
@@ -69,7 +69,7 @@ def test_kv_cache_bytes_sets_the_pool_to_as_many_blocks_as_fit(model_dir):
     measured = make_llm(model_dir, num_kv_blocks=8)
     per_block = kv_bytes(measured) // 8
     core = measured.engine.core
-    args, element = core.model.kv_args, torch.empty((), dtype=core.dtype).element_size()
+    args, element = core.worker.model.kv_args, torch.empty((), dtype=core.worker.dtype).element_size()
     assert per_block == 2 * args.num_layers * BS * args.num_kv_heads * args.head_dim * element
     for budget in (20 * per_block, 20 * per_block + per_block // 2, 21 * per_block - 1):
         llm = make_llm(model_dir, kv_cache_bytes=budget)

@@ -80,7 +80,7 @@ def test_greedy_on_cuda_matches_transformers(model_dir, hf_greedy, enforce_eager
               num_kv_blocks=64, enforce_eager=enforce_eager)
     try:
         engine = llm.engine.core
-        assert (engine.graphs is None) == enforce_eager
+        assert (engine.worker.graphs is None) == enforce_eager
         outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         alone = llm.generate([PROMPTS[1]], GREEDY)[0].token_ids
         replays = sum(engine.stats().graph_replays.values())
@@ -107,7 +107,7 @@ def test_fp8_experts_on_cuda_decode_greedy_through_the_cuda_graphs(model_dir):
     llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", quantization="fp8", max_num_seqs=8,
               max_num_batched_tokens=64, num_kv_blocks=64, prefix_caching=False)
     try:
-        mlp = llm.engine.core.model.layers[0].mlp
+        mlp = llm.engine.core.worker.model.layers[0].mlp
         assert mlp.gate_up_proj.dtype == mlp.down_proj.dtype == FP8 and mlp.router.weight.dtype == torch.bfloat16
         outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         again = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]

@@ -58,12 +58,12 @@ def round_trip_copy(src: Path, dst: Path) -> Path:
 def test_quantization_fp8_gives_the_greedy_tokens_of_the_fp8_round_trip(model_dir, tmp_path):
     llm = LLM(str(model_dir), device="cpu", num_kv_blocks=64, max_num_batched_tokens=32, decode_chunk=2,
               quantization="fp8")
-    mlp = llm.engine.core.model.layers[1].mlp
+    mlp = llm.engine.core.worker.model.layers[1].mlp
     experts, inter = mlp.moe.num_experts, mlp.moe.expert_intermediate_size
     assert mlp.gate_up_proj.dtype == mlp.down_proj.dtype == FP8
     assert mlp.gate_up_scale.shape == (experts, 2 * inter) and mlp.down_scale.shape == (experts, 64)
     assert mlp.gate_up_scale.dtype == torch.float32 and mlp.gate_up_scale.min() > 0
-    assert llm.engine.core.model.layers[0].self_attn.o_proj.weight.dtype == FP8
+    assert llm.engine.core.worker.model.layers[0].self_attn.o_proj.weight.dtype == FP8
     router = next(t for name, t in load_file(str(model_dir / "model.safetensors")).items()
                   if ROUTER.search(name) and ".layers.1." in name)
     assert torch.equal(mlp.router.weight, router), "the router stays in the model's dtype, unquantized"
@@ -103,7 +103,7 @@ def expert_tensor(arch_names: dict, layer: int, expert: int, proj: str) -> str:
 def test_a_compressed_tensors_fp8_moe_checkpoint_loads_as_written(model_dir, tmp_path, strategy):
     written = write_fp8_checkpoint(model_dir, tmp_path / strategy, strategy)
     llm = LLM(str(tmp_path / strategy), device="cpu", num_kv_blocks=64, max_num_batched_tokens=32, decode_chunk=2)
-    mlp = llm.engine.core.model.layers[1].mlp
+    mlp = llm.engine.core.worker.model.layers[1].mlp
     inter = mlp.moe.expert_intermediate_size
     for expert in (0, mlp.moe.num_experts - 1):
         up, down = (expert_tensor(written, 1, expert, p) for p in ("up", "down"))

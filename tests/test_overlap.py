@@ -31,10 +31,10 @@ def make_llm(model_dir, mode: str, **kw) -> LLM:
     llm = LLM(str(model_dir), device="cpu", decode_chunk=K, overlap_rounds=mode == "overlap", **kw)
     if mode != "eager":
         engine = llm.engine.core
-        engine.graphs = GraphDecoder(engine.runner, max_batch=8, max_steps=K,
+        engine.worker.graphs = GraphDecoder(engine.worker.runner, max_batch=8, max_steps=K,
                                      table_width=-(-engine.max_model_len // engine.config.block_size),
                                      use_cuda_graphs=False)
-        engine.graphs.capture(progress=False)
+        engine.worker.graphs.capture(progress=False)
     return llm
 
 

@@ -32,9 +32,9 @@ def make_llm(model_dir, graphs: int, **kw) -> LLM:
     llm = LLM(str(model_dir), device="cpu", block_size=BS, **kw)
     core = llm.engine.core
     if graphs:
-        core.runner.prefill_graphs = PrefillGraphs(core.model, core.kv_caches, BS, graphs, 8,
+        core.worker.runner.prefill_graphs = PrefillGraphs(core.worker.model, core.worker.kv_caches, BS, graphs, 8,
                                                    -(-core.max_model_len // BS), core.device)
-        core.runner.prefill_graphs.capture(progress=False)
+        core.worker.runner.prefill_graphs.capture(progress=False)
     return llm
 
 
@@ -63,7 +63,7 @@ def test_prefill_inputs_pack_each_chunk_at_its_position():
 
 
 def test_a_batch_takes_the_smallest_bucket_that_holds_its_tokens_and_sequences(model_dir):
-    graphs = make_llm(model_dir, graphs=64).engine.core.runner.prefill_graphs
+    graphs = make_llm(model_dir, graphs=64).engine.core.worker.runner.prefill_graphs
     assert graphs.bucket_for(3, 1) == 16
     assert graphs.bucket_for(16, 1) == 16
     assert graphs.bucket_for(20, 2) == 32
@@ -81,7 +81,7 @@ def test_static_prefill_path_gives_the_eager_tokens(model_dir, params, caching):
     static = make_llm(model_dir, graphs=64, prefix_caching=caching)
     want = tokens(eager, PROMPTS[:1], params) + tokens(eager, PROMPTS[1:], params)
     assert tokens(static, PROMPTS[:1], params) + tokens(static, PROMPTS[1:], params) == want
-    runner = static.engine.core.runner
+    runner = static.engine.core.worker.runner
     assert runner.num_graph_prefills > 0
     assert static.engine.stats().prefill_graph_steps == runner.num_graph_prefills
     # 54-56 tokens each: the first prompt alone fits the 64 bucket, five together do not;
@@ -106,7 +106,7 @@ def test_prompt_logprobs_take_the_eager_path(model_dir):
     want = eager.generate([PROMPTS[0][:20]], params)[0]
     got = static.generate([PROMPTS[0][:20]], params)[0]
     assert got.token_ids == want.token_ids and got.prompt_logprobs == want.prompt_logprobs
-    assert static.engine.core.runner.num_graph_prefills == 0
+    assert static.engine.core.worker.runner.num_graph_prefills == 0
 
 
 def two_running_requests(blocks) -> tuple[Sequence, Sequence]:
@@ -151,7 +151,7 @@ def test_a_prefill_overtakes_running_rounds_only_into_blocks_they_cannot_write(m
     core.config.prefill_ahead = False  # switched off
     assert not core._may_overtake(batch(again))
     core.config.prefill_ahead = True
-    core.runner.prefill_graphs = None  # only prefill graphs overtake
+    core.worker.runner.prefill_graphs = None  # only prefill graphs overtake
     assert not core._may_overtake(batch(again))
 
 
@@ -192,7 +192,7 @@ def run_arrivals_on_cuda(model_dir, kind: str, arrive: str, seed: int, overtake:
               decode_chunk=chunk, max_num_seqs=4, prefill_ahead=True)
     core = llm.engine.core
     decisions = []
-    prefill, waiting, is_done, looks = core.runner.prefill, [False], core.graphs.is_done, {}
+    prefill, waiting, is_done, looks = core.worker.runner.prefill, [False], core.worker.graphs.is_done, {}
 
     def record(batch, overtake=False):
         decisions.append((core._rounds_completed < core.block_manager.rounds_launched, overtake, waiting[0]))
@@ -203,8 +203,8 @@ def run_arrivals_on_cuda(model_dir, kind: str, arrive: str, seed: int, overtake:
         return looks[id(handle)] > WAIT_LOOKS and is_done(handle)
 
     overtake_allowed = overtake
-    core.runner.prefill = record
-    core.graphs.is_done = slow_is_done
+    core.worker.runner.prefill = record
+    core.worker.graphs.is_done = slow_is_done
     seen, pending, ended = {}, list(range(len(lengths))), [None] * 3
 
     def take(outputs):
@@ -286,16 +286,16 @@ def test_newcomers_are_prefilled_while_the_core_waits_for_a_round(model_dir, pre
     params = [SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=n, ignore_eos=True) for n in lengths]
     want = [o.token_ids for o in make_llm(model_dir, graphs=0).generate(prompts, params)]
     core = make_llm(model_dir, graphs=64, decode_chunk=4, max_num_seqs=4, prefill_ahead=prefill_ahead).engine.core
-    core.graphs = GraphDecoder(core.runner, max_batch=4, max_steps=4, table_width=-(-core.max_model_len // BS),
+    core.worker.graphs = GraphDecoder(core.worker.runner, max_batch=4, max_steps=4, table_width=-(-core.max_model_len // BS),
                                use_cuda_graphs=False)
-    core.graphs.capture(progress=False)
+    core.worker.graphs.capture(progress=False)
     polls: dict[int, int] = {}
 
     def is_done(handle) -> bool:  # each round runs through three looks
         polls[id(handle)] = polls.get(id(handle), 0) + 1
         return polls[id(handle)] > 3
 
-    core.graphs.is_done = is_done
+    core.worker.graphs.is_done = is_done
     seen, pending, ended, handed = {}, list(range(len(lengths))), [None] * 3, []
 
     def take(outputs, where):

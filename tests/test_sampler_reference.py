@@ -1,4 +1,4 @@
-"""The sampler's logit processors (engine/runner/sampler.py) on random logits, against what they
+"""The sampler's logit processors (engine/sample/sampler.py) on random logits, against what they
 promise: repetition_penalty exactly as transformers' RepetitionPenaltyLogitsProcessor (a seen
 token's positive logit divided, its negative logit multiplied: less likely either way), and
 min_tokens held per request beside a grammar (it yields only where the grammar allows nothing but
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphserve.engine.runner.sampler import SamplingTensors, apply_processors, sample
+from graphserve.engine.sample.sampler import SamplingTensors, apply_processors, sample
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (speculative_method "draft", engine/core/draft_model.py): a
+"""Speculative decoding with a draft model (speculative_method "draft", engine/spec/draft_model.py): a
 smaller model with the target's vocabulary proposes k greedy tokens a step from its own paged KV.
 A user gets plain decoding's tokens (greedy and seeded sampling), drafts are accepted when the draft
 model agrees (the target as its own draft: every one), neither KV pool keeps a block, and a draft
@@ -55,8 +55,8 @@ def with_graph_decoders(llm: LLM, table_width: int = 32) -> None:
     drafter.graphs = GraphDecoder(drafter.runner, max_batch=8, max_steps=K, table_width=table_width,
                                   use_cuda_graphs=False, variants=("greedy",))  # as the engine captures a draft model's
     drafter.graphs.capture(progress=False)
-    core.graphs = GraphDecoder(core.runner, max_batch=64, max_steps=2, table_width=table_width, use_cuda_graphs=False)
-    core.graphs.capture(progress=False)
+    core.worker.graphs = GraphDecoder(core.worker.runner, max_batch=64, max_steps=2, table_width=table_width, use_cuda_graphs=False)
+    core.worker.graphs.capture(progress=False)
 
 
 def check_nothing_left(llm: LLM, free: int, draft_free: int) -> None:
@@ -160,7 +160,7 @@ def test_an_fp8_draft_model_drafts_for_a_full_precision_target(models, prompts, 
     llm = speculating(target, target, draft_quantization="fp8")
     draft_layer = llm.engine.core.speculation.drafter.runner.model.layers[0]
     assert draft_layer.mlp.down_proj.weight.dtype == torch.float8_e4m3fn
-    assert llm.engine.core.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert llm.engine.core.worker.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     assert outputs(llm, prompts, greedy) == outputs(plain, prompts, greedy)
     stats = llm.engine.stats()

@@ -231,9 +231,9 @@ def test_preempted_speculating_requests_keep_their_tokens_and_free_every_block(t
 
 def with_static_graphs(llm: LLM, max_batch: int = 32) -> LLM:
     core = llm.engine.core
-    core.graphs = GraphDecoder(core.runner, max_batch=max_batch, max_steps=core.config.decode_chunk,
+    core.worker.graphs = GraphDecoder(core.worker.runner, max_batch=max_batch, max_steps=core.config.decode_chunk,
                                table_width=-(-core.max_model_len // core.config.block_size), use_cuda_graphs=False)
-    core.graphs.capture(progress=False)
+    core.worker.graphs.capture(progress=False)
     return llm
 
 
@@ -241,7 +241,7 @@ def test_verify_through_the_decode_graphs_gives_plain_outputs(off, prompts, monk
     """A speculating engine with decode graphs verifies through them (one decode step of B x (k + 1)
     rows) and gives plain decoding's greedy and seeded tokens, freeing every block."""
     llm = with_static_graphs(LLM(**ENGINE, **SPEC))
-    graphs = llm.engine.core.graphs
+    graphs = llm.engine.core.worker.graphs
     calls = []
     real = graphs.verify_logits
     monkeypatch.setattr(graphs, "verify_logits", lambda seqs, drafts, k, *more: calls.append(len(seqs)) or real(seqs, drafts, k, *more))
@@ -267,7 +267,7 @@ def test_rounds_over_the_speculative_max_batch_decode_ahead_without_drafts(off, 
     assert stats.decode_rounds_ahead > 0 and stats.spec_accepted_tokens > 0
     # only the two longest requests ever speculated
     assert stats.spec_verify_rows <= (48 - 20) + (40 - 20)
-    # on CPU the default is 8 (speculation's gain fades with the batch: engine/core/speculation.py)
+    # on CPU the default is 8 (speculation's gain fades with the batch: engine/spec/speculative_decoder.py)
     default = LLM(**ENGINE, speculative_method="ngram").engine.core.speculation
     assert default.applies(8) and not default.applies(9)
 

@@ -67,7 +67,7 @@ def llm(tmp_path_factory):
 @pytest.mark.parametrize("batch", [1, 3, 17, 64])
 def test_speculative_greedy_through_the_graphs_equals_plain_greedy(llm, batch, monkeypatch):
     core = llm.engine.core
-    spec, graphs = core.speculation, core.graphs
+    spec, graphs = core.speculation, core.worker.graphs
     assert graphs is not None and graphs.verify_fits(batch, K)
     gen = random.Random(batch)
     prompts = [[gen.randrange(3, 259) for _ in range(PROMPT_LEN)] for _ in range(batch)]
@@ -84,7 +84,7 @@ def test_speculative_greedy_through_the_graphs_equals_plain_greedy(llm, batch, m
     real = graphs.verify_logits
     monkeypatch.setattr(graphs, "verify_logits", lambda seqs, drafts, k, *more: rows.append(len(seqs)) or real(seqs, drafts, k, *more))
     ngram = spec.drafter
-    spec.drafter = RecordedDrafter({tuple(p): t for p, t in zip(prompts, plain)}, 0.7, core.runner.vocab_size)
+    spec.drafter = RecordedDrafter({tuple(p): t for p, t in zip(prompts, plain)}, 0.7, core.worker.runner.vocab_size)
     try:
         before = core.stats()
         forced = [o.token_ids for o in llm.generate(prompts, params)]

@@ -19,8 +19,8 @@ from graphserve.engine.runner.cuda_graphs import GraphDecoder
 from graphserve.engine.runner.model_runner import ModelRunner
 from graphserve.engine.sched.kv_cache import BlockManager, allocate_kv_cache
 from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch
-from graphserve.engine.spec.acceptance import verify_drafts
-from graphserve.engine.core.speculation import SpeculativeDecoder
+from graphserve.engine.sample.rejection_sampler import verify_drafts
+from graphserve.engine.spec.speculative_decoder import SpeculativeDecoder
 from graphserve.engine.spec.drafter import DeviceDrafts, Drafter, pack_drafts
 from graphserve.engine.spec.ngram import NgramDrafter
 
@@ -148,7 +148,7 @@ def check_verify_matches_decode(model, prompts, continuations, through_graphs: b
 def test_verify_logits_equal_plain_decode_steps_cpu_backend(llm, through_graphs):
     prompts = make_prompts(PROMPT_LENS, seed=0)
     continuations = [o.token_ids[1:] for o in llm.generate(prompts, greedy(8))]
-    check_verify_matches_decode(llm.engine.core.model, prompts, continuations, through_graphs)
+    check_verify_matches_decode(llm.engine.core.worker.model, prompts, continuations, through_graphs)
 
 
 @pytest.mark.parametrize("through_graphs", [False, True], ids=["eager", "graph_rows"])
@@ -166,7 +166,7 @@ def test_verify_logits_equal_plain_decode_steps_triton_backend(llm, model_dir, m
 
 
 def test_verify_refuses_a_sequence_without_reserved_slots_or_not_decoding(llm):
-    runner = fresh_runner(llm.engine.core.model)
+    runner = fresh_runner(llm.engine.core.worker.model)
     (seq,) = decoding(runner, make_prompts([16], seed=3))  # 17 tokens: its 2 blocks hold 32 slots
     with pytest.raises(ValueError, match="no KV slots"):
         runner.verify([seq], [[5] * 16])
@@ -189,7 +189,7 @@ def speculative_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int, k: i
     verify pass, acceptance at temperature 0, the accepted drafts and the token after them
     appended, and the rejected ones rolled back."""
     core = llm.engine.core
-    runner, blocks, scheduler = core.runner, core.block_manager, core.scheduler
+    runner, blocks, scheduler = core.worker.runner, core.block_manager, core.scheduler
     seqs = [Sequence(f"spec{i}", p, greedy(max_tokens)) for i, p in enumerate(prompts)]
     for seq in seqs:
         scheduler.add(seq)
@@ -249,7 +249,7 @@ def test_ngram_drafts_give_plain_greedy_tokens(model_dir, caching):
         if caching and cached_block is None:  # after admission: the first prompt block, shared by all
             cached_block = seqs[0].block_table[0]
             assert all(s.block_table[0] == cached_block for s in seqs)
-            kv_before = [c[cached_block].clone() for layer in llm.engine.core.kv_caches for c in layer]
+            kv_before = [c[cached_block].clone() for layer in llm.engine.core.worker.kv_caches for c in layer]
         for seq in seqs:  # the tokens appended since the last step
             drafter.on_append(seq.request_id, seq.token_ids[seen.get(seq.request_id, len(seq.prompt_token_ids)):])
             seen[seq.request_id] = seq.num_tokens
@@ -260,7 +260,7 @@ def test_ngram_drafts_give_plain_greedy_tokens(model_dir, caching):
     assert stats.accepted > 0 and stats.none_accepted > 0
     assert blocks.num_free_blocks == free_at_start
     if caching:
-        kv_after = [c[cached_block] for layer in llm.engine.core.kv_caches for c in layer]
+        kv_after = [c[cached_block] for layer in llm.engine.core.worker.kv_caches for c in layer]
         assert all(torch.equal(a, b) for a, b in zip(kv_before, kv_after))
 
 
@@ -374,7 +374,7 @@ def test_a_plan_gives_each_verified_row_its_own_drafts_from_the_device(llm):
         blocks.allocate(seq, n - 1)
         seq.num_computed_tokens = n - 1
         seqs.append(seq)
-    spec = SpeculativeDecoder(_DeviceRowDrafter(), 4, llm.engine.core.runner, blocks, max_model_len=256)
+    spec = SpeculativeDecoder(_DeviceRowDrafter(), 4, llm.engine.core.worker.runner, blocks, max_model_len=256)
     plan = spec.plan(seqs, on_device=True)
     assert plan.verify_seqs == [seqs[0], seqs[2]] and plan.decode_seqs == [seqs[1]]
     assert [len(d) for d in plan.drafts] == [4, 4]

@@ -166,14 +166,14 @@ def test_one_step_rounds_of_the_graph_decoder_keep_every_grammar_token(caplog):
               SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)]
     plain = llm.generate(prompts, params)
     core = llm.engine.core
-    core.graphs = GraphDecoder(core.runner, max_batch=4, max_steps=1,
+    core.worker.graphs = GraphDecoder(core.worker.runner, max_batch=4, max_steps=1,
                                table_width=-(-core.max_model_len // core.config.block_size), use_cuda_graphs=False)
-    core.graphs.capture(progress=False)
+    core.worker.graphs.capture(progress=False)
     try:
         with caplog.at_level(logging.WARNING, logger="graphserve"):
             outs = llm.generate(prompts, params)
     finally:
-        core.graphs = None
+        core.worker.graphs = None
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text[-2000:]
     assert [(o.token_ids, o.finish_reason) for o in outs] == [(o.token_ids, o.finish_reason) for o in plain]
     assert set(json.loads(outs[0].text)) == {"name", "age"} and outs[0].finish_reason == "stop", outs[0].text

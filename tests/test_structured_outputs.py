@@ -246,15 +246,15 @@ def test_graph_decoder_feeds_masks_into_rounds_launched_ahead(llm):
               SamplingParams(max_tokens=80, temperature=0.8, seed=3, grammar=SPECS["json_schema"]),
               SamplingParams(max_tokens=30, temperature=0, grammar=SPECS["choice"])]
     eager = llm.generate(prompts, params)
-    core.graphs = GraphDecoder(core.runner, max_batch=4, max_steps=core.config.decode_chunk,
+    core.worker.graphs = GraphDecoder(core.worker.runner, max_batch=4, max_steps=core.config.decode_chunk,
                                table_width=-(-core.max_model_len // core.config.block_size), use_cuda_graphs=False)
-    core.graphs.capture(progress=False)
+    core.worker.graphs.capture(progress=False)
     try:
         ahead_before = core.stats().decode_rounds_ahead
         outs = llm.generate(prompts, params)
         assert core.stats().decode_rounds_ahead > ahead_before
     finally:
-        core.graphs = None
+        core.worker.graphs = None
     check_output("json_schema", outs[0].text)
     check_output("json_schema", outs[2].text)
     check_output("choice", outs[3].text)
@@ -425,8 +425,8 @@ def test_nothing_leaks_after_all_requests(server):
 
 def test_sampling_never_draws_a_masked_token():
     """Gumbel noise stays finite (a +inf once made a token win whatever its logit, mask or not)."""
-    from graphserve.engine.runner.sampler import SamplingTensors, sample
-    from graphserve.engine.sampling_noise import hash_uniform
+    from graphserve.engine.sample.sampler import SamplingTensors, sample
+    from graphserve.engine.sample.hash_random import hash_uniform
 
     vocab, rows = 49152, 256
     u = hash_uniform(torch.arange(rows), torch.arange(rows) * 7, vocab)

@@ -53,7 +53,7 @@ def _rank(rank: int, size: int, init_method: str, model: str):
     torch.set_num_threads(1)
     llm = LLM(model, device="cpu", num_kv_blocks=64, max_model_len=256, tensor_parallel_size=size,
               tp_rank=rank, tp_init_method=init_method)
-    shard = llm.engine.core.model.shard
+    shard = llm.engine.core.worker.model.shard
     return _outputs(llm), shard.q_heads, shard.vocab
 
 
@@ -129,7 +129,7 @@ def _dummy_rank(rank: int, size: int, init_method: str, model: str):
     llm = LLM(model, device="cpu", num_kv_blocks=64, max_model_len=256, tensor_parallel_size=size, tp_rank=rank,
               tp_init_method=init_method, load_format="dummy", quantization="fp8")
     out = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    gate_up = llm.engine.core.model.layers[0].mlp.gate_up_proj
+    gate_up = llm.engine.core.worker.model.layers[0].mlp.gate_up_proj
     return [o.token_ids for o in out], gate_up.weight.dtype == FP8, gate_up.weight_scale.min().item()
 
 

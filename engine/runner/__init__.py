@@ -1,1 +1,1 @@
-"""The model runner (engine-core process): step inputs, prefill, decode CUDA graphs, the sampler."""
+"""The device side of the engine core: the Worker (device state), the model runner, CUDA graphs, step inputs."""

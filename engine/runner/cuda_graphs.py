@@ -37,7 +37,7 @@ from graphserve.engine.structured.mask_feed import FeedJob, MaskFeed
 from graphserve.engine.request import Sequence
 from graphserve.engine.runner.model_runner import DecodeState, ModelRunner, StepTokens, plan_steps
 from graphserve.engine.runner.prefill_inputs import padded_rows, verify_inputs
-from graphserve.engine.runner.sampler import SamplingTensors, build_sampling_tensors
+from graphserve.engine.sample.sampler import SamplingTensors, build_sampling_tensors
 from graphserve.engine.sched.scheduler import DecodeRound
 
 logger = logging.getLogger("graphserve.engine")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -39,6 +41,15 @@ class DeviceTimeline:
         self._pending.append((start, self._mark(), chained))
         self._chained = True
         self.poll()
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """begin() and end() around what the block queues (or runs)."""
+        token = self.begin()
+        try:
+            yield
+        finally:
+            self.end(token)
 
     def pause(self) -> None:
         """No requests are running: the next gap is not the engine's idle time."""

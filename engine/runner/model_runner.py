@@ -19,7 +19,7 @@ from graphserve.engine.models.llama import LlamaModel
 from graphserve.engine.runner.prefill_graphs import PrefillGraphs
 from graphserve.engine.runner.prefill_inputs import PrefillInputs, padded_rows, prefill_inputs, verify_inputs
 from graphserve.engine.request import Sequence, TokenLogprob
-from graphserve.engine.runner.sampler import SamplingTensors, build_sampling_tensors, count_output_tokens, sample
+from graphserve.engine.sample.sampler import SamplingTensors, build_sampling_tensors, count_output_tokens, sample
 from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch
 from graphserve.engine.structured.grammar import StructuredOutputs
 from graphserve.kernels.step_bookkeeping import record_step, record_step_ref, step_inputs, step_inputs_ref
@@ -90,7 +90,13 @@ def plan_steps(seqs: list[Sequence], num_steps: int, tables: torch.Tensor, block
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_manager: BlockManager, device: torch.device, eos_ids: tuple[int, ...]):
+                 block_manager: BlockManager, device: torch.device, eos_ids: tuple[int, ...],
+                 structured: StructuredOutputs | None = None, prefill_graphs: PrefillGraphs | None = None,
+                 decode_table_width: int | None = None):
+        """structured: the grammar matchers, when the engine has any. prefill_graphs: CUDA graphs of
+        short prefills (captured by the caller). decode_table_width: the decode graphs' block-table
+        width, which eager rounds then take too: the decode attention splits by it
+        (kernels/decode_attention.pick_num_splits), so an eager round gives the graphs' greedy tokens."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_manager.block_size
@@ -98,12 +104,9 @@ class ModelRunner:
         self.device = device
         self.eos_ids = eos_ids
         self.vocab_size = model.args.vocab_size
-        self.structured: StructuredOutputs | None = None  # the core's grammar matchers, when it has any
-        self.prefill_graphs: PrefillGraphs | None = None  # CUDA graphs of short prefills, when captured
-        # the decode graphs' block-table width, which eager rounds then take too: the decode
-        # attention splits by it (kernels/decode_attention.pick_num_splits), so an eager round
-        # gives the graphs' greedy tokens
-        self.decode_table_width: int | None = None
+        self.structured = structured
+        self.prefill_graphs = prefill_graphs
+        self.decode_table_width = decode_table_width
         self.num_graph_prefills = 0  # prefill steps that replayed a graph
         self.num_overtaking_prefills = 0  # of them, on the priority stream
         self._last_prefill: torch.cuda.Event | None = None  # recorded after the last prefill's forward

@@ -15,7 +15,7 @@ which reads only the real sequences' blocks.
 
 A replay may overtake the decode rounds queued on the device: the runner then runs it and its
 sampling on `stream`, a stream of higher priority, when the engine has checked that no round
-still running writes a block it writes (EngineCore._may_overtake). A prefix-cache hit's first
+still running writes a block it writes (Worker.may_overtake). A prefix-cache hit's first
 token then waits for a millisecond of prefill instead of a whole decode round.
 
 On CPU (tests) the same static-buffer path runs eagerly.

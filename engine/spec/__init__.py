@@ -1,1 +1,1 @@
-"""Speculative decoding: drafters that propose tokens, and the verify step that accepts them."""
+"""Speculative decoding: the drafters (n-gram, draft model) and the speculative round that verifies their drafts."""

@@ -1,7 +1,7 @@
 """What every drafter offers the engine: per-request state hooks and a batched propose.
 
 A drafter sees a request's tokens (prompt, then each accepted token) and proposes up to a given
-number of next tokens. The verify step (acceptance.py) only sees the proposals as tensors, so an
+number of next tokens. The verify step (engine/sample/rejection_sampler.py) only sees the proposals as tensors, so an
 n-gram table, a draft model or an EAGLE head can sit behind this interface without changing it.
 A drafter whose tokens come from the device (a draft model) may leave them there
 (propose_on_device): the verify step reads them in stream order, so the host stages it while the

@@ -1,4 +1,4 @@
-"""Speculative decoding in the engine core: n-gram drafts, one verify pass, the accepted tokens.
+"""A speculative round: the drafter's proposals, their KV slots, one verify pass, the accepted tokens.
 
 When EngineConfig.speculative_method is set, a decode round's eligible sequences that have drafts
 become a verify step (the others run the round as before): per sequence, the drafter proposes up
@@ -17,52 +17,25 @@ Where the verify step runs: with the decode graphs (CUDA), as one decode step of
 (GraphDecoder.verify_logits: each position scored by the decode step's own forward pass);
 without them (the CPU backend, enforce_eager), as ModelRunner.verify's eager pass over the paged KV.
 A verify step ends with the host reading its tokens (the next drafts continue them), so a round
-that speculates is not launched ahead (EngineCore._speculates): with speculation on, rounds of more
+that speculates is not launched ahead (EngineCore._launches_ahead): with speculation on, rounds of more
 than `max_batch` sequences (EngineConfig.speculative_max_batch) do not speculate and keep overlap.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from graphserve.engine.errors import InvalidConfigError
-from graphserve.engine.runner.cuda_graphs import GraphDecoder
 from graphserve.engine.request import Sequence
+from graphserve.engine.runner.cuda_graphs import GraphDecoder
 from graphserve.engine.runner.model_runner import ModelRunner, StepTokens
-from graphserve.engine.runner.sampler import build_sampling_tensors
+from graphserve.engine.sample.rejection_sampler import accept_greedy, greedy_targets, verify_drafts
+from graphserve.engine.sample.sampler import build_sampling_tensors
 from graphserve.engine.sched.kv_cache import BlockManager
-from graphserve.engine.spec.acceptance import accept_greedy, greedy_targets, verify_drafts
-from graphserve.engine.core.draft_model import DraftModelDrafter
+from graphserve.engine.sched.scheduler import DecodeRound
 from graphserve.engine.spec.drafter import Drafter, pack_drafts
-from graphserve.engine.spec.ngram import NgramDrafter
-
-
-# Rounds of more sequences do not speculate unless EngineConfig.speculative_max_batch says otherwise.
-# CPU: verifying k + 1 rows costs more than a decode step on 2 cores, so the gain fades with the
-# batch: served n-gram speculation (benchmarks/spec_serving.py, 30 input-grounded prompts, k = 4,
-# acceptance 0.52) gave output tok/s 1.67x / 1.37x / 1.18x / 1.03x of speculation off at 1 / 2 / 4 / 8
-# streams (2026-12-05). CUDA: a verify step of B x (k + 1) rows stops being a memory-bound step as B
-# grows; Llama-3.1-8B bf16 on an H200 (benchmarks/speculative.py, k = 4, 2026-12-06) gave 1.76x /
-# 1.37x / 0.99x / 0.72x of speculation off at batch 8 / 16 / 32 / 64 with 70% of drafts right, and
-# 1.17x / 0.99x / 0.73x / 0.53x with 50%.
-CPU_MAX_BATCH = 8
-CUDA_MAX_BATCH = 16
-
-
-def default_max_batch(device: torch.device) -> int:
-    return CPU_MAX_BATCH if device.type == "cpu" else CUDA_MAX_BATCH
-
-
-def make_drafter(method: str, draft_runner: ModelRunner | None = None, k: int = 4, max_model_len: int = 0,
-                 draft_graphs: GraphDecoder | None = None) -> Drafter:
-    """The drafter of `method`; "draft" runs on the draft model's runner (and its graphs, on CUDA)."""
-    if method == "ngram":
-        return NgramDrafter()
-    if method == "draft" and draft_runner is not None:
-        return DraftModelDrafter(draft_runner, k, max_model_len, draft_graphs)
-    raise InvalidConfigError(f"unknown speculative_method {method!r}")
 
 
 def is_eligible(seq: Sequence, vocab_size: int) -> bool:
@@ -144,6 +117,20 @@ class SpeculativeDecoder:
             index = torch.tensor(rows, pin_memory=tokens.is_cuda).to(tokens.device, non_blocking=True)
             plan.device_tokens = tokens.index_select(0, index)
         return plan
+
+    def run_round(self, rnd: DecodeRound, graphs: GraphDecoder | None,
+                  decode: Callable[[DecodeRound], dict[str, StepTokens]]) -> tuple[dict[str, StepTokens],
+                                                                                   VerifyStep | None]:
+        """A decode round with speculation on: the sequences with drafts run one verify step (up to
+        k + 1 tokens each), the others the round's K decode steps (`decode`). Returns the tokens of
+        both, and the verify step (None when no sequence had drafts)."""
+        plan = self.plan(rnd.seqs, self.max_verify(graphs), on_device=graphs is not None)
+        tokens = decode(DecodeRound(plan.decode_seqs, rnd.num_steps)) if plan.decode_seqs else {}
+        if not plan.verify_seqs:
+            return tokens, None
+        verified = self.verify(plan.verify_seqs, plan.drafts, graphs, plan.device_tokens)
+        tokens.update(verified.tokens)
+        return tokens, verified
 
     def max_verify(self, graphs: GraphDecoder | None) -> int | None:
         """The most sequences one verify step takes: what the largest decode graph holds."""

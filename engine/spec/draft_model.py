@@ -1,5 +1,4 @@
-"""A draft model as a drafter: a smaller model with the target's vocabulary proposes each request's
-next k tokens greedily.
+"""The draft-model drafter: a smaller model with the target's vocabulary proposes the next k tokens greedily.
 
 It keeps its own copy of each request (a Sequence of the request's tokens), its own paged KV pool
 (BlockManager) and runner, and on CUDA its own decode graphs, captured for rounds of k steps. A
@@ -14,7 +13,7 @@ sharing its block table; each layer writes every row's K/V before any row attend
 row reads it in that same step). Its later steps write nothing. A separate step would cost a
 launch and a read of the weights; an eager one-token prefill would launch the model op by op.
 
-Greedy drafts are a deterministic drafter's (one-hot q): acceptance.py's exact rule applies, and a
+Greedy drafts are a deterministic drafter's (one-hot q): engine/sample/rejection_sampler.py's exact rule applies, and a
 request gets the tokens it would get without speculation.
 """
 

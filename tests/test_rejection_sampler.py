@@ -1,4 +1,6 @@
-"""The verify step of speculative decoding (engine/spec/acceptance.py): greedy rows give plain greedy's
+"""Tests of the rejection sampler of speculative decoding (engine/sample/rejection_sampler.py).
+
+Greedy rows give plain greedy's
 tokens, seeded sampled rows with a deterministic drafter give the plain sampler's tokens, and rejection
 sampling with draft probabilities keeps the target distribution (a chi-square test that is shown to
 reject deliberately biased acceptance rules)."""
@@ -6,10 +8,10 @@ reject deliberately biased acceptance rules)."""
 import pytest
 import torch
 
-from graphserve.engine.runner.sampler import SamplingTensors, sample
-from graphserve.engine.sampling_noise import hash_uniform
-from graphserve.engine.spec import acceptance
-from graphserve.engine.spec.acceptance import PAD_TOKEN_ID, verify_drafts
+from graphserve.engine.sample.sampler import SamplingTensors, sample
+from graphserve.engine.sample.hash_random import hash_uniform
+from graphserve.engine.sample import rejection_sampler
+from graphserve.engine.sample.rejection_sampler import PAD_TOKEN_ID, verify_drafts
 from graphserve.engine.spec.drafter import pack_drafts
 
 
@@ -37,7 +39,7 @@ def _expected_tokens(target: torch.Tensor, drafts: torch.Tensor, num_drafts: tor
     return out
 
 
-def _as_lists(result: acceptance.VerifyOutput) -> list[list[int]]:
+def _as_lists(result: rejection_sampler.VerifyOutput) -> list[list[int]]:
     tokens = result.token_ids.tolist()
     lists = [row[: n + 1] for row, n in zip(tokens, result.num_accepted.tolist())]
     for row, n in zip(tokens, result.num_accepted.tolist()):
@@ -227,10 +229,10 @@ def _accept_with_q_over_p(p_draft, q_draft, coin):
     ("accept_drafts", _always_accept),
     ("accept_drafts", _accept_with_q_over_p),
     ("residual_weights", lambda p, q: p),  # on rejection, resample from p instead of max(0, p - q)
-    ("_RESIDUAL_STREAM", acceptance.SAMPLER_STREAM),  # the correction drawn with the drafter's own noise
+    ("_RESIDUAL_STREAM", rejection_sampler.SAMPLER_STREAM),  # the correction drawn with the drafter's own noise
 ], ids=["always-accept", "min(1,q/p)", "resample-from-p", "residual-on-drafter-noise"])
 def test_the_distribution_test_rejects_biased_rules(monkeypatch, replaced, rule):
-    monkeypatch.setattr(acceptance, replaced, rule)
+    monkeypatch.setattr(rejection_sampler, replaced, rule)
     first, joint = _p_values(with_draft_probs=True, seed=11, drafter_noise="sampler")
     assert min(first, joint) < 1e-9, (first, joint)
 
@@ -251,7 +253,7 @@ def test_acceptance_rate_is_the_overlap_of_p_and_q():
 def test_greedy_rows_short_way_equals_the_batched_rule():
     """A batch of greedy rows is accepted on the host (greedy_targets + accept_greedy): the same
     counts and tokens as verify_drafts, drafts right, wrong, missing, and argmax ties included."""
-    from graphserve.engine.spec.acceptance import accept_greedy, greedy_targets
+    from graphserve.engine.sample.rejection_sampler import accept_greedy, greedy_targets
 
     gen = torch.Generator().manual_seed(0)
     b, k, vocab = 6, 4, 50

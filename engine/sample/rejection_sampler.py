@@ -1,4 +1,4 @@
-"""The verify step: which drafts the target model accepts, and the token that follows them.
+"""The rejection sampler of speculative decoding: which drafts the target accepts, and the token after them.
 
 Batched over rows, static shapes, no host sync: it is meant to run inside a captured CUDA graph.
 Position j of a row scores the token at output position output_pos + j, given the row's drafts
@@ -11,7 +11,7 @@ draft), then PAD_TOKEN_ID.
   (greedy_targets, accept_greedy): the argmax of every position in one pass, compared on the host,
   the same rule without the sampled rows' dozens of kernels.
 - Sampled rows, no draft probabilities (a deterministic drafter such as n-gram, q one-hot on the
-  draft): the target token of each position is drawn exactly as engine/runner/sampler.py draws it
+  draft): the target token of each position is drawn exactly as engine/sample/sampler.py draws it
   (Gumbel-max with noise hashed from (seed, output position, vocab id)), and drafts are accepted
   while they equal it. This is rejection sampling for a one-hot q (accept with probability p(d);
   otherwise a draw from p without d), and the tokens are those the seeded request gets without
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from graphserve.engine.sampling_noise import hash_uniform
+from graphserve.engine.sample.hash_random import hash_uniform
 
 PAD_TOKEN_ID = -1  # the tokens after a row's extra token
 
-# Independent noise streams of one (seed, position). SAMPLER_STREAM is engine/runner/sampler.py's own.
+# Independent noise streams of one (seed, position). SAMPLER_STREAM is engine/sample/sampler.py's own.
 SAMPLER_STREAM = 0
 _COIN_STREAM = 1  # rejection sampling's accept/reject coin
 _RESIDUAL_STREAM = 2  # rejection sampling's correction and bonus draws

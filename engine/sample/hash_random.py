@@ -1,7 +1,8 @@
-"""The random numbers of sampling: uniform noise from a hash of (seed, output position, vocabulary
-id, stream), so a request's draws depend on nothing else in its batch and replay exactly for a
-given seed. The sampler (engine/runner/sampler.py) draws on stream 0; speculative decoding's
-verify step (engine/spec/acceptance.py) draws its own coins and corrections on other streams."""
+"""Hash-based random numbers of sampling: uniform noise from (seed, output position, vocabulary id, stream).
+
+A hash, so a request's draws depend on nothing else in its batch and replay exactly for a
+given seed. The sampler (engine/sample/sampler.py) draws on stream 0; speculative decoding's
+verify step (engine/sample/rejection_sampler.py) draws its own coins and corrections on other streams."""
 
 from __future__ import annotations
 

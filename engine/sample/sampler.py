@@ -1,5 +1,6 @@
-"""Batched sampling on the device with no host sync.
+"""The sampler: per-row logit processors (bias, penalties, min_tokens, grammar masks), filters and draws.
 
+Batched on the device with no host sync.
 Every control is a per-row tensor, so one code path serves a mixed batch and stays
 capturable in a CUDA graph. Random numbers come from a hash of (seed, output position,
 vocab id): a request's draws do not depend on what else shares its batch.
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from graphserve.engine.request import Sequence
-from graphserve.engine.sampling_noise import hash_uniform
+from graphserve.engine.sample.hash_random import hash_uniform
 from graphserve.kernels.bitmask import unpack_bitmask
 
 _MASK32 = 0xFFFFFFFF
