@@ -44,6 +44,16 @@ def test_the_gpu_burst_covers_every_size_class_sampling_variant_and_a_cache_hit(
     assert all(max(p) < 1000 for p, _ in wave)
 
 
+@pytest.mark.parametrize("max_model_len, decode_chunk", [(16, 8), (3, 2), (40, 8), (256, 2)])
+def test_every_burst_request_fits_the_context_however_small(max_model_len, decode_chunk):
+    """A pool of one block gives a context of 16 tokens: a burst request that did not fit would
+    stop the engine from starting."""
+    for on_gpu in (True, False):
+        wave, repeat = burst(max_model_len, max_num_seqs=32, budget=1024, decode_chunk=decode_chunk,
+                             vocab_size=1000, on_gpu=on_gpu, grammar=True)
+        assert all(0 < len(p) and len(p) + params.max_tokens <= max_model_len for p, params in [*wave, repeat])
+
+
 def test_a_cpu_engine_has_read_the_grammar_vocabulary_when_it_says_ready(model_dir):
     config = EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=96, max_model_len=256)
     core = EngineCore(config)

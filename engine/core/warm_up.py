@@ -48,7 +48,7 @@ def burst(max_model_len: int, max_num_seqs: int, budget: int, decode_chunk: int,
           grammar: bool) -> tuple[list[tuple[list[int], SamplingParams]], tuple[list[int], SamplingParams]]:
     """The warm-up burst: its first wave of (prompt token ids, params), and a request to send after
     it, which repeats a prompt of the wave (a prefix-cache hit)."""
-    max_tokens = 2 * decode_chunk + 1  # rounds of K steps, and a last short one
+    max_tokens = max(1, min(2 * decode_chunk + 1, max_model_len - 2))  # rounds of K steps, and a last short one
     max_prompt = max(1, max_model_len - max_tokens - 1)
     lengths = prompt_lengths(max_prompt, budget, on_gpu)
     # on the GPU, enough requests to fill the decode batch up to a typical burst's (64)
@@ -60,7 +60,7 @@ def burst(max_model_len: int, max_num_seqs: int, budget: int, decode_chunk: int,
         wave.append((prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i,
                                             **VARIANTS[i % len(VARIANTS)])))
     if grammar:
-        wave.append(([1, 2, 3], SamplingParams(max_tokens=max_tokens, temperature=0.0,
+        wave.append(([1, 2, 3][:max_prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                grammar=GrammarSpec("json_schema", JSON_OBJECT_SCHEMA))))
     longest = max((p for p, _ in wave if len(p) <= budget), key=len)
     return wave, (list(longest), SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
