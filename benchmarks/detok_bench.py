@@ -11,7 +11,7 @@ per engine round (256 x 8 = 2,048 tokens every round), per token:
                   (what IncrementalDetokenizer uses now when the library has it)
   decode_batch    the same window algorithm, but the windows of all streams decoded
                   with two `Tokenizer.decode_batch` calls per round
-  engine_class    the IncrementalDetokenizer of engine/tokenizer.py as it is now
+  engine_class    the IncrementalDetokenizer of engine/detokenizer.py as it is now
 each both per round (add 8 ids at once) and per token (add 1 id at a time: what the
 front end does while a request has stop strings). Every method's concatenated output is
 checked against decode(all ids).
@@ -46,8 +46,9 @@ import tokenizers  # noqa: E402
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 from tokenizers import decoders, models, pre_tokenizers  # noqa: E402
 
-from graphserve.engine import tokenizer as engine_tokenizer  # noqa: E402
-from graphserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer, _StopAutomaton  # noqa: E402
+from graphserve.engine import detokenizer as engine_detokenizer  # noqa: E402
+from graphserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, _StopAutomaton  # noqa: E402
+from graphserve.engine.tokenizer import Tokenizer  # noqa: E402
 
 TEXT = (
     "The engine core is a busy loop with no asyncio and no text; the front ends never touch tensors. "
@@ -296,12 +297,12 @@ def bench_stops(tok: Tokenizer | None) -> list[dict]:
         # scan and the automaton both walk some way into them
         stops = ["The e" + "".join(rng.choice(alphabet) for _ in range(length - 5)) for _ in range(n_stops)]
         row = {"stops": n_stops, "chars_each": length, "calls": len(chunks)}
-        engine_tokenizer._stop_automaton.cache_clear()
+        engine_detokenizer._stop_automaton.cache_clear()
         t0 = time.perf_counter()
         _StopAutomaton(stops)
         row["automaton_build_ms"] = round(1e3 * (time.perf_counter() - t0), 2)
         for name, cls in (("old", ReferenceStopMatcher), ("new", StopStringMatcher)):
-            engine_tokenizer._stop_automaton.cache_clear()
+            engine_detokenizer._stop_automaton.cache_clear()
             t0 = time.perf_counter()
             m = cls(stops, False)
             construct = time.perf_counter() - t0

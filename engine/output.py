@@ -6,8 +6,9 @@ caller tells the core to end the request."""
 from __future__ import annotations
 
 from graphserve.engine.core.messages import CoreOutput
+from graphserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from graphserve.engine.request import RequestOutput, SamplingParams
-from graphserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from graphserve.engine.tokenizer import Tokenizer
 
 
 class _TextState:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_tokenizer import SPLIT_UNITS, token_bytes
+from test_detokenizer import SPLIT_UNITS, token_bytes
 
 httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
 
