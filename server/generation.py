@@ -20,7 +20,7 @@ from graphserve.server.admission import Admission
 from graphserve.server.errors import APIError, from_engine_error, internal_error
 from graphserve.server.metrics import ServerMetrics
 from graphserve.server.protocol import PromptTokensDetails, UsageInfo
-from graphserve.server.sampling import summarize_params
+from graphserve.server.request_params import summarize_params
 from graphserve.server.sse import DONE_EVENT, sse_event
 
 logger = logging.getLogger("graphserve.server")

@@ -45,7 +45,7 @@ from graphserve.server.protocol import (
     ChatResponseMessage,
 )
 from graphserve.server.request_body import parse_body
-from graphserve.server.sampling import build_sampling_params, for_choice
+from graphserve.server.request_params import build_sampling_params, for_choice
 from graphserve.server.sse import EventStreamResponse, json_response, sse_event
 from graphserve.server.state import ServerState, get_state, new_request_id
 

@@ -14,7 +14,7 @@ from graphserve.server.chat_prompt import render_chat_prompt
 from graphserve.server.errors import bad_request
 from graphserve.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from graphserve.server.request_body import parse_body
-from graphserve.server.sampling import check_token_id
+from graphserve.server.request_params import check_token_id
 from graphserve.server.sse import json_response
 from graphserve.server.state import get_state
 

@@ -38,7 +38,7 @@ from graphserve.engine.request import (
 from graphserve.server.cli import build_parser, load_settings
 from graphserve.server.connections import RateLimitFilter, raise_fd_limit
 from graphserve.server.protocol import MAX_CHAT_MESSAGES, MAX_PROMPTS
-from graphserve.server.sampling import SUMMARY_MAX_CHARS, for_choice, summarize_params
+from graphserve.server.request_params import SUMMARY_MAX_CHARS, for_choice, summarize_params
 from graphserve.server.settings import SettingsError, merge_settings
 from graphserve.server.testing import ServerProcess
 

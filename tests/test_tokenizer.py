@@ -264,7 +264,7 @@ def test_logit_bias_may_name_the_special_tokens_after_the_base_vocabulary(tmp_pa
     128009, past 128000 base tokens): logit_bias may name them, as it may any token of the
     vocabulary, and an id past them is a 400."""
     from graphserve.server.errors import APIError
-    from graphserve.server.sampling import parse_logit_bias
+    from graphserve.server.request_params import parse_logit_bias
 
     tok = every_byte_vocabulary(tmp_path)
     end = tok.special_tokens["<|im_end|>"]
