@@ -7,21 +7,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
-from pydantic import BaseModel
 
 from graphserve.engine.request import RequestOutput, SamplingParams
 from graphserve.server.admission import Admission
 from graphserve.server.errors import APIError, from_engine_error, internal_error
 from graphserve.server.metrics import ServerMetrics
-from graphserve.server.protocol import PromptTokensDetails, UsageInfo
 from graphserve.server.request_params import summarize_params
-from graphserve.server.sse import DONE_EVENT, sse_event
 
 logger = logging.getLogger("graphserve.server")
 
@@ -115,7 +112,7 @@ class GenerationGroup:
                 self.admission.enter()
         except Exception as exc:
             await self.close(record=False)  # a rejected request is an error, not an abort
-            raise _as_api_error(exc, self.request_id) from None
+            raise as_api_error(exc, self.request_id) from None
         if self.log_requests:
             job = self.jobs[0]
             logger.info(
@@ -143,7 +140,7 @@ class GenerationGroup:
                 try:
                     output = task.result()
                 except Exception as exc:
-                    raise _as_api_error(exc, self.request_id) from exc
+                    raise as_api_error(exc, self.request_id) from exc
                 self._record(index, output)
                 if not output.finished:
                     pump.task = asyncio.ensure_future(anext(pump.stream))
@@ -241,7 +238,7 @@ class GenerationGroup:
                         logger.debug("closing engine stream %s failed", self.engine_request_id(index), exc_info=True)
 
 
-def _as_api_error(exc: Exception, request_id: str) -> APIError:
+def as_api_error(exc: Exception, request_id: str) -> APIError:
     """What the client sees of `exc`; a server-side failure (5xx) is logged with its traceback.
     StopAsyncIteration: an engine stream that ended before its final output."""
     if isinstance(exc, APIError):
@@ -289,33 +286,5 @@ async def run_to_completion(request: Request, group: GenerationGroup) -> dict[in
     """Non-streaming: collect every choice, aborting all of them if the client leaves."""
     try:
         return await cancel_on_disconnect(request, group.collect())
-    finally:
-        await group.close()
-
-
-def usage_of(progress: dict[int, ChoiceProgress], n: int) -> UsageInfo:
-    """Prompt tokens count once per prompt (choices p*n .. p*n+n-1 share it)."""
-    prompt_tokens = sum(p.num_prompt_tokens for i, p in progress.items() if i % n == 0)
-    cached_tokens = sum(p.num_cached_tokens for i, p in progress.items() if i % n == 0)
-    completion_tokens = sum(p.num_output_tokens for p in progress.values())
-    return UsageInfo(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-    )
-
-
-async def stream_events(choice_events: AsyncIterator[bytes], group: GenerationGroup, request_id: str,
-                        usage_chunk: Callable[[], BaseModel] | None) -> AsyncIterator[bytes]:
-    """A stream's body: its choice events, the usage chunk when asked, then [DONE]. An error
-    after the headers went out becomes a final error event; the group is always closed."""
-    try:
-        async for event in choice_events:
-            yield event
-        if usage_chunk is not None:
-            yield sse_event(usage_chunk())
-        yield DONE_EVENT
-    except Exception as exc:  # noqa: BLE001  # the headers are out: any failure becomes the last event
-        yield sse_event(_as_api_error(exc, request_id).body())
-        yield DONE_EVENT
     finally:
         await group.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,15 +24,7 @@ from graphserve.server.tools import (
     tool_grammar,
 )
 from graphserve.server.errors import bad_request
-from graphserve.server.generation import (
-    ChoiceJob,
-    ChoiceProgress,
-    GenerationGroup,
-    run_to_completion,
-    start_generation,
-    stream_events,
-    usage_of,
-)
+from graphserve.server.generation import ChoiceJob, ChoiceProgress, GenerationGroup, start_generation
 from graphserve.server.logprobs import chat_logprobs
 from graphserve.server.protocol import (
     ChatChoiceLogprobs,
@@ -46,7 +37,7 @@ from graphserve.server.protocol import (
 )
 from graphserve.server.request_body import parse_body
 from graphserve.server.request_params import build_sampling_params, for_choice
-from graphserve.server.sse import EventStreamResponse, json_response, sse_event
+from graphserve.server.response_view import ResponseView
 from graphserve.server.state import ServerState, get_state, new_request_id
 
 router = APIRouter()
@@ -96,23 +87,18 @@ async def create_chat_completion(request: Request) -> Response:
     jobs = [ChoiceJob(index=c, prompt=prompt_ids, params=for_choice(params, c)) for c in range(body.n)]
     request_id = new_request_id("chatcmpl")
     group = await start_generation(state, request_id, jobs, stream=body.stream)
-    view = _ChatView(state, body, request_id, fmt if use_tools else None)
-    if body.stream:
-        return EventStreamResponse(view.events(group), on_close=group.close)
-    progress = await run_to_completion(request, group)
-    return json_response(view.response(progress))
+    return await _ChatView(state, body, request_id, fmt if use_tools else None).respond(request, group)
 
 
-class _ChatView:
-    """Builds the response body or the stream events of one chat request."""
+class _ChatView(ResponseView):
+    """A chat choice: a message (tool calls parsed out of its text when the request may call
+    tools); streamed, the role first, then content and tool-call deltas."""
+
+    chunk_type = ChatCompletionChunk
 
     def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str, tools: CallFormat | None):
-        self.body = body
+        super().__init__(state, body, request_id)
         self.tools = tools  # the call format to parse, when the request may call tools
-        self.request_id = request_id
-        self.model = state.model_name
-        self.created = int(time.time())
-        self.tokenizer = state.engine.tokenizer
         self.num_top = body.top_logprobs or 0
 
     def _logprobs(self, entries: list[Any] | None) -> ChatChoiceLogprobs | None:
@@ -122,9 +108,7 @@ class _ChatView:
 
     def response(self, progress: dict[int, ChoiceProgress]) -> ChatCompletionResponse:
         choices = []
-        for index in sorted(progress):
-            output = progress[index].output
-            assert output is not None
+        for index, output in self.final_outputs(progress):
             message, finish_reason = ChatResponseMessage(content=output.text), output.finish_reason
             if self.tools is not None:
                 content, calls = parse_tool_calls(self.tools, output.text)
@@ -143,29 +127,10 @@ class _ChatView:
         prompt_ids = None
         if self.body.return_token_ids and progress:
             prompt_ids = progress[min(progress)].output.prompt_token_ids  # type: ignore[union-attr]
-        return ChatCompletionResponse(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage_of(progress, self.body.n),
-            prompt_token_ids=prompt_ids,
-        )
+        return ChatCompletionResponse(**self.head(), choices=choices, usage=self.usage(progress),
+                                      prompt_token_ids=prompt_ids)
 
-    def _chunk(self, choice: ChatChunkChoice, prompt_token_ids: list[int] | None = None) -> bytes:
-        chunk = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice],
-                                    prompt_token_ids=prompt_token_ids)
-        return sse_event(chunk, exclude=None if self.body.include_usage_in_stream else {"usage"})
-
-    def events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
-        def usage() -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[],
-                                   usage=usage_of(group.progress, self.body.n))
-
-        return stream_events(self._choice_events(group), group, self.request_id,
-                             usage if self.body.include_usage_in_stream else None)
-
-    async def _choice_events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
+    async def choice_events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
         started: set[int] = set()
         with_ids = self.body.return_token_ids
         parsers: dict[int, ToolCallParser] = {}
@@ -173,8 +138,8 @@ class _ChatView:
             if index not in started:
                 started.add(index)
                 # return_token_ids: the prompt's ids in each choice's first chunk, as vLLM
-                yield self._chunk(ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""}),
-                                  prompt_token_ids=output.prompt_token_ids if with_ids else None)
+                yield self.chunk(ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""}),
+                                 prompt_token_ids=output.prompt_token_ids if with_ids else None)
             delta: dict[str, Any] = {"content": output.text} if output.text else {}
             finish_reason = output.finish_reason if output.finished else None
             if self.tools is not None:
@@ -187,9 +152,9 @@ class _ChatView:
                     content = ""  # whitespace between calls is not content
                 delta = ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
             has_logprobs = bool(self.body.logprobs and output.logprobs)
-            if not delta and not output.finished and not has_logprobs and not (with_ids and output.token_ids):
+            if not self.has_news(output, content=bool(delta), logprobs=has_logprobs):
                 continue
-            yield self._chunk(
+            yield self.chunk(
                 ChatChunkChoice(
                     index=index,
                     delta=delta,

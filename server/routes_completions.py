@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,15 +13,7 @@ from graphserve.engine.request import RequestOutput
 from graphserve.server import openapi
 from graphserve.server.auth import require_api_key
 from graphserve.server.errors import bad_request
-from graphserve.server.generation import (
-    ChoiceJob,
-    ChoiceProgress,
-    GenerationGroup,
-    run_to_completion,
-    start_generation,
-    stream_events,
-    usage_of,
-)
+from graphserve.server.generation import ChoiceJob, ChoiceProgress, GenerationGroup, start_generation
 from graphserve.server.logprobs import append_completion_logprobs
 from graphserve.server.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -34,9 +25,9 @@ from graphserve.server.protocol import (
 )
 from graphserve.server.request_body import parse_body
 from graphserve.server.request_params import build_sampling_params, for_choice
-from graphserve.server.structured_request import grammar_from_request
-from graphserve.server.sse import EventStreamResponse, json_response, sse_event
+from graphserve.server.response_view import ResponseView
 from graphserve.server.state import ServerState, get_state, new_request_id
+from graphserve.server.structured_request import grammar_from_request
 
 router = APIRouter()
 
@@ -123,23 +114,17 @@ async def create_completion(request: Request) -> Response:
     ]
     request_id = new_request_id("cmpl")
     group = await start_generation(state, request_id, jobs, stream=body.stream)
-    view = _CompletionView(state, body, prompts, request_id)
-    if body.stream:
-        return EventStreamResponse(view.events(group), on_close=group.close)
-    progress = await run_to_completion(request, group)
-    return json_response(view.response(progress))
+    return await _CompletionView(state, body, prompts, request_id).respond(request, group)
 
 
-class _CompletionView:
-    """Builds the response body or the stream events of one completions request."""
+class _CompletionView(ResponseView):
+    """A completion choice: text (after the prompt's, with echo) and legacy logprobs."""
+
+    chunk_type = CompletionChunk
 
     def __init__(self, state: ServerState, body: CompletionRequest, prompts: list[str | list[int]], request_id: str):
-        self.body = body
+        super().__init__(state, body, request_id)
         self.prompts = prompts
-        self.request_id = request_id
-        self.model = state.model_name
-        self.created = int(time.time())
-        self.tokenizer = state.engine.tokenizer
 
     def prompt_text(self, index: int) -> str:
         prompt = self.prompts[index // self.body.n]
@@ -149,19 +134,11 @@ class _CompletionView:
 
     def response(self, progress: dict[int, ChoiceProgress]) -> CompletionResponse:
         choices = []
-        for index in sorted(progress):
-            output = progress[index].output
-            assert output is not None
+        for index, output in self.final_outputs(progress):
             text = output.text
             logprobs = None
             if self.body.logprobs is not None:
-                logprobs = CompletionLogprobs()
-                offset = 0
-                if self.body.echo:
-                    offset = self._append_prompt_logprobs(logprobs, output)
-                append_completion_logprobs(
-                    logprobs, output.token_ids, output.logprobs or [], self.tokenizer.token_text, offset
-                )
+                logprobs, _ = self._logprobs(output, output.token_ids, 0, with_prompt=self.body.echo)
             if self.body.echo:
                 text = self.prompt_text(index) + text
             choices.append(
@@ -175,29 +152,21 @@ class _CompletionView:
                     token_ids=output.token_ids if self.body.return_token_ids else None,
                 )
             )
-        return CompletionResponse(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage_of(progress, self.body.n),
-        )
+        return CompletionResponse(**self.head(), choices=choices, usage=self.usage(progress))
 
-    def _append_prompt_logprobs(self, logprobs: CompletionLogprobs, output: RequestOutput) -> int:
-        prompt_ids = output.prompt_token_ids
-        entries = output.prompt_logprobs or [None] * len(prompt_ids)
-        return append_completion_logprobs(logprobs, prompt_ids, entries, self.tokenizer.token_text, 0)
+    def _logprobs(self, output: RequestOutput, token_ids: list[int], offset: int,
+                  with_prompt: bool) -> tuple[CompletionLogprobs, int]:
+        """The logprobs of `token_ids` (whose text starts at `offset`), after the prompt's (from
+        offset 0) when `with_prompt`; and the text offset after them."""
+        logprobs = CompletionLogprobs()
+        token_text = self.tokenizer.token_text
+        if with_prompt:
+            prompt_ids = output.prompt_token_ids
+            entries = output.prompt_logprobs or [None] * len(prompt_ids)
+            offset = append_completion_logprobs(logprobs, prompt_ids, entries, token_text, 0)
+        return logprobs, append_completion_logprobs(logprobs, token_ids, output.logprobs or [], token_text, offset)
 
-    def events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
-        def usage() -> CompletionChunk:
-            return CompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[],
-                               usage=usage_of(group.progress, self.body.n))
-
-        return stream_events(self._choice_events(group), group, self.request_id,
-                             usage if self.body.include_usage_in_stream else None)
-
-    async def _choice_events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
-        exclude = None if self.body.include_usage_in_stream else {"usage"}
+    async def choice_events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
         text_offsets: dict[int, int] = {}
         with_ids = self.body.return_token_ids
         prompt_ids_sent: set[int] = set()
@@ -206,39 +175,27 @@ class _CompletionView:
             text = output.text
             logprobs = None
             if self.body.logprobs is not None:
-                logprobs = CompletionLogprobs()
-                offset = text_offsets.get(index, 0)
-                if first and self.body.echo:
-                    offset = self._append_prompt_logprobs(logprobs, output)
-                entries = output.logprobs or []
-                text_offsets[index] = append_completion_logprobs(
-                    logprobs, [e.token_id for e in entries], entries, self.tokenizer.token_text, offset
-                )
+                ids = [e.token_id for e in output.logprobs or []]
+                logprobs, text_offsets[index] = self._logprobs(output, ids, text_offsets.get(index, 0),
+                                                               with_prompt=first and self.body.echo)
             else:
                 text_offsets[index] = 0
             if first and self.body.echo:
                 text = self.prompt_text(index) + text
-            if not text and not output.finished and not (logprobs and logprobs.tokens) and not (
-                    with_ids and output.token_ids):
+            if not self.has_news(output, content=bool(text), logprobs=bool(logprobs and logprobs.tokens)):
                 continue
             prompt_ids = None
             if with_ids and index not in prompt_ids_sent:  # in each choice's first chunk, as vLLM
                 prompt_ids_sent.add(index)
                 prompt_ids = output.prompt_token_ids
-            chunk = CompletionChunk(
-                id=self.request_id,
-                created=self.created,
-                model=self.model,
-                choices=[
-                    CompletionChoice(
-                        index=index,
-                        text=text,
-                        logprobs=logprobs,
-                        finish_reason=output.finish_reason if output.finished else None,
-                        stop_reason=output.stop_reason if output.finished else None,
-                        prompt_token_ids=prompt_ids,
-                        token_ids=list(output.token_ids) if with_ids else None,
-                    )
-                ],
+            yield self.chunk(
+                CompletionChoice(
+                    index=index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=output.finish_reason if output.finished else None,
+                    stop_reason=output.stop_reason if output.finished else None,
+                    prompt_token_ids=prompt_ids,
+                    token_ids=list(output.token_ids) if with_ids else None,
+                )
             )
-            yield sse_event(chunk, exclude=exclude)
