@@ -38,7 +38,7 @@ import httpx
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-for _p in (str(ROOT), str(BENCH)):
+for _p in (str(ROOT), str(BENCH), str(ROOT / "tests")):  # tests/: live_server
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
@@ -209,7 +209,7 @@ def summarize(records: list[dict]) -> dict:
 def run_server(args, model: str | None, caching: bool, extra: list[str], work) -> dict:
     """Start the server (with or without --no-prefix-caching), warm it, run work(url) ->
     (records, wall), and add the server's counters over the run."""
-    from graphserve.server.testing import ServerProcess
+    from live_server import ServerProcess
 
     serve = ["--config", args.config, *(["--model", model] if model else []), *extra,
              *([] if caching else ["--no-prefix-caching"])]

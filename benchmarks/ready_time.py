@@ -20,13 +20,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # live_server
 from workload import provenance, resolve_model, write_json  # noqa: E402
 
 PHASES = re.compile(r"loaded|captur|warm|ready|compil", re.IGNORECASE)
 
 
 def start_to_ready(model: str | None, config: str, cache_dir: Path, timeout: float) -> dict:
-    from graphserve.server.testing import ServerProcess
+    from live_server import ServerProcess
 
     args = ["--config", config, *(["--model", model] if model else [])]
     started = time.perf_counter()

@@ -58,7 +58,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-for _p in (str(ROOT), str(BENCH)):
+for _p in (str(ROOT), str(BENCH), str(ROOT / "tests")):  # tests/: live_server
     if _p not in sys.path:
         sys.path.insert(0, _p)
 from workload import TTFT_METRICS, ttft_means  # noqa: E402
@@ -446,7 +446,7 @@ def main() -> int:
     url = args.url
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if url is None:
-        from graphserve.server.testing import ServerProcess
+        from live_server import ServerProcess
 
         config = args.config
         if config is None:

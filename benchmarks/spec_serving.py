@@ -10,7 +10,7 @@ Arguments this script does not know (and everything after `--`) are passed to `g
 both runs (e.g. --device cpu, --model PATH; left out: the embedded SmolLM2-135M-Instruct, the
 default config).
 
-Runs: the server is launched (graphserve.server.testing.ServerProcess, as benchmarks/serving.py does)
+Runs: the server is launched (tests/live_server.py's ServerProcess, as benchmarks/serving.py does)
 with speculation off, then again with `--speculative-method ngram --num-speculative-tokens K` (--k),
 the other flags the same. In each, after two unmeasured warm-up requests (another prompt), every
 prompt goes once through `POST /v1/chat/completions` (stream, stream_options.include_usage,
@@ -49,7 +49,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-for _p in (str(ROOT), str(BENCH)):
+for _p in (str(ROOT), str(BENCH), str(ROOT / "tests")):  # tests/: live_server
     if _p not in sys.path:
         sys.path.insert(0, _p)
 from serving import client_process, percentile, scrape, server_processes  # noqa: E402
@@ -277,7 +277,7 @@ def main() -> int:
     args, server_extra = parser.parse_known_args()
     server_extra = [a for a in server_extra if a != "--"]
 
-    from graphserve.server.testing import ServerProcess
+    from live_server import ServerProcess
 
     prompts = load_prompts(Path(args.prompts))[:args.limit]
     out_dir = Path(args.out)

@@ -40,7 +40,7 @@ from graphserve.server.connections import RateLimitFilter, raise_fd_limit
 from graphserve.server.protocol import MAX_CHAT_MESSAGES, MAX_PROMPTS
 from graphserve.server.request_params import SUMMARY_MAX_CHARS, for_choice, summarize_params
 from graphserve.server.settings import SettingsError, merge_settings
-from graphserve.server.testing import ServerProcess
+from live_server import ServerProcess
 
 MAX_CONNECTIONS = 50
 HEADER_TIMEOUT = 0.5

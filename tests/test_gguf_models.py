@@ -28,7 +28,7 @@ from graphserve.engine.model_files.model_cache import COMPLETE_MARKER, cache_roo
 from graphserve.engine.model_files.model_path import ensure_gguf_model, gguf_cache_path
 from graphserve.kernels.rotary import rope_inv_freq
 from graphserve.server.app import create_app
-from graphserve.server.testing import BackgroundServer
+from live_server import BackgroundServer
 from tiny_gguf import CHAT_TEMPLATE, EOS_ID, gguf_cache, write_tiny_gguf  # noqa: F401 (gguf_cache: a fixture)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -33,7 +33,7 @@ from graphserve.engine.errors import InvalidConfigError, ModelFilesError
 from graphserve.engine.models.layers import Linear
 from graphserve.engine.model_files.model_path import ensure_gguf_model
 from graphserve.server.app import create_app
-from graphserve.server.testing import BackgroundServer
+from live_server import BackgroundServer
 from tiny_gguf import gguf_cache, write_tiny_gguf  # noqa: F401 (gguf_cache: a fixture)
 from tiny_models import make_tiny_model
 

@@ -126,7 +126,7 @@ def test_http_completion_matches_transformers(model_dir, hf_greedy):
     httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
     from graphserve import AsyncEngine, EngineConfig
     from graphserve.server.app import create_app
-    from graphserve.server.testing import BackgroundServer
+    from live_server import BackgroundServer
 
     config = EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=64, decode_chunk=2)
     with BackgroundServer(create_app(AsyncEngine(config))) as server:

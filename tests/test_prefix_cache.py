@@ -239,7 +239,7 @@ def test_the_front_end_hashes_the_prompt_and_the_core_thread_does_not(model_dir,
 
     from graphserve import AsyncEngine, EngineConfig
     from graphserve.server.app import create_app
-    from graphserve.server.testing import BackgroundServer
+    from live_server import BackgroundServer
 
     threads = []
     real = prefix_hash.block_key
@@ -291,7 +291,7 @@ def test_a_cached_1500_token_prefix_cuts_time_to_first_token_over_http():
 
     from graphserve import AsyncEngine, EngineConfig
     from graphserve.server.app import create_app
-    from graphserve.server.testing import BackgroundServer
+    from live_server import BackgroundServer
 
     config = EngineConfig(device="cpu", max_model_len=2048, kv_cache_bytes=256 * 1024**2,
                           max_num_batched_tokens=2048)

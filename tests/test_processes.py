@@ -40,7 +40,7 @@ from graphserve.engine.config import EngineConfig
 from graphserve.engine.llm import LLM
 from graphserve.engine.request import SamplingParams
 from graphserve.server.app import create_app
-from graphserve.server.testing import (BackgroundServer, ServerProcess, child_pids, descendant_pids, socket_inodes, sse_payloads,
+from live_server import (BackgroundServer, ServerProcess, child_pids, descendant_pids, socket_inodes, sse_payloads,
                                        still_running, tcp_sockets)
 
 DECODE_CHUNK = 8  # K: tokens per decode round

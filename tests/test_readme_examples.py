@@ -24,7 +24,7 @@ jsonschema = pytest.importorskip("jsonschema", reason="jsonschema (a dev extra) 
 
 from graphserve import LLM, AsyncEngine, EngineConfig, SamplingParams
 from graphserve.server.app import create_app
-from graphserve.server.testing import BackgroundServer, sse_payloads
+from live_server import BackgroundServer, sse_payloads
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 MARKER = re.compile(r"^<!-- readme-test: ([\w-]+) -->\n```(\w+)\n(.*?)\n```$", re.M | re.S)

@@ -24,7 +24,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
 
-from graphserve.server.testing import ServerProcess, sse_payloads
+from live_server import ServerProcess, sse_payloads
 
 REPO = Path(__file__).resolve().parent.parent
 FAULTS_ENV = {"GRAPHSERVE_ENABLE_FAULT_INJECTION": "1"}

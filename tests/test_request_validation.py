@@ -37,7 +37,7 @@ from test_server_errors import assert_error  # noqa: E402
 
 from graphserve import AsyncEngine, EngineConfig  # noqa: E402
 from graphserve.server.app import create_app  # noqa: E402
-from graphserve.server.testing import BackgroundServer  # noqa: E402
+from live_server import BackgroundServer  # noqa: E402
 
 MAX_MODEL_LEN = 256
 QUEUE_LEN = 160  # past OpenAI's n cap of 128, so that n alone meets the protocol's cap first

@@ -31,7 +31,7 @@ openai = pytest.importorskip("openai", reason="the openai client (a dev extra) d
 from graphserve import LLM, AsyncEngine, EngineConfig, SamplingParams
 from graphserve.engine.errors import InvalidRequestError
 from graphserve.server.app import create_app
-from graphserve.server.testing import BackgroundServer
+from live_server import BackgroundServer
 from tiny_models import make_tiny_model
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # literal: the contract, not the module's constants

@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai", reason="the openai client (a dev extra) d
 
 from graphserve import AsyncEngine, EngineConfig
 from graphserve.server.app import create_app
-from graphserve.server.testing import BackgroundServer, sse_payloads
+from live_server import BackgroundServer, sse_payloads
 
 MAX_MODEL_LEN = 512
 PROMPTS = [

@@ -26,7 +26,7 @@ from graphserve.server.settings import (
     repo_configs_dir,
     resolve_config_path,
 )
-from graphserve.server.testing import free_port
+from live_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

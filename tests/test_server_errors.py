@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai", reason="the openai client (a dev extra) d
 
 from graphserve import AsyncEngine, EngineConfig
 from graphserve.server.app import create_app
-from graphserve.server.testing import BackgroundServer
+from live_server import BackgroundServer
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -18,7 +18,7 @@ from graphserve.engine.llm_engine import EngineStats
 from graphserve.server.app import create_app
 from graphserve.server.cli import build_parser, load_settings
 from graphserve.server.settings import SettingsError, fault_injection_enabled, merge_settings
-from graphserve.server.testing import BackgroundServer
+from live_server import BackgroundServer
 
 API_KEY = "limits-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -305,7 +305,7 @@ def test_http_server_gives_plain_outputs_streamed_and_not(off, prompts):
     httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
     openai = pytest.importorskip("openai", reason="the openai client (a dev extra) drives the HTTP server")
     from graphserve.server.app import create_app
-    from graphserve.server.testing import BackgroundServer
+    from live_server import BackgroundServer
 
     def completion_texts(oai, model, prompt_ids, stream, **body):
         if not stream:

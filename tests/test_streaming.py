@@ -25,7 +25,7 @@ from graphserve.engine.model_files.default_model import ensure_default_model
 from graphserve.engine.output import OutputProcessor
 from graphserve.engine.tokenizer import Tokenizer
 from graphserve.server.app import create_app
-from graphserve.server.testing import BackgroundServer, sse_payloads
+from live_server import BackgroundServer, sse_payloads
 
 MAX_TOKENS = 18  # K = 8: rounds of 1 (the prefill), 8, 8 and 1 tokens
 

@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai", reason="the openai client (a dev extra) d
 from graphserve import AsyncEngine, EngineConfig
 from graphserve.engine.tokenizer import Tokenizer
 from graphserve.server.app import create_app
-from graphserve.server.testing import BackgroundServer
+from live_server import BackgroundServer
 from tiny_models import _bytes_to_unicode, make_tiny_model
 
 PROMPT = "Describe a person as JSON:"

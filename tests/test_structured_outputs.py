@@ -24,7 +24,7 @@ from graphserve.engine.errors import InvalidRequestError
 from graphserve.engine.structured.grammar import GrammarCompiler, GrammarSpec
 from graphserve.kernels.bitmask import unpack_bitmask
 from graphserve.server.app import create_app
-from graphserve.server.testing import BackgroundServer
+from live_server import BackgroundServer
 
 PERSON = {
     "type": "object",

@@ -35,7 +35,7 @@ httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP
 from graphserve import AsyncEngine, EngineConfig
 from graphserve.server import supervisor
 from graphserve.server.app import create_app
-from graphserve.server.testing import BackgroundServer, ServerProcess, child_pids, descendant_pids, socket_inodes, still_running, tcp_sockets
+from live_server import BackgroundServer, ServerProcess, child_pids, descendant_pids, socket_inodes, still_running, tcp_sockets
 
 SERVER_ARGS = ["--device", "cpu", "--max-model-len", "256", "--kv-cache-bytes", "32MiB", "--max-num-seqs", "4",
                "--decode-chunk", "4"]

@@ -20,7 +20,7 @@ from graphserve.engine.distributed import TensorParallel, run_on_ranks
 from graphserve.engine.models.sharding import check_tensor_parallel, shard_for
 from graphserve.engine.errors import InvalidConfigError, ModelFilesError
 from graphserve.engine.models.config import ModelArgs
-from graphserve.server.testing import ServerProcess, child_pids, descendant_pids, still_running
+from live_server import ServerProcess, child_pids, descendant_pids, still_running
 from tiny_models import make_tiny_model
 
 PROMPTS = [[5 + (11 * i + j) % 250 for j in range(n)] for i, n in enumerate((9, 23, 4, 40))]

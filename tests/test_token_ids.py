@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai", reason="the openai client (a dev extra) d
 from graphserve import AsyncEngine, EngineConfig, SamplingParams
 from graphserve.engine.llm import LLM
 from graphserve.server.app import create_app
-from graphserve.server.testing import BackgroundServer
+from live_server import BackgroundServer
 
 MAX_MODEL_LEN = 512
 MAX_TOKENS = 12

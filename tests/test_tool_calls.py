@@ -19,7 +19,7 @@ from graphserve import AsyncEngine, EngineConfig
 from graphserve.engine.tokenizer import Tokenizer
 from graphserve.server.app import create_app
 from graphserve.server.protocol import ChatCompletionRequest
-from graphserve.server.testing import BackgroundServer
+from live_server import BackgroundServer
 from graphserve.server.tools import (FALLBACK, HERMES, LLAMA3_JSON, ToolCallParser, call_format, check_tool_request,
                                      conversation, parse_tool_calls)
 

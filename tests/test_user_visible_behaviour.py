@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai", reason="the openai client (a dev extra) d
 from graphserve import AsyncEngine, EngineConfig
 from graphserve.server.app import create_app
 from graphserve.server.protocol import MAX_TOOL_CALLS, MAX_TOOLS
-from graphserve.server.testing import BackgroundServer
+from live_server import BackgroundServer
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",

@@ -21,7 +21,7 @@ OpenAI = pytest.importorskip("openai", reason="the openai client (a dev extra) d
 import wheel_env as wheel_env_build
 
 from graphserve.engine.model_files.default_model import MODEL_NAME
-from graphserve.server.testing import ServerProcess
+from live_server import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 # The folders pyproject maps into the graphserve package, and where they land in it.

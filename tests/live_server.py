@@ -1,5 +1,6 @@
-"""Run a real graphserve server on loopback for tests and benchmarks: in a background
-thread of this process (`BackgroundServer`), or as its own process (`ServerProcess`,
+"""A real graphserve server on loopback, for tests and benchmarks, and the /proc reads that watch its processes.
+
+In a background thread of this process (`BackgroundServer`), or as its own process (`ServerProcess`,
 `python -m graphserve serve`, for signals, exit codes and load without sharing the GIL).
 
     with BackgroundServer(create_app(AsyncEngine(EngineConfig(device="cpu")))) as server:
