@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import random
 import re
@@ -42,6 +41,7 @@ for _p in (str(ROOT), str(BENCH), str(ROOT / "tests")):  # tests/: live_server
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from sse_client import EventStream  # noqa: E402
 from workload import TTFT_METRICS, provenance, resolve_model, vocabulary, ttft_means, write_json  # noqa: E402
 
 METRICS = ("graphserve_prefix_cache_queries", "graphserve_prefix_cache_hits", "graphserve_prompt_tokens",
@@ -89,37 +89,19 @@ async def stream_turn(http: httpx.AsyncClient, body: dict) -> dict:
     first = None
     token_ids: list[int] = []
     usage: dict = {}
-    error = None
-    buffer = b""
-    try:
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-            else:
-                async for chunk in response.aiter_raw():
-                    now = perf()
-                    buffer += chunk
-                    *events, buffer = buffer.split(b"\n\n")
-                    for event in events:
-                        if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                            continue
-                        payload = json.loads(event[6:])
-                        if "error" in payload:
-                            error = f"SSE error: {str(payload['error'])[:200]}"
-                            continue
-                        for choice in payload.get("choices") or []:
-                            ids = choice.get("token_ids") or []
-                            if ids and first is None:
-                                first = now
-                            token_ids += ids
-                        usage = payload.get("usage") or usage
-    except Exception as e:  # counted, not fatal
-        error = f"{type(e).__name__}: {e}"[:300]
+    stream = EventStream(http, "/v1/completions", body)
+    async for now, payload in stream.events():
+        for choice in payload.get("choices") or []:
+            ids = choice.get("token_ids") or []
+            if ids and first is None:
+                first = now
+            token_ids += ids
+        usage = payload.get("usage") or usage
     details = usage.get("prompt_tokens_details") or {}
     return dict(ttft=None if first is None else first - start, latency=perf() - start, token_ids=token_ids,
                 prompt_tokens=usage.get("prompt_tokens", len(body["prompt"])),
                 cached_tokens=details.get("cached_tokens", 0), completion_tokens=usage.get("completion_tokens", 0),
-                error=error)
+                error=stream.error)
 
 
 async def _run_chains_async(url: str, chains: list[dict], streams: int, max_tokens: int, t0: float) -> list[dict]:

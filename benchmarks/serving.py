@@ -61,6 +61,7 @@ BENCH = ROOT / "benchmarks"
 for _p in (str(ROOT), str(BENCH), str(ROOT / "tests")):  # tests/: live_server
     if _p not in sys.path:
         sys.path.insert(0, _p)
+from sse_client import EventStream  # noqa: E402
 from workload import TTFT_METRICS, ttft_means  # noqa: E402
 
 METRIC_IDLE = "graphserve_device_idle_seconds"
@@ -80,43 +81,22 @@ async def _one_request(http: httpx.AsyncClient, body: dict, rec: dict, itl: arra
     start = perf()
     first = last = None
     tokens = events = 0
-    error = None
-    buffer = b""
-    try:
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+    stream = EventStream(http, "/v1/completions", body)
+    async for now, payload in stream.events():
+        choices = payload.get("choices")
+        if choices and choices[0].get("text"):
+            events += 1
+            if first is None:
+                first = now
             else:
-                async for chunk in response.aiter_raw():
-                    now = perf()
-                    buffer += chunk
-                    *complete, buffer = buffer.split(b"\n\n")
-                    for event in complete:
-                        if not event.startswith(b"data: "):
-                            continue
-                        data = event[6:]
-                        if data == b"[DONE]":
-                            continue
-                        payload = json.loads(data)
-                        if "error" in payload:
-                            error = f"SSE error: {str(payload['error'])[:200]}"
-                            continue
-                        choices = payload.get("choices")
-                        if choices and choices[0].get("text"):
-                            events += 1
-                            if first is None:
-                                first = now
-                            else:
-                                itl.append(now - last)
-                            last = now
-                        usage = payload.get("usage")
-                        if usage:
-                            tokens = usage.get("completion_tokens", 0)
-    except Exception as e:  # connection reset, timeout, ...: counted, not fatal
-        error = f"{type(e).__name__}: {e}"[:300]
+                itl.append(now - last)
+            last = now
+        usage = payload.get("usage")
+        if usage:
+            tokens = usage.get("completion_tokens", 0)
     end = perf()
     rec.update(ttft=(first - start) if first is not None else None, latency=end - start, tokens=tokens,
-               events=events, error=error,
+               events=events, error=stream.error,
                tpot=(last - first) / (tokens - 1) if first is not None and tokens > 1 else None)
 
 

@@ -53,6 +53,7 @@ for _p in (str(ROOT), str(BENCH), str(ROOT / "tests")):  # tests/: live_server
     if _p not in sys.path:
         sys.path.insert(0, _p)
 from serving import client_process, percentile, scrape, server_processes  # noqa: E402
+from sse_client import EventStream  # noqa: E402
 from workload import provenance, write_json  # noqa: E402
 
 PROMPTS = BENCH / "data" / "input_grounded_prompts.json"
@@ -80,42 +81,25 @@ async def _one_request(http: httpx.AsyncClient, body: dict, rec: dict) -> None:
     first = last = None
     text, ids = [], []
     tokens = events = 0
-    finish = error = None
-    buffer = b""
-    try:
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-            else:
-                async for chunk in response.aiter_raw():
-                    now = perf()
-                    buffer += chunk
-                    *complete, buffer = buffer.split(b"\n\n")
-                    for event in complete:
-                        if not event.startswith(b"data: ") or event[6:] == b"[DONE]":
-                            continue
-                        payload = json.loads(event[6:])
-                        if "error" in payload:
-                            error = f"SSE error: {str(payload['error'])[:200]}"
-                            continue
-                        for choice in payload.get("choices") or ():
-                            content = (choice.get("delta") or {}).get("content") or ""
-                            new_ids = choice.get("token_ids") or []
-                            text.append(content)
-                            ids.extend(new_ids)
-                            if new_ids or content:  # an event carrying generated tokens
-                                events += 1
-                                first = now if first is None else first
-                                last = now
-                            finish = choice.get("finish_reason") or finish
-                        usage = payload.get("usage")
-                        if usage:
-                            tokens = usage.get("completion_tokens", 0)
-    except Exception as e:  # connection reset, timeout, ...: recorded, not fatal
-        error = f"{type(e).__name__}: {e}"[:300]
+    finish = None
+    stream = EventStream(http, "/v1/chat/completions", body)
+    async for now, payload in stream.events():
+        for choice in payload.get("choices") or ():
+            content = (choice.get("delta") or {}).get("content") or ""
+            new_ids = choice.get("token_ids") or []
+            text.append(content)
+            ids.extend(new_ids)
+            if new_ids or content:  # an event carrying generated tokens
+                events += 1
+                first = now if first is None else first
+                last = now
+            finish = choice.get("finish_reason") or finish
+        usage = payload.get("usage")
+        if usage:
+            tokens = usage.get("completion_tokens", 0)
     end = perf()
     rec.update(text="".join(text), token_ids=ids, ttft=(first - start) if first is not None else None,
-               latency=end - start, tokens=tokens, events=events, finish_reason=finish, error=error,
+               latency=end - start, tokens=tokens, events=events, finish_reason=finish, error=stream.error,
                tpot=(last - first) / (tokens - 1) if first is not None and tokens > 1 else None)
 
 
