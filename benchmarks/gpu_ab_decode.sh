@@ -3,13 +3,14 @@
 # earlier commit, e.g. `git archive COMMIT | tar -x -C before/`, carried with the call) and this
 # tree, each installed into its own target and timed by its own benchmarks/decode_latency.py, in the
 # order before, after, before, after per model (graph rows, K = 8, batches 1 and 64, prompt 128 +
-# 256 new tokens). Writes $OUT/decode_{before,after}_{1,2}_MODEL.json and prints the tok/s table.
+# 256 new tokens, random weights made on the GPU). Writes $OUT/decode_{before,after}_{1,2}_MODEL.json and prints the tok/s table.
 #   BEFORE=before MODELS="qwen2.5-0.5b llama-3.1-8b" OUT=dir bash benchmarks/gpu_ab_decode.sh
 set -u
 . benchmarks/gpu_env.sh
 BEFORE=${BEFORE:?a folder holding the earlier tree}
+OUT=$(realpath "$OUT")
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/graphserve-before \
-  "$BEFORE" 2>/tmp/pip-before.log || { tail -3 /tmp/pip-before.log; exit 1; }
+  "$(realpath "$BEFORE")" 2>/tmp/pip-before.log || { tail -3 /tmp/pip-before.log; exit 1; }
 AFTER_PATH=$PYTHONPATH
 BEFORE_PATH=/tmp/graphserve-before:${PYTHONPATH#/tmp/graphserve:}
 for model in ${MODELS:-qwen2.5-0.5b llama-3.1-8b}; do
@@ -18,7 +19,7 @@ for model in ${MODELS:-qwen2.5-0.5b llama-3.1-8b}; do
       if [ $side = before ]; then dir=$BEFORE path=$BEFORE_PATH; else dir=. path=$AFTER_PATH; fi
       (cd "$dir" && PYTHONPATH=$path timeout ${AB_TIMEOUT:-200} python3 benchmarks/decode_latency.py --models "$model" \
         --batches 1 64 --chunks 8 --no-eager --skip-transformers --max-num-seqs 64 \
-        --out "$OLDPWD/$OUT/decode_${side}_${round}_$model.json" 2>&1 | grep -v -E "Warning|it/s|warn\(" | tail -4)
+        --load-format dummy --out "$OUT/decode_${side}_${round}_$model.json" 2>&1 | grep -v -E "Warning|it/s|warn\(" | tail -4)
     done
   done
 done
