@@ -80,7 +80,8 @@ class Tokenizer:
         return self._text_tok.encode(text, add_special_tokens=False).ids
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Render the chat template and tokenize it so that only the template's own markup
         becomes control tokens: special-token text inside a message's content or name
         stays text. Messages without such text give exactly encode(render) (the ids of
@@ -94,7 +95,8 @@ class Tokenizer:
         text keep exactly the ids they had."""
         pattern = self.special_token_pattern
         fields = ("content", "name", "tool_calls")  # tool calls: every string inside them
-        render = functools.partial(self.apply_chat_template, add_generation_prompt=add_generation_prompt, tools=tools)
+        render = functools.partial(self.apply_chat_template, add_generation_prompt=add_generation_prompt, tools=tools,
+                                   template_kwargs=template_kwargs)
         if pattern is None or not any(_any_string(m.get(f), pattern.search) for m in messages for f in fields):
             return self.encode(render(messages), add_special_tokens=False)
         # Each special-token text in a content becomes a marker no client can guess, so
@@ -163,7 +165,10 @@ class Tokenizer:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
+        """`template_kwargs`: extra variables for the template (a request's chat_template_kwargs,
+        e.g. enable_thinking); they cannot replace the ones set here."""
         if self.chat_template is None:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
         if self._template is None:
@@ -173,9 +178,10 @@ class Tokenizer:
             env.filters["tojson"] = _tojson  # as transformers renders templates: no HTML escaping
             self._template = env.from_string(self.chat_template)
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                         **({"tools": tools} if tools else {}))
+            return self._template.render({**(template_kwargs or {}), "messages": messages,
+                                          "add_generation_prompt": add_generation_prompt,
+                                          "bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                                          **({"tools": tools} if tools else {})})
         except Exception as e:  # the template compiled, so a render failure follows from these messages
             raise InvalidRequestError(f"chat template failed: {e}", param="messages") from e
 

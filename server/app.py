@@ -23,6 +23,7 @@ from graphserve.server.admission import Admission
 from graphserve.server.errors import install_error_handlers
 from graphserve.server.generation import ClientDisconnected
 from graphserve.server.metrics import ServerMetrics
+from graphserve.server.reasoning import parser_name
 from graphserve.server.settings import ServerSettings
 from graphserve.server.state import ServerState
 from graphserve.server.warm_up import warm_up_front_end
@@ -40,6 +41,7 @@ def create_app(
     api_key: str | None = None,
     log_requests: bool = False,
     chat_content_special_tokens: bool = False,
+    reasoning_parser: str | None = None,
     max_queue_len: int = ServerSettings.max_queue_len,
     max_body_bytes: int = ServerSettings.max_body_bytes,
     allowed_origins: list[str] | None = None,
@@ -62,6 +64,7 @@ def create_app(
         api_key=api_key or None,
         log_requests=log_requests,
         chat_content_special_tokens=chat_content_special_tokens,
+        reasoning_parser=parser_name(reasoning_parser),
         max_body_bytes=max_body_bytes,
     )
 

@@ -16,17 +16,20 @@ from graphserve.server.protocol import ChatMessage
 
 
 def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage] | list[dict[str, Any]], add_generation_prompt: bool,
-                       parse_special_in_content: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+                       parse_special_in_content: bool = False, tools: list[dict[str, Any]] | None = None,
+                       template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Apply the model's chat template and tokenize; the template already holds any BOS.
     `messages`: request messages, or a conversation already in the template's form (with
     tool calls: server/tools.py). A template that rejects the messages raises the engine's
-    InvalidRequestError (a 400)."""
+    InvalidRequestError (a 400). `template_kwargs`: a request's chat_template_kwargs."""
     conversation = [
         m if isinstance(m, dict) else
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
         for m in messages
     ]
     if not parse_special_in_content and hasattr(tokenizer, "encode_chat"):
-        return tokenizer.encode_chat(conversation, add_generation_prompt=add_generation_prompt, tools=tools)
-    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tools=tools)
+        return tokenizer.encode_chat(conversation, add_generation_prompt=add_generation_prompt, tools=tools,
+                                     **({"template_kwargs": template_kwargs} if template_kwargs else {}))
+    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tools=tools,
+                                         **({"template_kwargs": template_kwargs} if template_kwargs else {}))
     return tokenizer.encode(text, add_special_tokens=False)

@@ -14,6 +14,7 @@ from graphserve.engine.config import EngineConfig
 from graphserve.engine.errors import GraphserveError
 from graphserve.server.settings import (
     API_KEY_ENV,
+    REASONING_PARSERS,
     ServerSettings,
     SettingsError,
     default_config_path,
@@ -188,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"seconds for a request's body to arrive after its head, else 408 and close "
         f"(default {defaults.body_timeout:g})",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help=f"split a reasoning model's thinking (<think>...</think>) from its answer: chat responses carry it as "
+        f"reasoning_content / reasoning, and response_format and tool grammars apply only after it; one of "
+        f"{', '.join(REASONING_PARSERS)} (default: off, the thinking is content)",
     )
     add_engine_flags(serve)
 

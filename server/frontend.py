@@ -56,6 +56,7 @@ def run_frontend(index: int, server: ServerSettings, engine_config: EngineConfig
         api_key=server.api_key,
         log_requests=server.log_requests,
         chat_content_special_tokens=server.chat_content_special_tokens,
+        reasoning_parser=server.reasoning_parser,
         max_queue_len=server.max_queue_len,
         max_body_bytes=server.max_body_bytes,
         allowed_origins=server.allowed_origins,

@@ -33,6 +33,7 @@ MAX_PROMPTS = 2048  # entries of a prompt array (strings or token-id lists), as 
 MAX_CHAT_MESSAGES = 4096
 MAX_TOOLS = 128
 MAX_TOOL_CALLS = 128  # per assistant message
+MAX_CHAT_TEMPLATE_KWARGS = 64  # entries of chat_template_kwargs
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_.-]{1,64}$"  # as OpenAI (dots allowed, as vLLM)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -241,6 +242,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    # extra variables for the chat template (e.g. {"enable_thinking": false}), as vLLM
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_CHAT_TEMPLATE_KWARGS)] | None = None
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -277,11 +280,18 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # output tokens of the thinking (a reasoning parser is on)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    # only with --reasoning-parser (left out otherwise)
+    completion_tokens_details: Annotated[CompletionTokensDetails | None,
+                                         Field(default=None, exclude_if=lambda v: v is None)] = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -342,6 +352,9 @@ class ChatResponseMessage(BaseModel):
     content: str | None
     # left out of the JSON when the request had no tools
     tool_calls: Annotated[list[ResponseToolCall] | None, Field(default=None, exclude_if=lambda v: v is None)] = None
+    # --reasoning-parser: the thinking, under both names vLLM sends (left out otherwise)
+    reasoning_content: Annotated[str | None, Field(default=None, exclude_if=lambda v: v is None)] = None
+    reasoning: Annotated[str | None, Field(default=None, exclude_if=lambda v: v is None)] = None
 
 
 class ChatCompletionChoice(BaseModel):

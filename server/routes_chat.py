@@ -34,7 +34,10 @@ from graphserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatResponseMessage,
+    CompletionTokensDetails,
+    UsageInfo,
 )
+from graphserve.server.reasoning import ReasoningConfig, reasoning_config
 from graphserve.server.request_body import parse_body
 from graphserve.server.request_params import build_sampling_params, for_choice
 from graphserve.server.response_view import ResponseView
@@ -79,15 +82,17 @@ async def create_chat_completion(request: Request) -> Response:
     state.admission.admit(body.n)
     messages, template_tools = conversation(body, fmt, use_tools)
     prompt_ids = await asyncio.to_thread(render_chat_prompt, tokenizer, messages, body.add_generation_prompt,
-                                         state.chat_content_special_tokens, template_tools)
+                                         state.chat_content_special_tokens, template_tools,
+                                         body.chat_template_kwargs)
     if not prompt_ids:
         raise bad_request("messages render to an empty prompt", param="messages")
+    reasoning = reasoning_config(state.reasoning_parser, tokenizer, prompt_ids)
     if grammar is not None:  # a 400 for a grammar that fails or takes too long to compile
         await engine.check_grammar(grammar)
     jobs = [ChoiceJob(index=c, prompt=prompt_ids, params=for_choice(params, c)) for c in range(body.n)]
     request_id = new_request_id("chatcmpl")
     group = await start_generation(state, request_id, jobs, stream=body.stream)
-    return await _ChatView(state, body, request_id, fmt if use_tools else None).respond(request, group)
+    return await _ChatView(state, body, request_id, fmt if use_tools else None, reasoning).respond(request, group)
 
 
 class _ChatView(ResponseView):
@@ -96,10 +101,19 @@ class _ChatView(ResponseView):
 
     chunk_type = ChatCompletionChunk
 
-    def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str, tools: CallFormat | None):
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str, tools: CallFormat | None,
+                 reasoning: ReasoningConfig | None = None):
         super().__init__(state, body, request_id)
         self.tools = tools  # the call format to parse, when the request may call tools
+        self.reasoning = reasoning  # --reasoning-parser: each choice's thinking split from its answer
         self.num_top = body.top_logprobs or 0
+
+    def usage(self, progress: dict[int, ChoiceProgress]) -> UsageInfo:
+        usage = super().usage(progress)
+        if self.reasoning is not None:
+            tokens = sum(s.count_tokens(self.tokenizer) for s in self.reasoning.splitters.values())
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=tokens)
+        return usage
 
     def _logprobs(self, entries: list[Any] | None) -> ChatChoiceLogprobs | None:
         if not self.body.logprobs:
@@ -109,10 +123,17 @@ class _ChatView(ResponseView):
     def response(self, progress: dict[int, ChoiceProgress]) -> ChatCompletionResponse:
         choices = []
         for index, output in self.final_outputs(progress):
-            message, finish_reason = ChatResponseMessage(content=output.text), output.finish_reason
+            text, thinking = output.text, {}
+            if self.reasoning is not None:  # the thinking apart; tool calls only from the answer
+                splitter = self.reasoning.splitter(index)
+                splitter.feed(output.text, output.token_ids)
+                splitter.finish()
+                reasoning, text = splitter.message_fields()
+                thinking = {"reasoning_content": reasoning, "reasoning": reasoning}
+            message, finish_reason = ChatResponseMessage(content=text, **thinking), output.finish_reason
             if self.tools is not None:
-                content, calls = parse_tool_calls(self.tools, output.text)
-                message = ChatResponseMessage(content=content, tool_calls=calls or None)
+                content, calls = parse_tool_calls(self.tools, text or "")
+                message = ChatResponseMessage(content=content, tool_calls=calls or None, **thinking)
                 finish_reason = finish_reason_with_calls(finish_reason, bool(calls))
             choices.append(
                 ChatCompletionChoice(
@@ -140,17 +161,27 @@ class _ChatView(ResponseView):
                 # return_token_ids: the prompt's ids in each choice's first chunk, as vLLM
                 yield self.chunk(ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""}),
                                  prompt_token_ids=output.prompt_token_ids if with_ids else None)
-            delta: dict[str, Any] = {"content": output.text} if output.text else {}
+            text, thinking = output.text, ""
+            if self.reasoning is not None:  # the thinking apart; tool calls only from the answer
+                splitter = self.reasoning.splitter(index)
+                thinking, text = splitter.feed(output.text, output.token_ids)
+                if output.finished:
+                    more_thinking, more_text = splitter.finish()
+                    thinking, text = thinking + more_thinking, text + more_text
+            delta: dict[str, Any] = {"reasoning_content": thinking, "reasoning": thinking} if thinking else {}
+            if text:
+                delta["content"] = text
             finish_reason = output.finish_reason if output.finished else None
             if self.tools is not None:
                 parser = parsers.setdefault(index, ToolCallParser(self.tools))
-                content, calls = parser.feed(output.text)
+                content, calls = parser.feed(text)
                 if output.finished:
                     content += parser.finish()[0]
                     finish_reason = finish_reason_with_calls(finish_reason, bool(parser.calls))
                 if parser.calls and not content.strip():
                     content = ""  # whitespace between calls is not content
-                delta = ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+                delta = ({"reasoning_content": thinking, "reasoning": thinking} if thinking else {}) | (
+                    {"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
             has_logprobs = bool(self.body.logprobs and output.logprobs)
             if not self.has_news(output, content=bool(delta), logprobs=has_logprobs):
                 continue

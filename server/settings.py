@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from graphserve.engine.config import EngineConfig
+from graphserve.server.reasoning import REASONING_PARSERS, parser_name
 
 DEFAULT_CONFIG_NAME = "default.toml"
 API_KEY_ENV = "GRAPHSERVE_API_KEY"
@@ -37,6 +38,7 @@ class ServerSettings:
     max_connections: int = 2048  # open connections; beyond it idle ones are evicted, else 503 (connections.py)
     header_timeout: float = 10.0  # seconds for a request's head to arrive (from connect or its first byte)
     body_timeout: float = 30.0  # seconds for a request's body to arrive after its head
+    reasoning_parser: str | None = None  # qwen3 | deepseek-r1: thinking apart from the answer (server/reasoning.py)
 
 
 SERVER_KEYS = {f.name for f in fields(ServerSettings)}
@@ -137,6 +139,10 @@ def check_server_settings(server: ServerSettings) -> None:
     for name in ("header_timeout", "body_timeout"):
         if not 0 < getattr(server, name) < float("inf"):
             raise SettingsError(f"{name} must be a positive number of seconds, got {getattr(server, name)}")
+    try:
+        server.reasoning_parser = parser_name(server.reasoning_parser)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
     if server.allowed_origins is not None and not isinstance(server.allowed_origins, list):
         raise SettingsError("allowed_origins must be a list of origins or a comma-separated string")
 

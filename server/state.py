@@ -27,6 +27,7 @@ class ServerState:
     api_key: str | None = None
     log_requests: bool = False
     chat_content_special_tokens: bool = False  # see render_chat_prompt
+    reasoning_parser: str | None = None  # server/reasoning.py
     created: int = field(default_factory=lambda: int(time.time()))
     startup_error: BaseException | None = None
     draining: bool = False  # shutting down: finish running requests, take no new ones

@@ -216,3 +216,60 @@ def transformers_greedy(path: Path, prompts: list[list[int]], max_new: int) -> l
                           pad_token_id=0)
         outs.append(ids[0, len(prompt):].tolist())
     return outs
+
+
+# ---- a "reasoning" model whose greedy output is known (tests/test_reasoning.py) ----
+
+THINK_TEMPLATES = {
+    # Qwen3's shape: the model opens <think> itself; enable_thinking=false closes an empty one in the prompt
+    "qwen3": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+             "{% if add_generation_prompt %}<assistant>"
+             "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}",
+    # DeepSeek-R1's: the template opens <think>, the output starts inside the thinking
+    "deepseek-r1": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                   "{% if add_generation_prompt %}<assistant><think>\n{% endif %}",
+}
+# each token's successor in the greedy output (the model is a bigram table: every token of the chain is
+# distinct). After "<assistant>" (its last token ">") the qwen3 model writes
+# "<think>\nLet me think</think>\n\nThe answer is 42"; after a prompt that ends in "<think>\n" (deepseek-r1)
+# "Let me think</think>\n\nThe answer is 42"; after "</think>\n\n" (enable_thinking=false) "The answer is 42".
+THINK_WORDS = ["<think>", "</think>", "Let", " me", " think", "\n\n", "The", " answer", " is", " 42"]
+THINK_CHAIN = [">", "<think>", "\n", "Let", " me", " think", "</think>", "\n\n", "The", " answer", " is", " 42", "</s>"]
+
+
+def make_thinking_model(path: Path, template: str = "qwen3") -> Path:
+    """A tiny llama whose greedy output follows THINK_CHAIN: every layer adds nothing to the
+    residual (its output projections are zero), so the logits are lm_head(norm(embedding of the
+    last token)), and lm_head's row of each chain token points at its predecessor's embedding.
+    The byte tokenizer has the THINK_WORDS as added (non-special) tokens."""
+    import transformers
+    from tokenizers import AddedToken
+
+    tok = _byte_tokenizer()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in THINK_WORDS])
+    ids = {}
+    for piece in THINK_CHAIN:
+        encoded = tok.encode(piece, add_special_tokens=False).ids if piece != "</s>" else [2]
+        assert len(encoded) == 1, (piece, encoded)
+        ids[piece] = encoded[0]
+    config = transformers.LlamaConfig(**{**_BASE, **VARIANTS["llama"][2]})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb.normal_(0, 1.0)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        head = model.lm_head.weight
+        head.zero_()
+        for a, b in zip(THINK_CHAIN, THINK_CHAIN[1:]):
+            head[ids[b]] += 4.0 * emb[ids[a]] / emb[ids[a]].norm()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False, "chat_template": THINK_TEMPLATES[template]}))
+    return path

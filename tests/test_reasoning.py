@@ -1,0 +1,155 @@
+"""Reasoning parsers (server/reasoning.py, `--reasoning-parser`) through the official `openai`
+client: a tiny model whose greedy output is known (tests/tiny_models.make_thinking_model: a
+bigram table over a byte tokenizer with <think>/</think> as tokens) thinks, then answers;
+`reasoning_content` holds exactly the thinking, `content` exactly the answer, streamed and
+not, and the concatenated stream equals the whole message; chat_template_kwargs reach the
+template; usage counts the reasoning tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+httpx = pytest.importorskip("httpx", reason="httpx (a dev extra) drives the HTTP server")
+openai = pytest.importorskip("openai", reason="the openai client (a dev extra) drives the HTTP server")
+
+from graphserve import AsyncEngine, EngineConfig
+from graphserve.server.app import create_app
+from graphserve.server.reasoning import ReasoningSplitter, parser_name
+from graphserve.server.settings import SettingsError, merge_settings
+from live_server import BackgroundServer
+from tiny_models import make_thinking_model
+
+HI = [{"role": "user", "content": "Hi"}]
+ANSWER = "\n\nThe answer is 42"
+
+
+def _server(tmp_path_factory, parser: str) -> Iterator[BackgroundServer]:
+    path = make_thinking_model(tmp_path_factory.mktemp(parser) / "m", parser)
+    config = EngineConfig(model=str(path), device="cpu", max_num_seqs=4, decode_chunk=2, max_model_len=256,
+                          kv_cache_bytes=8 * 1024**2, warm_up=False)
+    with BackgroundServer(create_app(AsyncEngine(config), reasoning_parser=parser)) as background:
+        background.wait_ready()
+        yield background
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> Iterator[openai.OpenAI]:
+    for server in _server(tmp_path_factory, "qwen3"):
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory) -> Iterator[openai.OpenAI]:
+    for server in _server(tmp_path_factory, "deepseek-r1"):
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+def chat(client, stream: bool, **kw):
+    """(reasoning, content, finish_reason, usage) of one choice, whole or reassembled from the stream."""
+    kw = dict(model=client.models.list().data[0].id, messages=HI, temperature=0, **{"max_tokens": 32, **kw})
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        m = r.choices[0].message
+        assert m.model_extra.get("reasoning") == m.model_extra.get("reasoning_content")
+        return m.model_extra.get("reasoning_content"), m.content, r.choices[0].finish_reason, r.usage
+    reasoning, content, finish, usage, order = None, None, None, None, []
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            extra = choice.delta.model_extra or {}
+            assert extra.get("reasoning") == extra.get("reasoning_content")
+            if extra.get("reasoning_content"):
+                reasoning = (reasoning or "") + extra["reasoning_content"]
+                order.append("r")
+            if choice.delta.content:
+                content = (content or "") + choice.delta.content
+                order.append("c")
+    assert order == sorted(order, reverse=True)  # all thinking deltas before any answer delta
+    return reasoning, content, finish, usage
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_qwen3_thinking_then_answer(qwen3, stream):
+    reasoning, content, finish, usage = chat(qwen3, stream)
+    assert (reasoning, content, finish) == ("\nLet me think", ANSWER, "stop")
+    # "\n", "Let", " me", " think": the tags are not counted
+    assert usage.completion_tokens_details.reasoning_tokens == 4
+    assert usage.completion_tokens == 12  # <think> \n Let me think </think> \n\n The answer is 42, and the EOS
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_qwen3_enable_thinking_false_is_all_answer(qwen3, stream):
+    """chat_template_kwargs reach the template: it closes an empty thinking in the prompt, and the
+    output without tags is all content."""
+    reasoning, content, finish, usage = chat(qwen3, stream, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert (reasoning, content, finish) == (None, "The answer is 42", "stop")
+    assert usage.completion_tokens_details.reasoning_tokens == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_deepseek_r1_output_starts_inside_the_thinking(deepseek, stream):
+    reasoning, content, finish, usage = chat(deepseek, stream)
+    assert (reasoning, content, finish) == ("Let me think", ANSWER, "stop")
+    assert usage.completion_tokens_details.reasoning_tokens == 3
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek"])
+def test_thinking_never_closed_is_all_reasoning(qwen3, deepseek, parser, stream):
+    """Cut by max_tokens inside the thinking: all of it is reasoning, no content (as vLLM)."""
+    client = qwen3 if parser == "qwen3" else deepseek
+    reasoning, content, finish, _ = chat(client, stream, max_tokens=3)
+    expected = "\nLet" if parser == "qwen3" else "Let me think"
+    assert (reasoning, content, finish) == (expected, None, "length")
+
+
+def test_template_kwargs_cannot_replace_the_messages_and_are_bounded(qwen3):
+    model = qwen3.models.list().data[0].id
+    r = qwen3.chat.completions.create(model=model, messages=HI, max_tokens=32, temperature=0,
+                                      extra_body={"chat_template_kwargs": {"messages": [], "enable_thinking": False}})
+    assert r.choices[0].message.content == "The answer is 42"
+    with pytest.raises(openai.BadRequestError) as err:
+        qwen3.chat.completions.create(model=model, messages=HI, max_tokens=4, extra_body={
+            "chat_template_kwargs": {f"k{i}": i for i in range(65)}})
+    assert err.value.body["param"].startswith("chat_template_kwargs")
+
+
+# ---- the splitter alone --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("parser, starts_inside, text, expected", [
+    ("qwen3", False, "<think>\nhmm</think>\n\nanswer", ("\nhmm", "\n\nanswer")),
+    ("qwen3", False, "  <think>a</think>", ("a", None)),
+    ("qwen3", False, "no tags at all", (None, "no tags at all")),
+    ("qwen3", False, "<thin", (None, "<thin")),
+    ("qwen3", False, "<think>never closed </thi", ("never closed </thi", None)),
+    ("qwen3", True, "inside</think>out", ("inside", "out")),
+    ("deepseek-r1", False, "inside</think>out", ("inside", "out")),
+    ("deepseek-r1", False, "<think>inside</think>out", ("inside", "out")),
+    ("deepseek-r1", False, "never closed", ("never closed", None)),
+    ("deepseek-r1", False, "</think>", ("", None)),
+])
+def test_splitter_fed_piecewise_equals_whole(parser, starts_inside, text, expected):
+    for size in (len(text) or 1, 1, 2, 3, 5):
+        s = ReasoningSplitter(parser, starts_inside)
+        streamed = ["", ""]
+        for i in range(0, len(text), size):
+            r, c = s.feed(text[i:i + size])
+            streamed[0] += r
+            streamed[1] += c
+        r, c = s.finish()
+        streamed[0] += r
+        streamed[1] += c
+        assert s.message_fields() == expected
+        assert tuple(streamed) == (expected[0] or "", expected[1] or "")
+
+
+def test_unknown_parser_names_the_choices():
+    assert parser_name("deepseek_r1") == "deepseek-r1"
+    with pytest.raises(ValueError, match="qwen3, deepseek-r1"):
+        parser_name("gpt-oss")
+    with pytest.raises(SettingsError, match="qwen3, deepseek-r1"):
+        merge_settings({}, {"reasoning_parser": "nope"})
