@@ -154,7 +154,15 @@ class ReasoningConfig:
     start_id: int | None = None
     end_id: int | None = None
     starts_inside: bool = False
+    prompt_closed: bool = False  # the prompt ends right after a </think> (enable_thinking=false)
     splitters: dict[int, ReasoningSplitter] = field(default_factory=dict)
+
+    @property
+    def grammar_mode(self) -> str:
+        """GrammarSpec.reasoning: where a response_format or tool grammar starts."""
+        if self.starts_inside:
+            return "inside"
+        return "" if self.prompt_closed else "may_open"
 
     def splitter(self, index: int) -> ReasoningSplitter:
         if index not in self.splitters:
@@ -179,4 +187,5 @@ def reasoning_config(parser: str | None, tokenizer: Any, prompt_ids: list[int]) 
         start_id = end_id = None
     tail = tokenizer.decode(list(prompt_ids[-16:]), skip_special_tokens=False) if prompt_ids else ""
     starts_inside = parser == "deepseek-r1" or prompt_opens_thinking(tail)
-    return ReasoningConfig(parser, start_id, end_id, starts_inside)
+    closed = tail.rstrip().endswith(THINK_END)
+    return ReasoningConfig(parser, start_id, end_id, starts_inside, prompt_closed=closed)

@@ -153,3 +153,29 @@ def test_unknown_parser_names_the_choices():
         parser_name("gpt-oss")
     with pytest.raises(SettingsError, match="qwen3, deepseek-r1"):
         merge_settings({}, {"reasoning_parser": "nope"})
+
+
+YES_NO = {"type": "object", "properties": {"ok": {"type": "string", "enum": ["yes", "no"]}},
+          "required": ["ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek"])
+def test_json_schema_starts_after_the_thinking(qwen3, deepseek, parser, stream):
+    """The grammar leaves the thinking free (the model's own text, which the schema forbids) and
+    constrains the answer after </think>: it parses and validates."""
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    client = qwen3 if parser == "qwen3" else deepseek
+    fmt = {"type": "json_schema", "json_schema": {"name": "yes_no", "schema": YES_NO}}
+    reasoning, content, finish, _ = chat(client, stream, response_format=fmt, max_tokens=64)
+    assert reasoning == ("\nLet me think" if parser == "qwen3" else "Let me think")
+    assert finish == "stop", content
+    jsonschema.validate(json.loads(content), YES_NO)
+    # without thinking (enable_thinking=false) the schema applies from the output's start
+    if parser == "qwen3":
+        reasoning, content, _, _ = chat(client, stream, response_format=fmt, max_tokens=64,
+                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert reasoning is None
+        jsonschema.validate(json.loads(content), YES_NO)

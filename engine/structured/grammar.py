@@ -37,11 +37,16 @@ class GrammarSpec(msgspec.Struct, frozen=True, array_like=True):
     "json_object" (any JSON object), "regex", "choice" (value: a JSON list of strings),
     "grammar" (EBNF, xgrammar's dialect of GBNF), or "structural_tag" (xgrammar's
     structural tag as JSON: tool calls). `param`: the request field it came from, for
-    error messages."""
+    error messages. `reasoning` (a reasoning parser is on): the constraint starts only after
+    the thinking, which it leaves free: "inside" (the output starts inside an open
+    `<think>`: any text up to `</think>`), "may_open" (the output may open `<think>` itself:
+    then any text up to `</think>`; else the constraint from the start); whitespace may
+    follow `</think>` (two characters at most: Qwen3 writes a blank line)."""
 
     kind: str
     value: str = ""
     param: str = "response_format"
+    reasoning: str = ""
 
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -135,7 +140,27 @@ def json_strings_without_controls(grammar):
     return reparse(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
 
 
+REASONING_MODES = ("", "inside", "may_open")
+THINK_START, THINK_END = "<think>", "</think>"
+
+
 def _grammar(spec: GrammarSpec):
+    """The spec's grammar; with `reasoning`, free thinking up to `</think>` before it."""
+    import xgrammar as xgr
+
+    grammar = _constraint_grammar(spec)
+    if not spec.reasoning:
+        return grammar
+    if spec.reasoning not in REASONING_MODES:
+        raise InvalidRequestError(f"unknown reasoning mode {spec.reasoning!r}", param=spec.param)
+    begin = "" if spec.reasoning == "inside" else THINK_START
+    thinking = xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": {
+        "type": "tag", "begin": begin, "content": {"type": "any_text"}, "end": THINK_END}}))
+    after = xgr.Grammar.concat(thinking, xgr.Grammar.from_ebnf('root ::= [ \\t\\n\\r]{0,2}'), grammar)
+    return after if spec.reasoning == "inside" else xgr.Grammar.union(after, grammar)
+
+
+def _constraint_grammar(spec: GrammarSpec):
     import xgrammar as xgr
 
     try:
