@@ -162,15 +162,18 @@ class AsyncEngine:
         is malformed, fails to compile or takes too long is a 400 before anything is queued."""
         await self.grammars.check(spec)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> "RequestStream":
-        """Validate and send now (raises InvalidRequestError / PromptTooLongError before the
-        request takes any KV); returns the stream of its updates, one per engine round.
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+                    max_tokens_defaulted: bool = False) -> "RequestStream":
+        """Check the prompt, fit max_tokens (InputProcessor.check) and send now (raises
+        InvalidRequestError / PromptTooLongError before the request takes any KV); returns the
+        stream of its updates, one per engine round. `params` come validated
+        (SamplingParams.validate, at the HTTP edge); `max_tokens_defaulted`: see fit_max_tokens.
         Closing the stream before the last update, read or not, aborts the request."""
         if self.dead:
             raise EngineDeadError("the engine has stopped after an error")
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        token_ids, params = self.inputs.check(prompt, params)
+        token_ids, params = self.inputs.check(prompt, params, max_tokens_defaulted=max_tokens_defaulted)
         updates: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = updates
         self.outputs.add(request_id, token_ids, params)

@@ -43,8 +43,9 @@ class LLMEngine:
         return self.core.worker.runner
 
     def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        """Tokenize and validate; raises InvalidRequestError before anything is queued."""
-        token_ids, params = self.inputs.check(prompt, params)
+        """Validate the user's params (the offline API's edge: SamplingParams.validate, once),
+        tokenize and fit max_tokens; raises InvalidRequestError before anything is queued."""
+        token_ids, params = self.inputs.check(prompt, params.validate())
         return self.core.make_sequence(request_id, token_ids, params)
 
     def add_sequence(self, seq: Sequence) -> None:

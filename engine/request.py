@@ -12,10 +12,13 @@ from graphserve.engine.errors import InvalidRequestError
 from graphserve.engine.structured.grammar import GrammarSpec
 
 MAX_LOGPROBS = 20
-# Bounds on what one request may ask for: each is checked by the HTTP protocol (a 400 naming
-# the field) and again by SamplingParams (the offline API). Integers reach the device as
+# Bounds on what one request may ask for: the HTTP protocol's schema names them (a 400 naming
+# the field) and SamplingParams.validate checks them where a request enters. Integers reach the device as
 # int64 and must fit int32 where they count tokens; floats must be finite.
 MAX_TOKEN_COUNT = 2**31 - 1  # max_tokens, min_tokens, top_k
+# max_tokens left out: OpenAI's default for /v1/completions and vLLM's SamplingParams' (chat's is
+# None, as many as fit). The one place it is decided: SamplingParams and the completions body read it.
+DEFAULT_MAX_TOKENS = 16
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI and vLLM accept; the sampler hashes the low 32 bits
 MAX_TEMPERATURE = 100.0  # logits / T stays finite in float32 (OpenAI caps at 2, vLLM has no cap)
 MAX_REPETITION_PENALTY = 100.0
@@ -28,9 +31,14 @@ MAX_STOP_TOKEN_IDS = 256
 
 @dataclass
 class SamplingParams:
-    """Sampling controls, OpenAI / vLLM semantics. temperature 0 means greedy."""
+    """Sampling controls, OpenAI / vLLM semantics. temperature 0 means greedy.
 
-    max_tokens: int | None = 16  # None: as many as fit in max_model_len
+    Checked once, by `validate()`, where a request enters: the HTTP front end
+    (server/request_params.py) and the offline engine (LLMEngine.make_sequence). Constructing,
+    copying (`dataclasses.replace`) and decoding one from a message check nothing: past the
+    edge every part of the engine trusts it."""
+
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # None: as many as fit in max_model_len
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # <= 0: disabled
@@ -50,7 +58,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # constrain the output (response_format, tool calls)
 
-    def __post_init__(self) -> None:
+    def validate(self) -> "SamplingParams":
+        """Check every field (InvalidRequestError naming it) and normalize in place: `stop` a
+        list, empty stops dropped. Returns self. (min_tokens is clamped to max_tokens where
+        max_tokens gets its final value: engine/inputs.py's fit_max_tokens.)"""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
@@ -76,7 +87,7 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"max_tokens must be at least 1 (0 only with prompt logprobs / echo), got {self.max_tokens}",
                     param="max_tokens")
-            self.min_tokens = min(self.min_tokens, self.max_tokens)
+        return self
 
     def _check_bounds(self) -> None:
         """Types, finiteness and the caps above: what the engine can represent, checked before

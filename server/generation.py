@@ -36,6 +36,7 @@ class ChoiceJob:
     index: int
     prompt: str | list[int]
     params: SamplingParams
+    max_tokens_defaulted: bool = False  # the body left max_tokens out (engine/inputs.fit_max_tokens)
 
 
 @dataclass
@@ -104,7 +105,8 @@ class GenerationGroup:
         now = time.monotonic()
         try:
             for job in self.jobs:
-                stream = self.engine.add_request(job.prompt, job.params, self.engine_request_id(job.index))
+                stream = self.engine.add_request(job.prompt, job.params, self.engine_request_id(job.index),
+                                                 max_tokens_defaulted=job.max_tokens_defaulted)
                 self.progress[job.index] = ChoiceProgress(arrival_time=now)
                 # read at once: a started stream aborts its request when it is cancelled or closed
                 pump = _Pump(stream, task=asyncio.ensure_future(anext(stream)))

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from graphserve.engine.request import (
+    DEFAULT_MAX_TOKENS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGIT_BIAS_VALUE,
     MAX_LOGPROBS,
@@ -35,7 +36,6 @@ MAX_TOOLS = 128
 MAX_TOOL_CALLS = 128  # per assistant message
 MAX_CHAT_TEMPLATE_KWARGS = 64  # entries of chat_template_kwargs
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_.-]{1,64}$"  # as OpenAI (dots allowed, as vLLM)
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 Prompt = str | list[int] | list[str] | list[list[int]]
 
@@ -155,7 +155,7 @@ PROMPT_JSON_SCHEMA = {
 
 class CompletionRequest(_SamplingFields):
     prompt: Annotated[Any, WithJsonSchema(PROMPT_JSON_SCHEMA)]
-    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)] | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)] | None = DEFAULT_MAX_TOKENS
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
 

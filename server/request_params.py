@@ -11,7 +11,7 @@ from graphserve.server.errors import bad_request
 from graphserve.server.protocol import _SamplingFields
 
 # Body fields that SamplingParams takes as they are; one the client left out (None) keeps
-# SamplingParams' default, and SamplingParams itself turns a `stop` string into a list.
+# SamplingParams' default, and SamplingParams.validate turns a `stop` string into a list.
 _PASSED_THROUGH = (
     "temperature",
     "top_p",
@@ -57,8 +57,10 @@ def build_sampling_params(
     vocab_size: int,
     grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
-    """One SamplingParams for the first choice; `for_choice` derives the others. A value
-    SamplingParams rejects raises the engine's InvalidRequestError (a 400, errors.py)."""
+    """One SamplingParams for the first choice, validated: the HTTP edge's one
+    SamplingParams.validate; `for_choice` derives the others without checking again. A value
+    it rejects raises the engine's InvalidRequestError (a 400, errors.py). max_tokens goes as
+    the body has it; engine/inputs.py fits it to the context."""
     for token_id in body.stop_token_ids or []:
         check_token_id(token_id, vocab_size, "stop_token_ids")
     given: dict[str, Any] = {name: getattr(body, name) for name in _PASSED_THROUGH}
@@ -69,16 +71,15 @@ def build_sampling_params(
         prompt_logprobs=prompt_logprobs,
         logit_bias=parse_logit_bias(body.logit_bias, vocab_size),
         grammar=grammar,
-    )
+    ).validate()
 
 
-def for_choice(params: SamplingParams, choice_index: int, **changes: Any) -> SamplingParams:
-    """The params of choice i, with `changes` applied: choice i of a seeded request samples
-    with seed + i (wrapped into int64, so seed 2**63 - 1 with n > 1 stays valid), so the n
-    choices differ. The copy is shallow (the engine copies params itself and never mutates
-    their lists or dicts)."""
+def for_choice(params: SamplingParams, choice_index: int) -> SamplingParams:
+    """The params of choice i: choice i of a seeded request samples with seed + i (wrapped
+    into int64, so seed 2**63 - 1 with n > 1 stays valid), so the n choices differ. The copy
+    is shallow (the engine copies params itself and never mutates their lists or dicts)."""
     seed = None if params.seed is None else wrap_seed(params.seed + choice_index)
-    return replace(params, seed=seed, **changes)
+    return replace(params, seed=seed)
 
 
 def wrap_seed(seed: int) -> int:

@@ -16,7 +16,6 @@ from graphserve.server.errors import bad_request
 from graphserve.server.generation import ChoiceJob, ChoiceProgress, GenerationGroup, start_generation
 from graphserve.server.logprobs import append_completion_logprobs
 from graphserve.server.protocol import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
@@ -47,23 +46,10 @@ def normalize_prompts(prompt: Any) -> list[str | list[int]]:
     return prompts
 
 
-def fit_max_tokens(
-    body: CompletionRequest, prompts: list[str | list[int]], tokenizer: Any, max_model_len: int
-) -> list[tuple[list[int], int | None]]:
-    """(prompt ids, max_tokens) per prompt, each text prompt tokenized once here (as the
-    engine would) rather than once per choice by the engine. A max_tokens the client gave
-    goes to the engine as is: a number that does not fit after the prompt is a 400, null
-    means as many as fit (as in vLLM). Left out, OpenAI's default of 16 is clamped to what
-    fits, so a default the client never chose cannot make a request fail."""
-    given = "max_tokens" in body.model_fields_set
-    fitted: list[tuple[list[int], int | None]] = []
-    for prompt in prompts:
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        room = max_model_len - len(ids)
-        # no room at all: None lets the engine answer that the prompt is too long
-        default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, room) if room > 0 else None
-        fitted.append((ids, body.max_tokens if given else default))
-    return fitted
+def tokenize_prompts(prompts: list[str | list[int]], tokenizer: Any) -> list[list[int]]:
+    """Each text prompt tokenized once here (as the engine would) rather than once per choice
+    by the engine; token ids pass as they are."""
+    return [tokenizer.encode(prompt) if isinstance(prompt, str) else prompt for prompt in prompts]
 
 
 def _prompt_logprobs(body: CompletionRequest) -> int | None:
@@ -104,12 +90,15 @@ async def create_completion(request: Request) -> Response:
         await engine.check_grammar(params.grammar)
     if any(isinstance(prompt, str) for prompt in prompts):
         # tokenizing is O(body size): off the event loop, so other clients keep being served
-        fitted = await asyncio.to_thread(fit_max_tokens, body, prompts, tokenizer, engine.max_model_len)
+        prompt_ids = await asyncio.to_thread(tokenize_prompts, prompts, tokenizer)
     else:  # token ids: nothing to tokenize, and a thread hop costs a busy server milliseconds
-        fitted = fit_max_tokens(body, prompts, tokenizer, engine.max_model_len)
+        prompt_ids = tokenize_prompts(prompts, tokenizer)
+    # max_tokens as the client gave it must fit after the prompt (else a 400); null is as many as
+    # fit (as in vLLM); left out, the default (16) is clamped to what fits (engine/inputs.py)
+    defaulted = "max_tokens" not in body.model_fields_set
     jobs = [
-        ChoiceJob(index=p * body.n + c, prompt=ids, params=for_choice(params, c, max_tokens=limit))
-        for p, (ids, limit) in enumerate(fitted)
+        ChoiceJob(index=p * body.n + c, prompt=ids, params=for_choice(params, c), max_tokens_defaulted=defaulted)
+        for p, ids in enumerate(prompt_ids)
         for c in range(body.n)
     ]
     request_id = new_request_id("cmpl")

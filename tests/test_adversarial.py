@@ -238,7 +238,7 @@ def test_lists_past_their_caps_are_400_naming_the_cap(client: httpx.Client) -> N
 
 
 def test_sampling_params_check_the_same_bounds() -> None:
-    """The engine's own guard (the offline API) rejects what the protocol rejects."""
+    """The engine's own check (SamplingParams.validate, the offline API's edge) rejects what the protocol rejects."""
     bad = [
         ({"top_k": 2**63}, "top_k"),
         ({"max_tokens": 2**31}, "max_tokens"),
@@ -261,9 +261,9 @@ def test_sampling_params_check_the_same_bounds() -> None:
     ]
     for kwargs, param in bad:
         with pytest.raises(InvalidRequestError) as caught:
-            SamplingParams(**kwargs)
+            SamplingParams(**kwargs).validate()
         assert caught.value.param == param, kwargs
-    SamplingParams(top_k=MAX_TOKEN_COUNT, seed=SEED_MIN, temperature=100.0, stop=["x"] * MAX_STOP_STRINGS)
+    SamplingParams(top_k=MAX_TOKEN_COUNT, seed=SEED_MIN, temperature=100.0, stop=["x"] * MAX_STOP_STRINGS).validate()
 
 
 # ---- 2. work before admission; the event loop stays free -----------------------------------------

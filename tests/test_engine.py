@@ -277,9 +277,9 @@ def test_bad_input_errors(model_dir, llm, tmp_path):
     with pytest.raises(PromptTooLongError):
         llm.generate([[5] * 600], SamplingParams(max_tokens=None))
     with pytest.raises(InvalidRequestError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        llm.generate([[5]], SamplingParams(max_tokens=0))
     with pytest.raises(InvalidRequestError, match="temperature"):
-        SamplingParams(temperature=-1)
+        llm.generate([[5]], SamplingParams(temperature=-1))
     with pytest.raises(InvalidRequestError, match="empty"):
         llm.generate([""], SamplingParams())
     with pytest.raises(InvalidRequestError, match="vocabulary"):

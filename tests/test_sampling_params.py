@@ -78,7 +78,7 @@ def sampled(oai: openai.OpenAI, model: str, **kw: Any) -> list[str]:
 
 
 def test_every_int64_is_a_seed_that_reproduces_its_output(oai: openai.OpenAI, model: str,
-                                                          client: httpx.Client) -> None:
+                                                          client: httpx.Client, llm: LLM) -> None:
     """OpenAI and vLLM take any int64 as a seed: both ends, and negative seeds, are served and
     give the same text each time; one past either end is a 400 naming `seed`."""
     for seed in (INT64_MIN, INT64_MIN + 1, -1000, -1, 0, 1000, INT64_MAX):
@@ -87,10 +87,10 @@ def test_every_int64_is_a_seed_that_reproduces_its_output(oai: openai.OpenAI, mo
     for seed in (INT64_MIN - 1, INT64_MAX + 1):
         error_of(client.post("/v1/completions", json={"prompt": PROMPT, "seed": seed}), "seed")
     for seed in (INT64_MIN, -1000, INT64_MAX):  # the offline API takes the same range
-        assert SamplingParams(seed=seed).seed == seed
+        assert SamplingParams(seed=seed).validate().seed == seed
     for seed in (INT64_MIN - 1, INT64_MAX + 1):
         with pytest.raises(InvalidRequestError) as caught:
-            SamplingParams(seed=seed)
+            offline(llm, seed=seed)
         assert caught.value.param == "seed"
 
 
@@ -125,17 +125,23 @@ RANGES: list[tuple[str, list[Any], list[Any]]] = [
 ]
 
 
-def test_each_parameter_takes_its_whole_range_and_nothing_past_it() -> None:
+def offline(llm: LLM, **kwargs: Any) -> None:
+    """Send SamplingParams(**kwargs) through the offline API's edge (LLM.generate validates them
+    before anything is queued)."""
+    llm.generate([[5, 6, 7]], SamplingParams(**kwargs))
+
+
+def test_each_parameter_takes_its_whole_range_and_nothing_past_it(llm: LLM) -> None:
     """The offline API takes every value of a parameter's documented range, both ends included,
     and refuses one just past either end with an InvalidRequestError naming the field."""
     for field, valid, invalid in RANGES:
         # max_tokens None (as many as fit) leaves min_tokens as given
         base = {} if field == "max_tokens" else {"max_tokens": None}
         for value in valid:
-            assert getattr(SamplingParams(**base, **{field: value}), field) == value, (field, value)
+            assert getattr(SamplingParams(**base, **{field: value}).validate(), field) == value, (field, value)
         for value in invalid:
             with pytest.raises(InvalidRequestError) as caught:
-                SamplingParams(**base, **{field: value})
+                offline(llm, **base, **{field: value})
             assert caught.value.param == field, (field, value)
 
 
@@ -157,11 +163,11 @@ def test_the_ends_of_each_range_are_served(client: httpx.Client) -> None:
                 assert response.status_code == 200, (path, field, value, response.text)
 
 
-def test_list_parameters_take_up_to_their_caps() -> None:
+def test_list_parameters_take_up_to_their_caps(llm: LLM) -> None:
     """The caps on lists (64 stop strings of at most 512 characters, 256 stop token ids, 1024
     logit_bias entries) are inclusive; one more is an InvalidRequestError naming the field."""
     SamplingParams(stop=["z" * 512] * 64, stop_token_ids=list(range(256)),
-                   logit_bias={i: 1.0 for i in range(1024)})
+                   logit_bias={i: 1.0 for i in range(1024)}).validate()
     for kwargs, param in (
         ({"stop": ["z"] * 65}, "stop"),
         ({"stop": ["z" * 513]}, "stop"),
@@ -170,14 +176,14 @@ def test_list_parameters_take_up_to_their_caps() -> None:
         ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias"),
     ):
         with pytest.raises(InvalidRequestError) as caught:
-            SamplingParams(**kwargs)
+            offline(llm, **kwargs)
         assert caught.value.param == param, kwargs
 
 
-def test_token_ids_and_biases_take_their_whole_range() -> None:
+def test_token_ids_and_biases_take_their_whole_range(llm: LLM) -> None:
     """Token ids (stop_token_ids, logit_bias keys) are integers from 0 up (the engine checks the
     prompt's vocabulary); a bias is a finite number in [-100, 100], as OpenAI's."""
-    SamplingParams(stop_token_ids=[0, 2**31 - 1], logit_bias={0: -100, 1: 100.0, 2**31 - 1: 0.5, 3: -100.0})
+    SamplingParams(stop_token_ids=[0, 2**31 - 1], logit_bias={0: -100, 1: 100.0, 2**31 - 1: 0.5, 3: -100.0}).validate()
     for kwargs, param in (
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": [2**31]}, "stop_token_ids"),
@@ -189,11 +195,11 @@ def test_token_ids_and_biases_take_their_whole_range() -> None:
         ({"logit_bias": {5: float("nan")}}, "logit_bias"),
     ):
         with pytest.raises(InvalidRequestError) as caught:
-            SamplingParams(**kwargs)
+            offline(llm, **kwargs)
         assert caught.value.param == param, kwargs
 
 
-def test_a_value_of_the_wrong_type_is_an_error_naming_the_field() -> None:
+def test_a_value_of_the_wrong_type_is_an_error_naming_the_field(llm: LLM) -> None:
     """The offline API refuses what JSON would not carry as the field's type (a bool for a number,
     a float or string for an integer, a string for a number): never silently taken."""
     for kwargs, param in (
@@ -224,12 +230,12 @@ def test_a_value_of_the_wrong_type_is_an_error_naming_the_field() -> None:
         ({"logit_bias": {5: "1"}}, "logit_bias"),
     ):
         with pytest.raises(InvalidRequestError) as caught:
-            SamplingParams(**kwargs)
+            offline(llm, **kwargs)
         assert caught.value.param == param, kwargs
     for value in (float("inf"), float("-inf"), float("nan")):  # finite numbers only
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             with pytest.raises(InvalidRequestError) as caught:
-                SamplingParams(**{name: value})
+                offline(llm, **{name: value})
             assert caught.value.param == name, (name, value)
 
 
@@ -317,7 +323,7 @@ def test_stop_as_a_string_is_one_stop_and_empty_stops_stop_nothing(llm: LLM) -> 
         as_list.text, "stop", stop) and as_list.text == free.text[:free.text.index(stop)]
     empty = llm.generate([TOKEN_PROMPT], SamplingParams(**base, stop=["", ""]))[0]
     assert (empty.text, empty.finish_reason) == (free.text, "length")
-    assert SamplingParams(stop="").stop == [] and SamplingParams(stop=stop).stop == [stop]
+    assert SamplingParams(stop="").validate().stop == [] and SamplingParams(stop=stop).validate().stop == [stop]
 
 
 def test_token_ids_outside_the_vocabulary_are_a_400_naming_the_field(client: httpx.Client) -> None:

@@ -335,7 +335,7 @@ def test_sampling_controls_reach_the_engine(
     engine = server.app.state.graphserve.engine
     seen = []
     real_add = engine.add_request
-    monkeypatch.setattr(engine, "add_request", lambda prompt, params, rid: seen.append(params) or real_add(prompt, params, rid))
+    monkeypatch.setattr(engine, "add_request", lambda prompt, params, rid, **kw: seen.append(params) or real_add(prompt, params, rid, **kw))
     complete(client, prompt=PROMPTS[5], max_tokens=3, temperature=0.8, top_p=0.9, top_k=40, min_p=0.05,
              presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.2, seed=3, min_tokens=2)
     (p,) = seen

@@ -85,11 +85,9 @@ class EngineCore:
 
     def make_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       seed: int | None = None) -> Sequence:
-        """A sequence for a checked prompt (InputProcessor.check); the seed of an unseeded
-        request is drawn here, the one place that decides it (`seed`: one rank 0 drew)."""
-        n = len(prompt_token_ids)
-        if params.max_tokens is None or n + params.max_tokens > self.max_model_len or n == 0:
-            raise InvalidRequestError(f"request {request_id} was not checked against max_model_len")
+        """A sequence for a checked prompt and params (InputProcessor.check fitted max_tokens;
+        trusted here); the seed of an unseeded request is drawn here, the one place that decides
+        it (`seed`: one rank 0 drew)."""
         if seed is None:
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         return Sequence(request_id, prompt_token_ids, params, seed)
