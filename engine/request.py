@@ -252,6 +252,12 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_tokens_left(self) -> int:
+        """Tokens it may still generate: max_tokens (fitted to the context where the request
+        entered, engine/inputs.py) less those generated. The one place the core reads max_tokens."""
+        return self.params.max_tokens - self.num_output_tokens
+
+    @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
 

@@ -63,7 +63,7 @@ class TokenAppender:
                     out.logprobs = [TokenLogprob(t, lp, top)
                                     for t, lp, top in zip(step.tokens[:kept], step.logprobs, step.top)]
             else:
-                if seq.num_output_tokens >= seq.params.max_tokens:  # max_tokens 0: prompt logprobs only
+                if seq.num_tokens_left <= 0:  # max_tokens 0: prompt logprobs only
                     seq.finish_reason = "length"
                 out = CoreOutput(seq.request_id, [], finish_reason=seq.finish_reason)
             if first:
@@ -108,7 +108,7 @@ class TokenAppender:
             if (token in eos or token in params.stop_token_ids) and n_out > params.min_tokens:
                 seq.finish_reason, seq.stop_reason = "stop", token if token not in self.eos_ids else None
                 break
-            if n_out >= params.max_tokens:
+            if seq.num_tokens_left <= 0:
                 seq.finish_reason = "length"
                 break
         return kept

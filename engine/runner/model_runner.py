@@ -77,8 +77,7 @@ def plan_steps(seqs: list[Sequence], num_steps: int, tables: torch.Tensor, block
     torch CPU ops would cost more than the arithmetic.)"""
     ahead = np.zeros(len(seqs), dtype=np.int64) if pending is None else np.asarray(pending, dtype=np.int64)
     n = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs)) + ahead
-    remaining = np.fromiter((s.params.max_tokens - s.num_output_tokens for s in seqs), dtype=np.int64,
-                            count=len(seqs)) - ahead
+    remaining = np.fromiter((s.num_tokens_left for s in seqs), dtype=np.int64, count=len(seqs)) - ahead
     last = n - 2 + np.minimum(remaining, num_steps)  # last position a row writes for real
     wanted = n[None, :] - 1 + np.arange(num_steps, dtype=np.int64)[:, None]
     positions = np.minimum(wanted, last[None, :])
@@ -169,7 +168,7 @@ class ModelRunner:
             seq.num_computed_tokens += n
 
         done = [i for i, seq in enumerate(batch.seqs)
-                if not seq.in_prefill and seq.num_output_tokens < seq.params.max_tokens]
+                if not seq.in_prefill and seq.num_tokens_left > 0]
         if not done:
             return {}
         seqs = [batch.seqs[i] for i in done]

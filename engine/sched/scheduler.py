@@ -50,9 +50,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def remaining_steps(self, seq: Sequence, pending: int = 0) -> int:
-        """Tokens `seq` may still generate (max_tokens, which admission capped at the context
-        length), less `pending` ones already generated on the device but not appended yet."""
-        return seq.params.max_tokens - seq.num_output_tokens - pending
+        """Tokens `seq` may still generate (Sequence.num_tokens_left), less `pending` ones
+        already generated on the device but not appended yet."""
+        return seq.num_tokens_left - pending
 
     def _kv_tokens_needed(self, seq: Sequence, num_steps: int, pending: int = 0) -> int:
         """KV slots `seq` needs for a round of `num_steps`: it writes positions

@@ -97,9 +97,8 @@ class SpeculativeDecoder:
         for seq in candidates:
             self._catch_up(seq)
         # the drafts and the token after them stay within max_tokens, and so within max_model_len
-        # (admission capped max_tokens at it; the min is a guard)
-        limits = [max(0, min(self.k, s.params.max_tokens - s.num_output_tokens - 1,
-                             self.max_model_len - s.num_tokens - 1)) for s in candidates]
+        # (engine/inputs.py fitted max_tokens to it)
+        limits = [max(0, min(self.k, s.num_tokens_left - 1)) for s in candidates]
         ids = [s.request_id for s in candidates]
         on_device = self.drafter.propose_on_device(ids, limits) if on_device and candidates else None
         proposals = self.drafter.propose(ids, limits) if on_device is None else [[0] * n for n in on_device.counts]
