@@ -1,5 +1,5 @@
 """The decode step's kernels one at a time at real shapes, for Nsight Compute (hardware counters).
-Needs CUDA; run under ncu (benchmarks/gpu_latency.sh ncu):
+Needs CUDA; run under ncu (benchmarks/gpu/latency.sh ncu):
 
     ncu --profile-from-start off ... python benchmarks/ncu_kernels.py [--targets NAME ...]
 

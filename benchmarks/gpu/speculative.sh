@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Speculative decoding on the GPU, each part one 10-minute device call; logs and JSON under $OUT:
-#   bash benchmarks/gpu_speculative.sh draft|adaptive|matrix
+#   bash benchmarks/gpu/speculative.sh draft|adaptive|matrix
 # draft: the GPU tests of speculation, and the 8B at batch 1 with an FP8 1B draft as the engine runs it
 #   and with its drafts read on the host first (speculative.py --draft-arms), interleaved three times.
 # adaptive: batch 1 and 64 with the engine's default speculative_max_batch (--adaptive).
 # matrix: the n-gram-forced table of k x alpha x batch (MODELS, QUANT, BATCHES).
 set -u
 PART=${1:-draft}
-. benchmarks/gpu_env.sh
+. benchmarks/gpu/env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 quiet() { grep -v -E "Warning|it/s|warn\(" ; }
 case "$PART" in

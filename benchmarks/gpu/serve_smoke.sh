@@ -2,12 +2,12 @@
 # The HTTP server on the GPU: start `graphserve serve` (CUDA graphs by default) on a
 # random-weight Qwen2.5-0.5B-shaped model, stream one completion with curl, run the
 # serving benchmark (benchmarks/serving.py at small scale: 1 and 64 streams; the full
-# sweep is benchmarks/gpu_serving.sh), and keep the CUDA-graph metrics. Needs the server's
+# sweep is benchmarks/gpu/serving.sh), and keep the CUDA-graph metrics. Needs the server's
 # packages: installed (make install), or as wheels in .whl/ for a machine without them
 # (../shared/gpu/fetch-wheels).
-# Usage: OUT=dir bash benchmarks/gpu_serve_smoke.sh
+# Usage: OUT=dir bash benchmarks/gpu/serve_smoke.sh
 set -u
-. benchmarks/gpu_env.sh
+. benchmarks/gpu/env.sh
 MODEL=$(python3 -c "import sys; sys.path[:0] = ['benchmarks']; from random_models import random_model; print(random_model('qwen2.5-0.5b'))" 2>/dev/null | tail -1)
 python3 -m graphserve serve --config configs/gpu-h200.toml --model "$MODEL" --port 8000 --max-model-len 1024 > "$OUT/server.log" 2>&1 &
 SERVER=$!

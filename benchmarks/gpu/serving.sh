@@ -6,16 +6,16 @@
 # Poisson arrivals at 80% of the best rate), with served/offline ratios; JSON, logs and
 # PNG plots under $OUT. Needs the server's packages: installed, or as wheels in .whl/.
 #
-# Usage: OUT=dir bash benchmarks/gpu_serving.sh [all|qwen2.5-0.5b|llama-3.1-8b|qwen3-30b-a3b] [serve flags...]
+# Usage: OUT=dir bash benchmarks/gpu/serving.sh [all|qwen2.5-0.5b|llama-3.1-8b|qwen3-30b-a3b] [serve flags...]
 # (the mixture-of-experts shapes: random weights made on the GPU at each start, --load-format dummy;
 # levels 64 and 256, no Poisson run)
-#   e.g. OUT=$OUT bash benchmarks/gpu_serving.sh all --api-server-count 4
+#   e.g. OUT=$OUT bash benchmarks/gpu/serving.sh all --api-server-count 4
 # Estimated: Qwen2.5-0.5B ~3 min, Llama-3.1-8B ~7.5 min (writing its 16 GB of random
 # weights included), so within one 10-minute device call run one shape per call; every
 # step has a timeout and the whole stays under BUDGET_S (570 s): with "all", levels that
 # would start without time left are skipped (serving.py --time-budget; listed in its JSON).
 set -u
-. benchmarks/gpu_env.sh
+. benchmarks/gpu/env.sh
 WHICH=${1:-all}
 shift || true
 case "$WHICH" in

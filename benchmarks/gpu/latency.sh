@@ -2,13 +2,13 @@
 # Decode on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, decode
 # latency in bf16 and fp8, and where a step's time goes. Writes logs and JSON under $OUT. Each part fits
 # one 10-minute device call:
-#   bash benchmarks/gpu_latency.sh tests|kernels|decode|moe|curve|targets|accuracy|profile|profile-b64|round-gap|engine-tests|ncu|kconst|suite
+#   bash benchmarks/gpu/latency.sh tests|kernels|decode|moe|curve|targets|accuracy|profile|profile-b64|round-gap|engine-tests|ncu|kconst|suite
 # (A/B parts of settled switches and of probes leave once measured: each result JSON in benchmarks/results
 # holds its commands, docs/benchmarks.md lists what was measured and removed; to A/B a switch, run
 # benchmarks/decode_latency.py --SWITCH on|off interleaved, as its --help lists)
 set -u
 PART=${1:-tests}
-. benchmarks/gpu_env.sh
+. benchmarks/gpu/env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt"
 quiet() { grep -v -E "Warning|it/s|warn\(" ; }

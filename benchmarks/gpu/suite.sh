@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU: GPU tests, then the benchmarks. Writes logs and JSON under $OUT
-# (or ./gpu-out). Usage: bash benchmarks/gpu_suite.sh [tests|bench|all]   (each part fits one
+# (or ./gpu-out). Usage: bash benchmarks/gpu/suite.sh [tests|bench|all]   (each part fits one
 # 10-minute device call; "all" runs both)
 set -u
 PART=${1:-all}
-. benchmarks/gpu_env.sh
+. benchmarks/gpu/env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >> "$OUT/gpu.txt"
 if [ "$PART" = tests ] || [ "$PART" = all ]; then

@@ -4,9 +4,9 @@
 # tree, each installed into its own target and timed by its own benchmarks/decode_latency.py, in the
 # order before, after, before, after per model (graph rows, K = 8, batches 1 and 64, prompt 128 +
 # 256 new tokens, random weights made on the GPU). Writes $OUT/decode_{before,after}_{1,2}_MODEL.json and prints the tok/s table.
-#   BEFORE=before MODELS="qwen2.5-0.5b llama-3.1-8b" OUT=dir bash benchmarks/gpu_ab_decode.sh
+#   BEFORE=before MODELS="qwen2.5-0.5b llama-3.1-8b" OUT=dir bash benchmarks/gpu/ab_decode.sh
 set -u
-. benchmarks/gpu_env.sh
+. benchmarks/gpu/env.sh
 BEFORE=${BEFORE:?a folder holding the earlier tree}
 OUT=$(realpath "$OUT")
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/graphserve-before \

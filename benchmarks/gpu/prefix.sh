@@ -16,9 +16,9 @@
 # throughput-qwen2.5-0.5b-pc-on.json, throughput-qwen2.5-0.5b-pc-off.json, decode_latency-pc.json.
 # A prefix_bench run whose requests do not finish within its --work-timeout writes
 # server-stalled-*.log there too: the server's log, with every process's stacks (SIGUSR1).
-# Needs the server's packages: installed, or as wheels in .whl/ (benchmarks/gpu_env.sh).
+# Needs the server's packages: installed, or as wheels in .whl/ (benchmarks/gpu/env.sh).
 #
-# Usage: OUT=dir bash benchmarks/gpu_prefix.sh [all | qwen | llama | rest]
+# Usage: OUT=dir bash benchmarks/gpu/prefix.sh [all | qwen | llama | rest]
 #   qwen / llama: that shape's GPU tests of the prefill graphs, then its prefix_bench with caching
 #   on and off, and with caching on: prefills ahead of the queued rounds (--prefill-ahead), and no
 #   prefill graphs (--cuda-graph-max-prefill-tokens 0);
@@ -26,7 +26,7 @@
 # Estimated ~8 min; every step has a timeout and the whole stays under BUDGET_S (540 s): a
 # step that would start with too little time left is skipped and says so in the log.
 set -u
-. benchmarks/gpu_env.sh
+. benchmarks/gpu/env.sh
 BUDGET_S=${BUDGET_S:-540}
 START=$(date +%s)
 LOG="$OUT/gpu_prefix.log"

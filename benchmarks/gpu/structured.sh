@@ -7,12 +7,12 @@
 # xgrammar (and apache-tvm-ffi): installed, or as wheels in .whl/ (../shared/gpu/fetch-wheels;
 # send them with carry [".whl"]).
 #
-# Usage: OUT=dir bash benchmarks/gpu_structured.sh [all|qwen2.5-0.5b|llama-3.1-8b] [structured_bench flags...]
+# Usage: OUT=dir bash benchmarks/gpu/structured.sh [all|qwen2.5-0.5b|llama-3.1-8b] [structured_bench flags...]
 # Estimated: Qwen ~1.5 min, Llama-3.1-8B ~3.5 min (writing its 16 GB of random weights
 # included). Every step has a timeout and the whole stays under BUDGET_S (540 s): a shape's
 # optional parts that would start without time left are skipped (listed in its JSON).
 set -u
-. benchmarks/gpu_env.sh
+. benchmarks/gpu/env.sh
 WHICH=${1:-all}
 shift || true
 case "$WHICH" in

@@ -10,10 +10,10 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   # shellcheck disable=SC2086
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site $wheels 2>/tmp/pip.log \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} \
-    || { echo "gpu_env.sh: error installing .whl/:" >&2; tail -3 /tmp/pip.log >&2; exit 1; }
+    || { echo "benchmarks/gpu/env.sh: error installing .whl/:" >&2; tail -3 /tmp/pip.log >&2; exit 1; }
 fi
 # graphserve itself (the GPU image has setuptools but no network: no build isolation), into its own
 # target so the tests and benchmarks import graphserve.* as a user's install would
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/graphserve . \
     2>/tmp/pip-graphserve.log && export PYTHONPATH=/tmp/graphserve:${PYTHONPATH:-} \
-  || { echo "gpu_env.sh: error installing graphserve:" >&2; tail -3 /tmp/pip-graphserve.log >&2; exit 1; }
+  || { echo "benchmarks/gpu/env.sh: error installing graphserve:" >&2; tail -3 /tmp/pip-graphserve.log >&2; exit 1; }
