@@ -89,8 +89,10 @@ def _decode_attention_kernel(
     MERGE_GROUP: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     ROW_AMAX: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
-    """PREFETCH_TILES: tiles of K and V rows to prefetch into L2 before the PDL wait (0: none).
+    """WINDOW > 0: a sliding window, each row reads only its last WINDOW tokens (the tiles before the
+    window are not visited, the tokens before it in the first tile masked). PREFETCH_TILES: tiles of K and V rows to prefetch into L2 before the PDL wait (0: none).
     FUSED_MERGE (with WRITE_PARTIAL): the splits holding tokens count themselves finished on
     counter_ptr[pid] (kernels/_split_counters.py), and the last one merges their partials into out;
     empty splits return at once. ROW_AMAX (not WRITE_PARTIAL): amax_ptr[pid] is the largest |value| the
@@ -104,8 +106,14 @@ def _decode_attention_kernel(
     # complete (PDL), so they and the KV rows of earlier steps may be read before the wait
     ctx = tl.load(context_lens_ptr + b)
     num_tiles = tl.cdiv(ctx, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    t_start = split * tiles_per_split
+    if WINDOW > 0:  # the first token read, and the tile holding it
+        lo = tl.maximum(ctx - WINDOW, 0)
+        t_lo = lo // BLOCK_N
+    else:
+        lo = 0
+        t_lo = 0
+    tiles_per_split = tl.cdiv(num_tiles - t_lo, num_splits)
+    t_start = t_lo + split * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, num_tiles)
     if FUSED_MERGE and WRITE_PARTIAL:
         if t_start >= t_end:  # an empty split (past the context): the merge reads only the others
@@ -134,6 +142,8 @@ def _decode_attention_kernel(
     for t in range(t_start, t_end):
         tok = t * BLOCK_N + offs_n
         n_mask = tok < ctx
+        if WINDOW > 0:
+            n_mask = n_mask & (tok >= lo)
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         row = blk * stride_cb + (tok % BLOCK_SIZE) * stride_ct + head_off
         kv_off = row[:, None] + offs_d[None, :]
@@ -155,7 +165,7 @@ def _decode_attention_kernel(
         tl.store(part_l_ptr + part, l_i, mask=g_mask)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
         if FUSED_MERGE:
-            active = tl.cdiv(num_tiles, tiles_per_split)  # the splits holding tokens
+            active = tl.cdiv(num_tiles - t_lo, tiles_per_split)  # the splits holding tokens
             if last_to_arrive(counter_ptr + pid, active):
                 _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh, active, num_splits,
                               stride_ob, stride_oh, NUM_KV_HEADS, GROUP, HEAD_DIM, MERGE_GROUP, MERGE_CHUNK)
@@ -307,8 +317,10 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     tile: DecodeTile | None = None,
     row_amax: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor | AmaxedRows:
-    """Attention of q [B, Hq, D] over each sequence's first context_lens[b] cached tokens.
+    """Attention of q [B, Hq, D] over each sequence's first context_lens[b] cached tokens (with a
+    sliding `window`, over the last `window` of them only).
 
     block_tables [B, max_blocks] int32, context_lens [B] int32 (>= 1; padded rows use 1 and block 0);
     table entries past a sequence's last block are never read. q may be a strided view (last dim
@@ -327,6 +339,8 @@ def paged_decode_attention(
     tile = tile or default_decode_tile(head_dim)
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
+        if window:
+            max_context = min(max_context, window + block_size)
         num_splits = pick_num_splits(batch, num_kv_heads, max_context, sm_count(q.device))
     num_splits = max(1, int(num_splits))
 
@@ -365,6 +379,7 @@ def paged_decode_attention(
         MERGE_GROUP=triton.next_power_of_2(group),
         MERGE_CHUNK=_MERGE_CHUNK,
         ROW_AMAX=row_amax,
+        WINDOW=window or 0,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         launch_pdl=pdl,
@@ -391,6 +406,7 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference (fp32 math, result in q's dtype): gather pages, mask, softmax."""
     batch, num_heads, head_dim = q.shape
@@ -403,7 +419,10 @@ def paged_decode_attention_ref(
     v = v_cache[bt].reshape(batch, max_tokens, num_kv_heads, head_dim).transpose(1, 2).float()
     qg = q.float().reshape(batch, num_kv_heads, group, head_dim)
     scores = torch.einsum("bhgd,bhnd->bhgn", qg, k) * scale
-    valid = torch.arange(max_tokens, device=q.device)[None, :] < context_lens.long()[:, None]
+    tokens = torch.arange(max_tokens, device=q.device)[None, :]
+    valid = tokens < context_lens.long()[:, None]
+    if window:
+        valid &= tokens >= context_lens.long()[:, None] - window
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgn,bhnd->bhgd", probs, v)

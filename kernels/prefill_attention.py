@@ -45,7 +45,9 @@ def _prefill_attention_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TILE_MAP: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
+    """WINDOW > 0: a sliding window, query at position p sees keys p - WINDOW < key <= p only."""
     if TILE_MAP:
         tile = tl.program_id(0)
         b = tl.load(tiles_ptr + tile)
@@ -85,18 +87,31 @@ def _prefill_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # key 0 is visible to every row, so the first tile gives each row a finite max (no NaN)
-    for n0 in range(0, kv_end, BLOCK_N):
+    if WINDOW > 0:  # the keys before the tile's first query's window are never needed (nor read)
+        kv_lo = tl.maximum(first_pos + pid_m * BLOCK_M - WINDOW + 1, 0)
+        kv_start = kv_lo // BLOCK_N * BLOCK_N
+    else:
+        kv_lo = 0
+        kv_start = 0
+    # without a window key 0 is visible to every row, so the first tile gives each row a finite max
+    # (no NaN); with one, a row may see nothing in a tile: its max stays -inf and exp2 is taken from 0
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         key = n0 + offs_n
         n_mask = key < kv_end
+        if WINDOW > 0:
+            n_mask = n_mask & (key >= kv_lo)
         blk = tl.load(bt_row + key // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         row = blk * stride_cb + (key % BLOCK_SIZE) * stride_ct + head_off
         kv_off = row[:, None] + offs_d[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         visible = (key[None, :] <= pos[:, None]) & n_mask[None, :]
+        if WINDOW > 0:
+            visible = visible & (key[None, :] > pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        if WINDOW > 0:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -104,6 +119,8 @@ def _prefill_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
+    if WINDOW > 0:  # rows past the queries may have seen nothing (they are not stored)
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
@@ -136,8 +153,10 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     tile: PrefillTile | None = None,
     tiles: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed queries q [T, Hq, D] over the paged cache.
+    """Causal attention of packed queries q [T, Hq, D] over the paged cache (with a sliding `window`,
+    each query over the last `window` positions up to its own).
 
     cu_seqlens_q [B+1] int32 (prefix sums of q lengths), context_lens [B] int32 (all KV tokens of
     the sequence after this step, >= its q length), max_seqlen_q a host int >= every q length.
@@ -171,6 +190,7 @@ def paged_prefill_attention(
         BLOCK_N=tile.block_n,
         DOT_PREC=dot_precision(q.dtype),
         TILE_MAP=tiles is not None,
+        WINDOW=window or 0,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
@@ -200,6 +220,7 @@ def paged_prefill_attention_ref(
     context_lens: torch.Tensor,
     max_seqlen_q: int,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference (fp32 math, result in q's dtype); loops over sequences on the host."""
     num_tokens, num_heads, head_dim = q.shape
@@ -223,6 +244,9 @@ def paged_prefill_attention_ref(
         scores = torch.matmul(qs, k.transpose(1, 2)) * scale
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
         k_pos = torch.arange(ctx, device=q.device)
-        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        hidden = k_pos[None, None, :] > q_pos[None, :, None]
+        if window:
+            hidden |= k_pos[None, None, :] <= q_pos[None, :, None] - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[start:end] = torch.matmul(torch.softmax(scores, dim=-1), v).transpose(0, 1).to(q.dtype)
     return out

@@ -8,16 +8,17 @@ import torch.nn.functional as F
 
 
 def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                        lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode attention row by row: torch's SDPA over each row's own context, gathered from its
-    blocks (caches [blocks, block_size, Hkv, D])."""
+                        lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """Decode attention row by row: torch's SDPA over each row's own context (its last `window`
+    tokens), gathered from its blocks (caches [blocks, block_size, Hkv, D])."""
     block = k_cache.shape[1]
     rows = []
     for b in range(q.shape[0]):
         n = int(lens[b])
+        lo = max(0, n - window) if window else 0
         blocks = tables[b, :-(-n // block)].long()
-        k = k_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)
-        v = v_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)
+        k = k_cache[blocks].flatten(0, 1)[lo:n].transpose(0, 1)
+        v = v_cache[blocks].flatten(0, 1)[lo:n].transpose(0, 1)
         rows.append(F.scaled_dot_product_attention(q[b][:, None, :], k, v, scale=scale, enable_gqa=True)[:, 0])
     return torch.stack(rows)
 

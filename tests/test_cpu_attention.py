@@ -76,3 +76,35 @@ def test_loading_the_kernel_keeps_denormals():
     tiny = float("5e-324")
     assert tiny * 1.0 > 0
     assert torch.tensor([1e-40]).mul(1.0).item() > 0
+
+
+@pytest.mark.parametrize("kv_heads,heads,dim", SHAPES)
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_a_sliding_window_reads_only_the_last_tokens(window, kv_heads, heads, dim):
+    """With a window each row attends to its last `window` tokens (its own position and the window - 1
+    before it, as transformers masks), in every build and in the SDPA fallback; what lies before the
+    window is never read (NaN there would show)."""
+    gen = torch.Generator().manual_seed(window)
+    batch, num_blocks = 5, 60
+    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=gen)
+    lens = torch.tensor([1, window, window + 1, 16 * 3 + 7, 150], dtype=torch.int32)
+    width = -(-int(lens.max()) // BLOCK)
+    tables = (torch.randperm(num_blocks - 1, generator=gen)[:batch * width] + 1).view(batch, width).int()
+    q = torch.randn(batch, heads + 2 * kv_heads, dim, generator=gen)[:, :heads]
+    expected = attention_reference(q, k_cache, v_cache, tables, lens, dim ** -0.5, window=window)
+    for b, n in enumerate(lens.tolist()):  # poison every token before row b's window
+        for t in range(max(0, n - window)):
+            k_cache[tables[b, t // BLOCK], t % BLOCK] = float("nan")
+            v_cache[tables[b, t // BLOCK], t % BLOCK] = float("nan")
+    for library in builds(cpu_attention.LIBRARY):
+        library = loaded(library.values[0])
+        out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5, library,
+                                                   window=window)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(batch, dtype=torch.int64),
+                             block_tables=tables, context_lens=lens)
+    clean_k = torch.nan_to_num(k_cache)  # SDPA multiplies masked positions too: no NaN for it
+    clean_v = torch.nan_to_num(v_cache)
+    out = TorchAttention(BLOCK, use_kernel=False).attend_decode(q, clean_k, clean_v, meta, dim ** -0.5, window=window)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -1,6 +1,7 @@
 """The CPU decode stack (engine/cpu/decoder.c, engine/models/cpu_stack.py): a decode step's layers
 in one C call give the per-layer path's numbers bit for bit, on the float32 panels and on the
-GGUF-quantized blocks, for one row and for batches, with a qkv bias (Qwen2) and a GQA group; the
+GGUF-quantized blocks, for one row and for batches, with a qkv bias (Qwen2), a GQA group and sliding
+windows per layer; the
 models it cannot take (q/k norms, mixtures of experts) keep the per-layer path."""
 
 from __future__ import annotations
@@ -49,10 +50,18 @@ def decode_step_outputs(llm: LLM, batch: int, stack: bool) -> tuple[torch.Tensor
         model.cpu_stack = kept
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+# a windowed Mistral (each layer's window a field of the stack's layer; the prompts run past it) and a Qwen2
+# whose upper layer slides (use_sliding_window, max_window_layers): the window per layer
+STACK_MODELS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}),
+                "mistral_window": ("mistral", dict(sliding_window=7)),
+                "qwen2_window": ("qwen2", dict(use_sliding_window=True, sliding_window=19, max_window_layers=1))}
+
+
+@pytest.fixture(scope="module", params=sorted(STACK_MODELS))
 def tiny_llm(request, tmp_path_factory) -> LLM:
-    path = make_tiny_model(tmp_path_factory.mktemp(request.param) / "m", request.param, seed=3,
-                           num_attention_heads=8, num_key_value_heads=2, hidden_size=128)
+    variant, overrides = STACK_MODELS[request.param]
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param) / "m", variant, seed=3,
+                           num_attention_heads=8, num_key_value_heads=2, hidden_size=128, **overrides)
     return LLM(str(path), device="cpu", num_kv_blocks=64, max_model_len=256, prefix_caching=False)
 
 

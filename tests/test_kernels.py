@@ -710,3 +710,56 @@ def test_gemv_rope_store(with_bias):
     written[[9, 30]] = True
     for c, before in zip(caches, [ref_caches[0], ref_caches[1]]):  # untouched slots stay as they were
         assert torch.equal(c.view(32, -1)[~written], before.view(32, -1)[~written])
+
+
+# ----------------------------------------------------------------------------- sliding windows
+
+
+@pytest.mark.parametrize("window", [1, 8, 20, 100])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_sliding_window(window, num_splits, fused_merge):
+    """A window: each row over its last `window` tokens; the tokens before it are never read (NaN there)."""
+    gen = torch.Generator().manual_seed(window)
+    q, k_cache, v_cache, bt, cl = decode_case(gen, batch=4, ctx=(1, 8, 37, 70))
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, bt, cl, 0.125, window=window)
+    for b, n in enumerate(cl.tolist()):
+        for t in range(max(0, n - window)):
+            k_cache[bt[b, t // 16], t % 16] = float("nan")
+            v_cache[bt[b, t // 16], t % 16] = float("nan")
+    out = paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=num_splits, window=window)
+    assert rel_err(out, ref) < TOL
+
+
+def test_decode_attention_ref_window_is_the_last_tokens():
+    gen = torch.Generator().manual_seed(11)
+    q, k_cache, v_cache, bt, cl = decode_case(gen)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, bt, cl, 0.125, window=10)
+    for b in range(q.shape[0]):
+        n = int(cl[b])
+        lo = max(0, n - 10)
+        k = gather_dense(k_cache, bt[b], n)[lo:]
+        v = gather_dense(v_cache, bt[b], n)[lo:]
+        assert rel_err(ref[b], dense_attention(q[b:b + 1], k, v, torch.tensor([n - 1 - lo]), 0.125)[0]) < 1e-5
+
+
+@pytest.mark.parametrize("window", [1, 7, 20, 64])
+@pytest.mark.parametrize("q_lens,ctx_lens", PREFILL_CASES + [((70, 40), (130, 40))])
+def test_prefill_attention_sliding_window(window, q_lens, ctx_lens):
+    """Query at position p over keys p - window < k <= p, for fresh prompts, chunks after a cached prefix
+    and tiles whose rows' windows begin in different KV tiles (some rows see nothing in a tile)."""
+    gen = torch.Generator().manual_seed(window)
+    q, k_cache, v_cache, bt, cu, cl = prefill_case(gen, q_lens, ctx_lens)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, k_cache, v_cache, bt, cu, cl, max(q_lens), 0.125, out=out, window=window)
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, bt, cu, cl, max(q_lens), 0.125, window=window)
+    assert rel_err(out, ref) < TOL
+    # the reference against a dense computation with the window's mask
+    for b, (n, ctx) in enumerate(zip(q_lens, ctx_lens)):
+        s = int(cu[b])
+        k, v = gather_dense(k_cache, bt[b], ctx), gather_dense(v_cache, bt[b], ctx)
+        qs, ks, vs = q[s:s + n].transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1)
+        pos = torch.arange(ctx - n, ctx)[:, None]
+        keys = torch.arange(ctx)[None, :]
+        mask = (keys <= pos) & (keys > pos - window)
+        dense = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=0.125).transpose(0, 1)
+        assert rel_err(ref[s:s + n], dense) < 1e-5

@@ -268,7 +268,7 @@ def test_supported_configs_parse():
     assert ModelArgs.from_hf_config(hub_style).moe.num_experts == 128
     mixtral = ModelArgs.from_hf_config(hf_config("mixtral"))
     assert mixtral.moe == MoeArgs(num_experts=8, top_k=2, expert_intermediate_size=32, renormalize=True)
-    assert mixtral.sliding_window is None and not mixtral.qk_norm
+    assert mixtral.layer_windows == (None, None) and not mixtral.qk_norm
 
 
 def test_the_benchmark_shapes_of_qwen3_30b_a3b_and_mixtral_parse_as_served(monkeypatch, tmp_path):
@@ -287,9 +287,8 @@ def test_the_benchmark_shapes_of_qwen3_30b_a3b_and_mixtral_parse_as_served(monke
             "mixtral-8x7b": MoeArgs(num_experts=8, top_k=2, expert_intermediate_size=14336, renormalize=True)}
     for name, moe in want.items():
         args = ModelArgs.from_dir(random_model_config(name))
-        assert args.moe == moe and args.sliding_window is None
-        check_moe_servable(args.architecture, args.moe, args.sliding_window, args.quantization,
-                           torch.device("cuda"), 384, None)
+        assert args.moe == moe and set(args.layer_windows) == {None}
+        check_moe_servable(args.architecture, args.moe, args.quantization, torch.device("cuda"), None)
 
 
 @pytest.mark.parametrize("arch, field, value", [
@@ -325,18 +324,19 @@ def qwen_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("qwen_refusals") / "model", "qwen3_moe", seed=7)
 
 
-def test_a_sliding_window_shorter_than_the_context_is_refused(mixtral_dir, qwen_dir, tmp_path):
-    mixtral = edited_copy(mixtral_dir, tmp_path / "mixtral", sliding_window=64)
-    with pytest.raises(UnsupportedModelError, match="sliding_window=64.*max-model-len 64"):
-        load_model(mixtral, torch.float32, CPU, TorchAttention(16), 512)
-    load_model(mixtral, torch.float32, CPU, TorchAttention(16), 64)  # the window covers the whole context
-    with pytest.raises(UnsupportedModelError, match="sliding_window"):  # through the engine, at start
-        LLM(str(mixtral), device="cpu", num_kv_blocks=16)
-    qwen = edited_copy(qwen_dir, tmp_path / "qwen", use_sliding_window=True, sliding_window=100)
-    with pytest.raises(UnsupportedModelError, match="sliding_window=100"):
-        load_model(qwen, torch.float32, CPU, TorchAttention(16), 512)
+def test_a_sliding_window_is_served_as_transformers_reads_it(mixtral_dir, qwen_dir, tmp_path):
+    """A window in every layer (Mixtral; Qwen3-MoE with use_sliding_window) greedy-matches transformers on
+    prompts longer than it; Qwen3-MoE's window without use_sliding_window is ignored, as transformers does."""
+    mixtral = edited_copy(mixtral_dir, tmp_path / "mixtral", sliding_window=9)
+    qwen = edited_copy(qwen_dir, tmp_path / "qwen", use_sliding_window=True, sliding_window=11)
+    for path, window in ((mixtral, 9), (qwen, 11)):
+        model = load_model(path, torch.float32, CPU, TorchAttention(16), 512)
+        assert [layer.self_attn.window for layer in model.layers] == [window, window]
+        llm = LLM(str(path), device="cpu", num_kv_blocks=64, max_num_batched_tokens=32, decode_chunk=2)
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == transformers_greedy(path, PROMPTS, MAX_NEW)
     ignored = edited_copy(qwen_dir, tmp_path / "qwen_off", use_sliding_window=False, sliding_window=100)
-    load_model(ignored, torch.float32, CPU, TorchAttention(16), 512)  # as transformers: no window when off
+    model = load_model(ignored, torch.float32, CPU, TorchAttention(16), 512)
+    assert [layer.self_attn.window for layer in model.layers] == [None, None]
 
 
 def test_other_devices_are_refused_before_anything_is_loaded(mixtral_dir):

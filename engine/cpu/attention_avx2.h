@@ -61,7 +61,7 @@ static inline __attribute__((always_inline)) void task256_body(const struct task
         const int64_t n = L - t0 < t->bs ? L - t0 : t->bs;
         for (int64_t g = 0; g < G; ++g) {
             const float* qg = qs + g * D;
-            for (int64_t o = 0; o < n; ++o) {
+            for (int64_t o = t0 ? 0 : t->first; o < n; ++o) {
                 const float* k = kb + o * t->tok_s;
                 __m256 d0 = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(k)), d1 = _mm256_setzero_ps();
                 for (int64_t j = 1; j < NV; ++j) {
@@ -72,7 +72,7 @@ static inline __attribute__((always_inline)) void task256_body(const struct task
             }
         }
     }
-    for (int64_t g = 0; g < G; ++g) qs[g] = softmax8(scores + g * L, L);  /* qs now holds 1 / sums */
+    for (int64_t g = 0; g < G; ++g) qs[g] = softmax8(scores + g * L + t->first, L - t->first);  /* qs now holds 1 / sums */
     for (int64_t t0 = 0; t0 < L; t0 += t->bs) {
         const float* vb = t->v_cache + (int64_t)t->table[t0 / t->bs] * t->blk_s + h * D;
         const int64_t n = L - t0 < t->bs ? L - t0 : t->bs;
@@ -83,7 +83,7 @@ static inline __attribute__((always_inline)) void task256_body(const struct task
                 float* a = acc + g * D + 8 * j0;
                 __m256 av[8];
                 for (int64_t j = 0; j < nj; ++j) av[j] = _mm256_loadu_ps(a + 8 * j);
-                for (int64_t o = 0; o < n; ++o) {
+                for (int64_t o = t0 ? 0 : t->first; o < n; ++o) {
                     const __m256 pv = _mm256_set1_ps(p[o]);
                     const float* v = vb + o * t->tok_s + 8 * j0;
                     for (int64_t j = 0; j < nj; ++j) av[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * j), av[j]);

@@ -26,7 +26,8 @@ static inline float softmax16(float* sh, int64_t L) {
 #define DEFINE_TASK512(NV, GS)                                                                       \
 static void task512_##NV(const float* qb, int64_t q_s1, const float* k_cache, const float* v_cache,  \
                          const int32_t* table, int64_t L, int64_t h, int64_t G, int64_t bs,          \
-                         int64_t tok_s, int64_t blk_s, float scale, float* scores, float* outb) {    \
+                         int64_t tok_s, int64_t blk_s, float scale, float* scores, float* outb,      \
+                         int64_t first) {                                                            \
     for (int64_t g0 = 0; g0 < G; g0 += GS) {                                                         \
         const int64_t gn = G - g0 < GS ? G - g0 : GS;                                                \
         __m512 qv[GS][NV], acc[GS][NV];                                                              \
@@ -40,7 +41,7 @@ static void task512_##NV(const float* qb, int64_t q_s1, const float* k_cache, co
         for (int64_t t0 = 0; t0 < L; t0 += bs) {                                                     \
             const float* kb = k_cache + (int64_t)table[t0 / bs] * blk_s + h * 16 * NV;               \
             const int64_t n = L - t0 < bs ? L - t0 : bs;                                             \
-            for (int64_t o = 0; o < n; ++o) {                                                        \
+            for (int64_t o = t0 ? 0 : first; o < n; ++o) {                                          \
                 __m512 kv[NV];                                                                       \
                 for (int j = 0; j < NV; ++j) kv[j] = _mm512_loadu_ps(kb + o * tok_s + 16 * j);       \
                 for (int g = 0; g < GS; ++g) {                                                       \
@@ -52,11 +53,11 @@ static void task512_##NV(const float* qb, int64_t q_s1, const float* k_cache, co
             }                                                                                        \
         }                                                                                            \
         float inv[GS];                                                                               \
-        for (int g = 0; g < gn; ++g) inv[g] = softmax16(scores + (g0 + g) * L, L);                   \
+        for (int g = 0; g < gn; ++g) inv[g] = softmax16(scores + (g0 + g) * L + first, L - first);   \
         for (int64_t t0 = 0; t0 < L; t0 += bs) {                                                     \
             const float* vb = v_cache + (int64_t)table[t0 / bs] * blk_s + h * 16 * NV;               \
             const int64_t n = L - t0 < bs ? L - t0 : bs;                                             \
-            for (int64_t o = 0; o < n; ++o) {                                                        \
+            for (int64_t o = t0 ? 0 : first; o < n; ++o) {                                          \
                 __m512 vv[NV];                                                                       \
                 for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(vb + o * tok_s + 16 * j);       \
                 for (int g = 0; g < GS; ++g) {                                                       \
@@ -80,10 +81,10 @@ static int task_avx512(const struct task* t, int64_t h, float* scores, float* wo
     (void)work;
     if (t->D == 64)
         task512_4(t->q, t->q_s1, t->k_cache, t->v_cache, t->table, t->L, h, t->G, t->bs, t->tok_s, t->blk_s,
-                  t->scale, scores, t->out);
+                  t->scale, scores, t->out, t->first);
     else if (t->D == 128)
         task512_8(t->q, t->q_s1, t->k_cache, t->v_cache, t->table, t->L, h, t->G, t->bs, t->tok_s, t->blk_s,
-                  t->scale, scores, t->out);
+                  t->scale, scores, t->out, t->first);
     else
         return 0;
     return 1;

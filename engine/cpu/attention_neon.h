@@ -46,7 +46,7 @@ static inline __attribute__((always_inline)) void task128_body(const struct task
         const int64_t n = L - t0 < t->bs ? L - t0 : t->bs;
         for (int64_t g = 0; g < G; ++g) {
             const float* qg = qs + g * D;
-            for (int64_t o = 0; o < n; ++o) {
+            for (int64_t o = t0 ? 0 : t->first; o < n; ++o) {
                 const float* k = kb + o * t->tok_s;
                 /* four independent sums: the FMA latency, not one chain */
                 float32x4_t d[4] = {vmulq_f32(vld1q_f32(qg), vld1q_f32(k)), vdupq_n_f32(0.f), vdupq_n_f32(0.f),
@@ -56,7 +56,7 @@ static inline __attribute__((always_inline)) void task128_body(const struct task
             }
         }
     }
-    for (int64_t g = 0; g < G; ++g) qs[g] = softmax4(scores + g * L, L);  /* qs now holds 1 / sums */
+    for (int64_t g = 0; g < G; ++g) qs[g] = softmax4(scores + g * L + t->first, L - t->first);  /* qs now holds 1 / sums */
     for (int64_t t0 = 0; t0 < L; t0 += t->bs) {
         const float* vb = t->v_cache + (int64_t)t->table[t0 / t->bs] * t->blk_s + h * D;
         const int64_t n = L - t0 < t->bs ? L - t0 : t->bs;
@@ -67,7 +67,7 @@ static inline __attribute__((always_inline)) void task128_body(const struct task
                 float* a = acc + g * D + 4 * j0;
                 float32x4_t av[16];
                 for (int64_t j = 0; j < nj; ++j) av[j] = vld1q_f32(a + 4 * j);
-                for (int64_t o = 0; o < n; ++o) {
+                for (int64_t o = t0 ? 0 : t->first; o < n; ++o) {
                     const float32x4_t pv = vdupq_n_f32(p[o]);
                     const float* v = vb + o * t->tok_s + 4 * j0;
                     for (int64_t j = 0; j < nj; ++j) av[j] = vfmaq_f32(av[j], pv, vld1q_f32(v + 4 * j));

@@ -30,7 +30,8 @@ class _Projection(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Projection), ("o", _Projection),
-                ("gate_up", _Projection), ("down", _Projection), ("k_cache", _ptr), ("v_cache", _ptr)]
+                ("gate_up", _Projection), ("down", _Projection), ("k_cache", _ptr), ("v_cache", _ptr),
+                ("window", _i64)]
 
 
 class _Kernels(ctypes.Structure):
@@ -75,6 +76,7 @@ class LayerWeights:
     o: Projection
     gate_up: Projection
     down: Projection
+    window: int | None = None  # the layer's sliding window (None: full attention)
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,8 @@ class StackDecoder:
         table = (_Layer * len(self.layers))()
         for i, (w, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             table[i] = _Layer(w.input_norm.data_ptr(), w.post_norm.data_ptr(), _projection(w.qkv), _projection(w.o),
-                              _projection(w.gate_up), _projection(w.down), k_cache.data_ptr(), v_cache.data_ptr())
+                              _projection(w.gate_up), _projection(w.down), k_cache.data_ptr(), v_cache.data_ptr(),
+                              w.window or 0)
         kernels = _Kernels(**{name: ctypes.cast(getattr(library.get(), name), _ptr).value
                               for name, library in _KERNELS.items()})
         model = _Model(len(self.layers), s.hidden, s.heads, s.kv_heads, s.head_dim, s.inter, s.block_size, s.eps,

@@ -62,10 +62,12 @@ class TorchAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, row_amax: bool = False,
-                qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                window: int | None = None) -> torch.Tensor:
         """Norm q and k per head (qk_norm: q weight, k weight, eps; Qwen3), rotate them, write k and v
         into the cache, attend. Returns [T, Hq, D] (row_amax: the Triton backend's; never asked for on
-        CPU, layers.hands_row_amax)."""
+        CPU, layers.hands_row_amax). window: the layer's sliding window, each query attends to the
+        last `window` positions up to its own (None: all before it)."""
         if qk_norm is not None:
             q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
         rope = meta.derived.get("rope")
@@ -74,19 +76,20 @@ class TorchAttention:
         q, k = apply_rotary(q, k, positions, cos_sin, rope[1])
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
-            return self._prefill(q, k_cache, v_cache, meta, scale)
-        return self._decode(q, k_cache, v_cache, meta, scale)
+            return self._prefill(q, k_cache, v_cache, meta, scale, window)
+        return self._decode(q, k_cache, v_cache, meta, scale, window)
 
     def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, row_amax: bool = False) -> torch.Tensor:
+                      scale: float, row_amax: bool = False, window: int | None = None) -> torch.Tensor:
         """Decode attention of rotated q over a cache that already holds this step's K/V."""
-        return self._decode(q, k_cache, v_cache, meta, scale)
+        return self._decode(q, k_cache, v_cache, meta, scale, window)
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
         num_blocks = -(-num_tokens // self.block_size)
         return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:num_tokens]
 
-    def _prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                 window: int | None = None) -> torch.Tensor:
         """Every query row through the decode kernel, as a decode step at its position would run it,
         where the kernel applies: a row's numbers then do not depend on how its prompt was chunked
         or what shares its step (with int8-rounded activations a last-bit difference can change a
@@ -94,7 +97,7 @@ class TorchAttention:
         if self.use_kernel:
             tables, lens = self._row_inputs(meta)
             real = len(lens)  # the static prefill path pads q past the batch's rows
-            out = paged_decode_attention(q[:real], k_cache, v_cache, tables, lens, scale)
+            out = paged_decode_attention(q[:real], k_cache, v_cache, tables, lens, scale, window=window)
             if out is not None:
                 return out if real == len(q) else torch.cat([out, q.new_zeros((len(q) - real, *q.shape[1:]))])
         out = torch.empty_like(q)
@@ -103,11 +106,14 @@ class TorchAttention:
             qb = q[start:start + q_len].transpose(0, 1)  # [Hq, n, D]
             kb = self._gather(k_cache, meta.block_tables[b], ctx_len).transpose(0, 1)
             vb = self._gather(v_cache, meta.block_tables[b], ctx_len).transpose(0, 1)
-            if q_len == ctx_len:
+            if q_len == ctx_len and window is None:
                 mask, causal = None, True
             else:  # a chunk after cached tokens: query i sits at position ctx_len - q_len + i
                 qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-                mask = torch.arange(ctx_len, device=q.device)[None, :] <= qpos[:, None]
+                keys = torch.arange(ctx_len, device=q.device)[None, :]
+                mask = keys <= qpos[:, None]
+                if window is not None:
+                    mask &= keys > qpos[:, None] - window
                 causal = False
             # 4-D (a batch of one): torch's CPU flash kernel takes it; 3-D runs the slower math path
             ob = F.scaled_dot_product_attention(qb[None], kb[None], vb[None], attn_mask=mask, is_causal=causal,
@@ -127,26 +133,34 @@ class TorchAttention:
             made = meta.derived["rows"] = (meta.block_tables.index_select(0, seq).contiguous(), lens)
         return made
 
-    def _decode_inputs(self, meta: AttentionMetadata, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_inputs(self, meta: AttentionMetadata, dtype: torch.dtype,
+                       window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(every row's blocks, flat; additive mask [B, 1, 1, W * block_size]: 0 within the
-        row's context, -inf past it), made once per step."""
-        made = meta.derived.get("decode")
+        row's context (its last `window` tokens), -inf elsewhere), made once per step and window."""
+        key = ("decode", window)
+        made = meta.derived.get(key)
         if made is None:
             tables, lens = meta.block_tables, meta.context_lens
-            past = torch.arange(tables.shape[1] * self.block_size, device=lens.device)[None, :] >= lens[:, None]
-            mask = torch.zeros(past.shape, dtype=dtype, device=lens.device).masked_fill_(past, float("-inf"))
-            made = meta.derived["decode"] = (tables.flatten(), mask[:, None, None, :])
+            tokens = torch.arange(tables.shape[1] * self.block_size, device=lens.device)[None, :]
+            hidden = tokens >= lens[:, None]
+            if window is not None:
+                hidden |= tokens < lens[:, None] - window
+            mask = torch.zeros(hidden.shape, dtype=dtype, device=lens.device).masked_fill_(hidden, float("-inf"))
+            made = meta.derived[key] = (tables.flatten(), mask[:, None, None, :])
         return made
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
         """The C kernel where it applies (engine/cpu/attention.py), else every row's blocks
-        gathered into [B, Hkv, W * block_size, D] and SDPA with the padding masked."""
+        gathered into [B, Hkv, W * block_size, D] and SDPA with the padding (and what lies before
+        the window) masked."""
         if self.use_kernel:
-            out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+            out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                         window=window)
             if out is not None:
                 return out
         batch, num_heads, head_dim = q.shape
-        blocks, mask = self._decode_inputs(meta, q.dtype)
+        blocks, mask = self._decode_inputs(meta, q.dtype, window)
         gathered = (batch, -1, *k_cache.shape[2:])
         keys = k_cache.index_select(0, blocks).view(gathered).transpose(1, 2)  # [B, Hkv, L, D]
         values = v_cache.index_select(0, blocks).view(gathered).transpose(1, 2)
@@ -169,19 +183,23 @@ class TritonAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, row_amax: bool = False,
-                qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor | AmaxedRows:
+                qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                window: int | None = None) -> torch.Tensor | AmaxedRows:
         """As TorchAttention.forward, the norms, rotary and store in one kernel. row_amax: a decode's
-        output may come as AmaxedRows (kernels/decode_attention.py)."""
+        output may come as AmaxedRows (kernels/decode_attention.py). window: the layer's sliding
+        window, a constant of the kernels (one compiled variant per window)."""
         q = self._rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, qk_norm=qk_norm)
         if meta.is_prefill:
             return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                                 meta.max_seqlen_q, scale, tiles=meta.attention_tiles)
-        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, row_amax=row_amax)
+                                 meta.max_seqlen_q, scale, tiles=meta.attention_tiles, window=window)
+        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, row_amax=row_amax,
+                            window=window)
 
     def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, row_amax: bool = False) -> torch.Tensor | AmaxedRows:
+                      scale: float, row_amax: bool = False, window: int | None = None) -> torch.Tensor | AmaxedRows:
         """Decode attention of rotated q over a cache that already holds this step's K/V."""
-        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, row_amax=row_amax)
+        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, row_amax=row_amax,
+                            window=window)
 
 
 def make_attention_backend(device: torch.device, block_size: int) -> TorchAttention | TritonAttention:

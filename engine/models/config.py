@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from graphserve.engine.errors import ModelFilesError, UnsupportedModelError
-from graphserve.engine.models.moe_config import MOE_ARCHITECTURES, MoeArgs, moe_sliding_window, parse_moe
+from graphserve.engine.models.moe_config import MOE_ARCHITECTURES, MoeArgs, parse_moe
+from graphserve.engine.models.windows import layer_windows
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -41,8 +42,11 @@ class ModelArgs:
     bos_token_id: int | None
     quantization: str | None = None  # the checkpoint's weights: "fp8" (compressed-tensors), None: unquantized
     moe: MoeArgs | None = None  # routed experts in every layer's MLP (Qwen3-MoE, Mixtral); None: dense
-    # the attention window, read for the MoE architectures only (dense Mistral's is not read: README)
-    sliding_window: int | None = None
+    # each layer's sliding attention window (engine/models/windows.py), None: full attention; () all full
+    layer_windows: tuple[int | None, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelArgs":
@@ -103,7 +107,7 @@ class ModelArgs:
             bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
             quantization=quantization,
             moe=parse_moe(cfg, arch),
-            sliding_window=moe_sliding_window(cfg, arch),
+            layer_windows=layer_windows(cfg, arch, cfg["num_hidden_layers"]),
         )
 
 

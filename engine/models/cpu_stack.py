@@ -1,5 +1,5 @@
 """A LlamaModel's decode steps on the CPU in one C call for all its layers (engine/cpu/decoder.py),
-where every layer fits the stack: a dense MLP, no per-head q/k norms, one rank, float32, each
+where every layer fits the stack: a dense MLP, no per-head q/k norms (a sliding window is taken), one rank, float32, each
 projection in the quantized kernel's layout or in float32 panels, the C attention kernel. The
 numbers are the per-layer path's, bit for bit: only its Python goes."""
 
@@ -41,7 +41,7 @@ def stack_decoder(model) -> StackDecoder | None:
         if any(p is None for p in projections):
             return None
         layers.append(LayerWeights(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                                   *projections))
+                                   *projections, window=attn.window))
     args = model.shard.local
     first = model.layers[0]
     return StackDecoder(layers, Shape(args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim,

@@ -45,8 +45,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, backend, tp: TensorParallel = SINGLE):
+    def __init__(self, args: ModelArgs, backend, tp: TensorParallel = SINGLE, window: int | None = None):
         super().__init__()
+        self.window = window  # the layer's sliding window (engine/models/windows.py), None: full attention
         self.tp = tp  # args: this rank's heads
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -72,14 +73,16 @@ class Attention(nn.Module):
                                          cos_sin, meta.slot_mapping, k_cache, v_cache)
         if fused is not None:
             q, residual = fused
-            out = self.backend.attend_decode(q, k_cache, v_cache, meta, self.scale, row_amax=row_amax)
+            out = self.backend.attend_decode(q, k_cache, v_cache, meta, self.scale, row_amax=row_amax,
+                                             window=self.window)
         else:
             qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, self.qkv_proj)
             heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
             q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             out = self.backend.forward(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale,
-                                       row_amax=row_amax and not meta.is_prefill, qk_norm=qk_norm)
+                                       row_amax=row_amax and not meta.is_prefill, qk_norm=qk_norm,
+                                       window=self.window)
         if isinstance(out, AmaxedRows):  # [T, Hq * D] already
             o_input = out
         else:
@@ -97,10 +100,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, backend, tp: TensorParallel = SINGLE):
+    def __init__(self, args: ModelArgs, backend, tp: TensorParallel = SINGLE, index: int = 0):
         super().__init__()
         self.tp = tp
-        self.self_attn = Attention(args, backend, tp)
+        self.self_attn = Attention(args, backend, tp, window=args.window(index))
         self.mlp = SparseMoE(args.hidden_size, args.moe) if args.moe is not None else MLP(args)
         self.is_moe = args.moe is not None
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -131,7 +134,7 @@ class LlamaModel(nn.Module):
         # an empty table given, so no random init runs: on the meta device torch's normal_ would import
         # torch._dynamo (seconds of every start) to initialize weights the checkpoint replaces anyway
         self.embed_tokens = nn.Embedding(rows, args.hidden_size, _weight=torch.empty(rows, args.hidden_size))
-        self.layers = nn.ModuleList([DecoderLayer(local, backend, tp) for _ in range(args.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(local, backend, tp, i) for i in range(args.num_layers)])
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, rows, bias=False)
         self.register_buffer("cos_sin", cos_sin, persistent=False)

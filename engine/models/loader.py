@@ -74,8 +74,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
     folder's)."""
     path = Path(path)
     args = ModelArgs.from_dir(path)
-    check_moe_servable(args.architecture, args.moe, args.sliding_window, args.quantization, device, max_positions,
-                       quantization)
+    check_moe_servable(args.architecture, args.moe, args.quantization, device, quantization)
     # refused (device, dtype, ranks, no blocks) before any weight is read
     blocks = _gguf_blocks(path, dtype, device, tp) if quantization == "gguf" else {}
     files = weight_files(path) if load_format != "dummy" else []

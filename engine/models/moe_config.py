@@ -1,8 +1,7 @@
 """The mixture-of-experts part of a Hugging Face config (Qwen3-MoE, Mixtral): MoeArgs, and a clear
 UnsupportedModelError for any field whose value changes the math in a way graphserve does not
 implement. What the MoE layer can serve (the CPU, CPU ranks, or one CUDA GPU -- sharding.check_tensor_parallel
-refuses CUDA ranks --, FP8 experts but no other quantization, a sliding window no shorter than the context
-served) is checked at load by check_moe_servable."""
+refuses CUDA ranks --, FP8 experts but no other quantization) is checked at load by check_moe_servable."""
 
 from __future__ import annotations
 
@@ -58,16 +57,6 @@ def parse_moe(cfg: dict[str, Any], arch: str) -> MoeArgs | None:
     return moe
 
 
-def moe_sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
-    """The attention window of an MoE architecture's config (None: full attention, or a dense
-    architecture). Qwen3-MoE's counts only with use_sliding_window, as in transformers."""
-    if arch not in MOE_ARCHITECTURES:
-        return None
-    if arch == "Qwen3MoeForCausalLM" and not cfg.get("use_sliding_window", False):
-        return None
-    return cfg.get("sliding_window")
-
-
 def _refuse_unsupported_fields(cfg: dict[str, Any], arch: str) -> None:
     def refuse(field: str, why: str) -> None:
         raise UnsupportedModelError(f"{arch}: unsupported config {field}={cfg.get(field)!r}: {why}")
@@ -85,8 +74,8 @@ def _refuse_unsupported_fields(cfg: dict[str, Any], arch: str) -> None:
             refuse(field, "shared experts and other routing schemes than softmax top-k are not implemented")
 
 
-def check_moe_servable(arch: str, moe: MoeArgs | None, window: int | None, checkpoint_quantization: str | None,
-                       device: torch.device, max_positions: int, quantization: str | None) -> None:
+def check_moe_servable(arch: str, moe: MoeArgs | None, checkpoint_quantization: str | None,
+                       device: torch.device, quantization: str | None) -> None:
     """A clear error, before any weight is read, for what the torch MoE layer cannot serve yet."""
     if moe is None:
         return
@@ -99,7 +88,3 @@ def check_moe_servable(arch: str, moe: MoeArgs | None, window: int | None, check
     if quantization not in (None, "fp8"):
         raise InvalidConfigError(f"--quantization {quantization} is not supported for mixture-of-experts models "
                                  f"({arch}): fp8 is")
-    if window is not None and window < max_positions:
-        raise UnsupportedModelError(
-            f"{arch}: unsupported config sliding_window={window}: sliding-window attention is not implemented, "
-            f"and the context served ({max_positions} tokens) is longer; set --max-model-len {window} or less")
