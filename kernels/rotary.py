@@ -123,6 +123,11 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None = None) 
         return inv_freq
     if rope_type == "linear":
         return inv_freq / rope_scaling["factor"]
+    if rope_type == "longrope":  # Phi-3: short or long factors (use_long: build_cos_sin_cache decides)
+        factors = rope_scaling["long_factor"] if rope_scaling.get("use_long") else rope_scaling["short_factor"]
+        ext = torch.tensor(factors, dtype=torch.float32)
+        shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (ext * base**shape)
     if rope_type == "llama3":
         factor = rope_scaling["factor"]
         low_freq_factor = rope_scaling["low_freq_factor"]
@@ -140,18 +145,49 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None = None) 
     raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
 
 
+def rope_attention_factor(rope_scaling: dict | None) -> float:
+    """The factor transformers multiplies cos and sin by (LongRoPE's attention_factor; 1 otherwise)."""
+    if not rope_scaling or rope_scaling.get("rope_type", rope_scaling.get("type")) != "longrope":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    original = rope_scaling["original_max_position_embeddings"]
+    factor = rope_scaling.get("factor") or rope_scaling["max_position_embeddings"] / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 def build_cos_sin_cache(
     head_dim: int,
     max_pos: int,
     base: float,
     rope_scaling: dict | None = None,
     device: torch.device | str | None = None,
+    rotary_dim: int | None = None,
 ) -> torch.Tensor:
-    """[max_pos, head_dim] float32: columns [:D/2] = cos(pos * inv_freq), [D/2:] = sin(...).
+    """[max_pos, head_dim] float32: columns [:D/2] = cos(pos * inv_freq), [D/2:] = sin(...), times
+    LongRoPE's attention factor where it has one.
 
+    rotary_dim < head_dim (partial rotary, Phi-3's partial_rotary_factor): the frequencies of the first
+    rotary_dim / 2 columns are the rotary dims', the rest are cos 1 and sin 0, which leave a dimension as
+    it is; the loader orders each q and k head so that rotate_half over head_dim pairs the rotary dims as
+    rotate_half over rotary_dim does (engine/models/phi3.py).
     Computed on the CPU in float32 (as transformers does, up to device libm) and moved to `device`.
     """
-    inv_freq = rope_inv_freq(head_dim, base, rope_scaling)
+    rotary_dim = rotary_dim or head_dim
+    if rope_scaling and rope_scaling.get("rope_type") == "longrope":
+        # LongRoPE: transformers rotates a whole sequence with the long factors once it is longer than
+        # original_max_position_embeddings (it recomputes the cache when a sequence crosses it), with the short
+        # ones before. Here the served context decides for every sequence: the long factors where it is longer
+        # (--max-model-len), the short ones where it is not, so that a sequence's positions never mix the two.
+        rope_scaling = dict(rope_scaling, use_long=max_pos > rope_scaling["original_max_position_embeddings"])
     positions = torch.arange(max_pos, dtype=torch.int64).float()
-    freqs = torch.outer(positions, inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device=device)
+    freqs = torch.outer(positions, rope_inv_freq(rotary_dim, base, rope_scaling))
+    cos, sin = freqs.cos(), freqs.sin()
+    factor = rope_attention_factor(rope_scaling)
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    if rotary_dim < head_dim:
+        rest = (head_dim - rotary_dim) // 2
+        cos = torch.cat((cos, cos.new_ones(max_pos, rest)), dim=-1)
+        sin = torch.cat((sin, sin.new_zeros(max_pos, rest)), dim=-1)
+    return torch.cat((cos, sin), dim=-1).to(device=device)

@@ -23,6 +23,8 @@ VARIANTS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32)),
+    # Phi-3/Phi-4: fused qkv and gate_up in the checkpoint (pad_token_id: its default is past the tiny vocabulary)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False, pad_token_id=0)),
 }
 
 # Mixtures of experts (tests/test_moe.py): Mixtral's intermediate_size is each expert's.

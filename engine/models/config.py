@@ -16,6 +16,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",  # Phi-3, Phi-3.5, Phi-4 (fused qkv and gate_up, partial rotary, LongRoPE)
     *MOE_ARCHITECTURES,  # CPU or one CUDA GPU (moe_config.check_moe_servable)
 )
 
@@ -44,6 +45,9 @@ class ModelArgs:
     moe: MoeArgs | None = None  # routed experts in every layer's MLP (Qwen3-MoE, Mixtral); None: dense
     # each layer's sliding attention window (engine/models/windows.py), None: full attention; () all full
     layer_windows: tuple[int | None, ...] = ()
+
+    # the dims of each head rotary rotates (Phi-3's partial_rotary_factor); None: all of head_dim
+    rotary_dim: int | None = None
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -80,6 +84,11 @@ class ModelArgs:
                 rope_scaling = rope_params
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) == "default":
             rope_scaling = None
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        rotary_dim = None
+        if arch == "Phi3ForCausalLM":
+            rope_scaling, rotary_dim = _phi3_rope(cfg, rope_scaling, rope_params or {}, head_dim)
+        _check_rope_type(arch, rope_scaling)
         gen = generation_config or {}
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -93,7 +102,7 @@ class ModelArgs:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
@@ -108,7 +117,47 @@ class ModelArgs:
             quantization=quantization,
             moe=parse_moe(cfg, arch),
             layer_windows=layer_windows(cfg, arch, cfg["num_hidden_layers"]),
+            rotary_dim=rotary_dim,
         )
+
+
+_ROPE_TYPES = ("linear", "llama3")  # and None (default); Phi-3 adds longrope
+
+
+def _check_rope_type(arch: str, rope_scaling: dict[str, Any] | None) -> None:
+    kind = None if not rope_scaling else rope_scaling.get("rope_type", rope_scaling.get("type"))
+    allowed = _ROPE_TYPES + (("longrope",) if arch == "Phi3ForCausalLM" else ())
+    if kind is not None and kind not in allowed:
+        raise UnsupportedModelError(f"{arch}: unsupported config rope_scaling type {kind!r}: graphserve implements "
+                                    f"{', '.join(allowed)} (or none)")
+
+
+def _phi3_rope(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None, rope_params: dict[str, Any],
+               head_dim: int) -> tuple[dict[str, Any] | None, int | None]:
+    """Phi-3's rope scaling (su, yarn and longrope are all LongRoPE to transformers) with what its factors
+    need, and the rotary dims (partial_rotary_factor); or UnsupportedModelError naming the field."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"Phi3ForCausalLM: unsupported config hidden_act={cfg.get('hidden_act')!r}: "
+                                    "the MLP is SwiGLU (silu)")
+    factor = rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise UnsupportedModelError(f"Phi3ForCausalLM: unsupported config partial_rotary_factor={factor!r}: "
+                                    f"{head_dim} x it must be an even number of dims")
+    if rope_scaling:
+        kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        if kind in ("su", "yarn", "longrope"):
+            rope_scaling = dict(rope_scaling, rope_type="longrope")
+            rope_scaling["original_max_position_embeddings"] = cfg.get(
+                "original_max_position_embeddings", rope_scaling.get("original_max_position_embeddings",
+                                                                      cfg.get("max_position_embeddings", 4096)))
+            rope_scaling["max_position_embeddings"] = cfg.get("max_position_embeddings", 4096)
+            for field in ("short_factor", "long_factor"):
+                values = rope_scaling.get(field)
+                if not isinstance(values, list) or len(values) != rotary_dim // 2:
+                    raise UnsupportedModelError(f"Phi3ForCausalLM: unsupported config rope_scaling {field}: "
+                                                f"a list of {rotary_dim // 2} numbers")
+    return rope_scaling, (rotary_dim if rotary_dim < head_dim else None)
 
 
 def checkpoint_quantization(config: dict[str, Any] | None) -> str | None:

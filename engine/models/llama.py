@@ -1,4 +1,5 @@
 """Decoder for the Llama family: Llama 2/3/3.1, Mistral, SmolLM2, Qwen2 (QKV bias), Qwen3 (q/k norm),
+Phi-3/Phi-4 (fused checkpoint projections, partial rotary by a head-dim order: loader.partial_rotary_order),
 and the mixtures of experts on that frame: Qwen3-MoE and Mixtral (engine/models/moe.py as the MLP).
 
 Weights use fused projections (qkv, gate_up); the loader fills them from HF tensors.

@@ -78,7 +78,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
     # refused (device, dtype, ranks, no blocks) before any weight is read
     blocks = _gguf_blocks(path, dtype, device, tp) if quantization == "gguf" else {}
     files = weight_files(path) if load_format != "dummy" else []
-    cos_sin = build_cos_sin_cache(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
+    cos_sin = build_cos_sin_cache(args.head_dim, max_positions, args.rope_theta, args.rope_scaling,
+                                  rotary_dim=args.rotary_dim)
     with torch.device("meta"):
         model = LlamaModel(args, backend, cos_sin, tp)
     # in the model's dtype while still on meta: a float32 copy first would need twice the memory. torch.empty,
@@ -99,6 +100,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
         _fill_random(model, seed=tp.rank)
     else:
         _read_checkpoint(model, path, files, skip=quantized)
+    if args.rotary_dim is not None:  # partial rotary: each q and k head's dims in the order rotary takes them
+        order_partial_rotary_heads(model, args.rotary_dim)
     if quantization == "fp8" and not prequantized:
         for module in to_fp8:
             module.to_fp8()
@@ -110,6 +113,34 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
         packed.save()
     model.cpu_stack = stack_decoder(model)
     return model.eval()
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's dims under which rotate_half over all head_dim dims, with cos 1 and sin 0
+    on the columns past rotary_dim / 2 (build_cos_sin_cache), rotates dims [0, rotary_dim) as
+    transformers' partial rotary does (pairs (i, i + rotary_dim / 2)) and leaves the others: new dim
+    j holds old dim order[j]. q . k is a sum over dims, so the same order in q and k changes nothing."""
+    half, rhalf = head_dim // 2, rotary_dim // 2
+    rest = (head_dim - rotary_dim) // 2
+    return torch.cat([torch.arange(rhalf), rotary_dim + torch.arange(rest),
+                      rhalf + torch.arange(rhalf), rotary_dim + rest + torch.arange(rest)])
+
+
+def order_partial_rotary_heads(model: LlamaModel, rotary_dim: int) -> None:
+    """Reorder each q and k head's rows of every qkv projection (and their per-row FP8 scales or bias)."""
+    args = model.shard.local
+    d = args.head_dim
+    order = partial_rotary_order(d, rotary_dim)
+    heads = args.num_heads + args.num_kv_heads
+    rows = (torch.arange(heads)[:, None] * d + order[None, :]).flatten()
+    rows = torch.cat([rows, torch.arange(heads * d, (heads + args.num_kv_heads) * d)])  # v stays
+    with torch.no_grad():
+        for layer in model.layers:
+            proj = layer.self_attn.qkv_proj
+            for tensor in (proj.weight, proj.weight_scale, proj.bias):
+                if tensor is not None:
+                    data = tensor.data.view(torch.uint8) if tensor.dtype.itemsize == 1 else tensor.data
+                    data.copy_(data.index_select(0, rows.to(data.device)))
 
 
 def _gguf_blocks(path: Path, dtype: torch.dtype, device: torch.device,

@@ -13,12 +13,19 @@ from graphserve.engine.errors import InvalidConfigError
 from graphserve.engine.models.config import ModelArgs
 
 
+# architectures whose checkpoints store qkv_proj and gate_up_proj fused (read whole, not sliced by rank)
+FUSED_CHECKPOINTS = ("Phi3ForCausalLM",)
+
+
 def check_tensor_parallel(args: ModelArgs, size: int, device: torch.device) -> None:
     """A clear error for a tensor-parallel size this model or machine cannot take."""
     if size < 1:
         raise InvalidConfigError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
+    if args.architecture in FUSED_CHECKPOINTS:
+        raise InvalidConfigError(f"tensor_parallel_size {size}: {args.architecture} checkpoints hold fused qkv and "
+                                 "gate_up projections, which graphserve does not shard yet; it runs on one rank")
     if args.moe is not None and device.type != "cpu":
         raise InvalidConfigError(f"tensor_parallel_size {size}: mixture-of-experts models ({args.architecture}) "
                                  "are sharded over CPU ranks only for now; on CUDA they run on one GPU")
