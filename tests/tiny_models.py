@@ -25,6 +25,10 @@ VARIANTS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32)),
     # Phi-3/Phi-4: fused qkv and gate_up in the checkpoint (pad_token_id: its default is past the tiny vocabulary)
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False, pad_token_id=0)),
+    # Gemma 3's text model: 6 layers, 5 local (window 8, rope_local_base_freq) to 1 global
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        tie_word_embeddings=False, head_dim=16, num_hidden_layers=6, sliding_window=8, query_pre_attn_scalar=24,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 
 # Mixtures of experts (tests/test_moe.py): Mixtral's intermediate_size is each expert's.

@@ -40,6 +40,17 @@ class AttentionMetadata:
     attention_tiles: torch.Tensor | None = None
 
 
+def step_rotary_tables(meta: AttentionMetadata, positions: torch.Tensor, cos_sin: torch.Tensor,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_tables of the step's positions, made once per step and table (Gemma 3 has two), keyed by
+    the positions tensor itself (held in meta.derived)."""
+    key = ("rope", cos_sin.data_ptr())
+    rope = meta.derived.get(key)
+    if rope is None or rope[0] is not positions:
+        rope = meta.derived[key] = (positions, rotary_tables(positions, cos_sin, dtype))
+    return rope[1]
+
+
 class TorchAttention:
     """CPU backend: writes K/V with index_copy; attention in a small C kernel that reads the
     blocks in place (engine/cpu/attention.py), one query row at a time, for decode and prefill
@@ -70,10 +81,7 @@ class TorchAttention:
         last `window` positions up to its own (None: all before it)."""
         if qk_norm is not None:
             q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
-        rope = meta.derived.get("rope")
-        if rope is None or rope[0] is not positions:  # keyed by the positions tensor itself (held here)
-            rope = meta.derived["rope"] = (positions, rotary_tables(positions, cos_sin, q.dtype))
-        q, k = apply_rotary(q, k, positions, cos_sin, rope[1])
+        q, k = apply_rotary(q, k, positions, cos_sin, step_rotary_tables(meta, positions, cos_sin, q.dtype))
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
             return self._prefill(q, k_cache, v_cache, meta, scale, window)

@@ -9,6 +9,7 @@ from typing import Any
 
 from graphserve.engine.errors import ModelFilesError, UnsupportedModelError
 from graphserve.engine.models.moe_config import MOE_ARCHITECTURES, MoeArgs, parse_moe
+from graphserve.engine.models.gemma3 import GEMMA3_ARCHITECTURES, GemmaArgs, gemma3_rope, gemma3_text_config, gemma_args
 from graphserve.engine.models.windows import layer_windows
 
 SUPPORTED_ARCHITECTURES = (
@@ -17,6 +18,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",  # Phi-3, Phi-3.5, Phi-4 (fused qkv and gate_up, partial rotary, LongRoPE)
+    *GEMMA3_ARCHITECTURES,  # Gemma 3's text model (engine/models/gemma3.py)
     *MOE_ARCHITECTURES,  # CPU or one CUDA GPU (moe_config.check_moe_servable)
 )
 
@@ -48,6 +50,7 @@ class ModelArgs:
 
     # the dims of each head rotary rotates (Phi-3's partial_rotary_factor); None: all of head_dim
     rotary_dim: int | None = None
+    gemma: GemmaArgs | None = None  # Gemma 3: its layer, embedding scale, local rotary, logit softcap
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -73,6 +76,8 @@ class ModelArgs:
             raise UnsupportedModelError(
                 f"unsupported model architecture {arch!r}; graphserve supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if arch in GEMMA3_ARCHITECTURES:
+            cfg = gemma3_text_config(cfg, arch)
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         rope_scaling = cfg.get("rope_scaling")
@@ -84,6 +89,8 @@ class ModelArgs:
                 rope_scaling = rope_params
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) == "default":
             rope_scaling = None
+        if arch in GEMMA3_ARCHITECTURES:
+            rope_theta, rope_scaling, _ = gemma3_rope(cfg)
         head_dim = cfg.get("head_dim") or hidden // num_heads
         rotary_dim = None
         if arch == "Phi3ForCausalLM":
@@ -110,7 +117,7 @@ class ModelArgs:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Mixtral's attention has no bias whatever its config says
             qkv_bias=arch == "Qwen2ForCausalLM" or (arch != "MixtralForCausalLM" and bool(cfg.get("attention_bias"))),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *GEMMA3_ARCHITECTURES),
             dtype=str(dtype).replace("torch.", ""),
             eos_token_ids=eos_ids,
             bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
@@ -118,6 +125,7 @@ class ModelArgs:
             moe=parse_moe(cfg, arch),
             layer_windows=layer_windows(cfg, arch, cfg["num_hidden_layers"]),
             rotary_dim=rotary_dim,
+            gemma=gemma_args(cfg) if arch in GEMMA3_ARCHITECTURES else None,
         )
 
 

@@ -9,8 +9,8 @@ import torch
 
 from graphserve.engine.cpu import decoder
 from graphserve.engine.cpu.decoder import LayerWeights, Projection, Shape, StackDecoder
-from graphserve.engine.models.attention import AttentionMetadata, TorchAttention
-from graphserve.engine.models.layers import Linear, rotary_tables
+from graphserve.engine.models.attention import AttentionMetadata, TorchAttention, step_rotary_tables
+from graphserve.engine.models.layers import Linear
 
 
 def _projection(proj: Linear) -> Projection | None:
@@ -33,7 +33,7 @@ def stack_decoder(model) -> StackDecoder | None:
     layers = []
     for layer in model.layers:
         attn = layer.self_attn
-        if layer.is_moe or attn.q_norm is not None or not isinstance(attn.backend, TorchAttention) \
+        if layer.is_moe or attn.q_norm is not None or not getattr(layer, "fits_stack", True) or not isinstance(attn.backend, TorchAttention) \
                 or not attn.backend.use_kernel:
             return None
         projections = [_projection(p) for p in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj,
@@ -56,8 +56,5 @@ def decode_stack(stack: StackDecoder, x: torch.Tensor, positions: torch.Tensor, 
     take this step (the caller runs the layers one by one)."""
     if meta.is_prefill or not stack.applies(x):
         return None
-    rope = meta.derived.get("rope")
-    if rope is None or rope[0] is not positions:  # as TorchAttention keys them
-        rope = meta.derived["rope"] = (positions, rotary_tables(positions, cos_sin, x.dtype))
-    cos, sin = (t.reshape(x.shape[0], -1) for t in rope[1])
+    cos, sin = (t.reshape(x.shape[0], -1) for t in step_rotary_tables(meta, positions, cos_sin, x.dtype))
     return stack.run(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, kv_caches)

@@ -1,5 +1,6 @@
 """Decoder for the Llama family: Llama 2/3/3.1, Mistral, SmolLM2, Qwen2 (QKV bias), Qwen3 (q/k norm),
 Phi-3/Phi-4 (fused checkpoint projections, partial rotary by a head-dim order: loader.partial_rotary_order),
+Gemma 3's text model (GemmaDecoderLayer, engine/models/gemma3.py),
 and the mixtures of experts on that frame: Qwen3-MoE and Mixtral (engine/models/moe.py as the MLP).
 
 Weights use fused projections (qkv, gate_up); the loader fills them from HF tensors.
@@ -11,6 +12,7 @@ row-parallel outputs (O, down) and the vocabulary-split embedding with an all-re
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from graphserve.engine.cpu.decoder import StackDecoder
@@ -57,8 +59,10 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, args.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if args.gemma is None else args.gemma.query_pre_attn_scalar**-0.5
         self.backend = backend
+        # the o projection may hand the add + norm after it split-K partials (not Gemma's: a norm of its own)
+        self.defer_output = args.gemma is None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, positions: torch.Tensor,
                 cos_sin: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
@@ -88,7 +92,8 @@ class Attention(nn.Module):
             o_input = out
         else:
             o_input = out.reshape(num_tokens, self.q_size)
-        return self.tp.all_reduce(self.o_proj(o_input, defer_reduce=defers_split_reduce(self.tp.size))), residual
+        defer = self.defer_output and defers_split_reduce(self.tp.size)
+        return self.tp.all_reduce(self.o_proj(o_input, defer_reduce=defer)), residual
 
 
 class MLP(nn.Module):
@@ -101,6 +106,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    local_rope = False  # every layer takes the model's one rotary table
+
     def __init__(self, args: ModelArgs, backend, tp: TensorParallel = SINGLE, index: int = 0):
         super().__init__()
         self.tp = tp
@@ -123,6 +130,40 @@ class DecoderLayer(nn.Module):
         return self.tp.all_reduce(mlp.down_proj(act, defer_reduce=defers_split_reduce(self.tp.size))), residual
 
 
+class GemmaDecoderLayer(nn.Module):
+    """Gemma 3's layer: RMSNorms after attention and after the MLP too (each norm's weight holds Gemma's
+    1 + w, folded in at load), a GeGLU MLP (gelu_pytorch_tanh), q/k norms; a sliding layer takes the local
+    rotary table (local_rope)."""
+
+    fits_stack = False  # not the CPU decode stack's layer (engine/models/cpu_stack.py)
+
+    def __init__(self, args: ModelArgs, backend, tp: TensorParallel = SINGLE, index: int = 0):
+        super().__init__()
+        self.tp = tp
+        self.self_attn = Attention(args, backend, tp, window=args.window(index))
+        self.local_rope = args.window(index) is not None
+        self.mlp = MLP(args)
+        self.is_moe = False
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            setattr(self, name, RMSNorm(args.hidden_size, args.rms_norm_eps))
+
+    def forward(self, x, residual, positions, cos_sin, meta, k_cache, v_cache):
+        h, residual = self.self_attn(x, residual, self.input_layernorm, positions, cos_sin, meta, k_cache, v_cache)
+        h = rms_norm(h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        norm = self.pre_feedforward_layernorm
+        h, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
+        act = gelu_tanh_and_mul(self.mlp.gate_up_proj(h))
+        out = self.tp.all_reduce(self.mlp.down_proj(act))
+        return rms_norm(out, self.post_feedforward_layernorm.weight, self.post_feedforward_layernorm.eps), residual
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_pytorch_tanh(gate) * up over a fused [gate; up] row (transformers' GeGLU, in the rows' dtype)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class LlamaModel(nn.Module):
     """Causal LM: forward() gives final hidden states, compute_logits() the logits."""
 
@@ -135,24 +176,30 @@ class LlamaModel(nn.Module):
         # an empty table given, so no random init runs: on the meta device torch's normal_ would import
         # torch._dynamo (seconds of every start) to initialize weights the checkpoint replaces anyway
         self.embed_tokens = nn.Embedding(rows, args.hidden_size, _weight=torch.empty(rows, args.hidden_size))
-        self.layers = nn.ModuleList([DecoderLayer(local, backend, tp, i) for i in range(args.num_layers)])
+        layer = GemmaDecoderLayer if args.gemma is not None else DecoderLayer
+        self.layers = nn.ModuleList([layer(local, backend, tp, i) for i in range(args.num_layers)])
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, rows, bias=False)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
+        self.cos_sin_local: torch.Tensor | None = None  # Gemma 3's sliding layers' rotary table (the loader's)
         self.lm_head_packed: torch.Tensor | None = None
         self.cpu_stack: StackDecoder | None = None  # made by the loader where the model fits it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x = self._embed(input_ids)
+        if self.args.gemma is not None:  # Gemma scales its embeddings by sqrt(hidden), rounded to the dtype
+            x = x * float(torch.tensor(self.args.hidden_size**0.5).to(x.dtype))
         stacked = None if self.cpu_stack is None else decode_stack(self.cpu_stack, x, positions, self.cos_sin, meta,
                                                                    kv_caches)
         if stacked is not None:  # a CPU decode step: every layer in one C call (engine/models/cpu_stack.py)
             x, residual = stacked
         else:
             residual = None
+            local = self.cos_sin_local
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-                x, residual = layer(x, residual, positions, self.cos_sin, meta, k_cache, v_cache)
+                cos_sin = local if local is not None and layer.local_rope else self.cos_sin
+                x, residual = layer(x, residual, positions, cos_sin, meta, k_cache, v_cache)
         x, _ = add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return x
 
@@ -177,7 +224,11 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """Logits in `dtype` (None: the model's dtype), rounded to the model's dtype first; under
         tensor parallelism gathered whole on every rank."""
-        logits = linear(hidden, self.lm_head_weight, packed=self.lm_head_packed, out_dtype=dtype, lm_head=True)
+        cap = None if self.args.gemma is None else self.args.gemma.final_logit_softcapping
+        logits = linear(hidden, self.lm_head_weight, packed=self.lm_head_packed, out_dtype=None if cap else dtype,
+                        lm_head=True)
+        if cap:  # Gemma: cap * tanh(logits / cap), in the model's dtype as transformers computes it
+            logits = (torch.tanh(logits / cap) * cap).to(dtype or logits.dtype)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather_last_dim(logits)[..., :self.args.vocab_size]

@@ -23,6 +23,7 @@ from graphserve.engine.models.sharding import Shard
 from graphserve.engine.errors import InvalidConfigError, ModelFilesError
 from graphserve.engine.models.config import ModelArgs
 from graphserve.engine.models.cpu_stack import stack_decoder
+from graphserve.engine.models.gemma3 import checkpoint_name
 from graphserve.engine.models.layers import Linear, QuantizedParts
 from graphserve.engine.models.llama import LlamaModel
 from graphserve.engine.models.moe import SparseMoE
@@ -100,6 +101,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
         _fill_random(model, seed=tp.rank)
     else:
         _read_checkpoint(model, path, files, skip=quantized)
+    if args.gemma is not None:
+        _gemma_after_load(model, args, max_positions, device, dummy=load_format == "dummy")
     if args.rotary_dim is not None:  # partial rotary: each q and k head's dims in the order rotary takes them
         order_partial_rotary_heads(model, args.rotary_dim)
     if quantization == "fp8" and not prequantized:
@@ -113,6 +116,19 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
         packed.save()
     model.cpu_stack = stack_decoder(model)
     return model.eval()
+
+
+def _gemma_after_load(model: LlamaModel, args: ModelArgs, max_positions: int, device: torch.device,
+                      dummy: bool) -> None:
+    """Gemma 3: each RMSNorm's weight w becomes 1 + w (computed in float32, as Gemma3RMSNorm multiplies),
+    so the norms run as every other model's; the sliding layers' rotary table (rope_local_base_freq)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                if dummy:  # random weights: Gemma's norms start at 0 (a weight of 1)
+                    p.zero_()
+                p.copy_((1.0 + p.float()).to(p.dtype))
+    model.cos_sin_local = build_cos_sin_cache(args.head_dim, max_positions, args.gemma.local_rope_theta).to(device)
 
 
 def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
@@ -246,6 +262,16 @@ def _fill_random(model: LlamaModel, seed: int) -> None:
                 p.normal_(0, 0.5 if "embed_tokens" in name or "lm_head" in name else 0.02, generator=gen)
 
 
+class _Renamed:
+    """A safetensors file whose tensor `hf_name` is read as `name` (Gemma 3's language_model. prefix)."""
+
+    def __init__(self, f, name: str, hf_name: str):
+        self.f, self.name, self.hf_name = f, name, hf_name
+
+    def get_slice(self, name: str):
+        return self.f.get_slice(self.hf_name if name == self.name else name)
+
+
 def read_tensor(f, name: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None) -> torch.Tensor:
     """Rows [a, b) or columns [a, b) of a checkpoint tensor (None: all), reading only those."""
     sliced = f.get_slice(name)
@@ -276,6 +302,12 @@ def _split(shard: Shard, module: str, kind: str) -> tuple[tuple[int, int] | None
 
 def _load_tensor(shard: Shard, params: dict, loaded: set, name: str, f) -> None:
     args = shard.local
+    if args.gemma is not None:  # a multimodal checkpoint's text tower; its vision tower is not loaded
+        hf_name, name = name, checkpoint_name(name)
+        if name is None:
+            return
+        if hf_name != name:
+            f = _Renamed(f, name, hf_name)
     if "rotary_emb.inv_freq" in name or name.endswith(".input_scale"):  # activations: scaled per token instead
         return
     if name == "lm_head.weight" and args.tie_word_embeddings:

@@ -13,8 +13,12 @@ from graphserve.engine.errors import InvalidConfigError
 from graphserve.engine.models.config import ModelArgs
 
 
-# architectures whose checkpoints store qkv_proj and gate_up_proj fused (read whole, not sliced by rank)
-FUSED_CHECKPOINTS = ("Phi3ForCausalLM",)
+# architectures served on one rank only: Phi-3's checkpoints store qkv_proj and gate_up_proj fused (read
+# whole, not sliced by rank); Gemma 3 under tensor parallelism is not tested yet
+ONE_RANK = {"Phi3ForCausalLM": "its checkpoints hold fused qkv and gate_up projections, which graphserve does "
+                               "not shard yet",
+            "Gemma3ForCausalLM": "Gemma 3 is not sharded yet", "Gemma3ForConditionalGeneration": "Gemma 3 is not "
+                                                                                                "sharded yet"}
 
 
 def check_tensor_parallel(args: ModelArgs, size: int, device: torch.device) -> None:
@@ -23,9 +27,9 @@ def check_tensor_parallel(args: ModelArgs, size: int, device: torch.device) -> N
         raise InvalidConfigError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
-    if args.architecture in FUSED_CHECKPOINTS:
-        raise InvalidConfigError(f"tensor_parallel_size {size}: {args.architecture} checkpoints hold fused qkv and "
-                                 "gate_up projections, which graphserve does not shard yet; it runs on one rank")
+    if args.architecture in ONE_RANK:
+        raise InvalidConfigError(f"tensor_parallel_size {size}: {args.architecture}: {ONE_RANK[args.architecture]}; "
+                                 "it runs on one rank")
     if args.moe is not None and device.type != "cpu":
         raise InvalidConfigError(f"tensor_parallel_size {size}: mixture-of-experts models ({args.architecture}) "
                                  "are sharded over CPU ranks only for now; on CUDA they run on one GPU")
