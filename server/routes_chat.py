@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -88,12 +89,12 @@ async def create_chat_completion(request: Request) -> Response:
     if not prompt_ids:
         raise bad_request("messages render to an empty prompt", param="messages")
     reasoning = reasoning_config(state.reasoning_parser, tokenizer, prompt_ids)
-    changes: dict[str, Any] = {}
     if grammar is not None and reasoning is not None:  # the grammar leaves the thinking free
-        grammar = changes["grammar"] = msgspec.structs.replace(grammar, reasoning=reasoning.grammar_mode)
+        grammar = msgspec.structs.replace(grammar, reasoning=reasoning.grammar_mode)
+        params = dataclasses.replace(params, grammar=grammar)
     if grammar is not None:  # a 400 for a grammar that fails or takes too long to compile
         await engine.check_grammar(grammar)
-    jobs = [ChoiceJob(index=c, prompt=prompt_ids, params=for_choice(params, c, **changes)) for c in range(body.n)]
+    jobs = [ChoiceJob(index=c, prompt=prompt_ids, params=for_choice(params, c)) for c in range(body.n)]
     request_id = new_request_id("chatcmpl")
     group = await start_generation(state, request_id, jobs, stream=body.stream)
     return await _ChatView(state, body, request_id, fmt if use_tools else None, reasoning).respond(request, group)
