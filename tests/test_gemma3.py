@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import make_tiny_model, transformers_greedy
+from tiny_models import assert_greedy_matches, make_tiny_model, transformers_greedy
 
 from graphserve import LLM, SamplingParams
 from graphserve.engine.errors import InvalidConfigError, UnsupportedModelError
@@ -51,10 +51,7 @@ def test_the_config_is_read_as_transformers_reads_it(model_dir):
 def test_greedy_matches_transformers_alone_and_batched(model_dir, hf_greedy, prefix_caching):
     llm = _llm(model_dir, prefix_caching=prefix_caching)
     assert llm.engine.core.worker.model.cpu_stack is None  # q/k norms, Gemma's layer: the per-layer path
-    assert llm.generate([PROMPTS[4]], GREEDY)[0].token_ids == hf_greedy[4]
-    for _ in range(2):  # the second pass hits the prefix cache where it is on
-        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hf_greedy
-    assert len({tuple(o) for o in hf_greedy}) > 2
+    assert_greedy_matches(llm, PROMPTS, GREEDY, hf_greedy, alone=4, distinct=2)
 
 
 def test_the_torch_attention_fallback_matches_too(model_dir, hf_greedy):
@@ -112,5 +109,4 @@ def test_tensor_parallelism_is_refused_at_start():
 def test_greedy_on_cuda_matches_transformers(model_dir, hf_greedy, enforce_eager):
     llm = LLM(str(model_dir), device="cuda", dtype="float32", max_num_seqs=8, max_num_batched_tokens=32,
               num_kv_blocks=96, enforce_eager=enforce_eager)
-    for _ in range(2):
-        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hf_greedy
+    assert_greedy_matches(llm, PROMPTS, GREEDY, hf_greedy)

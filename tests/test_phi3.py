@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_tiny_model, transformers_greedy
+from tiny_models import assert_greedy_matches, make_tiny_model, transformers_greedy
 
 from graphserve import LLM, SamplingParams
 from graphserve.engine.errors import InvalidConfigError, UnsupportedModelError
@@ -72,10 +72,7 @@ def _llm(model, **config) -> LLM:
 def test_greedy_matches_transformers_alone_and_batched(model, hf_greedy, prefix_caching):
     prompts = model[2]
     llm = _llm(model, prefix_caching=prefix_caching)
-    assert llm.generate([prompts[1]], GREEDY)[0].token_ids == hf_greedy[1]
-    for _ in range(2):  # the second pass hits the prefix cache where it is on
-        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == hf_greedy
-    assert len({tuple(o) for o in hf_greedy}) > 1
+    assert_greedy_matches(llm, prompts, GREEDY, hf_greedy, alone=1)
 
 
 def test_the_per_layer_path_matches_transformers_too(model, hf_greedy):
@@ -141,5 +138,4 @@ def test_tensor_parallelism_is_refused_at_start():
 def test_greedy_on_cuda_matches_transformers(model, hf_greedy, enforce_eager):
     llm = LLM(str(model[0]), device="cuda", dtype="float32", max_num_seqs=8, max_num_batched_tokens=32,
               num_kv_blocks=64, max_model_len=model[1], enforce_eager=enforce_eager)
-    for _ in range(2):
-        assert [o.token_ids for o in llm.generate(model[2], GREEDY)] == hf_greedy
+    assert_greedy_matches(llm, model[2], GREEDY, hf_greedy)

@@ -224,6 +224,18 @@ def transformers_greedy(path: Path, prompts: list[list[int]], max_new: int) -> l
     return outs
 
 
+def assert_greedy_matches(llm, prompts: list[list[int]], params, want: list[list[int]], alone: int | None = None,
+                          distinct: int = 1) -> None:
+    """`llm`'s greedy tokens equal transformers' (`want`): prompt `alone` by itself (when given), then
+    all prompts batched, twice (the second pass hits the prefix cache where it is on); and the
+    prompts' continuations take more than `distinct` different values, so a test could tell them apart."""
+    if alone is not None:
+        assert llm.generate([prompts[alone]], params)[0].token_ids == want[alone]
+    for _ in range(2):
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert len({tuple(o) for o in want}) > distinct
+
+
 # ---- a "reasoning" model whose greedy output is known (tests/test_reasoning.py) ----
 
 THINK_TEMPLATES = {
