@@ -89,7 +89,7 @@ def main() -> None:
 
     def replay(i: int) -> None:
         if i % steps == 0:
-            engine.worker.graphs.step.zero_()
+            engine.worker.graphs.buffers.step.zero_()
         entry.graph.replay()
 
     with profile(activities=[ProfilerActivity.CUDA]) as graph_prof:

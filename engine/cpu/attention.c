@@ -40,15 +40,6 @@ struct task {
 #include "attention_neon.h"
 #endif
 
-#if defined(GS_AVX512)
-#define GS_ISA_NAME "AVX-512"
-#elif defined(GS_AVX2)
-#define GS_ISA_NAME "AVX2"
-#elif defined(GS_NEON)
-#define GS_ISA_NAME "NEON"
-#else
-#define GS_ISA_NAME "generic"
-#endif
 const char* gs_isa(void) { return GS_ISA_NAME; }
 
 /* KV head h of a task in plain C; work: G * D floats */

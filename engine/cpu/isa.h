@@ -32,6 +32,17 @@
 #endif
 #endif
 
+/* the name a library's gs_isa() reports for its vector paths (the engine logs it at start) */
+#if defined(GS_AVX512)
+#define GS_ISA_NAME "AVX-512"
+#elif defined(GS_AVX2)
+#define GS_ISA_NAME "AVX2"
+#elif defined(GS_NEON)
+#define GS_ISA_NAME "NEON"
+#else
+#define GS_ISA_NAME "generic"
+#endif
+
 #if defined(GS_AVX2)
 #include <immintrin.h>
 #endif

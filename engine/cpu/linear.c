@@ -14,16 +14,12 @@
 
 #if defined(GS_AVX512)
 #include "linear_avx512.h"
-#define GS_ISA_NAME "AVX-512"
 #elif defined(GS_AVX2)
 #include "linear_avx2.h"
-#define GS_ISA_NAME "AVX2"
 #elif defined(GS_NEON)
 #include "linear_neon.h"
-#define GS_ISA_NAME "NEON"
 #else
 #define GS_LINEAR_ROWS 16
-#define GS_ISA_NAME "generic"
 static void block(int rows, const float* x, int64_t ldx, const float* panel, int64_t k,
                   const float* bias, float* out, int64_t ldo, int64_t valid) {
     float acc[GS_LINEAR_ROWS][PANEL] = {{0}};

@@ -7,15 +7,6 @@
 #include <math.h>
 #include <stdint.h>
 
-#if defined(GS_AVX512)
-#define GS_ISA_NAME "AVX-512"
-#elif defined(GS_AVX2)
-#define GS_ISA_NAME "AVX2"
-#elif defined(GS_NEON)
-#define GS_ISA_NAME "NEON"
-#else
-#define GS_ISA_NAME "generic"
-#endif
 const char* gs_isa(void) { return GS_ISA_NAME; }
 
 /* rows below this many floats in all run in the caller's thread */

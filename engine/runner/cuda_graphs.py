@@ -24,20 +24,20 @@ are checked without a GPU.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from graphserve.engine import gc_stats
 from graphserve.engine.sched.kv_cache import DUMMY_BLOCK
 from graphserve.engine.structured.mask_feed import FeedJob, MaskFeed
 from graphserve.engine.request import Sequence
+from graphserve.engine.runner.decode_buffers import DecodeBuffers
+from graphserve.engine.runner.host_slots import STAGED, HostSlot, RoundHandle
 from graphserve.engine.runner.model_runner import DecodeState, ModelRunner, StepTokens, plan_steps
-from graphserve.engine.runner.prefill_inputs import padded_rows, verify_inputs
-from graphserve.engine.sample.sampler import SamplingTensors, build_sampling_tensors
+from graphserve.engine.runner.verify_rows import verify_rows
+from graphserve.engine.sample.sampler import build_sampling_tensors
 from graphserve.engine.sched.scheduler import DecodeRound
 
 logger = logging.getLogger("graphserve.engine")
@@ -76,48 +76,6 @@ class _Graph:
     state: DecodeState  # views of the static buffers, `bucket` rows
 
 
-# static buffers staged from the host each round
-_STAGED = ("input_ids", "input_rows", "step_positions", "step_slots", "step_context_lens", "block_tables",
-           "temperature", "top_k", "top_p", "min_p", "seeds", "output_pos", "mask_rows")
-_PER_STEP = ("step_positions", "step_slots", "step_context_lens")  # [K, n]; the others are [n] or [n, W]
-
-
-class _HostSlot:
-    """Host memory of one launched round, page-locked on CUDA: its staged inputs and its
-    tokens copied back. Two slots alternate, so a round's host memory is not rewritten
-    while the device may still read (inputs) or write (tokens) it."""
-
-    def __init__(self, decoder: GraphDecoder, pin: bool):
-        self.inputs = {name: torch.empty(getattr(decoder, name).numel(), dtype=getattr(decoder, name).dtype,
-                                         pin_memory=pin) for name in _STAGED}
-        self.tokens = torch.zeros(decoder.out_tokens.shape, dtype=decoder.out_tokens.dtype, pin_memory=pin)
-        self.logprobs = torch.zeros(decoder.out_logprobs.shape, dtype=decoder.out_logprobs.dtype, pin_memory=pin)
-        self.event: torch.cuda.Event | None = None  # recorded after the last copy of the slot's last round
-        self.launches = 0  # rounds that used this slot: a handle is valid while its own is the last
-
-    def view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """A contiguous view of the front of the buffer for `name` (a direct DMA source)."""
-        return self.inputs[name][:math.prod(shape)].view(shape)
-
-    def stage(self, name: str, src: torch.Tensor) -> torch.Tensor:
-        view = self.view(name, tuple(src.shape))
-        view.copy_(src)
-        return view
-
-
-@dataclass
-class RoundHandle:
-    """A launched round: where its tokens land on the host and the event that says they have."""
-
-    rnd: DecodeRound
-    bucket: int
-    slot: _HostSlot
-    launch_index: int  # slot.launches when this round took the slot
-    event: torch.cuda.Event | None  # None on CPU, where the round ran inside launch()
-    job: FeedJob | None = None  # its grammar rows' masks, being served
-    number: int = 0  # the engine's count of rounds launched, this one included
-
-
 class GraphDecoder:
     def __init__(self, runner: ModelRunner, max_batch: int, max_steps: int, table_width: int,
                  use_cuda_graphs: bool = True, variants: tuple[str, ...] = VARIANTS):
@@ -130,57 +88,28 @@ class GraphDecoder:
         self.max_steps = max_steps
         self.table_width = table_width
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
-        n, dev = self.max_bucket, self.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.input_rows = torch.zeros(n, dtype=torch.int64, device=dev)  # staging only: see _stage_input_ids
-        self.step_positions = torch.zeros(max_steps, n, dtype=torch.int64, device=dev)
-        self.step_slots = torch.zeros(max_steps, n, dtype=torch.int64, device=dev)
-        self.step_context_lens = torch.ones(max_steps, n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.full((n, table_width), DUMMY_BLOCK, dtype=torch.int32, device=dev)
-        self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)
-        self.top_k = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.top_p = torch.ones(n, dtype=torch.float32, device=dev)
-        self.min_p = torch.zeros(n, dtype=torch.float32, device=dev)
-        self.seeds = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.output_pos = torch.zeros(n, dtype=torch.int64, device=dev)
-        words = -(-runner.vocab_size // 32)
-        self.token_bitmask = torch.full((n, words), -1, dtype=torch.int32, device=dev)
-        self.mask_rows = torch.zeros(n, dtype=torch.int64, device=dev)  # a round's constrained rows
-        self.logits: torch.Tensor | None = None  # [n, V] (CUDA): the forward graph's output
+        self.buffers = DecodeBuffers(self.max_bucket, max_steps, table_width, runner.vocab_size, runner.block_size,
+                                     self.device)
         self._feed: MaskFeed | None = None  # the masks of rounds with grammar rows, made by capture()
         self._last_feed_rows: dict[int, int] = {}  # the last launch's constrained rows: batch row -> compact
-        self.step = torch.zeros((), dtype=torch.int64, device=dev)
-        self.out_tokens = torch.zeros(max_steps, n, dtype=torch.int64, device=dev)
-        self.out_logprobs = torch.zeros(max_steps, n, dtype=torch.float32, device=dev)
         self.graphs: dict[tuple[int, str], _Graph] = {}
         self.capture_seconds = 0.0  # of the last capture(), and the GPU memory it took
         self.capture_gib = 0.0
         self.pool = None
         pin = self.device.type == "cuda"
-        self._slots = [_HostSlot(self, pin), _HostSlot(self, pin)]
+        staged = {name: getattr(self.buffers, name) for name in STAGED}
+        self._slots = [HostSlot(staged, self.buffers.out_tokens, self.buffers.out_logprobs, pin) for _ in range(2)]
         self._next_slot = 0
         self._last_seqs: list[Sequence] | None = None  # the rows of the last launch, while it is valid
-
-    def _state(self, bucket: int, variant: str) -> DecodeState:
-        st = SamplingTensors(
-            temperature=self.temperature[:bucket], top_k=self.top_k[:bucket], top_p=self.top_p[:bucket],
-            min_p=self.min_p[:bucket], seeds=self.seeds[:bucket], output_pos=self.output_pos[:bucket],
-            all_greedy=variant.startswith("greedy"), use_top_filters=variant.startswith("sample"),
-            token_bitmask=self.token_bitmask[:bucket] if variant.endswith("_masked") else None)
-        return DecodeState(
-            input_ids=self.input_ids[:bucket], step_positions=self.step_positions[:, :bucket],
-            step_slots=self.step_slots[:, :bucket], step_context_lens=self.step_context_lens[:, :bucket],
-            block_tables=self.block_tables[:bucket], sampling=st, step=self.step,
-            out_tokens=self.out_tokens[:, :bucket], out_logprobs=self.out_logprobs[:, :bucket])
 
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
         """Capture every (bucket, variant), largest bucket first, into one memory pool."""
         masked = any(v.endswith("_masked") for v in self.variants)
         if self._feed is None and masked:  # one feed (and worker thread) however often the graphs are captured
-            self._feed = MaskFeed(self.max_bucket, self.token_bitmask.shape[1], self.max_steps, self.device)
+            self._feed = MaskFeed(self.max_bucket, self.buffers.token_bitmask.shape[1], self.max_steps, self.device)
         if not self.use_cuda_graphs:
-            self.graphs = {(b, v): _Graph(None, self._state(b, v)) for b in self.buckets for v in self.variants}
+            self.graphs = {(b, v): _Graph(None, self.buffers.state(b, v)) for b in self.buckets for v in self.variants}
             return
         from tqdm import tqdm
 
@@ -191,22 +120,22 @@ class GraphDecoder:
         mem_before = torch.cuda.memory_reserved(self.device)
         self.pool = torch.cuda.graph_pool_handle()
         if "forward" in self.variants:  # the forward graph's output, which the masked graphs read
-            self.logits = torch.empty(self.max_bucket, self.runner.vocab_size, device=self.device,
+            self.buffers.logits = torch.empty(self.max_bucket, self.runner.vocab_size, device=self.device,
                                       dtype=self.runner.model.lm_head_weight.dtype)
         todo = [(b, v) for b in reversed(self.buckets) for v in self.variants]
         with gc_stats.paused():
             for bucket, variant in tqdm(todo, desc="capturing CUDA graphs", disable=not progress):
-                state = self._state(bucket, variant)
+                state = self.buffers.state(bucket, variant)
                 run = self._graph_body(bucket, variant, state)
-                self._reset_padding(0, self.max_bucket)
+                self.buffers.reset_padding(0, self.max_bucket)
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):  # warm-up outside the graph (Triton compiles, allocator settles)
-                    self.step.zero_()
+                    self.buffers.step.zero_()
                     run()
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                self.step.zero_()
+                self.buffers.step.zero_()
                 with torch.cuda.graph(graph, pool=self.pool):
                     run()
                 self.graphs[(bucket, variant)] = _Graph(graph, state)
@@ -220,28 +149,15 @@ class GraphDecoder:
         """What the graph of (bucket, variant) runs: a whole step, the forward pass alone, or
         (masked) the sampling alone."""
         if variant == "forward":
-            return lambda: self.logits[:bucket].copy_(self.runner.decode_forward(state))
+            return lambda: self.buffers.logits[:bucket].copy_(self.runner.decode_forward(state))
         if variant.endswith("_masked"):
-            return lambda: self.runner.decode_sample(state, self.logits[:bucket])
+            return lambda: self.runner.decode_sample(state, self.buffers.logits[:bucket])
         return lambda: self.runner.decode_step(state)
 
     def bucket_for(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
 
-    def _reset_padding(self, start: int, end: int) -> None:
-        """Rows start..end-1 become inert: dummy block, position 0, greedy. (A bucket's graph
-        reads only its own rows, so rows past the bucket need no reset.)"""
-        if start >= end:
-            return
-        for t, value in ((self.input_ids, 0), (self.temperature, 0.0), (self.seeds, 0), (self.output_pos, 0),
-                         (self.min_p, 0.0), (self.top_p, 1.0), (self.top_k, self.runner.vocab_size),
-                         (self.block_tables, DUMMY_BLOCK), (self.token_bitmask, -1)):
-            t[start:end].fill_(value)
-        for t, value in ((self.step_positions, 0), (self.step_slots, DUMMY_BLOCK * self.runner.block_size),
-                         (self.step_context_lens, 1)):
-            t[:, start:end].fill_(value)
-
-    def _take_slot(self) -> _HostSlot:
+    def _take_slot(self) -> HostSlot:
         """The host buffers for the next launch, once the device is done with them (they were
         last used two launches ago, a round the engine has collected by now)."""
         slot = self._slots[self._next_slot]
@@ -266,11 +182,7 @@ class GraphDecoder:
             rows.append(last[id(seq)] if pending else -1)
         return rows
 
-    def _device_rows(self, name: str, k: int, b: int) -> torch.Tensor:
-        buf = getattr(self, name)
-        return buf[:k, :b] if name in _PER_STEP else buf[:b]
-
-    def _stage_inputs(self, slot: _HostSlot, rnd: DecodeRound) -> tuple[str, list[int], list[int]]:
+    def _stage_inputs(self, slot: HostSlot, rnd: DecodeRound) -> tuple[str, list[int], list[int]]:
         """Fill the slot's host buffers for `rnd` and queue their copies into the static
         buffers; returns the sampler variant, the rows constrained by a grammar and, for each,
         its compact row in the last launch when it continues from there (else -1)."""
@@ -295,14 +207,14 @@ class GraphDecoder:
         host["block_tables"] = table
         non_blocking = self.device.type == "cuda"
         for name, src in host.items():
-            self._device_rows(name, k, b).copy_(src, non_blocking=non_blocking)
+            self.buffers.rows(name, k, b).copy_(src, non_blocking=non_blocking)
         self._stage_input_ids(slot, seqs, carried, non_blocking)
         if rows:  # their masks come from the feed, step by step; the other rows allow everything
-            self.token_bitmask[:b].fill_(-1)
-            self.mask_rows[:len(rows)].copy_(slot.stage("mask_rows", torch.tensor(rows)), non_blocking=non_blocking)
+            self.buffers.token_bitmask[:b].fill_(-1)
+            self.buffers.mask_rows[:len(rows)].copy_(slot.stage("mask_rows", torch.tensor(rows)), non_blocking=non_blocking)
         return ("greedy" if st is None or st.all_greedy else "sample") + ("_masked" if rows else ""), rows, lead_from
 
-    def _stage_input_ids(self, slot: _HostSlot, seqs: list[Sequence], carried: list[int] | None,
+    def _stage_input_ids(self, slot: HostSlot, seqs: list[Sequence], carried: list[int] | None,
                          non_blocking: bool) -> None:
         """The token each row feeds in: from the host, or (a carried row) the last token the
         row's sequence sampled in the last launch, which is on the device only; gathered
@@ -313,13 +225,13 @@ class GraphDecoder:
         ids = slot.stage("input_ids", torch.tensor([s.last_token_id if carried is None or carried[i] < 0 else 0
                                                     for i, s in enumerate(seqs)]))
         if carried is None:
-            self.input_ids[:b].copy_(ids, non_blocking=non_blocking)
+            self.buffers.input_ids[:b].copy_(ids, non_blocking=non_blocking)
             return
-        rows = self.input_rows[:b]
+        rows = self.buffers.input_rows[:b]
         rows.copy_(slot.stage("input_rows", torch.tensor(carried)), non_blocking=non_blocking)
-        from_device = self.input_ids.index_select(0, rows.clamp(min=0))
-        self.input_ids[:b].copy_(ids, non_blocking=non_blocking)
-        torch.where(rows >= 0, from_device, self.input_ids[:b], out=self.input_ids[:b])
+        from_device = self.buffers.input_ids.index_select(0, rows.clamp(min=0))
+        self.buffers.input_ids[:b].copy_(ids, non_blocking=non_blocking)
+        torch.where(rows >= 0, from_device, self.buffers.input_ids[:b], out=self.buffers.input_ids[:b])
 
     @torch.inference_mode()
     def launch(self, rnd: DecodeRound) -> RoundHandle:
@@ -340,8 +252,8 @@ class GraphDecoder:
             job = None
             try:
                 variant, rows, lead_from = self._stage_inputs(slot, rnd)
-                self._reset_padding(b, bucket)
-                self.step.zero_()
+                self.buffers.reset_padding(b, bucket)
+                self.buffers.step.zero_()
                 entry = self.graphs[(bucket, variant)]
                 if rows and not self.use_cuda_graphs:  # CPU: served while the steps run here
                     job = self._submit(seqs, rows, lead_from, k)
@@ -364,8 +276,8 @@ class GraphDecoder:
                 raise
             # the next round's replays overwrite out_tokens: copy them out first, in stream order.
             # Whole leading rows are contiguous on both sides: one DMA straight into pinned memory.
-            slot.tokens[:k].copy_(self.out_tokens[:k], non_blocking=non_blocking)
-            slot.logprobs[:k].copy_(self.out_logprobs[:k], non_blocking=non_blocking)
+            slot.tokens[:k].copy_(self.buffers.out_tokens[:k], non_blocking=non_blocking)
+            slot.logprobs[:k].copy_(self.buffers.out_logprobs[:k], non_blocking=non_blocking)
         finally:  # also after a failure: the slot is reused only once the device is done with it
             if non_blocking:
                 slot.event = torch.cuda.Event()
@@ -381,53 +293,41 @@ class GraphDecoder:
     @torch.inference_mode()
     def verify_logits(self, seqs: list[Sequence], drafts: list[list[int]], k: int,
                       device_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Speculative decoding's verify step through the decode graphs: sequence i's last token and
-        its drafts become k + 1 rows of one decode step, row j fed token j at position
-        num_tokens - 1 + j with its own context length, over the sequence's block table. So every
-        position is scored by the decode step's own forward pass (the "forward" graph of the bucket
-        of B * (k + 1) rows), as plain decoding would score it. Rows past a sequence's drafts write
-        their K/V into the dummy block. Returns the logits [B, k + 1, V] (model dtype), a view of a
+        """Speculative decoding's verify step through the decode graphs: the rows of verify_rows
+        (each sequence's last token and drafts, k + 1 rows of one decode step), scored by the
+        "forward" graph of the bucket of B * (k + 1) rows, as plain decoding would score them. Returns the logits [B, k + 1, V] (model dtype), a view of a
         static buffer valid until the next launch. The slots of the drafts are reserved by the
         caller; nothing here changes the sequences. The host waits for the step (the next drafts
         need its tokens), so no round may be in flight. device_tokens [B, k] (drafts still being
         made on the device, in stream order): row i's drafts are read from its row there, and
         `drafts` give only their number."""
-        b, width, bs = len(seqs), k + 1, self.runner.block_size
+        b, width = len(seqs), k + 1
         rows = b * width
         if not self.verify_fits(b, k):
             raise ValueError(f"{b} sequences x {width} positions exceed the largest bucket {self.max_bucket}")
-        if any(len(proposal) > k for proposal in drafts):
-            raise ValueError(f"more than k = {k} drafts in a row")
-        packed = verify_inputs(seqs, drafts, bs)  # checks: decoding, draft slots reserved
-        at = padded_rows(packed.query_lens, width)  # each packed token's row among the B x (k + 1)
-        ids = np.zeros(rows, dtype=np.int64)
-        ids[at] = packed.input_ids
-        positions = np.zeros(rows, dtype=np.int64)  # padding rows: position 0, the dummy slot, never read
-        positions[at] = packed.positions
-        slots = np.full(rows, DUMMY_BLOCK * bs, dtype=np.int64)
-        slots[at] = packed.slots
+        layout = verify_rows(seqs, drafts, k, self.runner.block_size)  # checks: decoding, draft slots reserved
         bucket = self.bucket_for(rows)
         slot = self._take_slot()
         non_blocking = self.device.type == "cuda"
         table = slot.view("block_tables", (rows, self.table_width))
         table.fill_(DUMMY_BLOCK)
-        table[:, :packed.block_tables.shape[1]] = torch.from_numpy(np.repeat(packed.block_tables, width, axis=0))
-        values = {"input_ids": torch.from_numpy(ids),
-                  "step_positions": torch.from_numpy(positions[None, :]),
-                  "step_slots": torch.from_numpy(slots[None, :]),
-                  "step_context_lens": torch.from_numpy((positions[None, :] + 1).astype(np.int32))}
+        table[:, :layout.block_tables.shape[1]] = torch.from_numpy(layout.block_tables)
+        values = {"input_ids": torch.from_numpy(layout.input_ids),
+                  "step_positions": torch.from_numpy(layout.positions[None, :]),
+                  "step_slots": torch.from_numpy(layout.slots[None, :]),
+                  "step_context_lens": torch.from_numpy(layout.context_lens[None, :])}
         try:
             for name, src in values.items():
-                self._device_rows(name, 1, rows).copy_(slot.stage(name, src), non_blocking=non_blocking)
-            self.block_tables[:rows].copy_(table, non_blocking=non_blocking)
+                self.buffers.rows(name, 1, rows).copy_(slot.stage(name, src), non_blocking=non_blocking)
+            self.buffers.block_tables[:rows].copy_(table, non_blocking=non_blocking)
             if device_tokens is not None:  # rows past a sequence's drafts take tokens too: padding, never read
-                self.input_ids[:rows].view(b, width)[:, 1:].copy_(device_tokens[:, :k])
-            self._reset_padding(rows, bucket)
-            self.step.zero_()
+                self.buffers.input_ids[:rows].view(b, width)[:, 1:].copy_(device_tokens[:, :k])
+            self.buffers.reset_padding(rows, bucket)
+            self.buffers.step.zero_()
             entry = self.graphs[(bucket, "forward")]
             if entry.graph is not None:
                 entry.graph.replay()
-                logits = self.logits
+                logits = self.buffers.logits
             else:  # CPU: the same static rows, eagerly
                 logits = self.runner.decode_forward(entry.state)
         finally:
@@ -450,15 +350,15 @@ class GraphDecoder:
         """Step i of a round with grammar rows: the forward graph, the wait for and copy of the
         step's masks, the masked sampling graph, and the copy of the constrained rows' tokens
         for the feed (on CPU the wait comes first and the step runs whole)."""
-        device_rows = self.mask_rows[:num_rows]
+        device_rows = self.buffers.mask_rows[:num_rows]
         if entry.graph is not None:
             self.graphs[(bucket, "forward")].graph.replay()
-            self._feed.queue_masks(self.token_bitmask, device_rows)
+            self._feed.queue_masks(self.buffers.token_bitmask, device_rows)
             entry.graph.replay()
         else:
-            self._feed.queue_masks(self.token_bitmask, device_rows)
+            self._feed.queue_masks(self.buffers.token_bitmask, device_rows)
             self.runner.decode_step(entry.state)
-        self._feed.queue_tokens(self.out_tokens[i], device_rows)
+        self._feed.queue_tokens(self.buffers.out_tokens[i], device_rows)
 
     def drain_feed(self) -> None:
         """Until every launched round's masks are served (before matchers are rolled back)."""

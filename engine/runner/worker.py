@@ -18,7 +18,8 @@ from graphserve.engine.config import EngineConfig
 from graphserve.engine.model_files.model_path import resolve_model_path
 from graphserve.engine.models.config import ModelArgs
 from graphserve.engine.runner import device_setup, model_loading
-from graphserve.engine.runner.cuda_graphs import GraphDecoder, RoundHandle, eager_reason
+from graphserve.engine.runner.cuda_graphs import GraphDecoder, eager_reason
+from graphserve.engine.runner.host_slots import RoundHandle
 from graphserve.engine.runner.device_time import DeviceTimeline
 from graphserve.engine.runner.model_runner import ModelRunner, StepTokens
 from graphserve.engine.runner.prefill_graphs import PREFILL_GRAPH_MAX_SEQS, PrefillGraphs

@@ -24,7 +24,8 @@ from collections.abc import Sequence as Seq
 import torch
 
 from graphserve.engine.request import SamplingParams, Sequence
-from graphserve.engine.runner.cuda_graphs import GraphDecoder, RoundHandle
+from graphserve.engine.runner.cuda_graphs import GraphDecoder
+from graphserve.engine.runner.host_slots import RoundHandle
 from graphserve.engine.runner.model_runner import ModelRunner
 from graphserve.engine.sched.kv_cache import BlockManager
 from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch
@@ -96,7 +97,7 @@ class DraftModelDrafter(Drafter):
         if isinstance(result, dict):  # an eager round (more rows than the graphs hold): on the host already
             tokens = torch.tensor([result[s.request_id].tokens for s in rows]).to(self.runner.device)
         else:
-            tokens = self.graphs.out_tokens[:self.k, offset:offset + len(rows)].T.contiguous()
+            tokens = self.graphs.buffers.out_tokens[:self.k, offset:offset + len(rows)].T.contiguous()
         row_of = {s.request_id: i for i, s in enumerate(rows)}
         return DeviceDrafts([n if rid in row_of else 0 for rid, n in zip(request_ids, max_drafts)],
                             [row_of.get(rid, 0) for rid in request_ids], tokens)
