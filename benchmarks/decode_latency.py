@@ -170,8 +170,11 @@ def quantization_label(quantization: str | None, dtype: torch.dtype) -> str:
 
 
 def kv_bytes(args, batch: int, avg_context: int) -> int:
-    """bf16 K and V of every layer for `batch` sequences of `avg_context` tokens."""
-    return batch * avg_context * 2 * args.num_layers * args.num_kv_heads * args.head_dim * 2
+    """bf16 K and V of every layer for `batch` sequences of `avg_context` tokens (a sliding-window
+    layer reads at most its window's)."""
+    windows = [args.window(layer) for layer in range(args.num_layers)]
+    tokens = sum(avg_context if w is None else min(w, avg_context) for w in windows)
+    return batch * tokens * 2 * args.num_kv_heads * args.head_dim * 2
 
 
 def time_engine(llm, prompts, new_tokens: int, repeats: int = 2) -> EngineTiming:

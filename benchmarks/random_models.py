@@ -62,6 +62,27 @@ CONFIGS["mixtral-8x7b"] = {
 # can be compared on an H100; every layer is the whole model's, so a step's time is about half of it
 CONFIGS["mixtral-8x7b-16-layers"] = {**CONFIGS["mixtral-8x7b"], "num_hidden_layers": 16}
 
+# issue 61's shapes (load_format="dummy"): Gemma 3 12B's text model (5 sliding-window layers of 1024 to 1
+# global, head_dim 256, a 262k vocabulary tied to the LM head) and Phi-4 (14B, fused qkv and gate_up)
+CONFIGS["gemma-3-12b"] = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 3840,
+    "intermediate_size": 15360, "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 1024, "sliding_window_pattern": 6,
+    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+    "final_logit_softcapping": None, "attn_logit_softcapping": None, "attention_bias": False,
+    "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0,
+    "torch_dtype": "bfloat16",
+}
+CONFIGS["phi-4"] = {
+    "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 100352, "hidden_size": 5120,
+    "intermediate_size": 17920, "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 10,
+    "max_position_embeddings": 16384, "original_max_position_embeddings": 16384, "rope_theta": 250000.0,
+    "rope_scaling": None, "rms_norm_eps": 1e-5, "hidden_act": "silu", "sliding_window": None,
+    "tie_word_embeddings": False, "bos_token_id": 100257, "eos_token_id": 100265, "pad_token_id": 100349,
+    "torch_dtype": "bfloat16",
+}
+
 
 def models_root() -> Path:
     return Path(os.environ.get("GRAPHSERVE_RANDOM_MODELS", "/tmp/graphserve-random-models"))

@@ -204,6 +204,62 @@ def test_prefill_attention_mixed_lengths_and_prefixes(shape):
     assert rel_err(out, ref) < TOL
 
 
+# the sliding-window shapes: Gemma 3 12B's local layers, gpt-oss-20b's, Mistral v0.1's
+GEMMA3_12B = dict(hq=16, hkv=8, head_dim=256)
+GPT_OSS_20B = dict(hq=64, hkv=8, head_dim=64)
+WINDOW_CASES = [(GEMMA3_12B, 1024), (GPT_OSS_20B, 128), (LLAMA_8B, 4096)]
+
+
+def poison_outside_windows(k_cache, v_cache, block_tables, last_positions, window: int, value: float) -> None:
+    """`value` in the K and V of every position before each row's window (last_positions: the position
+    of each row's first query)."""
+    block_size = k_cache.shape[1]
+    starts = (torch.as_tensor(last_positions, device=DEV) + 1 - window).clamp(min=0)
+    positions = torch.arange(block_tables.shape[1] * block_size, device=DEV)
+    rows, before = (positions[None, :] < starts[:, None]).nonzero(as_tuple=True)
+    blocks = block_tables[rows, before // block_size].long()
+    k_cache[blocks, before % block_size] = value
+    v_cache[blocks, before % block_size] = value
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,window", WINDOW_CASES, ids=["gemma3-12b", "gpt-oss-20b", "mistral-7b"])
+@pytest.mark.parametrize("batch,max_ctx", [(64, 4096), (1, 32768)])
+def test_decode_attention_sliding_window_real_shapes(shape, window, batch, max_ctx):
+    """Each row over its last `window` tokens, contexts shorter and longer than the window; positions
+    before a row's window are NaN in the cache and never read (as on CPU, tests/test_kernels.py)."""
+    q, k_cache, v_cache, bt, cl = decode_case(batch, max_ctx, **shape)
+    scale = q.shape[-1] ** -0.5
+    ref = paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), bt, cl, scale, window=window)
+    poison_outside_windows(k_cache, v_cache, bt, cl - 1, window, float("nan"))
+    out = nan_like(q)
+    paged_decode_attention(q, k_cache, v_cache, bt, cl, scale, out=out, window=window)
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,window", WINDOW_CASES, ids=["gemma3-12b", "gpt-oss-20b", "mistral-7b"])
+def test_prefill_attention_sliding_window_real_shapes(shape, window):
+    """Fresh prompts longer than the window, chunks after cached prefixes longer than it, one token."""
+    q_lens = [1, 100, 517, 1024, 64, 300, 2500]
+    prefixes = [5000, 50, 0, 1024, 2000, 7, 0]
+    ctx_lens = [n + p for n, p in zip(q_lens, prefixes)]
+    k_cache, v_cache, bt, gen = paged_setup(len(q_lens), max(ctx_lens), shape["hkv"], shape["head_dim"])
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=DEV)
+    cu[1:] = torch.tensor(q_lens, device=DEV).cumsum(0)
+    cl = torch.tensor(ctx_lens, dtype=torch.int32, device=DEV)
+    q = torch.randn(sum(q_lens), shape["hq"], shape["head_dim"], device=DEV, dtype=BF16, generator=gen)
+    scale = shape["head_dim"] ** -0.5
+    ref = paged_prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), bt, cu, cl, max(q_lens), scale,
+                                      window=window)
+    # the first query of each row is at position prefix: keys before prefix + 1 - window weigh nothing (a
+    # tile across a window's start is read and masked, so a large finite value rather than NaN)
+    poison_outside_windows(k_cache, v_cache, bt, prefixes, window, 3e4)
+    out = nan_like(q)
+    paged_prefill_attention(q, k_cache, v_cache, bt, cu, cl, max(q_lens), scale, out=out, window=window)
+    assert rel_err(out, ref) < TOL
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [LLAMA_8B, QWEN_05B])
 def test_prefill_attention_tile_map_padded_like_a_graph(shape):

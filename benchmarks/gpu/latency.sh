@@ -2,7 +2,7 @@
 # Decode on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, decode
 # latency in bf16 and fp8, and where a step's time goes. Writes logs and JSON under $OUT. Each part fits
 # one 10-minute device call:
-#   bash benchmarks/gpu/latency.sh tests|kernels|decode|moe|curve|targets|accuracy|profile|profile-b64|round-gap|engine-tests|ncu|kconst|suite
+#   bash benchmarks/gpu/latency.sh tests|kernels|decode|moe|windows|curve|targets|accuracy|profile|profile-b64|round-gap|engine-tests|ncu|kconst|suite
 # (A/B parts of settled switches and of probes leave once measured: each result JSON in benchmarks/results
 # holds its commands, docs/benchmarks.md lists what was measured and removed; to A/B a switch, run
 # benchmarks/decode_latency.py --SWITCH on|off interleaved, as its --help lists)
@@ -40,6 +40,17 @@ moe)  # mixture-of-experts shapes, random weights made on the GPU (MODELS: qwen3
   for m in ${PEERS:-}; do  # the gpt-fast-style peer (benchmarks/moe_peer.py) on the same shapes and batches
     timeout ${PEER_TIMEOUT:-240} python3 benchmarks/moe_peer.py --model $m --batches ${BATCHES:-1 64} \
       --out "$OUT/moe_peer_$m.json" 2>&1 | quiet
+  done
+  ;;
+windows)  # issue 61: the sliding-window kernels at real shapes, the new architectures' graph parity, and decode
+  # at their shapes (random weights made on the GPU; MODELS: gemma-3-12b phi-4)
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kernels_gpu.py -k sliding_window \
+    tests/test_sliding_window.py tests/test_phi3.py tests/test_gemma3.py > "$OUT/gpu_tests_windows.log" 2>&1
+  tail -4 "$OUT/gpu_tests_windows.log"
+  for m in ${MODELS:-gemma-3-12b phi-4}; do
+    timeout 200 python3 benchmarks/decode_latency.py --models $m --load-format dummy --batches ${BATCHES:-1 64} \
+      --chunks 8 --no-eager --skip-transformers --max-num-seqs 64 --gpu-memory-utilization 0.9 \
+      --out "$OUT/decode_$m.json" 2>&1 | quiet
   done
   ;;
 curve)
