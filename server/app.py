@@ -18,7 +18,14 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from graphserve.engine.errors import EngineDeadError
-from graphserve.server import routes_chat, routes_completions, routes_debug, routes_health, routes_models, routes_tokenize
+from graphserve.server import (
+    routes_chat,
+    routes_completions,
+    routes_debug,
+    routes_health,
+    routes_models,
+    routes_tokenize,
+)
 from graphserve.server.admission import Admission
 from graphserve.server.errors import install_error_handlers
 from graphserve.server.generation import ClientDisconnected
@@ -64,7 +71,7 @@ def create_app(
         api_key=api_key or None,
         log_requests=log_requests,
         chat_content_special_tokens=chat_content_special_tokens,
-        reasoning_parser=parser_name(reasoning_parser),
+        reasoning_setting=parser_name(reasoning_parser),
         max_body_bytes=max_body_bytes,
     )
 
@@ -132,6 +139,7 @@ async def _run_engine(
         state.engine.model_path,
         state.engine.max_model_len,
     )
+    logger.info(state.reasoning_choice()[1])
     if getattr(getattr(state.engine, "info", None), "warmed_up", False):
         await warm_up_front_end(app, state)
     state.warming_up = False

@@ -193,9 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--reasoning-parser",
         default=None,
-        help=f"split a reasoning model's thinking (<think>...</think>) from its answer: chat responses carry it as "
-        f"reasoning_content / reasoning, and response_format and tool grammars apply only after it; one of "
-        f"{', '.join(REASONING_PARSERS)} (default: off, the thinking is content)",
+        help=f"split a reasoning model's thinking (<think>...</think>, harmony's analysis channel) from its answer: "
+        f"chat responses carry it as reasoning_content / reasoning, /v1/responses as a reasoning item, and "
+        f"response_format and tool grammars apply only after it; one of {', '.join(REASONING_PARSERS)}, auto "
+        f"(the default: from the chat template when it is unambiguous) or none (off: the thinking is content)",
     )
     add_engine_flags(serve)
 

@@ -79,21 +79,36 @@ class StructuredOutputs(_Request):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class _SamplingFields(_Request):
-    """Fields shared by completions and chat completions."""
+class SamplerFields(_Request):
+    """The sampling knobs every generation route takes (completions, chat, responses)."""
 
-    model: str | None = None
     temperature: Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=MAX_TOKEN_COUNT)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)]] | None = None
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=MAX_REPETITION_PENALTY)] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        if any(len(stop) > MAX_STOP_STRING_CHARS for stop in stops):
+            raise ValueError(f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+        return value
+
+
+class _SamplingFields(SamplerFields):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)]] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)]] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)] = 0
@@ -117,16 +132,6 @@ class _SamplingFields(_Request):
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
-        if any(len(stop) > MAX_STOP_STRING_CHARS for stop in stops):
-            raise ValueError(f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters")
-        return value
 
     @field_validator("stop_token_ids")
     @classmethod

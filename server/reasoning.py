@@ -12,33 +12,74 @@ As vLLM's parsers of the same names:
 - "deepseek-r1": the template already opened `<think>`, so the output starts inside the
   thinking (a `<think>` the model writes again at its start is dropped); everything up to
   `</think>` is thinking, and an output that never closes it is all thinking.
+- "gpt-oss": harmony's channels (server/harmony.py): analysis is the thinking, final the answer.
+
+Left to "auto" (the default), the parser is chosen from the chat template when it is
+unambiguous (`parser_for_template`); "none" turns it off.
 
 `reasoning_tokens`: the output tokens inside the thinking (the tags excluded), counted on
 the token ids when the tags are single tokens, else by tokenizing the thinking text."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
+
+from graphserve.engine.request import SamplingParams
+from graphserve.server.errors import bad_request
+from graphserve.server.harmony import CHANNEL, HarmonySplitter
 
 THINK_START = "<think>"
 THINK_END = "</think>"
 
-REASONING_PARSERS = ("qwen3", "deepseek-r1")
-_ALIASES = {"deepseek_r1": "deepseek-r1"}
+REASONING_PARSERS = ("qwen3", "deepseek-r1", "gpt-oss")
+AUTO, OFF = "auto", "none"  # the parser from the chat template; no parser
+_ALIASES = {"deepseek_r1": "deepseek-r1", "gpt_oss": "gpt-oss", "openai_gptoss": "gpt-oss"}
+# DeepSeek's chat templates' assistant marker (full-width bars): its models start inside the thinking
+_DEEPSEEK_ASSISTANT = "<\uff5cAssistant\uff5c>"
 
 _START, _REASONING, _CONTENT = "start", "reasoning", "content"
 
 
-def parser_name(name: str | None) -> str | None:
-    """The canonical parser name ("deepseek_r1", vLLM's spelling, is accepted); ValueError
-    naming the choices for an unknown one."""
+def parser_name(name: str | None) -> str:
+    """The canonical setting: a parser, "auto" (None or empty: the default) or "none" (vLLM's
+    spellings "deepseek_r1" and "openai_gptoss" are accepted); ValueError naming the choices for
+    an unknown one."""
     if name is None or name == "":
-        return None
+        return AUTO
     canonical = _ALIASES.get(name, name)
-    if canonical not in REASONING_PARSERS:
-        raise ValueError(f"unknown reasoning parser {name!r}; choose one of: {', '.join(REASONING_PARSERS)}")
+    if canonical not in (*REASONING_PARSERS, AUTO, OFF):
+        raise ValueError(f"unknown reasoning parser {name!r}; choose one of: "
+                         f"{', '.join(REASONING_PARSERS)}, {AUTO}, {OFF}")
     return canonical
+
+
+def parser_for_template(chat_template: str | None) -> str | None:
+    """The parser a chat template implies, or None when it shows no thinking markers: harmony's
+    `<|channel|>` -> gpt-oss; `<think>` in a DeepSeek template -> deepseek-r1; `<think>` in any
+    other (Qwen3, QwQ) -> qwen3 (which also starts inside the thinking when the prompt ends in an
+    open `<think>`)."""
+    template = chat_template or ""
+    if CHANNEL in template:
+        return "gpt-oss"
+    if THINK_START in template or THINK_END in template:
+        return "deepseek-r1" if _DEEPSEEK_ASSISTANT in template else "qwen3"
+    return None
+
+
+def resolve_parser(setting: str, chat_template: str | None) -> tuple[str | None, str]:
+    """(the parser to use, a log line saying why) for the `--reasoning-parser` setting."""
+    if setting == OFF:
+        return None, "reasoning parser: none (--reasoning-parser none)"
+    if setting != AUTO:
+        return setting, f"reasoning parser: {setting}"
+    chosen = parser_for_template(chat_template)
+    if chosen is None:
+        return None, "reasoning parser: none (the chat template shows no thinking markers)"
+    return chosen, f"reasoning parser: {chosen} (from the chat template; --reasoning-parser none turns it off)"
 
 
 def prompt_opens_thinking(prompt_text: str) -> bool:
@@ -155,7 +196,7 @@ class ReasoningConfig:
     end_id: int | None = None
     starts_inside: bool = False
     prompt_closed: bool = False  # the prompt ends right after a </think> (enable_thinking=false)
-    splitters: dict[int, ReasoningSplitter] = field(default_factory=dict)
+    splitters: dict[int, ReasoningSplitter | HarmonySplitter] = field(default_factory=dict)
 
     @property
     def grammar_mode(self) -> str:
@@ -164,9 +205,23 @@ class ReasoningConfig:
             return "inside"
         return "" if self.prompt_closed else "may_open"
 
-    def splitter(self, index: int) -> ReasoningSplitter:
+    def adjust(self, params: SamplingParams) -> SamplingParams:
+        """The request's params with this parser's needs: a grammar that leaves the thinking free,
+        and (gpt-oss) harmony's markers kept in the text, where the parser reads them."""
+        changes: dict[str, Any] = {}
+        if self.parser == "gpt-oss":
+            if params.grammar is not None:
+                raise bad_request("structured outputs and tool grammars are not supported with the gpt-oss "
+                                  "reasoning parser yet", param=params.grammar.param)
+            changes["skip_special_tokens"] = False
+        elif params.grammar is not None:
+            changes["grammar"] = msgspec.structs.replace(params.grammar, reasoning=self.grammar_mode)
+        return dataclasses.replace(params, **changes) if changes else params
+
+    def splitter(self, index: int) -> ReasoningSplitter | HarmonySplitter:
         if index not in self.splitters:
-            self.splitters[index] = ReasoningSplitter(self.parser, self.starts_inside, self.start_id, self.end_id)
+            self.splitters[index] = (HarmonySplitter() if self.parser == "gpt-oss" else
+                                     ReasoningSplitter(self.parser, self.starts_inside, self.start_id, self.end_id))
         return self.splitters[index]
 
 
@@ -182,6 +237,8 @@ def reasoning_config(parser: str | None, tokenizer: Any, prompt_ids: list[int]) 
     """The request's splitting setup, or None when no parser is on."""
     if parser is None:
         return None
+    if parser == "gpt-oss":
+        return ReasoningConfig(parser)
     start_id, end_id = _single_token(tokenizer, THINK_START), _single_token(tokenizer, THINK_END)
     if start_id is None or end_id is None:
         start_id = end_id = None

@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from graphserve.server import openapi
 from graphserve.server.auth import require_api_key
-from graphserve.server.chat_prompt import render_chat_prompt
-from graphserve.server.structured_request import grammar_from_request
-from graphserve.server.tools import (
-    CallFormat,
-    ToolCallParser,
-    call_format,
-    check_tool_request,
-    conversation,
-    finish_reason_with_calls,
-    parse_tool_calls,
-    tool_grammar,
-)
-from graphserve.server.errors import bad_request
+from graphserve.server.chat_generation import prepare_chat
+from graphserve.server.choice_parts import ChoiceParser
+from graphserve.server.tools import CallFormat, finish_reason_with_calls, parse_tool_calls
 from graphserve.server.generation import ChoiceJob, ChoiceProgress, GenerationGroup, start_generation
 from graphserve.server.logprobs import chat_logprobs
 from graphserve.server.protocol import (
@@ -39,9 +26,9 @@ from graphserve.server.protocol import (
     CompletionTokensDetails,
     UsageInfo,
 )
-from graphserve.server.reasoning import ReasoningConfig, reasoning_config
+from graphserve.server.reasoning import ReasoningConfig
 from graphserve.server.request_body import parse_body
-from graphserve.server.request_params import build_sampling_params, for_choice
+from graphserve.server.request_params import for_choice
 from graphserve.server.response_view import ResponseView
 from graphserve.server.state import ServerState, get_state, new_request_id
 
@@ -60,44 +47,11 @@ async def create_chat_completion(request: Request) -> Response:
     state = get_state(request)
     body = await parse_body(request, ChatCompletionRequest)
     engine = state.ready_engine(body.model)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-    tokenizer = engine.tokenizer
-    # the cheap checks first (the parameters, then n against the queue: 400 / 429), then the
-    # template and the tokenizer, O(body size), off the event loop
-    fmt = call_format(tokenizer.chat_template)
-    use_tools = check_tool_request(body)
-    grammar = grammar_from_request(body)
-    if use_tools:
-        if grammar is not None:
-            raise bad_request("response_format (or a structured_outputs field) cannot be combined with tools",
-                              param=grammar.param)
-        grammar = tool_grammar(fmt, body)
-    params = build_sampling_params(
-        body,
-        max_tokens=body.effective_max_tokens,
-        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        prompt_logprobs=None,
-        vocab_size=tokenizer.vocab_size,
-        grammar=grammar,
-    )
-    state.admission.admit(body.n)
-    messages, template_tools = conversation(body, fmt, use_tools)
-    prompt_ids = await asyncio.to_thread(render_chat_prompt, tokenizer, messages, body.add_generation_prompt,
-                                         state.chat_content_special_tokens, template_tools,
-                                         body.chat_template_kwargs)
-    if not prompt_ids:
-        raise bad_request("messages render to an empty prompt", param="messages")
-    reasoning = reasoning_config(state.reasoning_parser, tokenizer, prompt_ids)
-    if grammar is not None and reasoning is not None:  # the grammar leaves the thinking free
-        grammar = msgspec.structs.replace(grammar, reasoning=reasoning.grammar_mode)
-        params = dataclasses.replace(params, grammar=grammar)
-    if grammar is not None:  # a 400 for a grammar that fails or takes too long to compile
-        await engine.check_grammar(grammar)
-    jobs = [ChoiceJob(index=c, prompt=prompt_ids, params=for_choice(params, c)) for c in range(body.n)]
+    chat = await prepare_chat(state, engine, body)
+    jobs = [ChoiceJob(index=c, prompt=chat.prompt_ids, params=for_choice(chat.params, c)) for c in range(body.n)]
     request_id = new_request_id("chatcmpl")
     group = await start_generation(state, request_id, jobs, stream=body.stream)
-    return await _ChatView(state, body, request_id, fmt if use_tools else None, reasoning).respond(request, group)
+    return await _ChatView(state, body, request_id, chat.tools, chat.reasoning).respond(request, group)
 
 
 class _ChatView(ResponseView):
@@ -159,34 +113,22 @@ class _ChatView(ResponseView):
     async def choice_events(self, group: GenerationGroup) -> AsyncIterator[bytes]:
         started: set[int] = set()
         with_ids = self.body.return_token_ids
-        parsers: dict[int, ToolCallParser] = {}
+        parsers: dict[int, ChoiceParser] = {}
         async for index, output in group.outputs():
             if index not in started:
                 started.add(index)
                 # return_token_ids: the prompt's ids in each choice's first chunk, as vLLM
                 yield self.chunk(ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""}),
                                  prompt_token_ids=output.prompt_token_ids if with_ids else None)
-            text, thinking = output.text, ""
-            if self.reasoning is not None:  # the thinking apart; tool calls only from the answer
-                splitter = self.reasoning.splitter(index)
-                thinking, text = splitter.feed(output.text, output.token_ids)
-                if output.finished:
-                    more_thinking, more_text = splitter.finish()
-                    thinking, text = thinking + more_thinking, text + more_text
-            delta: dict[str, Any] = {"reasoning_content": thinking, "reasoning": thinking} if thinking else {}
-            if text:
-                delta["content"] = text
+            parser = parsers.setdefault(index, ChoiceParser(index, self.reasoning, self.tools))
+            parts = parser.feed(output)
+            thinking = parts.reasoning
+            delta = ({"reasoning_content": thinking, "reasoning": thinking} if thinking else {}) | (
+                {"content": parts.content} if parts.content else {}) | (
+                {"tool_calls": parts.tool_calls} if parts.tool_calls else {})
             finish_reason = output.finish_reason if output.finished else None
-            if self.tools is not None:
-                parser = parsers.setdefault(index, ToolCallParser(self.tools))
-                content, calls = parser.feed(text)
-                if output.finished:
-                    content += parser.finish()[0]
-                    finish_reason = finish_reason_with_calls(finish_reason, bool(parser.calls))
-                if parser.calls and not content.strip():
-                    content = ""  # whitespace between calls is not content
-                delta = ({"reasoning_content": thinking, "reasoning": thinking} if thinking else {}) | (
-                    {"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+            if self.tools is not None and output.finished:
+                finish_reason = finish_reason_with_calls(finish_reason, parser.has_calls)
             has_logprobs = bool(self.body.logprobs and output.logprobs)
             if not self.has_news(output, content=bool(delta), logprobs=has_logprobs):
                 continue

@@ -38,7 +38,9 @@ class ServerSettings:
     max_connections: int = 2048  # open connections; beyond it idle ones are evicted, else 503 (connections.py)
     header_timeout: float = 10.0  # seconds for a request's head to arrive (from connect or its first byte)
     body_timeout: float = 30.0  # seconds for a request's body to arrive after its head
-    reasoning_parser: str | None = None  # qwen3 | deepseek-r1: thinking apart from the answer (server/reasoning.py)
+    # qwen3 | deepseek-r1 | gpt-oss: thinking apart from the answer (server/reasoning.py); auto (None): from the
+    # chat template; none: off
+    reasoning_parser: str | None = None
 
 
 SERVER_KEYS = {f.name for f in fields(ServerSettings)}

@@ -13,6 +13,7 @@ from fastapi import Request
 from graphserve.server.admission import Admission
 from graphserve.server.errors import engine_dead, model_not_found, not_ready, shutting_down
 from graphserve.server.metrics import ServerMetrics
+from graphserve.server.reasoning import resolve_parser
 
 Status = Literal["failed", "dead", "draining", "loading", "ok"]
 
@@ -27,11 +28,25 @@ class ServerState:
     api_key: str | None = None
     log_requests: bool = False
     chat_content_special_tokens: bool = False  # see render_chat_prompt
-    reasoning_parser: str | None = None  # server/reasoning.py
+    reasoning_setting: str = "auto"  # --reasoning-parser: a parser, auto or none (server/reasoning.py)
     created: int = field(default_factory=lambda: int(time.time()))
     startup_error: BaseException | None = None
     draining: bool = False  # shutting down: finish running requests, take no new ones
     warming_up: bool = True  # until the front end's own warm-up is done (server/warm_up.py): /health says loading
+
+    _reasoning: tuple[str | None, str] | None = field(default=None, init=False, repr=False)  # resolve_parser's
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        """The reasoning parser in use: the setting, or (auto) the one the model's chat template implies."""
+        return self.reasoning_choice()[0]
+
+    def reasoning_choice(self) -> tuple[str | None, str]:
+        """(the parser, a log line saying why); needs the loaded engine's tokenizer."""
+        if self._reasoning is None:
+            template = getattr(getattr(self.engine, "tokenizer", None), "chat_template", None)
+            self._reasoning = resolve_parser(self.reasoning_setting, template)
+        return self._reasoning
 
     @property
     def model_name(self) -> str:

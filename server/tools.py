@@ -40,6 +40,8 @@ HERMES = CallFormat("hermes", "qwen_3", "<tool_call>", "</tool_call>", "argument
 LLAMA3_JSON = CallFormat("llama3_json", "llama", '{"name"', "", "parameters", native=True)
 FALLBACK = CallFormat("hermes", "qwen_3", "<tool_call>", "</tool_call>", "arguments", native=False)
 
+MAX_ARGUMENT_WHITESPACE = 4  # characters in one run of whitespace inside a call's arguments (tool_grammar)
+
 FALLBACK_PROMPT = """You can call functions. The functions you may call are listed in JSON below.
 {tools}
 
@@ -134,7 +136,23 @@ def tool_grammar(fmt: CallFormat, body: ChatCompletionRequest) -> GrammarSpec:
                                            parallel_tool_calls=body.parallel_tool_calls)
     except Exception as exc:  # a schema xgrammar cannot take
         raise bad_request(f"the tools cannot be turned into a grammar: {exc}", param="tools") from None
+    _bound_whitespace(tag.format)
     return GrammarSpec("structural_tag", tag.model_dump_json(), param="tools")
+
+
+def _bound_whitespace(node: Any) -> None:
+    """Each run of whitespace inside a call's arguments at most MAX_ARGUMENT_WHITESPACE long (xgrammar
+    allows any by default, and a model that prefers a newline there would write newlines until
+    max_tokens, never finishing the call)."""
+    from xgrammar.structural_tag import JSONSchemaFormat
+
+    if isinstance(node, JSONSchemaFormat):
+        node.max_whitespace_cnt = MAX_ARGUMENT_WHITESPACE
+        return
+    for value in vars(node).values() if hasattr(node, "__dict__") else ():
+        for child in value if isinstance(value, list) else [value]:
+            if hasattr(child, "__dict__"):
+                _bound_whitespace(child)
 
 
 def _tool_for_grammar(tool: ChatTool) -> dict:

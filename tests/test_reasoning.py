@@ -149,9 +149,10 @@ def test_splitter_fed_piecewise_equals_whole(parser, starts_inside, text, expect
 
 def test_unknown_parser_names_the_choices():
     assert parser_name("deepseek_r1") == "deepseek-r1"
-    with pytest.raises(ValueError, match="qwen3, deepseek-r1"):
-        parser_name("gpt-oss")
-    with pytest.raises(SettingsError, match="qwen3, deepseek-r1"):
+    assert (parser_name(None), parser_name("none"), parser_name("openai_gptoss")) == ("auto", "none", "gpt-oss")
+    with pytest.raises(ValueError, match="qwen3, deepseek-r1, gpt-oss, auto, none"):
+        parser_name("granite")
+    with pytest.raises(SettingsError, match="qwen3, deepseek-r1, gpt-oss, auto, none"):
         merge_settings({}, {"reasoning_parser": "nope"})
 
 
