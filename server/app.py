@@ -24,6 +24,7 @@ from graphserve.server import (
     routes_debug,
     routes_health,
     routes_models,
+    routes_responses,
     routes_tokenize,
 )
 from graphserve.server.admission import Admission
@@ -96,7 +97,7 @@ def create_app(
     app.state.graphserve = state
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_disconnected)  # type: ignore[arg-type]
-    for module in (routes_completions, routes_chat, routes_models, routes_tokenize, routes_health):
+    for module in (routes_completions, routes_chat, routes_responses, routes_models, routes_tokenize, routes_health):
         app.include_router(module.router)
     if enable_fault_injection:
         logger.warning("fault injection is enabled (POST /debug/fault): for tests only")
