@@ -180,3 +180,76 @@ def test_json_schema_starts_after_the_thinking(qwen3, deepseek, parser, stream):
                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         assert reasoning is None
         jsonschema.validate(json.loads(content), YES_NO)
+
+
+# ---- gpt-oss: harmony's channels (server/harmony.py) ----------------------------------------------
+
+CHAIN_OF = "<|channel|>analysis<|message|>{thinking}<|end|><|start|>assistant<|channel|>final<|message|>{answer}<|return|>"
+
+
+@pytest.mark.parametrize("output, expected", [
+    (CHAIN_OF.format(thinking="Let me think", answer="The answer is 42"), ("Let me think", "The answer is 42")),
+    # a preamble to the user (commentary, no recipient) is answer too
+    ("<|channel|>analysis<|message|>Plan<|end|><|start|>assistant<|channel|>commentary<|message|>Checking. <|end|>"
+     "<|start|>assistant<|channel|>final<|message|>Done<|return|>", ("Plan", "Checking. Done")),
+    # a harmony tool call (to=functions.NAME) is neither thinking nor answer
+    ("<|channel|>analysis<|message|>Need the weather<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>', ("Need the weather", None)),
+    ("<|channel|>analysis<|message|>Cut in the thin", ("Cut in the thin", None)),  # max_tokens inside the thinking
+    ("<|channel|>analysis<|message|>A<|end|><|start|>assistant<|chan", ("A", None)),  # cut inside a header
+    # text outside any message's body (no header at all, or stray after one) is answer: never dropped
+    ("<|channel|>final<|message|>An answer<|end|> and more<|return|>", (None, "An answer and more")),
+    ("no harmony at all", (None, "no harmony at all")),
+])
+def test_gpt_oss_splits_harmony_as_the_engine_detokenizes_it(tmp_path, output, expected):
+    """The output's token ids (harmony's markers one token each) detokenized as the engine streams them,
+    a few ids at a time: with the special tokens kept (the parser's adjust() asks for it) the markers
+    arrive as text, and whatever the chunking the thinking and the answer come out exact."""
+    from graphserve.engine.detokenizer import IncrementalDetokenizer
+    from graphserve.engine.request import SamplingParams
+    from graphserve.engine.tokenizer import Tokenizer
+    from graphserve.server.reasoning import reasoning_config
+    from tiny_models import make_harmony_tokenizer
+
+    tokenizer = Tokenizer(make_harmony_tokenizer(tmp_path / "harmony"))
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    ids = tokenizer.encode(output, add_special_tokens=False)
+    assert len(tokenizer.encode("<|channel|><|message|>", add_special_tokens=False)) == 2
+    for size in (1, 2, 3, len(ids)):
+        config = reasoning_config("gpt-oss", tokenizer, prompt)
+        params = config.adjust(SamplingParams())
+        assert params.skip_special_tokens is False
+        detokenizer, splitter = IncrementalDetokenizer(tokenizer, params.skip_special_tokens), config.splitter(0)
+        streamed = ["", ""]
+        for i in range(0, len(ids), size):
+            thinking, answer = splitter.feed(detokenizer.add(ids[i:i + size]))
+            streamed = [streamed[0] + thinking, streamed[1] + answer]
+        thinking, answer = splitter.finish()
+        assert splitter.message_fields() == expected
+        assert (streamed[0] + thinking, streamed[1] + answer) == (expected[0] or "", expected[1] or "")
+
+
+def test_gpt_oss_refuses_a_grammar_it_would_apply_to_the_thinking(tmp_path):
+    from graphserve.engine.request import SamplingParams
+    from graphserve.engine.structured.grammar import GrammarSpec
+    from graphserve.server.errors import APIError
+    from graphserve.server.reasoning import ReasoningConfig
+
+    with pytest.raises(APIError) as err:
+        ReasoningConfig("gpt-oss").adjust(SamplingParams(grammar=GrammarSpec("json_object", param="response_format")))
+    assert (err.value.status_code, err.value.param) == (400, "response_format")
+
+
+def test_the_parser_comes_from_the_chat_template_unless_named():
+    from graphserve.server.reasoning import resolve_parser
+    from tiny_models import HARMONY_TEMPLATE, THINK_TEMPLATES
+
+    deepseek = "{% if add_generation_prompt %}{{'<\uff5cAssistant\uff5c><think>\\n'}}{% endif %}"
+    plain = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    for template, parser in [(HARMONY_TEMPLATE, "gpt-oss"), (THINK_TEMPLATES["qwen3"], "qwen3"),
+                             (THINK_TEMPLATES["deepseek-r1"], "qwen3"), (deepseek, "deepseek-r1"), (plain, None),
+                             (None, None)]:
+        chosen, line = resolve_parser("auto", template)
+        assert chosen == parser and line.startswith(f"reasoning parser: {parser or 'none'}")
+        assert resolve_parser("none", template)[0] is None
+        assert resolve_parser("deepseek-r1", template)[0] == "deepseek-r1"

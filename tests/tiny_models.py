@@ -291,3 +291,30 @@ def make_thinking_model(path: Path, template: str = "qwen3") -> Path:
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False, "chat_template": THINK_TEMPLATES[template]}))
     return path
+
+
+# ---- a tokenizer that writes OpenAI's harmony format (gpt-oss's), for the gpt-oss reasoning parser ----
+
+HARMONY_SPECIALS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+# gpt-oss's template's shape: each message `<|start|>ROLE<|message|>TEXT<|end|>` (an assistant's in the final
+# channel), the generation prompt `<|start|>assistant` (the model writes the channel); it reads
+# `reasoning_effort`, as gpt-oss's does
+HARMONY_TEMPLATE = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+                    "{% for m in messages %}<|start|>{{ m['role'] }}"
+                    "{% if m['role'] == 'assistant' %}<|channel|>final{% endif %}"
+                    "<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+                    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
+def make_harmony_tokenizer(path: Path) -> Path:
+    """A model folder's tokenizer files only: the byte tokenizer with harmony's control tokens as
+    special tokens (each one id) and HARMONY_TEMPLATE; EOS `<|return|>`."""
+    from tokenizers import AddedToken
+
+    tok = _byte_tokenizer()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY_SPECIALS])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "<|return|>", "add_bos_token": False, "chat_template": HARMONY_TEMPLATE}))
+    return path
