@@ -161,7 +161,7 @@ def test_function_call_after_thinking_then_its_output_sent_back(server, client):
             {"id": call["call_id"], "type": "function", "function": {"name": "get_weather",
                                                                      "arguments": call["arguments"]}}]},
         {"role": "tool", "tool_call_id": call["call_id"], "content": "sunny"}], tools=chat_tools)
-    # the openai client's own objects, dumped whole (null fields included), are accepted back too
+    # the openai client's own objects, dumped whole (null fields included), are accepted back too,
     parsed = client.responses.create(model="m", input="Weather in Paris?", tools=[WEATHER_TOOL], tool_choice=choice,
                                      temperature=0, max_output_tokens=160)
     again = client.responses.create(model="m", input=[{"role": "user", "content": "Weather in Paris?"},
@@ -170,6 +170,11 @@ def test_function_call_after_thinking_then_its_output_sent_back(server, client):
                                                        "output": "sunny"}],
                                     tools=[WEATHER_TOOL], temperature=0, max_output_tokens=32)
     assert again.output_text == ANSWER
+    # or as they are (the client serializes them)
+    history = [{"role": "user", "content": "Weather in Paris?"}, *parsed.output,
+               {"type": "function_call_output", "call_id": parsed.output[-1].call_id, "output": "sunny"}]
+    assert client.responses.create(model="m", input=history, tools=[WEATHER_TOOL], temperature=0,
+                                   max_output_tokens=32).output_text == ANSWER
 
 
 # one letter per event type: the Responses stream's order as a regular expression
