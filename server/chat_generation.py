@@ -6,11 +6,8 @@ chat request) both start here."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
-
-import msgspec
 
 from graphserve.engine.request import SamplingParams
 from graphserve.server.chat_prompt import render_chat_prompt

@@ -38,8 +38,6 @@ THINK_END = "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek-r1", "gpt-oss")
 AUTO, OFF = "auto", "none"  # the parser from the chat template; no parser
 _ALIASES = {"deepseek_r1": "deepseek-r1", "gpt_oss": "gpt-oss", "openai_gptoss": "gpt-oss"}
-# DeepSeek's chat templates' assistant marker (full-width bars): its models start inside the thinking
-_DEEPSEEK_ASSISTANT = "<\uff5cAssistant\uff5c>"
 
 _START, _REASONING, _CONTENT = "start", "reasoning", "content"
 
@@ -59,15 +57,17 @@ def parser_name(name: str | None) -> str:
 
 def parser_for_template(chat_template: str | None) -> str | None:
     """The parser a chat template implies, or None when it shows no thinking markers: harmony's
-    `<|channel|>` -> gpt-oss; `<think>` in a DeepSeek template -> deepseek-r1; `<think>` in any
-    other (Qwen3, QwQ) -> qwen3 (which also starts inside the thinking when the prompt ends in an
-    open `<think>`)."""
+    `<|channel|>` -> gpt-oss; `<think>` -> qwen3, which reads the rendered prompt (the output starts
+    inside the thinking when the prompt opens it, as Qwen3-Thinking, QwQ, DeepSeek-R1's later
+    templates and DeepSeek-V3.1's thinking mode render it; as answer when the prompt closes it);
+    only `</think>` (DeepSeek-R1's first template strips it from past answers, its model opens the
+    thinking without a tag) -> deepseek-r1."""
     template = chat_template or ""
     if CHANNEL in template:
         return "gpt-oss"
-    if THINK_START in template or THINK_END in template:
-        return "deepseek-r1" if _DEEPSEEK_ASSISTANT in template else "qwen3"
-    return None
+    if THINK_START in template:
+        return "qwen3"
+    return "deepseek-r1" if THINK_END in template else None
 
 
 def resolve_parser(setting: str, chat_template: str | None) -> tuple[str | None, str]:

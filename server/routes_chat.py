@@ -12,7 +12,6 @@ from graphserve.server import openapi
 from graphserve.server.auth import require_api_key
 from graphserve.server.chat_generation import prepare_chat
 from graphserve.server.choice_parts import ChoiceParser
-from graphserve.server.tools import CallFormat, finish_reason_with_calls, parse_tool_calls
 from graphserve.server.generation import ChoiceJob, ChoiceProgress, GenerationGroup, start_generation
 from graphserve.server.logprobs import chat_logprobs
 from graphserve.server.protocol import (
@@ -31,6 +30,7 @@ from graphserve.server.request_body import parse_body
 from graphserve.server.request_params import for_choice
 from graphserve.server.response_view import ResponseView
 from graphserve.server.state import ServerState, get_state, new_request_id
+from graphserve.server.tools import CallFormat, finish_reason_with_calls, parse_tool_calls
 
 router = APIRouter()
 

@@ -43,13 +43,16 @@ from graphserve.server.state import ServerState, get_state
 
 router = APIRouter()
 
+_DOCUMENTED = openapi.responses(ResponseObject, streams=True)
+_DOCUMENTED[200]["description"] = "The response, or with `stream: true` the Responses API's server-sent events."
+
 
 @router.post(
     "/v1/responses",
     dependencies=[Depends(require_api_key)],
     response_model=None,
     openapi_extra=openapi.request_body(ResponsesRequest, example={"input": "Hello", "max_output_tokens": 8}),
-    responses=openapi.responses(ResponseObject, streams=True),
+    responses=_DOCUMENTED,
 )
 async def create_response(request: Request) -> Response:
     state = get_state(request)
@@ -84,12 +87,9 @@ class _ResponsesView:
             instructions=body.instructions, max_output_tokens=body.max_output_tokens,
             parallel_tool_calls=body.parallel_tool_calls,
             reasoning=body.reasoning.model_dump() if body.reasoning is not None else None,
-            temperature=body.temperature if body.temperature is not None else 1.0,
+            temperature=body.temperature if body.temperature is not None else 1.0,  # OpenAI's defaults
             top_p=body.top_p if body.top_p is not None else 1.0,
-            text={"format": body.text.format.model_dump(by_alias=True, exclude_none=True)}
-            if body.text is not None and body.text.format is not None else {"format": {"type": "text"}},
-            tool_choice=body.tool_choice.model_dump(exclude_none=True) if body.tool_choice is not None and not
-            isinstance(body.tool_choice, str) else body.tool_choice or "auto",
+            text={"format": _text_format(body)}, tool_choice=_tool_choice(body),
             tools=[tool.model_dump(exclude_none=True) for tool in body.tools or []],
             metadata=body.metadata or {}, user=body.user, safety_identifier=body.safety_identifier,
             prompt_cache_key=body.prompt_cache_key,
@@ -143,6 +143,18 @@ class _ResponsesView:
                           "param": error.param}, next(number))
         finally:
             await group.close()
+
+
+def _text_format(body: ResponsesRequest) -> dict[str, Any]:
+    fmt = body.text.format if body.text is not None else None
+    return fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else {"type": "text"}
+
+
+def _tool_choice(body: ResponsesRequest) -> str | dict[str, Any]:
+    choice = body.tool_choice
+    if choice is None:
+        return "auto"
+    return choice if isinstance(choice, str) else choice.model_dump(exclude_none=True)
 
 
 def _event(event: Event, sequence_number: int) -> bytes:

@@ -244,10 +244,12 @@ def test_the_parser_comes_from_the_chat_template_unless_named():
     from graphserve.server.reasoning import resolve_parser
     from tiny_models import HARMONY_TEMPLATE, THINK_TEMPLATES
 
-    deepseek = "{% if add_generation_prompt %}{{'<\uff5cAssistant\uff5c><think>\\n'}}{% endif %}"
+    # DeepSeek-R1's first template: it strips the thinking from past answers; its model opens none
+    r1 = "{% set content = message['content'].split('</think>')[-1] %}{{ '<\uff5cAssistant\uff5c>' }}"
     plain = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    # a template that opens <think> in its prompt gets qwen3, which starts inside it from the prompt
     for template, parser in [(HARMONY_TEMPLATE, "gpt-oss"), (THINK_TEMPLATES["qwen3"], "qwen3"),
-                             (THINK_TEMPLATES["deepseek-r1"], "qwen3"), (deepseek, "deepseek-r1"), (plain, None),
+                             (THINK_TEMPLATES["deepseek-r1"], "qwen3"), (r1, "deepseek-r1"), (plain, None),
                              (None, None)]:
         chosen, line = resolve_parser("auto", template)
         assert chosen == parser and line.startswith(f"reasoning parser: {parser or 'none'}")
