@@ -68,7 +68,7 @@ _MERGE_CHUNK = 8  # splits merged per load
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr, amax_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr, amax_ptr, sinks_ptr,
     scale_log2,
     stride_qb, stride_qh,
     stride_cb, stride_ct,  # cache strides of a block and of a token (same for k and v)
@@ -90,9 +90,12 @@ def _decode_attention_kernel(
     MERGE_CHUNK: tl.constexpr,
     ROW_AMAX: tl.constexpr,
     WINDOW: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """WINDOW > 0: a sliding window, each row reads only its last WINDOW tokens (the tiles before the
-    window are not visited, the tokens before it in the first tile masked). PREFETCH_TILES: tiles of K and V rows to prefetch into L2 before the PDL wait (0: none).
+    window are not visited, the tokens before it in the first tile masked). SINKS (gpt-oss): sinks_ptr[h]
+    is query head h's sink logit, one more term of its softmax's denominator (_fold_sink, where the row's
+    splits are merged). PREFETCH_TILES: tiles of K and V rows to prefetch into L2 before the PDL wait (0: none).
     FUSED_MERGE (with WRITE_PARTIAL): the splits holding tokens count themselves finished on
     counter_ptr[pid] (kernels/_split_counters.py), and the last one merges their partials into out;
     empty splits return at once. ROW_AMAX (not WRITE_PARTIAL): amax_ptr[pid] is the largest |value| the
@@ -167,9 +170,12 @@ def _decode_attention_kernel(
         if FUSED_MERGE:
             active = tl.cdiv(num_tiles - t_lo, tiles_per_split)  # the splits holding tokens
             if last_to_arrive(counter_ptr + pid, active):
-                _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh, active, num_splits,
-                              stride_ob, stride_oh, NUM_KV_HEADS, GROUP, HEAD_DIM, MERGE_GROUP, MERGE_CHUNK)
+                _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, sinks_ptr, b, kvh, active, num_splits,
+                              stride_ob, stride_oh, NUM_KV_HEADS, GROUP, HEAD_DIM, MERGE_GROUP, MERGE_CHUNK, SINKS)
     else:
+        if SINKS:
+            alpha, l_i = _fold_sink(sinks_ptr, heads, g_mask, m_i, l_i)
+            acc = acc * alpha[:, None]
         out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out, mask=g_mask[:, None])
@@ -179,9 +185,20 @@ def _decode_attention_kernel(
 
 
 @triton.jit
-def _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh, active, num_splits, stride_ob, stride_oh,
-                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+def _fold_sink(sinks_ptr, heads, mask, m, l):
+    """(alpha, l'): for rows whose exps were taken against max m (log2 units) and sum to l, each head's
+    sink added to the sum, both rescaled to the larger of m and the sink (no overflow whichever is
+    larger); the rows' accumulators are to be multiplied by alpha."""
+    sink = tl.load(sinks_ptr + heads, mask=mask, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_new = tl.maximum(m, sink)
+    alpha = tl.exp2(m - m_new)
+    return alpha, l * alpha + tl.exp2(sink - m_new)
+
+
+@triton.jit
+def _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, sinks_ptr, b, kvh, active, num_splits, stride_ob,
+                  stride_oh, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr, SINKS: tl.constexpr):
     """out for the GROUP query heads of (b, kvh) from the partials of its first `active` splits (the
     ones holding tokens; the rest are empty), in one pass with a running maximum. The partials were
     written by other programs: loaded through L2 (.cg), never a stale L1 line."""
@@ -210,6 +227,9 @@ def _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, kvh, active,
         den = den * alpha + tl.sum(l * w, 1)
         num = num * alpha[:, None] + tl.sum(acc * w[:, :, None], 1)
         m_run = m_new
+    if SINKS:
+        alpha, den = _fold_sink(sinks_ptr, heads, g_mask, m_run, den)
+        num = num * alpha[:, None]
     out = num / tl.where(den > 0, den, 1.0)[:, None]
     o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
@@ -233,13 +253,14 @@ def _prefetch_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, t, t_end, ctx, head_off,
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, sinks_ptr,
     stride_ob, stride_oh,
     num_splits,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     CHUNK: tl.constexpr,
     PDL: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     if PDL:
         wait_for_previous_kernel()
@@ -271,6 +292,12 @@ def _decode_reduce_kernel(
         num += tl.sum(acc * w[:, None], 0)
         den += l * w
     total = tl.sum(den, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_max, sink)
+        alpha = tl.exp2(m_max - m_new)
+        num = num * alpha
+        total = total * alpha + tl.exp2(sink - m_new)
     out = num / tl.where(total > 0, total, 1.0)
     o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
@@ -318,9 +345,11 @@ def paged_decode_attention(
     tile: DecodeTile | None = None,
     row_amax: bool = False,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | AmaxedRows:
     """Attention of q [B, Hq, D] over each sequence's first context_lens[b] cached tokens (with a
-    sliding `window`, over the last `window` of them only).
+    sliding `window`, over the last `window` of them only). sinks [Hq] (gpt-oss): each query head's sink
+    logit, one more term of its softmax's denominator; a constant of the kernel whether there are any.
 
     block_tables [B, max_blocks] int32, context_lens [B] int32 (>= 1; padded rows use 1 and block 0);
     table entries past a sequence's last block are never read. q may be a strided view (last dim
@@ -359,6 +388,7 @@ def paged_decode_attention(
     _decode_attention_kernel[(batch * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_m, part_l, part_acc, out if counters is None else counters, amax,
+        out if sinks is None else sinks,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
@@ -380,19 +410,21 @@ def paged_decode_attention(
         MERGE_CHUNK=_MERGE_CHUNK,
         ROW_AMAX=row_amax,
         WINDOW=window or 0,
+        SINKS=sinks is not None,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         launch_pdl=pdl,
     )
     if num_splits > 1 and counters is None:
         _decode_reduce_kernel[(batch * num_heads,)](
-            part_m, part_l, part_acc, out,
+            part_m, part_l, part_acc, out, out if sinks is None else sinks,
             out.stride(0), out.stride(1),
             num_splits,
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             CHUNK=min(16, triton.next_power_of_2(num_splits)),
             PDL=pdl,
+            SINKS=sinks is not None,
             num_warps=4,
             launch_pdl=pdl,
         )
@@ -407,8 +439,10 @@ def paged_decode_attention_ref(
     context_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pure-torch reference (fp32 math, result in q's dtype): gather pages, mask, softmax."""
+    """Pure-torch reference (fp32 math, result in q's dtype): gather pages, mask, softmax (with each head's
+    sink logit as one more column, dropped after it)."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -424,6 +458,10 @@ def paged_decode_attention_ref(
     if window:
         valid &= tokens >= context_lens.long()[:, None] - window
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        sink = sinks.float().reshape(1, num_kv_heads, group, 1).expand(batch, -1, -1, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgn,bhnd->bhgd", probs, v)
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)

@@ -31,7 +31,7 @@ _LOG2E = 1.4426950408889634
 # benchmark's fourth turn waited ~0.4 s for it (H200, the JIT probe (commit 636caa0, docs/benchmarks.md)).
 @triton.jit(do_not_specialize=["num_tiles", "stride_bt"])
 def _prefill_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr, sinks_ptr,
     tiles_ptr, num_tiles,
     scale_log2,
     stride_qt, stride_qh,
@@ -46,8 +46,10 @@ def _prefill_attention_kernel(
     DOT_PREC: tl.constexpr,
     TILE_MAP: tl.constexpr,
     WINDOW: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
-    """WINDOW > 0: a sliding window, query at position p sees keys p - WINDOW < key <= p only."""
+    """WINDOW > 0: a sliding window, query at position p sees keys p - WINDOW < key <= p only. SINKS
+    (gpt-oss): sinks_ptr[h] is head h's sink logit, one more term of each row's softmax denominator."""
     if TILE_MAP:
         tile = tl.program_id(0)
         b = tl.load(tiles_ptr + tile)
@@ -119,6 +121,12 @@ def _prefill_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
+    if SINKS:  # the sink's term, the sums and accumulators rescaled to the larger of the row's max and it
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
     if WINDOW > 0:  # rows past the queries may have seen nothing (they are not stored)
         l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
@@ -154,9 +162,11 @@ def paged_prefill_attention(
     tile: PrefillTile | None = None,
     tiles: torch.Tensor | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, Hq, D] over the paged cache (with a sliding `window`,
-    each query over the last `window` positions up to its own).
+    each query over the last `window` positions up to its own; sinks [Hq]: each head's sink logit, one
+    more term of its softmax's denominator).
 
     cu_seqlens_q [B+1] int32 (prefix sums of q lengths), context_lens [B] int32 (all KV tokens of
     the sequence after this step, >= its q length), max_seqlen_q a host int >= every q length.
@@ -176,7 +186,7 @@ def paged_prefill_attention(
     else:
         grid = (triton.cdiv(max_seqlen_q, tile.block_m), batch, num_heads)
     _prefill_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, out if sinks is None else sinks,
         tiles if tiles is not None else cu_seqlens_q, grid[0],
         scale * _LOG2E,
         q.stride(0), q.stride(1),
@@ -191,6 +201,7 @@ def paged_prefill_attention(
         DOT_PREC=dot_precision(q.dtype),
         TILE_MAP=tiles is not None,
         WINDOW=window or 0,
+        SINKS=sinks is not None,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
@@ -221,8 +232,10 @@ def paged_prefill_attention_ref(
     max_seqlen_q: int,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pure-torch reference (fp32 math, result in q's dtype); loops over sequences on the host."""
+    """Pure-torch reference (fp32 math, result in q's dtype); loops over sequences on the host. sinks:
+    each head's sink logit as one more column of its softmax, dropped after it."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -248,5 +261,10 @@ def paged_prefill_attention_ref(
         if window:
             hidden |= k_pos[None, None, :] <= q_pos[None, :, None] - window
         scores = scores.masked_fill(hidden, float("-inf"))
-        out[start:end] = torch.matmul(torch.softmax(scores, dim=-1), v).transpose(0, 1).to(q.dtype)
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
     return out

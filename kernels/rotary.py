@@ -128,6 +128,8 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None = None) 
         ext = torch.tensor(factors, dtype=torch.float32)
         shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         return 1.0 / (ext * base**shape)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, base, rope_scaling)
     if rope_type == "llama3":
         factor = rope_scaling["factor"]
         low_freq_factor = rope_scaling["low_freq_factor"]
@@ -145,15 +147,60 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None = None) 
     raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
 
 
+def _yarn_factor(rope_scaling: dict) -> float:
+    factor = rope_scaling.get("factor")
+    if factor is None:  # as transformers: the context's growth over the pretrained one
+        factor = rope_scaling["max_position_embeddings"] / rope_scaling["original_max_position_embeddings"]
+    return factor
+
+
+def _yarn_inv_freq(head_dim: int, base: float, rope_scaling: dict) -> torch.Tensor:
+    """YaRN's frequencies as transformers' _compute_yarn_parameters computes them: interpolated (divided
+    by the factor) below the correction range, extrapolated (kept) above it, a linear ramp between;
+    `truncate` (default true) rounds the range's ends outward to whole dims."""
+    factor = _yarn_factor(rope_scaling)
+    beta_fast = rope_scaling.get("beta_fast") or 32
+    beta_slow = rope_scaling.get("beta_slow") or 1
+    original = rope_scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope_scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 def rope_attention_factor(rope_scaling: dict | None) -> float:
-    """The factor transformers multiplies cos and sin by (LongRoPE's attention_factor; 1 otherwise)."""
-    if not rope_scaling or rope_scaling.get("rope_type", rope_scaling.get("type")) != "longrope":
+    """The factor transformers multiplies cos and sin by (LongRoPE's and YaRN's attention_factor; 1
+    otherwise)."""
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type")) if rope_scaling else None
+    if kind == "yarn":
+        if rope_scaling.get("attention_factor") is not None:
+            return float(rope_scaling["attention_factor"])
+        factor = _yarn_factor(rope_scaling)
+        mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+        return _yarn_mscale(factor)
+    if kind != "longrope":
         return 1.0
     if rope_scaling.get("attention_factor") is not None:
         return float(rope_scaling["attention_factor"])
     original = rope_scaling["original_max_position_embeddings"]
     factor = rope_scaling.get("factor") or rope_scaling["max_position_embeddings"] / original
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def build_cos_sin_cache(

@@ -46,12 +46,13 @@ def _table_len(a: SimpleNamespace) -> int:
 # input array and "name:o" one it writes, each with its size in bytes from the arguments
 Size = Callable[[SimpleNamespace], int]
 SIGNATURES: dict[str, tuple[str, dict[str, Size]]] = {
-    "paged_decode": ("q:p q_s0 q_s1 k:p v:p tables:p bt_s0 lens:p out:o B Hq Hkv D bs scale:f split window", {
+    "paged_decode": ("q:p q_s0 q_s1 k:p v:p tables:p bt_s0 lens:p out:o B Hq Hkv D bs scale:f split window sinks:p", {
         "q": lambda a: F32 * ((a.B - 1) * a.q_s0 + _rows(a.Hq, a.q_s1, a.D)),
         "k": _kv_bytes, "v": _kv_bytes,
         "tables": lambda a: I32 * _table_len(a),
         "lens": lambda a: I32 * a.B,
-        "out": lambda a: F32 * a.B * a.Hq * a.D}),
+        "out": lambda a: F32 * a.B * a.Hq * a.D,
+        "sinks": lambda a: F32 * a.Hq}),
     "pack_panels": ("w:p n k panels:o", {
         "w": lambda a: F32 * a.n * a.k,
         "panels": lambda a: F32 * _panels(a.n) * a.k * 16}),

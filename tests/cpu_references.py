@@ -8,9 +8,11 @@ import torch.nn.functional as F
 
 
 def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                        lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+                        lens: torch.Tensor, scale: float, window: int | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention row by row: torch's SDPA over each row's own context (its last `window`
-    tokens), gathered from its blocks (caches [blocks, block_size, Hkv, D])."""
+    tokens), gathered from its blocks (caches [blocks, block_size, Hkv, D]); with sinks [Hq] (gpt-oss) a
+    softmax over the scores and each head's sink logit, the sink's share dropped."""
     block = k_cache.shape[1]
     rows = []
     for b in range(q.shape[0]):
@@ -19,7 +21,14 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         blocks = tables[b, :-(-n // block)].long()
         k = k_cache[blocks].flatten(0, 1)[lo:n].transpose(0, 1)
         v = v_cache[blocks].flatten(0, 1)[lo:n].transpose(0, 1)
-        rows.append(F.scaled_dot_product_attention(q[b][:, None, :], k, v, scale=scale, enable_gqa=True)[:, 0])
+        if sinks is None:
+            rows.append(F.scaled_dot_product_attention(q[b][:, None, :], k, v, scale=scale, enable_gqa=True)[:, 0])
+            continue
+        group = q.shape[1] // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)  # [Hq, n, D]
+        scores = (q[b][:, None, :] @ k.transpose(1, 2))[:, 0] * scale
+        probs = torch.softmax(torch.cat([scores, sinks[:, None]], dim=-1), dim=-1)[:, :-1]
+        rows.append((probs[:, None, :] @ v)[:, 0])
     return torch.stack(rows)
 
 

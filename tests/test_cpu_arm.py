@@ -79,7 +79,7 @@ def test_the_pthreads_build_has_no_openmp(built, kernel):
                                                 pytest.param(1, 3, 36, id="d36"), pytest.param(1, 2, 30, id="d30")])
 @pytest.mark.parametrize("which", BUILD_PARAMS)
 def test_attention(built, which, kv_heads, heads, dim):
-    """Both task splits (1 row: a task per KV head; 5: per sequence), whole blocks and a tail, windows, a
+    """Both task splits (1 row: a task per KV head; 5: per sequence), whole blocks and a tail, windows, sinks, a
     head_dim the NEON path takes in 4-lane steps (36) and one it leaves to plain C (30)."""
     library = arm("attention", which)
     gen = torch.Generator().manual_seed(dim)
@@ -92,11 +92,15 @@ def test_attention(built, which, kv_heads, heads, dim):
         tables = (torch.randperm(39, generator=gen)[:batch * width] + 1).view(batch, width).int()
         q = torch.randn(batch, heads + 2 * kv_heads, dim, generator=gen)[:, :heads]  # strided, as the qkv slice
         q[0, 0] *= 40  # a peaked softmax
-        for window in (None, 7, 21):  # a sliding window: the last tokens only
+        sinks = torch.randn(heads, generator=torch.Generator().manual_seed(batch)) * 2
+        sinks[-1] = 60.0  # its head's output near 0
+        # a sliding window: the last tokens only; gpt-oss's sinks: a term of each head's denominator
+        for window, with_sinks in ((None, False), (7, False), (21, False), (None, True), (7, True)):
+            head_sinks = sinks if with_sinks else None
             out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5, library,
-                                                       window=window)
+                                                       window=window, sinks=head_sinks)
             torch.testing.assert_close(out, attention_reference(q, k_cache, v_cache, tables, lens, dim ** -0.5,
-                                                                window=window), rtol=1e-5, atol=1e-5)
+                                                                window=window, sinks=head_sinks), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("n,k,with_bias", [(100, 576, True), (37, 33, False)])

@@ -108,3 +108,40 @@ def test_a_sliding_window_reads_only_the_last_tokens(window, kv_heads, heads, di
     clean_v = torch.nan_to_num(v_cache)
     out = TorchAttention(BLOCK, use_kernel=False).attend_decode(q, clean_k, clean_v, meta, dim ** -0.5, window=window)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads,heads,dim", SHAPES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_sinks_in_every_build(window, kv_heads, heads, dim):
+    """gpt-oss's sinks: each query head's softmax has one more term, exp(sink), with no value; a sink far
+    above the scores (its head's output near 0) and one far below (no effect) included. Every build, the
+    decode and prefill fallbacks alike."""
+    gen = torch.Generator().manual_seed(dim)
+    batch, num_blocks = 4, 50
+    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=gen)
+    lens = torch.tensor([1, 6, 16 * 3 + 7, 150], dtype=torch.int32)
+    width = -(-int(lens.max()) // BLOCK)
+    tables = (torch.randperm(num_blocks - 1, generator=gen)[:batch * width] + 1).view(batch, width).int()
+    q = torch.randn(batch, heads + 2 * kv_heads, dim, generator=gen)[:, :heads]
+    sinks = torch.randn(heads, generator=gen) * 2
+    sinks[0], sinks[-1] = 60.0, -60.0
+    expected = attention_reference(q, k_cache, v_cache, tables, lens, dim ** -0.5, window=window, sinks=sinks)
+    assert expected[:, 0].abs().max() < 1e-6
+    for library in builds(cpu_attention.LIBRARY):
+        library = loaded(library.values[0])
+        out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5, library,
+                                                   window=window, sinks=sinks)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(batch, dtype=torch.int64),
+                             block_tables=tables, context_lens=lens)
+    out = TorchAttention(BLOCK, use_kernel=False).attend_decode(q, k_cache, v_cache, meta, dim ** -0.5, window=window,
+                                                                sinks=sinks)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # a prefill of each row's last token after its cached context: the gather + masked path
+    prefill = AttentionMetadata(is_prefill=True, slot_mapping=torch.zeros(batch, dtype=torch.int64),
+                                block_tables=tables, context_lens=lens, cu_seqlens_q=torch.arange(batch + 1).int(),
+                                query_lens_host=[1] * batch, context_lens_host=lens.tolist())
+    out = TorchAttention(BLOCK, use_kernel=False)._prefill(q.contiguous(), k_cache, v_cache, prefill, dim ** -0.5,
+                                                           window, sinks)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -763,3 +763,63 @@ def test_prefill_attention_sliding_window(window, q_lens, ctx_lens):
         mask = (keys <= pos) & (keys > pos - window)
         dense = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=0.125).transpose(0, 1)
         assert rel_err(ref[s:s + n], dense) < 1e-5
+
+
+# ----------------------------------------------------------------------------- attention sinks (gpt-oss)
+
+
+def _sinks(gen, heads: int) -> torch.Tensor:
+    """Sink logits around the scores' size, one far above them (its head's output nearly 0: the sink
+    takes the softmax) and one far below (no effect)."""
+    sinks = torch.randn(heads, generator=gen)
+    sinks[0], sinks[-1] = 60.0, -60.0
+    return sinks
+
+
+def _softmax_with_sink_ref(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """The probabilities of transformers' eager gpt-oss attention: a sink column, dropped after softmax."""
+    return torch.softmax(torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1), dim=-1)[..., :-1]
+
+
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_sinks(window, num_splits, fused_merge):
+    """Each head's sink logit is one more term of its softmax's denominator, with the splits merged by the
+    last split or the merge kernel; the reference against a dense softmax with the sink column."""
+    gen = torch.Generator().manual_seed(5)
+    q, k_cache, v_cache, bt, cl = decode_case(gen, batch=3, hq=4, hkv=2, ctx=(1, 37, 70))
+    sinks = _sinks(gen, 4)
+    out = paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.125, num_splits=num_splits, window=window, sinks=sinks)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, bt, cl, 0.125, window=window, sinks=sinks)
+    assert rel_err(out, ref) < TOL
+    assert ref[:, 0].abs().max() < 1e-6 and rel_err(ref[:, 1:], paged_decode_attention_ref(
+        q, k_cache, v_cache, bt, cl, 0.125, window=window)[:, 1:]) > 1e-3  # the sinks matter
+    for b in range(q.shape[0]):
+        n = int(cl[b])
+        lo = max(0, n - window) if window else 0
+        k, v = gather_dense(k_cache, bt[b], n)[lo:], gather_dense(v_cache, bt[b], n)[lo:]
+        kk, vv = k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1)  # [Hq, n, D]
+        probs = _softmax_with_sink_ref((q[b][:, None, :] @ kk.transpose(1, 2)) * 0.125, sinks[:, None, None])
+        dense = (probs @ vv)[:, 0]
+        assert rel_err(ref[b], dense) < 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_attention_sinks(window):
+    gen = torch.Generator().manual_seed(6)
+    q_lens, ctx_lens = (5, 33, 1), (40, 70, 33)
+    q, k_cache, v_cache, bt, cu, cl = prefill_case(gen, q_lens, ctx_lens)
+    sinks = _sinks(gen, 4)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, k_cache, v_cache, bt, cu, cl, max(q_lens), 0.125, out=out, window=window, sinks=sinks)
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, bt, cu, cl, max(q_lens), 0.125, window=window, sinks=sinks)
+    assert rel_err(out, ref) < TOL
+    for b, (n, ctx) in enumerate(zip(q_lens, ctx_lens)):
+        s = int(cu[b])
+        k, v = gather_dense(k_cache, bt[b], ctx), gather_dense(v_cache, bt[b], ctx)
+        qs, ks, vs = q[s:s + n].transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1)
+        pos, keys = torch.arange(ctx - n, ctx)[:, None], torch.arange(ctx)[None, :]
+        mask = (keys <= pos) & ((keys > pos - window) if window else True)
+        scores = (qs @ ks.transpose(1, 2) * 0.125).masked_fill(~mask, float("-inf"))
+        dense = (_softmax_with_sink_ref(scores, sinks[:, None, None]) @ vs).transpose(0, 1)
+        assert rel_err(ref[s:s + n], dense) < 1e-5

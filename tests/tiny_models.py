@@ -211,11 +211,12 @@ def write_compressed_tensors_fp8(src: Path, dst: Path, quantize, strategy: str, 
     return out
 
 
-def transformers_greedy(path: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    """transformers' own greedy continuation of each prompt, alone, in float32 (EOS ignored)."""
+def transformers_greedy(path: Path, prompts: list[list[int]], max_new: int, **load) -> list[list[int]]:
+    """transformers' own greedy continuation of each prompt, alone, in float32 (EOS ignored); `load`:
+    from_pretrained's other arguments."""
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load).eval()
     outs = []
     for prompt in prompts:
         ids = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None,
@@ -234,6 +235,70 @@ def assert_greedy_matches(llm, prompts: list[list[int]], params, want: list[list
     for _ in range(2):
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert len({tuple(o) for o in want}) > distinct
+
+
+# ---- gpt-oss: a tiny GptOssForCausalLM, its experts unquantized or in MXFP4 as released ----
+
+GPT_OSS = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+               sliding_window=8, max_position_embeddings=512, rms_norm_eps=1e-5, swiglu_limit=1.2,
+               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+               tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def make_tiny_gpt_oss(path: Path, mxfp4: bool = False, seed: int = 0, dtype: torch.dtype = torch.float32,
+                      **overrides) -> Path:
+    """A random GptOssForCausalLM (sliding and full layers alternating, YaRN, sinks, biases everywhere, a
+    swiglu_limit that clamps), saved by transformers; mxfp4: its experts' weights quantized
+    (quantize_mxfp4) and stored as gpt-oss stores them, with quant_method mxfp4 in its config."""
+    import transformers
+
+    config = transformers.GptOssConfig(**{**GPT_OSS, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # norms about 1: activations reach the clamp; sinks matter
+            p.normal_(1.0 if "norm" in name else 0.0, 1.0 if name.endswith("sinks") else 0.15)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    write_byte_tokenizer(path)
+    if mxfp4:
+        _experts_to_mxfp4(path)
+    return path
+
+
+def _experts_to_mxfp4(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = {}
+    for name, t in load_file(str(path / "model.safetensors")).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, in, out] -> blocks of [E, out, in]
+            tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(t.transpose(1, 2).float())
+        else:
+            tensors[name] = t
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reference MXFP4 quantizer (OCP MX spec): w [..., N, K] -> (blocks uint8 [..., N, K / 32, 16], scales
+    uint8 [..., N, K / 32]). Each group of 32 along K gets the scale 2^s, s = ceil(log2(amax / 6)) (its
+    largest value fits e2m1's 6), and each value the nearest e2m1 value of w / 2^s (the even code on a tie)."""
+    from graphserve.kernels.mxfp4 import FP4_VALUES, GROUP
+
+    groups = w.reshape(*w.shape[:-1], w.shape[-1] // GROUP, GROUP)
+    amax = groups.abs().amax(-1, keepdim=True).clamp(min=2.0**-126)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)
+    magnitudes = torch.tensor(FP4_VALUES[:8])
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1)  # first (even) code on a tie
+    codes = codes | ((scaled < 0) & (codes > 0)).to(torch.int64) << 3
+    packed = (codes[..., 0::2] | codes[..., 1::2] << 4).to(torch.uint8)
+    return packed, (exponent[..., 0] + 127).to(torch.uint8)
 
 
 # ---- a "reasoning" model whose greedy output is known (tests/test_reasoning.py) ----

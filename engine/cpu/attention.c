@@ -2,7 +2,8 @@
    out[b, h*G + g, :] = softmax_t(scale * q[b, h*G + g, :] . K[b, t, h, :]) @ V[b, t, h, :]
    over t < context_lens[b], token t of row b at block block_tables[b, t / bs], offset t % bs; with a
    sliding window (window > 0) only over the last `window` of those (t >= context_lens[b] - window, as
-   transformers masks: the query's own position and the window - 1 before it).
+   transformers masks: the query's own position and the window - 1 before it). With sinks (gpt-oss; NULL:
+   none) query head j's softmax has one more term in its denominator, exp(sinks[j]), no value with it.
    q and out: [B, Hq, D] with strides (q_s0, q_s1, 1) and (Hq * D, D, 1);
    caches: [num_blocks, bs, Hkv, D] contiguous.
    One task per sequence (its blocks read whole, in order), or with split_heads (few rows) per
@@ -27,7 +28,24 @@ struct task {
     float* out;
     /* the first `first` tokens of the first block (table[0]) lie before the window: never read */
     int64_t first;
+    const float* sinks; /* [Hq] or NULL */
 };
+
+/* the sink of query head j folded into a softmax whose exps were taken against max m: returns the new
+   max (>= m) and rescales *sum (the exps' sum) to it, the sink's term added; *rescale: what the exps
+   taken against m must be multiplied by. Without a sink (NULL), nothing changes. */
+static inline float fold_sink(const float* sinks, int64_t j, float m, float* sum, float* rescale) {
+    *rescale = 1.f;
+    if (!sinks) return m;
+    const float s = sinks[j];
+    if (s > m) {
+        *rescale = expf(m - s);
+        *sum = *sum * *rescale + 1.f;
+        return s;
+    }
+    *sum += expf(s - m);
+    return m;
+}
 
 
 #if defined(GS_AVX512)
@@ -61,10 +79,11 @@ static void task_generic(const struct task* t, int64_t h, float* scores, float* 
     }
     for (int64_t g = 0; g < G; ++g) {
         float* sh = scores + g * L;
-        float m = -INFINITY, sum = 0.f;
+        float m = -INFINITY, sum = 0.f, rescale;
         for (int64_t u = first; u < L; ++u) m = sh[u] > m ? sh[u] : m;
         for (int64_t u = first; u < L; ++u) { sh[u] = expf(sh[u] - m); sum += sh[u]; }
-        const float inv = 1.f / sum;
+        fold_sink(t->sinks, h * G + g, m, &sum, &rescale);
+        const float inv = rescale / sum;
         for (int64_t u = first; u < L; ++u) sh[u] *= inv;
     }
     memset(acc, 0, sizeof(float) * G * D);
@@ -108,6 +127,7 @@ struct call {
     int64_t Hq, Hkv, D, bs, per_row, heads;
     float scale;
     int64_t window;
+    const float* sinks;
 };
 
 static void run_tasks(void* arg, int64_t begin, int64_t end) {
@@ -121,7 +141,7 @@ static void run_tasks(void* arg, int64_t begin, int64_t end) {
         const struct task t = {c->q + b * c->q_s0, c->q_s1, c->k_cache, c->v_cache,
                                c->block_tables + b * c->bt_s0 + skip, ctx - skip * c->bs, G, c->D, c->bs,
                                c->Hkv * c->D, c->bs * c->Hkv * c->D, c->scale, c->out + b * c->Hq * c->D,
-                               lo - skip * c->bs};
+                               lo - skip * c->bs, c->sinks};
         float* scores = scratch_floats(G * t.L + 2 * G * c->D);
         float* work = scores + G * t.L;
         for (int64_t h = h0; h < h1; ++h) {
@@ -142,8 +162,8 @@ static void run_tasks(void* arg, int64_t begin, int64_t end) {
 void paged_decode(const float* q, int64_t q_s0, int64_t q_s1, const float* k_cache, const float* v_cache,
                   const int32_t* block_tables, int64_t bt_s0, const int32_t* context_lens,
                   float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
-                  int64_t split_heads, int64_t window) {
+                  int64_t split_heads, int64_t window, const float* sinks) {
     const struct call c = {q, q_s0, q_s1, k_cache, v_cache, block_tables, bt_s0, context_lens, out, Hq, Hkv, D, bs,
-                           split_heads ? Hkv : 1, split_heads ? 1 : Hkv, scale, window};
+                           split_heads ? Hkv : 1, split_heads ? 1 : Hkv, scale, window, sinks};
     gs_parallel_for_each(B * c.per_row, run_tasks, (void*)&c);
 }

@@ -19,8 +19,8 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* sh[0:L] <- exp(sh - max(sh)); returns 1 / their sum */
-static inline float softmax8(float* sh, int64_t L) {
+/* sh[0:L] <- exp(sh - max(sh)); returns 1 / their sum (with query head j's sink where sinks: attention.c) */
+static inline float softmax8(float* sh, int64_t L, const float* sinks, int64_t j) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int64_t t = 0;
     for (; t + 8 <= L; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sh + t));
@@ -41,7 +41,9 @@ static inline float softmax8(float* sh, int64_t L) {
         _mm256_storeu_ps(tail, e);
         for (int64_t u = t; u < L; ++u) { sh[u] = tail[u - t]; sum += tail[u - t]; }
     }
-    return 1.f / sum;
+    float rescale;
+    fold_sink(sinks, j, m, &sum, &rescale);
+    return rescale / sum;
 }
 
 /* NV: head_dim / 8, a constant where the caller passes one (64, 128: fully unrolled) */
@@ -72,7 +74,7 @@ static inline __attribute__((always_inline)) void task256_body(const struct task
             }
         }
     }
-    for (int64_t g = 0; g < G; ++g) qs[g] = softmax8(scores + g * L + t->first, L - t->first);  /* qs now holds 1 / sums */
+    for (int64_t g = 0; g < G; ++g) qs[g] = softmax8(scores + g * L + t->first, L - t->first, t->sinks, h * G + g);  /* qs now holds 1 / sums */
     for (int64_t t0 = 0; t0 < L; t0 += t->bs) {
         const float* vb = t->v_cache + (int64_t)t->table[t0 / t->bs] * t->blk_s + h * D;
         const int64_t n = L - t0 < t->bs ? L - t0 : t->bs;

@@ -4,8 +4,8 @@
    accumulators stay in registers across the whole context. */
 #include "vec_exp.h"
 
-/* sh[0:L] <- exp(sh - max(sh)); returns 1 / their sum */
-static inline float softmax16(float* sh, int64_t L) {
+/* sh[0:L] <- exp(sh - max(sh)); returns 1 / their sum (with query head j's sink where sinks: attention.c) */
+static inline float softmax16(float* sh, int64_t L, const float* sinks, int64_t j) {
     __m512 mv = _mm512_set1_ps(-INFINITY);
     int64_t t = 0;
     for (; t + 16 <= L; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sh + t));
@@ -20,14 +20,16 @@ static inline float softmax16(float* sh, int64_t L) {
     }
     const __m512 e = _mm512_maskz_mov_ps(tail, gs_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sh + t), m)));
     _mm512_mask_storeu_ps(sh + t, tail, e);
-    return 1.f / _mm512_reduce_add_ps(_mm512_add_ps(sv, e));
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(sv, e)), rescale;
+    fold_sink(sinks, j, _mm512_reduce_max_ps(m), &sum, &rescale);
+    return rescale / sum;
 }
 
 #define DEFINE_TASK512(NV, GS)                                                                       \
 static void task512_##NV(const float* qb, int64_t q_s1, const float* k_cache, const float* v_cache,  \
                          const int32_t* table, int64_t L, int64_t h, int64_t G, int64_t bs,          \
                          int64_t tok_s, int64_t blk_s, float scale, float* scores, float* outb,      \
-                         int64_t first) {                                                            \
+                         int64_t first, const float* sinks) {                                        \
     for (int64_t g0 = 0; g0 < G; g0 += GS) {                                                         \
         const int64_t gn = G - g0 < GS ? G - g0 : GS;                                                \
         __m512 qv[GS][NV], acc[GS][NV];                                                              \
@@ -53,7 +55,8 @@ static void task512_##NV(const float* qb, int64_t q_s1, const float* k_cache, co
             }                                                                                        \
         }                                                                                            \
         float inv[GS];                                                                               \
-        for (int g = 0; g < gn; ++g) inv[g] = softmax16(scores + (g0 + g) * L + first, L - first);   \
+        for (int g = 0; g < gn; ++g)                                                                 \
+            inv[g] = softmax16(scores + (g0 + g) * L + first, L - first, sinks, h * G + g0 + g);     \
         for (int64_t t0 = 0; t0 < L; t0 += bs) {                                                     \
             const float* vb = v_cache + (int64_t)table[t0 / bs] * blk_s + h * 16 * NV;               \
             const int64_t n = L - t0 < bs ? L - t0 : bs;                                             \
@@ -81,10 +84,10 @@ static int task_avx512(const struct task* t, int64_t h, float* scores, float* wo
     (void)work;
     if (t->D == 64)
         task512_4(t->q, t->q_s1, t->k_cache, t->v_cache, t->table, t->L, h, t->G, t->bs, t->tok_s, t->blk_s,
-                  t->scale, scores, t->out, t->first);
+                  t->scale, scores, t->out, t->first, t->sinks);
     else if (t->D == 128)
         task512_8(t->q, t->q_s1, t->k_cache, t->v_cache, t->table, t->L, h, t->G, t->bs, t->tok_s, t->blk_s,
-                  t->scale, scores, t->out, t->first);
+                  t->scale, scores, t->out, t->first, t->sinks);
     else
         return 0;
     return 1;

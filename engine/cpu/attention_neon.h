@@ -5,8 +5,8 @@
    of them at a time (the other 16 hold the V rows' loads and the probability). */
 #include "vec_exp.h"
 
-/* sh[0:L] <- exp(sh - max(sh)); returns 1 / their sum */
-static inline float softmax4(float* sh, int64_t L) {
+/* sh[0:L] <- exp(sh - max(sh)); returns 1 / their sum (with query head j's sink where sinks: attention.c) */
+static inline float softmax4(float* sh, int64_t L, const float* sinks, int64_t j) {
     float32x4_t mv = vdupq_n_f32(-INFINITY);
     int64_t t = 0;
     for (; t + 4 <= L; t += 4) mv = vmaxq_f32(mv, vld1q_f32(sh + t));
@@ -26,7 +26,9 @@ static inline float softmax4(float* sh, int64_t L) {
         vst1q_f32(tail, gs_exp4(vsubq_f32(vld1q_f32(tail), mb)));
         for (int64_t u = t; u < L; ++u) { sh[u] = tail[u - t]; sum += tail[u - t]; }
     }
-    return 1.f / sum;
+    float rescale;
+    fold_sink(sinks, j, m, &sum, &rescale);
+    return rescale / sum;
 }
 
 /* NV: head_dim / 4, a constant where the caller passes one (64, 128: fully unrolled) */
@@ -56,7 +58,7 @@ static inline __attribute__((always_inline)) void task128_body(const struct task
             }
         }
     }
-    for (int64_t g = 0; g < G; ++g) qs[g] = softmax4(scores + g * L + t->first, L - t->first);  /* qs now holds 1 / sums */
+    for (int64_t g = 0; g < G; ++g) qs[g] = softmax4(scores + g * L + t->first, L - t->first, t->sinks, h * G + g);  /* qs now holds 1 / sums */
     for (int64_t t0 = 0; t0 < L; t0 += t->bs) {
         const float* vb = t->v_cache + (int64_t)t->table[t0 / t->bs] * t->blk_s + h * D;
         const int64_t n = L - t0 < t->bs ? L - t0 : t->bs;

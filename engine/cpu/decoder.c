@@ -30,7 +30,8 @@ typedef void (*panel_linear_fn)(const float* x, int64_t rows, int64_t ldx, const
 typedef void (*paged_decode_fn)(const float* q, int64_t q_s0, int64_t q_s1, const float* k_cache,
                                 const float* v_cache, const int32_t* block_tables, int64_t bt_s0,
                                 const int32_t* context_lens, float* out, int64_t B, int64_t Hq, int64_t Hkv,
-                                int64_t D, int64_t bs, float scale, int64_t split_heads, int64_t window);
+                                int64_t D, int64_t bs, float scale, int64_t split_heads, int64_t window,
+                                const float* sinks);
 typedef void (*add_rms_norm_fn)(const float* x, int64_t ldx, const float* residual, int64_t ldr,
                                 const float* weight, float eps, int64_t rows, int64_t hidden, float* out,
                                 int64_t ldo, float* res_out, int64_t ldro);
@@ -140,7 +141,7 @@ void decode_layers(const struct model* m, int64_t B, float* x, float* residual, 
             memcpy(L->v_cache + slot * Hkv * D, qkv + b * qkv_n + (Hq + Hkv) * D, sizeof(float) * Hkv * D);
         }
         m->fn.paged_decode(rotated, rot_n, D, L->k_cache, L->v_cache, block_tables, bt_s0, context_lens, attn, B,
-                           Hq, Hkv, D, m->block_size, m->scale, split_heads, L->window);
+                           Hq, Hkv, D, m->block_size, m->scale, split_heads, L->window, NULL);
         project(m, &L->o, attn, B, Hq * D, x, H);  /* x now holds the attention block's output */
         m->fn.add_rms_norm(x, H, residual, H, L->post_norm, m->eps, B, H, h, H, residual, H);
         project(m, &L->gate_up, h, B, H, gate_up, 2 * I);

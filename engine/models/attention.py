@@ -51,6 +51,22 @@ def step_rotary_tables(meta: AttentionMetadata, positions: torch.Tensor, cos_sin
     return rope[1]
 
 
+def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                         sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over [q . k * scale (masked), sink] of each head, the sink's share dropped, times v: gpt-oss's
+    attention as transformers' eager_attention_forward computes it. q [B, Hq, n, D], k and v [B, Hkv, L, D],
+    mask bool (True: attended) or additive, broadcastable to [B, Hq, n, L]; sinks [Hq]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    logits = torch.matmul(q, k.transpose(2, 3)) * scale
+    logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
+    sink = sinks.to(logits.dtype).reshape(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
+
+
 class TorchAttention:
     """CPU backend: writes K/V with index_copy; attention in a small C kernel that reads the
     blocks in place (engine/cpu/attention.py), one query row at a time, for decode and prefill
@@ -74,30 +90,32 @@ class TorchAttention:
                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, row_amax: bool = False,
                 qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Norm q and k per head (qk_norm: q weight, k weight, eps; Qwen3), rotate them, write k and v
         into the cache, attend. Returns [T, Hq, D] (row_amax: the Triton backend's; never asked for on
         CPU, layers.hands_row_amax). window: the layer's sliding window, each query attends to the
-        last `window` positions up to its own (None: all before it)."""
+        last `window` positions up to its own (None: all before it). sinks [Hq] (gpt-oss): each head's
+        learned logit, one more term of its softmax's denominator (a key no value goes with)."""
         if qk_norm is not None:
             q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
         q, k = apply_rotary(q, k, positions, cos_sin, step_rotary_tables(meta, positions, cos_sin, q.dtype))
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
-            return self._prefill(q, k_cache, v_cache, meta, scale, window)
-        return self._decode(q, k_cache, v_cache, meta, scale, window)
+            return self._prefill(q, k_cache, v_cache, meta, scale, window, sinks)
+        return self._decode(q, k_cache, v_cache, meta, scale, window, sinks)
 
     def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, row_amax: bool = False, window: int | None = None) -> torch.Tensor:
+                      scale: float, row_amax: bool = False, window: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Decode attention of rotated q over a cache that already holds this step's K/V."""
-        return self._decode(q, k_cache, v_cache, meta, scale, window)
+        return self._decode(q, k_cache, v_cache, meta, scale, window, sinks)
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
         num_blocks = -(-num_tokens // self.block_size)
         return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:num_tokens]
 
     def _prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Every query row through the decode kernel, as a decode step at its position would run it,
         where the kernel applies: a row's numbers then do not depend on how its prompt was chunked
         or what shares its step (with int8-rounded activations a last-bit difference can change a
@@ -105,7 +123,7 @@ class TorchAttention:
         if self.use_kernel:
             tables, lens = self._row_inputs(meta)
             real = len(lens)  # the static prefill path pads q past the batch's rows
-            out = paged_decode_attention(q[:real], k_cache, v_cache, tables, lens, scale, window=window)
+            out = paged_decode_attention(q[:real], k_cache, v_cache, tables, lens, scale, window=window, sinks=sinks)
             if out is not None:
                 return out if real == len(q) else torch.cat([out, q.new_zeros((len(q) - real, *q.shape[1:]))])
         out = torch.empty_like(q)
@@ -123,9 +141,13 @@ class TorchAttention:
                 if window is not None:
                     mask &= keys > qpos[:, None] - window
                 causal = False
-            # 4-D (a batch of one): torch's CPU flash kernel takes it; 3-D runs the slower math path
-            ob = F.scaled_dot_product_attention(qb[None], kb[None], vb[None], attn_mask=mask, is_causal=causal,
-                                                scale=scale, enable_gqa=True)
+            if sinks is not None:
+                if mask is None:
+                    mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril()
+                ob = attention_with_sinks(qb[None], kb[None], vb[None], mask, scale, sinks)
+            else:  # 4-D (a batch of one): torch's CPU flash kernel takes it; 3-D runs the slower math path
+                ob = F.scaled_dot_product_attention(qb[None], kb[None], vb[None], attn_mask=mask, is_causal=causal,
+                                                    scale=scale, enable_gqa=True)
             out[start:start + q_len] = ob[0].transpose(0, 1)
             start += q_len
         return out
@@ -158,13 +180,13 @@ class TorchAttention:
         return made
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The C kernel where it applies (engine/cpu/attention.py), else every row's blocks
         gathered into [B, Hkv, W * block_size, D] and SDPA with the padding (and what lies before
         the window) masked."""
         if self.use_kernel:
             out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                         window=window)
+                                         window=window, sinks=sinks)
             if out is not None:
                 return out
         batch, num_heads, head_dim = q.shape
@@ -172,8 +194,11 @@ class TorchAttention:
         gathered = (batch, -1, *k_cache.shape[2:])
         keys = k_cache.index_select(0, blocks).view(gathered).transpose(1, 2)  # [B, Hkv, L, D]
         values = v_cache.index_select(0, blocks).view(gathered).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, scale=scale,
-                                             enable_gqa=True)
+        if sinks is not None:
+            out = attention_with_sinks(q[:, :, None, :], keys, values, mask, scale, sinks)
+        else:
+            out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, scale=scale,
+                                                 enable_gqa=True)
         return out.view(batch, num_heads, head_dim)
 
 
@@ -192,22 +217,24 @@ class TritonAttention:
                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, row_amax: bool = False,
                 qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                window: int | None = None) -> torch.Tensor | AmaxedRows:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor | AmaxedRows:
         """As TorchAttention.forward, the norms, rotary and store in one kernel. row_amax: a decode's
         output may come as AmaxedRows (kernels/decode_attention.py). window: the layer's sliding
-        window, a constant of the kernels (one compiled variant per window)."""
+        window, a constant of the kernels (one compiled variant per window); sinks [Hq] (gpt-oss), whether
+        there are any a constant too."""
         q = self._rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, qk_norm=qk_norm)
         if meta.is_prefill:
             return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                                 meta.max_seqlen_q, scale, tiles=meta.attention_tiles, window=window)
+                                 meta.max_seqlen_q, scale, tiles=meta.attention_tiles, window=window, sinks=sinks)
         return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, row_amax=row_amax,
-                            window=window)
+                            window=window, sinks=sinks)
 
     def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, row_amax: bool = False, window: int | None = None) -> torch.Tensor | AmaxedRows:
+                      scale: float, row_amax: bool = False, window: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor | AmaxedRows:
         """Decode attention of rotated q over a cache that already holds this step's K/V."""
         return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, row_amax=row_amax,
-                            window=window)
+                            window=window, sinks=sinks)
 
 
 def make_attention_backend(device: torch.device, block_size: int) -> TorchAttention | TritonAttention:

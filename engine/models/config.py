@@ -10,6 +10,8 @@ from typing import Any
 from graphserve.engine.errors import ModelFilesError, UnsupportedModelError
 from graphserve.engine.models.moe_config import MOE_ARCHITECTURES, MoeArgs, parse_moe
 from graphserve.engine.models.gemma3 import GEMMA3_ARCHITECTURES, GemmaArgs, gemma3_rope, gemma3_text_config, gemma_args
+from graphserve.engine.models import gpt_oss
+from graphserve.engine.models.gpt_oss import GPT_OSS_ARCHITECTURES, GptOssArgs
 from graphserve.engine.models.windows import layer_windows
 
 SUPPORTED_ARCHITECTURES = (
@@ -19,6 +21,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",  # Phi-3, Phi-3.5, Phi-4 (fused qkv and gate_up, partial rotary, LongRoPE)
     *GEMMA3_ARCHITECTURES,  # Gemma 3's text model (engine/models/gemma3.py)
+    *GPT_OSS_ARCHITECTURES,  # gpt-oss, bf16 or MXFP4 experts (engine/models/gpt_oss.py); CPU or one CUDA GPU
     *MOE_ARCHITECTURES,  # CPU or one CUDA GPU (moe_config.check_moe_servable)
 )
 
@@ -38,7 +41,7 @@ class ModelArgs:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2
+    qkv_bias: bool  # Qwen2, gpt-oss
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
     dtype: str  # the checkpoint's dtype: float32 | bfloat16 | float16
     eos_token_ids: tuple[int, ...]
@@ -51,6 +54,7 @@ class ModelArgs:
     # the dims of each head rotary rotates (Phi-3's partial_rotary_factor); None: all of head_dim
     rotary_dim: int | None = None
     gemma: GemmaArgs | None = None  # Gemma 3: its layer, embedding scale, local rotary, logit softcap
+    gpt_oss: GptOssArgs | None = None  # gpt-oss: attention sinks and o bias, its experts (gpt_oss_moe.py)
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -78,6 +82,9 @@ class ModelArgs:
             )
         if arch in GEMMA3_ARCHITECTURES:
             cfg = gemma3_text_config(cfg, arch)
+        is_gpt_oss = arch in GPT_OSS_ARCHITECTURES
+        if is_gpt_oss:
+            cfg = gpt_oss.gpt_oss_config(cfg)
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         rope_scaling = cfg.get("rope_scaling")
@@ -96,11 +103,16 @@ class ModelArgs:
         if arch == "Phi3ForCausalLM":
             rope_scaling, rotary_dim = _phi3_rope(cfg, rope_scaling, rope_params or {}, head_dim)
         _check_rope_type(arch, rope_scaling)
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "yarn":
+            rope_scaling = _yarn_rope(cfg, rope_scaling)
         gen = generation_config or {}
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-        quantization = checkpoint_quantization(cfg.get("quantization_config"))
+        if is_gpt_oss and cfg.get("quantization_config"):
+            quantization = gpt_oss.checkpoint_quantization(cfg["quantization_config"])
+        else:
+            quantization = checkpoint_quantization(cfg.get("quantization_config"))
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -122,22 +134,37 @@ class ModelArgs:
             eos_token_ids=eos_ids,
             bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
             quantization=quantization,
-            moe=parse_moe(cfg, arch),
+            moe=gpt_oss.gpt_oss_moe(cfg) if is_gpt_oss else parse_moe(cfg, arch),
             layer_windows=layer_windows(cfg, arch, cfg["num_hidden_layers"]),
             rotary_dim=rotary_dim,
             gemma=gemma_args(cfg) if arch in GEMMA3_ARCHITECTURES else None,
+            gpt_oss=gpt_oss.gpt_oss_args(cfg) if is_gpt_oss else None,
         )
 
 
-_ROPE_TYPES = ("linear", "llama3")  # and None (default); Phi-3 adds longrope
+_ROPE_TYPES = ("linear", "llama3")  # and None (default); Phi-3 adds longrope, the others but Gemma 3 yarn
 
 
 def _check_rope_type(arch: str, rope_scaling: dict[str, Any] | None) -> None:
     kind = None if not rope_scaling else rope_scaling.get("rope_type", rope_scaling.get("type"))
-    allowed = _ROPE_TYPES + (("longrope",) if arch == "Phi3ForCausalLM" else ())
+    allowed = _ROPE_TYPES + (("longrope",) if arch == "Phi3ForCausalLM" else
+                             () if arch in GEMMA3_ARCHITECTURES else ("yarn",))
     if kind is not None and kind not in allowed:
         raise UnsupportedModelError(f"{arch}: unsupported config rope_scaling type {kind!r}: graphserve implements "
                                     f"{', '.join(allowed)} (or none)")
+
+
+def _yarn_rope(cfg: dict[str, Any], rope_scaling: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's settings with the context lengths its factor may come from, as transformers'
+    standardize_rope_params fills them (kernels/rotary.py computes the frequencies)."""
+    original = cfg.get("original_max_position_embeddings",
+                       rope_scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 4096)))
+    scaling = dict(rope_scaling, rope_type="yarn", original_max_position_embeddings=original,
+                   max_position_embeddings=cfg.get("max_position_embeddings", 4096))
+    factor = scaling.get("factor")
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0):
+        raise UnsupportedModelError(f"unsupported config rope_scaling factor={factor!r}: a positive number")
+    return scaling
 
 
 def _phi3_rope(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None, rope_params: dict[str, Any],

@@ -1,7 +1,8 @@
 """Decoder for the Llama family: Llama 2/3/3.1, Mistral, SmolLM2, Qwen2 (QKV bias), Qwen3 (q/k norm),
 Phi-3/Phi-4 (fused checkpoint projections, partial rotary by a head-dim order: loader.partial_rotary_order),
 Gemma 3's text model (GemmaDecoderLayer, engine/models/gemma3.py),
-and the mixtures of experts on that frame: Qwen3-MoE and Mixtral (engine/models/moe.py as the MLP).
+and the mixtures of experts on that frame: Qwen3-MoE and Mixtral (engine/models/moe.py as the MLP), gpt-oss
+(attention sinks and an o bias; engine/models/gpt_oss_moe.py as the MLP).
 
 Weights use fused projections (qkv, gate_up); the loader fills them from HF tensors.
 The model reads attention metadata and the KV cache from its arguments only. Under tensor
@@ -22,6 +23,7 @@ from graphserve.engine.distributed import SINGLE, TensorParallel
 from graphserve.engine.models.sharding import shard_for
 from graphserve.engine.models.config import ModelArgs
 from graphserve.engine.models.moe import SparseMoE
+from graphserve.engine.models.gpt_oss_moe import GptOssMoE
 from graphserve.engine.models.layers import (
     Linear,
     add_rms_norm,
@@ -56,7 +58,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
-        self.o_proj = Linear(self.q_size, args.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.gpt_oss is not None and args.qkv_bias)
+        # gpt-oss: each head's learned sink logit, a term of its softmax's denominator
+        self.register_parameter("sinks", nn.Parameter(torch.empty(self.num_heads)) if args.gpt_oss else None)
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.scale = self.head_dim**-0.5 if args.gemma is None else args.gemma.query_pre_attn_scalar**-0.5
@@ -79,7 +83,7 @@ class Attention(nn.Module):
         if fused is not None:
             q, residual = fused
             out = self.backend.attend_decode(q, k_cache, v_cache, meta, self.scale, row_amax=row_amax,
-                                             window=self.window)
+                                             window=self.window, sinks=self.sinks)
         else:
             qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, self.qkv_proj)
             heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
@@ -87,7 +91,7 @@ class Attention(nn.Module):
             qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             out = self.backend.forward(q, k, v, positions, cos_sin, k_cache, v_cache, meta, self.scale,
                                        row_amax=row_amax and not meta.is_prefill, qk_norm=qk_norm,
-                                       window=self.window)
+                                       window=self.window, sinks=self.sinks)
         if isinstance(out, AmaxedRows):  # [T, Hq * D] already
             o_input = out
         else:
@@ -112,7 +116,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.tp = tp
         self.self_attn = Attention(args, backend, tp, window=args.window(index))
-        self.mlp = SparseMoE(args.hidden_size, args.moe) if args.moe is not None else MLP(args)
+        if args.gpt_oss is not None:
+            self.mlp = GptOssMoE(args.hidden_size, args.moe, args.gpt_oss, mxfp4=args.quantization == "mxfp4")
+        else:
+            self.mlp = SparseMoE(args.hidden_size, args.moe) if args.moe is not None else MLP(args)
         self.is_moe = args.moe is not None
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)

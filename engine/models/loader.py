@@ -24,6 +24,8 @@ from graphserve.engine.errors import InvalidConfigError, ModelFilesError
 from graphserve.engine.models.config import ModelArgs
 from graphserve.engine.models.cpu_stack import stack_decoder
 from graphserve.engine.models.gemma3 import checkpoint_name
+from graphserve.engine.models.gpt_oss_moe import GptOssMoE
+from graphserve.engine.models.gpt_oss_weights import copy_expert_tensor, expert_target
 from graphserve.engine.models.layers import Linear, QuantizedParts
 from graphserve.engine.models.llama import LlamaModel
 from graphserve.engine.models.moe import SparseMoE
@@ -105,6 +107,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
         _gemma_after_load(model, args, max_positions, device, dummy=load_format == "dummy")
     if args.rotary_dim is not None:  # partial rotary: each q and k head's dims in the order rotary takes them
         order_partial_rotary_heads(model, args.rotary_dim)
+    if device.type != "cuda":  # gpt-oss's MXFP4 experts: the CPU backend's torch path reads float weights
+        for module in model.modules():
+            if isinstance(module, GptOssMoE):
+                module.dequantize_experts()
     if quantization == "fp8" and not prequantized:
         for module in to_fp8:
             module.to_fp8()
@@ -252,11 +258,14 @@ def _read_checkpoint(model: LlamaModel, path: Path, files: list[Path], skip: set
 
 def _fill_random(model: LlamaModel, seed: int) -> None:
     """Norms 1, biases and matrices N(0, 0.02), the embedding and LM head N(0, 0.5) (as
-    benchmarks/random_models.py writes them), drawn on the parameters' device."""
+    benchmarks/random_models.py writes them), drawn on the parameters' device. MXFP4 experts: random
+    bytes, scales 2^-9 to 2^-7 (values of about that N(0, 0.02)'s size)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:
+            if p.dtype == torch.uint8:
+                p.random_(0, 256, generator=gen) if name.endswith("blocks") else p.random_(118, 121, generator=gen)
+            elif p.dim() == 1:
                 p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02, generator=gen)
             else:
                 p.normal_(0, 0.5 if "embed_tokens" in name or "lm_head" in name else 0.02, generator=gen)
@@ -309,6 +318,13 @@ def _load_tensor(shard: Shard, params: dict, loaded: set, name: str, f) -> None:
         if hf_name != name:
             f = _Renamed(f, name, hf_name)
     if "rotary_emb.inv_freq" in name or name.endswith(".input_scale"):  # activations: scaled per token instead
+        return
+    if args.gpt_oss is not None and (target := expert_target(name)) is not None:  # stacked experts, whole
+        if target not in params:
+            raise ModelFilesError(f"unexpected tensor {name!r} in checkpoint for {args.architecture} (its config's "
+                                  f"quantization_config says {args.quantization or 'none'})")
+        copy_expert_tensor(params[target].data, name, read_tensor(f, name, None, None))
+        loaded.add(target)
         return
     if name == "lm_head.weight" and args.tie_word_embeddings:
         return

@@ -82,6 +82,11 @@ def check_moe_servable(arch: str, moe: MoeArgs | None, checkpoint_quantization: 
     if device.type not in ("cpu", "cuda"):
         raise UnsupportedModelError(f"{arch} is a mixture-of-experts model: MoE models are served on the CPU "
                                     f"backend or one CUDA GPU only for now, not on {device.type}")
+    if arch == "GptOssForCausalLM":  # its experts as released (MXFP4) or bf16; no quantization of our own
+        if quantization is not None:
+            raise InvalidConfigError(f"--quantization {quantization} is not supported for {arch}: its experts are "
+                                     "served as the checkpoint stores them (MXFP4 or bf16)")
+        return
     if checkpoint_quantization not in (None, "fp8"):
         raise UnsupportedModelError(f"{arch}: quantized ({checkpoint_quantization}) mixture-of-experts "
                                     "checkpoints are not supported (FP8 ones are)")

@@ -14,11 +14,12 @@ from graphserve.engine.models.config import ModelArgs
 
 
 # architectures served on one rank only: Phi-3's checkpoints store qkv_proj and gate_up_proj fused (read
-# whole, not sliced by rank); Gemma 3 under tensor parallelism is not tested yet
+# whole, not sliced by rank); Gemma 3 and gpt-oss under tensor parallelism are not implemented or tested yet
 ONE_RANK = {"Phi3ForCausalLM": "its checkpoints hold fused qkv and gate_up projections, which graphserve does "
                                "not shard yet",
             "Gemma3ForCausalLM": "Gemma 3 is not sharded yet", "Gemma3ForConditionalGeneration": "Gemma 3 is not "
-                                                                                                "sharded yet"}
+                                                                                                "sharded yet",
+            "GptOssForCausalLM": "gpt-oss (its sinks, biased and MXFP4 experts) is not sharded yet"}
 
 
 def check_tensor_parallel(args: ModelArgs, size: int, device: torch.device) -> None:

@@ -21,7 +21,7 @@ void gs_set_num_threads(int n);
 WEAK void paged_decode(const float* q, int64_t q_s0, int64_t q_s1, const float* k_cache, const float* v_cache,
                        const int32_t* block_tables, int64_t bt_s0, const int32_t* context_lens, float* out,
                        int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t split_heads,
-                       int64_t window);
+                       int64_t window, const float* sinks);
 WEAK void pack_panels(const float* w, int64_t n, int64_t k, float* panels);
 WEAK void panel_linear(const float* x, int64_t rows, int64_t ldx, const float* panels, int64_t n, int64_t k,
                        const float* bias, float* out, int64_t ldo);
@@ -67,9 +67,9 @@ static int read_arg(struct arg* a) {
 /* calls `name` on the arguments; 0 where this build has no such function or the count is wrong */
 static int call(const char* name, struct arg* a, int count) {
 #define IS(fn, args) (!strcmp(name, #fn) && fn && count == (args))
-    if (IS(paged_decode, 17))
+    if (IS(paged_decode, 18))
         paged_decode(P(0), I(1), I(2), P(3), P(4), P(5), I(6), P(7), P(8), I(9), I(10), I(11), I(12), I(13), F(14), I(15),
-                     I(16));
+                     I(16), P(17));
     else if (IS(pack_panels, 4))
         pack_panels(P(0), I(1), I(2), P(3));
     else if (IS(panel_linear, 9))
