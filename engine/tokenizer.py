@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+from datetime import datetime
 import re
 import secrets
 from pathlib import Path
@@ -175,6 +176,7 @@ class Tokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = _raise_template_error
+            env.globals["strftime_now"] = _strftime_now  # gpt-oss's (harmony) template writes the date
             env.filters["tojson"] = _tojson  # as transformers renders templates: no HTML escaping
             self._template = env.from_string(self.chat_template)
         try:
@@ -195,6 +197,11 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def _raise_template_error(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+def _strftime_now(format: str) -> str:
+    """The local date and time in `format`, as transformers gives templates."""
+    return datetime.now().strftime(format)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,

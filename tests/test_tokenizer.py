@@ -3,6 +3,7 @@ text, BOS where the tokenizer asks for it, chat templates rendered as transforme
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 
@@ -222,6 +223,38 @@ def test_chat_templates_render_as_transformers_renders_them(tmp_path) -> None:
         tok.apply_chat_template(messages[1:])  # str.upper(1): a TypeError while rendering
     with pytest.raises(InvalidRequestError, match="no chat template"):
         every_byte_vocabulary(tmp_path / "no_template").apply_chat_template(messages)
+
+
+# the shape of gpt-oss's harmony template (chat_template.jinja in its checkpoints): the date, a namespace set in a
+# loop, a variable a request may pass (reasoning_effort) with its default, slices of the messages
+HARMONY_TEMPLATE = """<|start|>system<|message|>Knowledge cutoff: 2024-06
+Current date: {{ strftime_now("%Y-%m-%d") }}
+{%- if reasoning_effort is not defined %}{% set reasoning_effort = "medium" %}{% endif %}
+Reasoning: {{ reasoning_effort }}<|end|>
+{%- set last = namespace(user=none) %}
+{%- set turns = messages[1:] if messages[0].role == "system" else messages %}
+{%- for m in turns %}
+{%- if m.role == "user" %}{% set last.user = loop.index %}{% endif %}
+<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %}
+last user turn: {{ last.user }}"""
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"reasoning_effort": "high"}])
+def test_a_harmony_shaped_template_renders_as_transformers_renders_it(tmp_path, kwargs) -> None:
+    """gpt-oss's template asks for strftime_now (today's date), sets a namespace in a loop, and takes
+    reasoning_effort from the request (chat_template_kwargs): the text is transformers'."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    tok = every_byte_vocabulary(tmp_path, {"chat_template": HARMONY_TEMPLATE})
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "what day is it?"}]
+    ours = tok.apply_chat_template(messages, add_generation_prompt=True, template_kwargs=kwargs)
+    theirs = _compile_jinja_template(HARMONY_TEMPLATE).render(messages=messages, add_generation_prompt=True,
+                                                             bos_token="", eos_token="", **kwargs)
+    assert ours == theirs and datetime.date.today().isoformat() in ours
+    assert f"Reasoning: {kwargs.get('reasoning_effort', 'medium')}" in ours and "last user turn: 3" in ours
 
 
 def test_chat_special_token_text_stays_text_wherever_the_template_puts_it(tmp_path) -> None:
