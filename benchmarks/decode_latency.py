@@ -115,8 +115,9 @@ class StepShape(NamedTuple):
     """The weights of a model as a decode step reads them (step_bytes): `dense_bytes` every step reads
     whole (attention, norms, routers, the LM head; the input embedding only where it is also the LM
     head: a step reads just its tokens' rows of it), `expert_bytes` one routed expert of every MoE
-    layer, summed over the layers (gate, up and down with their FP8 scales; 0 for a dense model),
-    and the model's ModelArgs (layers, KV heads; `moe`: experts and top-k)."""
+    layer, summed over the layers (gate, up and down with their FP8 scales, or gpt-oss's MXFP4 blocks and
+    scales as stored, and biases; 0 for a dense model), and the model's ModelArgs (layers, KV heads,
+    windows; `moe`: experts and top-k)."""
 
     dense_bytes: int
     expert_bytes: int
@@ -128,6 +129,7 @@ _EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_scale", "down_scale")  #
 
 def model_shape(model) -> StepShape:
     """A LlamaModel's StepShape (its parameters' sizes only: a model on the meta device will do)."""
+    from graphserve.engine.models.gpt_oss_moe import GptOssMoE
     from graphserve.engine.models.moe import SparseMoE
 
     def nbytes(p) -> int:
@@ -135,8 +137,9 @@ def model_shape(model) -> StepShape:
 
     experts, expert_bytes = set(), 0
     for module in model.modules():
-        if isinstance(module, SparseMoE):
-            stacked = [p for p in (getattr(module, n) for n in _EXPERT_PARAMS) if p is not None]
+        if isinstance(module, (SparseMoE, GptOssMoE)):
+            stacked = module.expert_parameters() if isinstance(module, GptOssMoE) else \
+                [p for p in (getattr(module, n) for n in _EXPERT_PARAMS) if p is not None]
             experts.update(id(p) for p in stacked)
             expert_bytes += sum(nbytes(p) for p in stacked) // module.moe.num_experts
     dense = sum(nbytes(p) for n, p in model.named_parameters()
@@ -375,7 +378,8 @@ def main() -> None:
             llm = LLM(path and str(path), device=args.device, **tp_engine)
             engine = llm.engine.core
             graphs = engine.worker.graphs
-            quant = quantization_label(quant_setting, engine.worker.dtype)
+            # a checkpoint's own quantization (gpt-oss's MXFP4 experts) where none was asked for
+            quant = quantization_label(quant_setting or engine.worker.model.args.quantization, engine.worker.dtype)
             if engine.worker.graphs is None:  # CPU
                 captures.append(dict(model=name, quantization=quant, prefix_caching=caching,
                                      engine_start_s=time.perf_counter() - started))

@@ -58,6 +58,22 @@ CONFIGS["mixtral-8x7b"] = {
     "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 1,
     "eos_token_id": 2, "torch_dtype": "bfloat16", "hidden_act": "silu", "output_router_logits": False,
 }
+# gpt-oss-20b as released (its config.json): MXFP4 experts, attention sinks, sliding (128) and full layers
+# alternating, YaRN; made with load_format="dummy" (random_model_config: random MXFP4 bytes and bf16 weights)
+CONFIGS["gpt-oss-20b"] = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+    "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "sliding_window": 128,
+    "max_position_embeddings": 131072, "initial_context_length": 4096, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
+    "attention_bias": True, "attention_dropout": 0.0, "swiglu_limit": 7.0, "hidden_act": "silu",
+    "tie_word_embeddings": False, "pad_token_id": 199999, "eos_token_id": 200002, "torch_dtype": "bfloat16",
+    "router_aux_loss_coef": 0.9, "output_router_logits": False, "initializer_range": 0.02, "use_cache": True,
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+}
 # Mixtral at half its depth (46 GB): fits an 80 GB card beside a KV pool, so ours and benchmarks/moe_peer.py
 # can be compared on an H100; every layer is the whole model's, so a step's time is about half of it
 CONFIGS["mixtral-8x7b-16-layers"] = {**CONFIGS["mixtral-8x7b"], "num_hidden_layers": 16}

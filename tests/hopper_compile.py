@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
-FLOATS = {"eps", "inv_fp8_max", "inv_max", "scale_log2"}
+FLOATS = {"eps", "inv_fp8_max", "inv_max", "scale_log2", "alpha", "limit"}
 
 
 def signature(fn, constexprs: dict, pointers: dict[str, str]) -> dict[str, str]:
@@ -76,6 +76,7 @@ def summary(kernel) -> dict:
     stores = [i for i in range(atomics[0]) if lines[i].startswith("st.global")] if atomics else []
     barrier = bool(stores) and any(lines[i].startswith("bar.sync") for i in range(stores[-1], atomics[0]))
     return dict(prefetches=sum(line.startswith("prefetch.global.L2") for line in lines),
+                tensor_core_ops=sum(line.startswith(("mma.", "wgmma.mma_async")) for line in lines),
                 first_line=first, last_line=last,
                 atomics=[lines[i].split()[0] for i in atomics if lines[i].startswith("atom.")],
                 barrier_before_atomic=barrier,
@@ -185,6 +186,22 @@ def cases() -> dict[str, dict]:
     out["attention_llama_row_amax"] = compile_kernel(
         _decode_attention_kernel, dict(attention, PREFETCH_TILES=0, WRITE_PARTIAL=False, ROW_AMAX=True), attention_ptrs,
         strides, num_warps=4, num_stages=stages)
+    # gpt-oss (issue 61): attention with each head's sink folded in where the splits merge, its window a constant
+    out["attention_gpt_oss_sinks"] = compile_kernel(
+        _decode_attention_kernel, dict(attention, NUM_KV_HEADS=8, GROUP=8, MERGE_GROUP=8, HEAD_DIM=64, BLOCK_N=128,
+                                       PREFETCH_TILES=2, FUSED_MERGE=True, WINDOW=128, SINKS=True),
+        attention_ptrs, strides, num_warps=4, num_stages=2)
+    # its experts, MXFP4 as stored beside bf16 rows (tl.dot_scaled): the decode-sized block of 16 picks
+    from graphserve.kernels.gpt_oss_experts import _experts_gemm_kernel
+
+    experts_ptrs = {"w_ptr": "*u8", "s_ptr": "*u8", "sorted_picks_ptr": "*i32", "block_experts_ptr": "*i32",
+                    "num_padded_ptr": "*i32", "routing_ptr": "*fp32"}
+    experts_sizes = ("N", "K", "stride_a", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_be", "stride_o")
+    for name, gate_up in (("gate_up", True), ("down", False)):
+        out[f"gpt_oss_mxfp4_{name}"] = compile_kernel(
+            _experts_gemm_kernel, dict(TOP_K=4, GATE_UP=gate_up, MXFP4=True, DOT_FORMAT="bf16", DOT_PREC="tf32",
+                                       BLOCK_M=16, BLOCK_N=32, BLOCK_K=128), experts_ptrs, experts_sizes,
+            num_warps=4, num_stages=4)
     return {name: summary(kernel) for name, kernel in out.items()}
 
 

@@ -129,3 +129,26 @@ def test_dense_step_reads_every_parameter_and_the_kv_cache(tmp_path):
     assert shape.expert_bytes == 0
     for batch in (1, 64):
         assert decode_latency.step_bytes(shape, batch, CONTEXT) == 2 * params + _kv(cfg, batch)
+
+
+def test_gpt_oss_counts_its_mxfp4_experts_as_stored_and_its_windows_kv(tmp_path):
+    """gpt-oss-20b as released: each expert's MXFP4 blocks (half a byte a weight) and scales (a byte per 32),
+    its bf16 biases; attention with q/k/v/o biases and sinks, a biased router; the sliding layers read their
+    window's last 128 tokens of KV, the full ones the whole context."""
+    cfg = CONFIGS["gpt-oss-20b"]
+    shape = _shape(tmp_path, "gpt-oss-20b")
+    h, inter, experts, k, layers = _moe_numbers(cfg)
+    expert = (2 * inter * h + h * inter) // 2 + (2 * inter * h + h * inter) // 32 + 2 * (2 * inter + h)
+    assert shape.expert_bytes == layers * expert
+    qkv_rows, o_in, _ = _attention_params(cfg)
+    heads = cfg["num_attention_heads"]
+    layer = 2 * (qkv_rows * h + qkv_rows + h * o_in + h + heads + experts * h + experts + 2 * h)
+    dense = layers * layer + 2 * h + 2 * cfg["vocab_size"] * h
+    assert shape.dense_bytes == dense
+    window_tokens = sum(min(CONTEXT, 128) if t == "sliding_attention" else CONTEXT for t in cfg["layer_types"])
+    for batch in (1, 64):
+        kv = batch * window_tokens * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+        chosen = experts * (1 - (1 - k / experts) ** batch)
+        assert decode_latency.step_bytes(shape, batch, CONTEXT) == pytest.approx(dense + layers * chosen * expert + kv,
+                                                                                 rel=1e-9)
+    assert decode_latency.step_bytes(shape, 1, CONTEXT) == pytest.approx(3.7e9, rel=0.03)  # 13.3 MB an expert

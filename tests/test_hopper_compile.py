@@ -2,7 +2,7 @@
 programmatic dependent launch of the kernels between the projections (kernels/launch_settings.PDL_ELEMENTWISE)
 and of the skinny GEMM, decode attention's KV prefetch before its wait
 (kernels/decode_attention.PREFETCH_TILES), the last split finishing decode attention (FUSED_MERGE),
-and the GEMV's register use.
+the GEMV's register use, and gpt-oss's sinks and MXFP4 experts.
 The interpreter never runs them, and CI has no GPU; Triton's own compiler and ptxas do, in a
 process without TRITON_INTERPRET (tests/hopper_compile.py)."""
 
@@ -86,3 +86,16 @@ def test_record_step_advances_the_step_after_every_thread_read_it(compiled):
     (a warp still to read the old step must not see the new one)."""
     kernel = compiled["record_step"]
     assert kernel["last_line"]["bar.sync"] < kernel["last_line"]["st.global"]
+
+
+@pytest.mark.parametrize("kernel", ["gpt_oss_mxfp4_gate_up", "gpt_oss_mxfp4_down"])
+def test_the_mxfp4_experts_run_on_the_tensor_cores_without_spilling(compiled, kernel):
+    """kernels/gpt_oss_experts.py's MXFP4 tiles beside bf16 rows (tl.dot_scaled, upcast in registers) at the
+    decode block of 16 picks: tensor-core products, and no more registers than a thread may hold."""
+    assert compiled[kernel]["tensor_core_ops"] > 0 and compiled[kernel]["registers"] < 255
+
+
+def test_decode_attention_with_sinks_compiles(compiled):
+    """gpt-oss's sinks (SINKS) in the kernel whose last split merges, its sliding window (WINDOW 128) a constant."""
+    kernel = compiled["attention_gpt_oss_sinks"]
+    assert kernel["atomics"] == ["atom.global.gpu.acq_rel.add.u32"] and kernel["tensor_core_ops"] > 0

@@ -2,7 +2,7 @@
 # Decode on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, decode
 # latency in bf16 and fp8, and where a step's time goes. Writes logs and JSON under $OUT. Each part fits
 # one 10-minute device call:
-#   bash benchmarks/gpu/latency.sh tests|kernels|decode|moe|windows|curve|targets|accuracy|profile|profile-b64|round-gap|engine-tests|ncu|kconst|suite
+#   bash benchmarks/gpu/latency.sh tests|kernels|decode|moe|windows|gpt-oss|curve|targets|accuracy|profile|profile-b64|round-gap|engine-tests|ncu|kconst|suite
 # (A/B parts of settled switches and of probes leave once measured: each result JSON in benchmarks/results
 # holds its commands, docs/benchmarks.md lists what was measured and removed; to A/B a switch, run
 # benchmarks/decode_latency.py --SWITCH on|off interleaved, as its --help lists)
@@ -52,6 +52,16 @@ windows)  # issue 61: the sliding-window kernels at real shapes, the new archite
       --chunks 8 --no-eager --skip-transformers --max-num-seqs 64 --gpu-memory-utilization 0.9 \
       --out "$OUT/decode_$m.json" 2>&1 | quiet
   done
+  ;;
+gpt-oss)  # issue 61: gpt-oss's GPU tests (greedy parity with transformers on tiny bf16 / MXFP4 models through the
+  # graphs, the MXFP4 experts kernel at gpt-oss-20b's shapes), then gpt-oss-20b decode, random MXFP4 experts and bf16
+  # weights made on the GPU, prompt 128 + 256 new (the roofline counts the experts' bytes as stored)
+  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpt_oss.py \
+    tests/test_gpt_oss_experts.py > "$OUT/gpu_tests_gpt_oss.log" 2>&1
+  tail -3 "$OUT/gpu_tests_gpt_oss.log"
+  timeout ${DECODE_TIMEOUT:-280} python3 benchmarks/decode_latency.py --models gpt-oss-20b --load-format dummy \
+    --batches ${BATCHES:-1 64} --chunks 8 --no-eager --skip-transformers --max-num-seqs 64 \
+    --gpu-memory-utilization 0.85 --out "$OUT/decode_gpt-oss-20b.json" 2>&1 | quiet
   ;;
 curve)
   timeout 560 python3 benchmarks/decode_latency.py --models ${MODELS:-qwen2.5-0.5b llama-3.1-8b} \
