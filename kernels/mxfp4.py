@@ -43,13 +43,6 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     return out.reshape(*scales.shape[:-1], groups * GROUP)
 
 
-def packed_shape(rows: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(blocks [rows, K / 2], scales [rows, K / 32]) for a [rows, K] weight, or ValueError."""
-    if k % GROUP:
-        raise ValueError(f"an MXFP4 weight's input size {k} must be a multiple of {GROUP}")
-    return (rows, k // 2), (rows, k // GROUP)
-
-
 @triton.jit
 def decode_tile(packed, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """float32 [BLOCK_N, BLOCK_K] from packed uint8 [BLOCK_N, BLOCK_K / 2] (two e2m1 values a byte, the low

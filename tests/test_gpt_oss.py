@@ -154,6 +154,7 @@ BASE = dict(architectures=["GptOssForCausalLM"], vocab_size=16, hidden_size=64, 
 
 @pytest.mark.parametrize("fields,named", [
     (dict(quantization_config={"quant_method": "bitsandbytes"}), "quantization_config"),
+    (dict(quantization_config={"quant_method": "mxfp4"}, intermediate_size=48), "intermediate_size"),
     (dict(swiglu_limit=0), "swiglu_limit"),
     (dict(swiglu_alpha="1.7"), "swiglu_alpha"),
     (dict(num_experts_per_tok=5), "num_experts_per_tok"),

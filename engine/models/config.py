@@ -110,7 +110,7 @@ class ModelArgs:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         if is_gpt_oss and cfg.get("quantization_config"):
-            quantization = gpt_oss.checkpoint_quantization(cfg["quantization_config"])
+            quantization = gpt_oss.checkpoint_quantization(cfg)
         else:
             quantization = checkpoint_quantization(cfg.get("quantization_config"))
         return cls(

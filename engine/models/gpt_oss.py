@@ -15,6 +15,7 @@ from typing import Any
 
 from graphserve.engine.errors import UnsupportedModelError
 from graphserve.engine.models.moe_config import MoeArgs
+from graphserve.kernels.mxfp4 import GROUP
 
 GPT_OSS_ARCHITECTURES = ("GptOssForCausalLM",)
 
@@ -67,12 +68,16 @@ def gpt_oss_moe(cfg: dict[str, Any]) -> MoeArgs:
     return moe
 
 
-def checkpoint_quantization(config: dict[str, Any]) -> str:
+def checkpoint_quantization(cfg: dict[str, Any]) -> str:
     """"mxfp4" for gpt-oss's own quantization_config (its experts' weights in MXFP4, everything else as
     it is), or UnsupportedModelError naming the field."""
-    method = config.get("quant_method")
+    method = cfg["quantization_config"].get("quant_method")
     if method != "mxfp4":
         raise UnsupportedModelError(f"GptOssForCausalLM: unsupported config quantization_config.quant_method="
                                     f"{method!r}: graphserve loads gpt-oss with MXFP4 experts (as released) or "
                                     "unquantized (bf16) weights")
+    for field in ("hidden_size", "intermediate_size"):  # an expert's K: whole groups of 32 values a scale
+        if cfg[field] % GROUP:
+            raise UnsupportedModelError(f"GptOssForCausalLM: unsupported config {field}={cfg[field]!r} with MXFP4 "
+                                        f"experts: a multiple of {GROUP}")
     return "mxfp4"
