@@ -24,6 +24,7 @@ from torch import nn
 
 from graphserve.engine.models.gpt_oss import GptOssArgs
 from graphserve.engine.models.layers import Linear
+from graphserve.engine.models.moe import tokens_by_expert
 from graphserve.engine.models.moe_config import MoeArgs
 from graphserve.kernels.gpt_oss_experts import clamped_swiglu, gpt_oss_experts
 from graphserve.kernels.moe_route import route_fused
@@ -88,22 +89,11 @@ class GptOssMoE(nn.Module):
     def _combine(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Each chosen expert once over its tokens, in ascending order, its weighted output added into their
         rows (transformers' GptOssExperts.forward)."""
-        top_k = expert_ids.shape[1]
-        picks = expert_ids.flatten()
-        order = picks.argsort(stable=True)  # picks grouped by expert, ascending
-        counts = torch.bincount(picks, minlength=self.moe.num_experts).tolist()  # the host needs them to slice
-        sorted_weights = weights.flatten()[order]
         out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            span = slice(start, start + count)
-            start += count
-            tokens = order[span] // top_k
+        for expert, tokens, expert_weights in tokens_by_expert(expert_ids, weights, self.moe.num_experts):
             gate, up = F.linear(x.index_select(0, tokens), self.gate_up_proj[expert],
                                 self.gate_up_bias[expert]).chunk(2, dim=-1)
             y = F.linear(clamped_swiglu(gate, up, self.alpha, self.limit), self.down_proj[expert],
                          self.down_bias[expert])
-            out.index_add_(0, tokens, (y * sorted_weights[span, None]).to(x.dtype))
+            out.index_add_(0, tokens, (y * expert_weights[:, None]).to(x.dtype))
         return out

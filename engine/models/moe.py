@@ -15,6 +15,8 @@ chosen expert's weights and runs the same torch code, as the dense FP8 projectio
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -71,23 +73,29 @@ def combine_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     """sum over each token's k picks of weight * down(silu(gate(x)) * up(x)), each expert run once
     over the tokens routed to it (none: skipped). FP8 experts (with their scales): each chosen
     expert's weights dequantized to x's dtype first."""
-    top_k = experts.shape[1]
-    picks = experts.flatten()  # [T * k]: token t's picks at t * k ... t * k + k - 1
-    order = picks.argsort(stable=True)  # picks grouped by expert, ascending
-    counts = torch.bincount(picks, minlength=gate_up_proj.shape[0]).tolist()  # the host needs them to slice
-    sorted_weights = weights.flatten()[order].to(x.dtype)
     out = torch.zeros_like(x)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        span = slice(start, start + count)
-        start += count
-        tokens = order[span] // top_k
+    for expert, tokens, expert_weights in tokens_by_expert(experts, weights, gate_up_proj.shape[0]):
         gate_up, down = gate_up_proj[expert], down_proj[expert]
         if gate_up_scale is not None:
             gate_up = dequantize(gate_up, gate_up_scale[expert], x.dtype)
             down = dequantize(down, down_scale[expert], x.dtype)
         hidden = silu_and_mul(F.linear(x.index_select(0, tokens), gate_up))
-        out.index_add_(0, tokens, F.linear(hidden, down) * sorted_weights[span, None])
+        out.index_add_(0, tokens, F.linear(hidden, down) * expert_weights.to(x.dtype)[:, None])
     return out
+
+
+def tokens_by_expert(experts: torch.Tensor, weights: torch.Tensor,
+                     num_experts: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Each expert some token picked, in ascending order, with the rows of those tokens and the
+    weights of their picks (experts, weights: [T, k]; a token's picks are distinct)."""
+    top_k = experts.shape[1]
+    picks = experts.flatten()  # [T * k]: token t's picks at t * k ... t * k + k - 1
+    order = picks.argsort(stable=True)  # picks grouped by expert, ascending
+    counts = torch.bincount(picks, minlength=num_experts).tolist()  # the host needs them to slice
+    sorted_weights = weights.flatten()[order]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            span = slice(start, start + count)
+            yield expert, order[span] // top_k, sorted_weights[span]
+        start += count
