@@ -42,12 +42,16 @@ MOE_VARIANTS = {
 }
 
 
-def _byte_tokenizer() -> Tokenizer:
-    """A byte-level tokenizer: one id per byte (ids 3..258), specials 0-2, the rest unused."""
+def _byte_tokenizer(words: list[str] | tuple[str, ...] = ()) -> Tokenizer:
+    """A byte-level tokenizer: one id per byte (ids 3..258), specials 0-2, then `words` as ordinary
+    vocabulary entries (ids 259..., ByteLevel-spelled: encoding goes byte by byte and never makes
+    them, decoding writes their text), the rest unused."""
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     for i, ch in enumerate(sorted(alphabet)):
         vocab[ch] = 3 + i
+    for word in words:
+        vocab["".join(_BYTES_TO_UNICODE[b] for b in word.encode())] = len(vocab)
     tok = Tokenizer(models.WordPiece(vocab, unk_token="<unk>", max_input_chars_per_word=1, continuing_subword_prefix=""))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
                                                  pre_tokenizers.Split("", behavior="isolated")])
@@ -320,23 +324,17 @@ THINK_WORDS = ["<think>", "</think>", "Let", " me", " think", "\n\n", "The", " a
 THINK_CHAIN = [">", "<think>", "\n", "Let", " me", " think", "</think>", "\n\n", "The", " answer", " is", " 42", "</s>"]
 
 
-def make_thinking_model(path: Path, template: str = "qwen3") -> Path:
-    """A tiny llama whose greedy output follows THINK_CHAIN: every layer adds nothing to the
-    residual (its output projections are zero), so the logits are lm_head(norm(embedding of the
-    last token)), and lm_head's row of each chain token points at its predecessor's embedding.
-    The byte tokenizer has the THINK_WORDS as added (non-special) tokens."""
+def _bigram_llama(path: Path, edges: list[tuple[int, int, float]], eos_token_id: int | list[int] = 2) -> None:
+    """A tiny llama (saved to `path`) whose next-token logits depend on the last token alone: every
+    layer adds nothing to the residual (its output projections are zero), so the logits are
+    lm_head(norm(embedding of the last token)). Each edge (a, b, weight) adds weight times a's unit
+    embedding to lm_head's row of b: after a, b scores weight * sqrt(hidden_size) (32 for weight 4),
+    a token whose edges start elsewhere only the cosine of two random embeddings times that (a few
+    units), so greedy decoding follows a's strongest edge, and where a grammar forbids it, the next
+    strongest."""
     import transformers
-    from tokenizers import AddedToken
 
-    tok = _byte_tokenizer()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
-    tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in THINK_WORDS])
-    ids = {}
-    for piece in THINK_CHAIN:
-        encoded = tok.encode(piece, add_special_tokens=False).ids if piece != "</s>" else [2]
-        assert len(encoded) == 1, (piece, encoded)
-        ids[piece] = encoded[0]
-    config = transformers.LlamaConfig(**{**_BASE, **VARIANTS["llama"][2]})
+    config = transformers.LlamaConfig(**{**_BASE, **VARIANTS["llama"][2], "eos_token_id": eos_token_id})
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.float32)
     with torch.no_grad():
@@ -348,38 +346,104 @@ def make_thinking_model(path: Path, template: str = "qwen3") -> Path:
         model.model.norm.weight.fill_(1.0)
         head = model.lm_head.weight
         head.zero_()
-        for a, b in zip(THINK_CHAIN, THINK_CHAIN[1:]):
-            head[ids[b]] += 4.0 * emb[ids[a]] / emb[ids[a]].norm()
+        for a, b, weight in edges:
+            head[b] += weight * emb[a] / emb[a].norm()
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
+
+
+def make_thinking_model(path: Path, template: str = "qwen3") -> Path:
+    """A tiny bigram llama (_bigram_llama) whose greedy output follows THINK_CHAIN. The byte
+    tokenizer has the THINK_WORDS as added (non-special) tokens."""
+    from tokenizers import AddedToken
+
+    tok = _byte_tokenizer()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in THINK_WORDS])
+    ids = {}
+    for piece in THINK_CHAIN:
+        encoded = tok.encode(piece, add_special_tokens=False).ids if piece != "</s>" else [2]
+        assert len(encoded) == 1, (piece, encoded)
+        ids[piece] = encoded[0]
+    _bigram_llama(path, [(ids[a], ids[b], 4.0) for a, b in zip(THINK_CHAIN, THINK_CHAIN[1:])])
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False, "chat_template": THINK_TEMPLATES[template]}))
     return path
 
 
-# ---- a tokenizer that writes OpenAI's harmony format (gpt-oss's), for the gpt-oss reasoning parser ----
+# ---- a model that writes OpenAI's harmony format (gpt-oss's), for the gpt-oss reasoning parser ----
 
 HARMONY_SPECIALS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
-# gpt-oss's template's shape: each message `<|start|>ROLE<|message|>TEXT<|end|>` (an assistant's in the final
-# channel), the generation prompt `<|start|>assistant` (the model writes the channel); it reads
-# `reasoning_effort`, as gpt-oss's does
-HARMONY_TEMPLATE = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
-                    "{% for m in messages %}<|start|>{{ m['role'] }}"
-                    "{% if m['role'] == 'assistant' %}<|channel|>final{% endif %}"
-                    "<|message|>{{ m['content'] }}<|end|>{% endfor %}"
-                    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+# gpt-oss's template's shape, kept small: the system message reads `reasoning_effort`; tools are listed in a
+# developer message; each message is `<|start|>ROLE<|message|>TEXT<|end|>`, an assistant's in the final channel,
+# its tool calls `<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>ARGS<|call|>` and their
+# results `<|start|>functions.NAME to=assistant<|channel|>commentary<|message|>TEXT<|end|>`; the generation prompt
+# is `<|start|>assistant` (the model writes the channel)
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+    "{% if tools %}<|start|>developer<|message|># Tools\n{% for t in tools %}"
+    "functions.{{ t.function.name }}: {{ t.function.parameters | tojson }}\n{% endfor %}<|end|>{% endif %}"
+    "{% set last = namespace(name='') %}{% for m in messages %}"
+    "{% if m.role == 'assistant' and m.tool_calls %}{% for c in m.tool_calls %}"
+    "<|start|>assistant to=functions.{{ c.function.name }}<|channel|>commentary json<|message|>"
+    "{{ c.function.arguments | tojson }}<|call|>{% set last.name = c.function.name %}{% endfor %}"
+    "{% elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+    "{% elif m.role == 'tool' %}<|start|>functions.{{ last.name }} to=assistant<|channel|>commentary<|message|>"
+    "{{ m.content }}<|end|>"
+    "{% else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+# The greedy output after the generation prompt (its last token the byte "t"): `<|channel|>analysis<|message|>Let
+# me think<|end|><|start|>assistant<|channel|>final<|message|>The answer is 42<|return|>`. A bigram chain cannot
+# repeat a token, so harmony's markers come as their control tokens the first time and spelled by ordinary
+# vocabulary entries the second ("<|" "channel|>", "<|message" "|>"): the parser reads the text with the special
+# tokens kept, which is the same. Where a grammar forbids "final" (a tool_choice that requires a call) the model
+# takes its second choice, a call: `...<|start|>assistant<|channel|>commentary to=functions.get_weather
+# <|constrain|>json<|message|>{"city": "Paris"}<|call|>`.
+HARMONY_WORDS = ["analysis", "Let", " me", " think", "assistant", "<|", "channel|>", "final", "<|message", "|>", "The",
+                 " answer", " is", " 42", "commentary", " to=functions.get_weather ", "json<|message|>",
+                 '{"city": "Paris"}']
+HARMONY_CHAIN = ["t", "<|channel|>", "analysis", "<|message|>", "Let", " me", " think", "<|end|>", "<|start|>",
+                 "assistant", "<|", "channel|>", "final", "<|message", "|>", "The", " answer", " is", " 42",
+                 "<|return|>"]
+HARMONY_CALL = ["channel|>", "commentary", " to=functions.get_weather ", "<|constrain|>", "json<|message|>",
+                '{"city": "Paris"}', "<|call|>"]
 
 
-def make_harmony_tokenizer(path: Path) -> Path:
-    """A model folder's tokenizer files only: the byte tokenizer with harmony's control tokens as
-    special tokens (each one id) and HARMONY_TEMPLATE; EOS `<|return|>`."""
+def _harmony_tokenizer() -> tuple[Tokenizer, dict[str, int]]:
+    """The byte tokenizer with HARMONY_WORDS as ordinary vocabulary entries and harmony's control
+    tokens as special tokens; and the id of each word, control token and the byte "t"."""
     from tokenizers import AddedToken
 
-    tok = _byte_tokenizer()
+    tok = _byte_tokenizer(HARMONY_WORDS)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY_SPECIALS])
+    ids = {word: 259 + i for i, word in enumerate(HARMONY_WORDS)}
+    ids |= {t: tok.token_to_id(t) for t in [*HARMONY_SPECIALS, "t"]}
+    return tok, ids
+
+
+def _write_harmony_tokenizer(path: Path, tok: Tokenizer) -> None:
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "<|return|>", "add_bos_token": False, "chat_template": HARMONY_TEMPLATE}))
+
+
+def make_harmony_tokenizer(path: Path) -> Path:
+    """A model folder's tokenizer files only: _harmony_tokenizer and HARMONY_TEMPLATE; EOS `<|return|>`."""
+    _write_harmony_tokenizer(path, _harmony_tokenizer()[0])
+    return path
+
+
+def make_harmony_model(path: Path) -> Path:
+    """A tiny bigram llama (_bigram_llama) that writes harmony: HARMONY_CHAIN, or where a grammar
+    forbids "final", HARMONY_CALL (its edge from "channel|>" is the second strongest). Its EOS ids are
+    `<|return|>` and `<|call|>`, as gpt-oss's generation config has them."""
+    tok, ids = _harmony_tokenizer()
+    edges = [(ids[a], ids[b], 4.0) for chain in (HARMONY_CHAIN, HARMONY_CALL[1:]) for a, b in zip(chain, chain[1:])]
+    edges.append((ids["channel|>"], ids["commentary"], 2.0))
+    _bigram_llama(path, edges, eos_token_id=[ids["<|return|>"], ids["<|call|>"]])
+    _write_harmony_tokenizer(path, tok)
     return path
