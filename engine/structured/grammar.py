@@ -41,7 +41,13 @@ class GrammarSpec(msgspec.Struct, frozen=True, array_like=True):
     the thinking, which it leaves free: "inside" (the output starts inside an open
     `<think>`: any text up to `</think>`), "may_open" (the output may open `<think>` itself:
     then any text up to `</think>`; else the constraint from the start); whitespace may
-    follow `</think>` (two characters at most: Qwen3 writes a blank line)."""
+    follow `</think>` (two characters at most: Qwen3 writes a blank line). gpt-oss's harmony
+    format: "harmony" (the constraint is the body of the final channel's message: any text,
+    analysis and commentary messages, up to the final channel's header, `<|channel|>final`, a
+    content type or none, `<|message|>`), "harmony_messages" (the grammar describes harmony's
+    messages itself, thinking included: a tool grammar, server/harmony_grammar.py). Both read
+    harmony's control tokens as the text they spell (HARMONY_MARKERS): such a request keeps
+    special tokens in its text."""
 
     kind: str
     value: str = ""
@@ -140,22 +146,42 @@ def json_strings_without_controls(grammar):
     return reparse(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
 
 
-REASONING_MODES = ("", "inside", "may_open")
+REASONING_MODES = ("", "inside", "may_open", "harmony", "harmony_messages")
 THINK_START, THINK_END = "<think>", "</think>"
+# gpt-oss's harmony format (server/harmony.py reads it): its control tokens; the final channel's header,
+# where the answer starts; and the rest of a header after its channel (and recipient): a content type or none
+# (gpt-oss writes " <|constrain|>json" before JSON, in a call or a final answer), then <|message|>
+HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+HARMONY_FINAL = "<|channel|>final"
+HARMONY_HEADER_END = 'root ::= ((" <|constrain|>" | "<|constrain|>" | " ") [a-zA-Z]{1,16})? "<|message|>"'
+
+
+def reads_harmony(spec: GrammarSpec) -> bool:
+    """Whether the spec's grammar reads harmony's control tokens as text (its vocabulary spells them)."""
+    return spec.reasoning in ("harmony", "harmony_messages")
+
+
+def _free_text_up_to(begin: str, end: str):
+    """`begin`, any text, then `end` (the text holds no `end` before it)."""
+    import xgrammar as xgr
+
+    return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": {
+        "type": "tag", "begin": begin, "content": {"type": "any_text"}, "end": end}}))
 
 
 def _grammar(spec: GrammarSpec):
-    """The spec's grammar; with `reasoning`, free thinking up to `</think>` before it."""
+    """The spec's grammar; with `reasoning`, free thinking up to `</think>` (or harmony's final channel) before it."""
     import xgrammar as xgr
 
     grammar = _constraint_grammar(spec)
-    if not spec.reasoning:
+    if spec.reasoning in ("", "harmony_messages"):
         return grammar
     if spec.reasoning not in REASONING_MODES:
         raise InvalidRequestError(f"unknown reasoning mode {spec.reasoning!r}", param=spec.param)
-    begin = "" if spec.reasoning == "inside" else THINK_START
-    thinking = xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": {
-        "type": "tag", "begin": begin, "content": {"type": "any_text"}, "end": THINK_END}}))
+    if spec.reasoning == "harmony":
+        return xgr.Grammar.concat(_free_text_up_to("", HARMONY_FINAL), xgr.Grammar.from_ebnf(HARMONY_HEADER_END),
+                                  grammar)
+    thinking = _free_text_up_to("" if spec.reasoning == "inside" else THINK_START, THINK_END)
     after = xgr.Grammar.concat(thinking, xgr.Grammar.from_ebnf('root ::= [ \\t\\n\\r]{0,2}'), grammar)
     return after if spec.reasoning == "inside" else xgr.Grammar.union(after, grammar)
 
@@ -191,8 +217,9 @@ class GrammarCompiler:
         self.model_path, self.vocab_size, self.stop_token_ids = model_path, vocab_size, stop_token_ids
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
-        self._compiler = None
-        self.utf8_tables: Utf8Tables | None = None  # with the compiler
+        # xgrammar's compilers, by whether their vocabulary spells harmony's control tokens (reads_harmony)
+        self._compilers: dict[bool, object] = {}
+        self.utf8_tables: Utf8Tables | None = None  # with the first compiler
         self._lock = threading.Lock()
         self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()  # by spec, least recently used first
         self._compiled_bytes = 0
@@ -200,23 +227,27 @@ class GrammarCompiler:
     @property
     def vocabulary_loaded(self) -> bool:
         """Whether xgrammar's view of the vocabulary has been built (the first compile builds it)."""
-        return self._compiler is not None
+        return bool(self._compilers)
 
     def warm(self) -> None:
         """Read the vocabulary now, in a worker thread, rather than on the first request (servers)."""
         self._pool.submit(self._xgr_compiler)
 
-    def _xgr_compiler(self):
+    def _xgr_compiler(self, harmony: bool = False):
+        """xgrammar's compiler over the vocabulary; `harmony`: one whose vocabulary spells harmony's
+        control tokens (a second one, built on the first harmony grammar)."""
         with self._lock:  # built on first use: the tokenizer's vocabulary takes a moment to read
-            if self._compiler is None:
+            if harmony not in self._compilers:
                 import xgrammar as xgr
 
-                info = tokenizer_info(self.model_path, self.vocab_size, self.stop_token_ids)
-                self.utf8_tables = Utf8Tables(info.decoded_vocab, -(-self.vocab_size // 32))
+                info = tokenizer_info(self.model_path, self.vocab_size, self.stop_token_ids,
+                                      spelled=HARMONY_MARKERS if harmony else ())
+                if self.utf8_tables is None:  # the same for both: harmony's markers hold no surrogate
+                    self.utf8_tables = Utf8Tables(info.decoded_vocab, -(-self.vocab_size // 32))
                 # xgrammar's own cache is off: it keys grammars by their printed text and compiles that
                 # text read again, which xgrammar's printing can change (see reparse); ours keys by spec
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            return self._compiler
+                self._compilers[harmony] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compilers[harmony]
 
     def matcher(self, compiled) -> Utf8Matcher:
         """A matcher of a grammar this compiler compiled."""
@@ -232,7 +263,7 @@ class GrammarCompiler:
                 return self._compiled[spec]
         grammar = _grammar(spec)  # raises InvalidRequestError
         try:
-            compiled = self._xgr_compiler().compile_grammar(grammar)
+            compiled = self._xgr_compiler(reads_harmony(spec)).compile_grammar(grammar)
         except Exception as exc:
             raise InvalidRequestError(f"invalid {spec.kind}: {_clean(exc)}", param=spec.param) from None
         with self._lock:

@@ -4,7 +4,8 @@ text the grammar accepted.
 Three ways the two could differ, each closed here:
 - Special tokens. The detokenizer drops them, but xgrammar reads their spelling
   ("<|begin_of_text|>") as ordinary text. Every special token other than a stop token is
-  given an empty spelling, which xgrammar never allows.
+  given an empty spelling, which xgrammar never allows; except, for a grammar of gpt-oss's
+  harmony format, harmony's markers: its requests keep special tokens in their text.
 - Surrogates. xgrammar's UTF-8 decoding takes ED A0-BF xx (U+D800-DFFF, invalid in UTF-8)
   as a character, and the detokenizer turns those bytes into U+FFFD. A token holding such a
   sequence is never allowed; after a token that ends in a bare ED lead byte, Utf8Matcher
@@ -14,6 +15,7 @@ Three ways the two could differ, each closed here:
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -80,10 +82,11 @@ class Utf8Matcher:
         return self._matcher.is_terminated()
 
 
-def tokenizer_info(model_path: str | Path, vocab_size: int, stop_token_ids: list[int]):
+def tokenizer_info(model_path: str | Path, vocab_size: int, stop_token_ids: list[int], spelled: Collection[str] = ()):
     """xgrammar's view of the tokenizer: every id's spelling, with the model's logits width
     (padding ids beyond the tokenizer are never allowed) and its end-of-sequence ids. Special
-    tokens other than the stop ids, and tokens that hold a surrogate, get an empty spelling:
+    tokens other than the stop ids and those whose text is in `spelled` (harmony's markers, for a
+    request that keeps them in its text), and tokens that hold a surrogate, get an empty spelling:
     xgrammar never allows those."""
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerFast
@@ -96,7 +99,7 @@ def tokenizer_info(model_path: str | Path, vocab_size: int, stop_token_ids: list
             encoded[token_id] = spelling
     stops = set(stop_token_ids)
     banned = {token_id for token_id, added in tokenizer.backend_tokenizer.get_added_tokens_decoder().items()
-              if added.special and token_id not in stops}
+              if added.special and token_id not in stops and added.content not in spelled}
     banned.update(token_id for token_id, data in enumerate(info.decoded_vocab)
                   if SURROGATE_LEAD in data and _has_surrogate(data))
     if not banned:
