@@ -17,7 +17,7 @@ from graphserve.server.reasoning import ReasoningConfig, reasoning_config
 from graphserve.server.request_params import build_sampling_params
 from graphserve.server.state import ServerState
 from graphserve.server.structured_request import grammar_from_request
-from graphserve.server.tools import CallFormat, call_format, check_tool_request, conversation, tool_grammar
+from graphserve.server.tools import HARMONY, CallFormat, call_format, check_tool_request, conversation, tool_grammar
 
 
 @dataclass
@@ -41,6 +41,9 @@ async def prepare_chat(state: ServerState, engine: Any, body: ChatCompletionRequ
     use_tools = check_tool_request(body)
     grammar = grammar_from_request(body)
     if use_tools:
+        if fmt is HARMONY and state.reasoning_parser != "gpt-oss":
+            raise bad_request("this model writes tool calls in harmony's format, which the gpt-oss reasoning parser "
+                              "reads: serve it with --reasoning-parser gpt-oss (or auto)", param="tools")
         if grammar is not None:
             raise bad_request("response_format (or a structured_outputs field) cannot be combined with tools",
                               param=grammar.param)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from graphserve.engine.request import RequestOutput
 from graphserve.server.reasoning import ReasoningConfig
-from graphserve.server.tools import CallFormat, ToolCallParser
+from graphserve.server.tools import HARMONY, CallFormat, ToolCallParser
 
 
 @dataclass
@@ -26,7 +26,10 @@ class ChoiceParser:
 
     def __init__(self, index: int, reasoning: ReasoningConfig | None, tools: CallFormat | None):
         self.splitter = reasoning.splitter(index) if reasoning is not None else None
-        self.calls = ToolCallParser(tools) if tools is not None else None
+        # harmony's calls are messages of their own, which its splitter reads (with harmony's tools the
+        # gpt-oss parser is on: prepare_chat sees to it); other formats' are parsed from the answer
+        self.harmony_calls = tools is HARMONY
+        self.calls = ToolCallParser(tools) if tools is not None and not self.harmony_calls else None
 
     def feed(self, output: RequestOutput) -> OutputParts:
         thinking, text = "", output.text
@@ -35,6 +38,8 @@ class ChoiceParser:
             if output.finished:
                 more_thinking, more_text = self.splitter.finish()
                 thinking, text = thinking + more_thinking, text + more_text
+        if self.harmony_calls:
+            return OutputParts(thinking, text, self.splitter.take_call_deltas())  # type: ignore[union-attr]
         if self.calls is None:
             return OutputParts(thinking, text)
         content, calls = self.calls.feed(text)
@@ -46,4 +51,6 @@ class ChoiceParser:
 
     @property
     def has_calls(self) -> bool:
+        if self.harmony_calls:
+            return bool(self.splitter.calls)  # type: ignore[union-attr]
         return self.calls is not None and bool(self.calls.calls)

@@ -9,6 +9,7 @@ engine/request.py (each error message names its cap).
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Annotated, Any, Literal
 
@@ -350,6 +351,11 @@ class ResponseToolCall(BaseModel):
     id: str
     type: Literal["function"] = "function"
     function: ResponseFunction
+
+
+def new_call_id() -> str:
+    """A tool call's id, in OpenAI's form."""
+    return "call_" + secrets.token_hex(12)
 
 
 class ChatResponseMessage(BaseModel):

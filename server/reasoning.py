@@ -29,8 +29,7 @@ from typing import Any
 import msgspec
 
 from graphserve.engine.request import SamplingParams
-from graphserve.server.errors import bad_request
-from graphserve.server.harmony import CHANNEL, HarmonySplitter
+from graphserve.server.harmony import HarmonySplitter, is_harmony_template
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -63,7 +62,7 @@ def parser_for_template(chat_template: str | None) -> str | None:
     only `</think>` (DeepSeek-R1's first template strips it from past answers, its model opens the
     thinking without a tag) -> deepseek-r1."""
     template = chat_template or ""
-    if CHANNEL in template:
+    if is_harmony_template(template):
         return "gpt-oss"
     if THINK_START in template:
         return "qwen3"
@@ -207,13 +206,13 @@ class ReasoningConfig:
 
     def adjust(self, params: SamplingParams) -> SamplingParams:
         """The request's params with this parser's needs: a grammar that leaves the thinking free,
-        and (gpt-oss) harmony's markers kept in the text, where the parser reads them."""
+        and (gpt-oss) harmony's markers kept in the text, where the parser (and the grammar) reads them.
+        A harmony tool grammar (reasoning "harmony_messages") holds the thinking already."""
         changes: dict[str, Any] = {}
         if self.parser == "gpt-oss":
-            if params.grammar is not None:
-                raise bad_request("structured outputs and tool grammars are not supported with the gpt-oss "
-                                  "reasoning parser yet", param=params.grammar.param)
             changes["skip_special_tokens"] = False
+            if params.grammar is not None and params.grammar.reasoning != "harmony_messages":
+                changes["grammar"] = msgspec.structs.replace(params.grammar, reasoning="harmony")
         elif params.grammar is not None:
             changes["grammar"] = msgspec.structs.replace(params.grammar, reasoning=self.grammar_mode)
         return dataclasses.replace(params, **changes) if changes else params

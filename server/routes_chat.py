@@ -30,7 +30,7 @@ from graphserve.server.request_body import parse_body
 from graphserve.server.request_params import for_choice
 from graphserve.server.response_view import ResponseView
 from graphserve.server.state import ServerState, get_state, new_request_id
-from graphserve.server.tools import CallFormat, finish_reason_with_calls, parse_tool_calls
+from graphserve.server.tools import HARMONY, CallFormat, finish_reason_with_calls, parse_tool_calls
 
 router = APIRouter()
 
@@ -91,7 +91,10 @@ class _ChatView(ResponseView):
                 thinking = {"reasoning_content": reasoning, "reasoning": reasoning}
             message, finish_reason = ChatResponseMessage(content=text, **thinking), output.finish_reason
             if self.tools is not None:
-                content, calls = parse_tool_calls(self.tools, text or "")
+                if self.tools is HARMONY:  # harmony's calls are messages of their own, read by its splitter
+                    content, calls = text, self.reasoning.splitter(index).calls  # type: ignore[union-attr]
+                else:
+                    content, calls = parse_tool_calls(self.tools, text or "")
                 message = ChatResponseMessage(content=content, tool_calls=calls or None, **thinking)
                 finish_reason = finish_reason_with_calls(finish_reason, bool(calls))
             choices.append(

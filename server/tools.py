@@ -5,6 +5,8 @@ of its output, whole or as OpenAI's streamed deltas.
 Formats (chosen from the chat template):
 - "hermes" (Qwen2.5, Qwen3, and the fallback): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
 - "llama3_json" (Llama 3.1+): `{"name": ..., "parameters": {...}}`
+- "harmony" (gpt-oss): a message to `functions.NAME`, read by the gpt-oss reasoning parser
+  (server/harmony.py), its grammar server/harmony_grammar.py's
 
 A template that does not render tools itself (the embedded SmolLM2) gets FALLBACK_PROMPT,
 a system message listing the tools, and speaks hermes. The grammar is xgrammar's
@@ -17,13 +19,14 @@ from __future__ import annotations
 import functools
 import json
 import re
-import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from graphserve.engine.structured.grammar import GrammarSpec
 from graphserve.server.errors import bad_request
-from graphserve.server.protocol import ChatCompletionRequest, ChatTool, ResponseFunction, ResponseToolCall
+from graphserve.server.harmony import is_harmony_template
+from graphserve.server.harmony_grammar import harmony_tool_tag
+from graphserve.server.protocol import ChatCompletionRequest, ChatTool, ResponseFunction, ResponseToolCall, new_call_id
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,8 @@ class CallFormat:
 HERMES = CallFormat("hermes", "qwen_3", "<tool_call>", "</tool_call>", "arguments", native=True)
 LLAMA3_JSON = CallFormat("llama3_json", "llama", '{"name"', "", "parameters", native=True)
 FALLBACK = CallFormat("hermes", "qwen_3", "<tool_call>", "</tool_call>", "arguments", native=False)
+# gpt-oss: calls are harmony messages of their own (server/harmony.py parses them, not ToolCallParser)
+HARMONY = CallFormat("harmony", "", "", "<|call|>", "arguments", native=True)
 
 MAX_ARGUMENT_WHITESPACE = 4  # characters in one run of whitespace inside a call's arguments (tool_grammar)
 
@@ -55,6 +60,8 @@ The result of each call comes back in a message that starts with <tool_response>
 @functools.lru_cache(maxsize=8)
 def call_format(chat_template: str | None) -> CallFormat:
     template = chat_template or ""
+    if is_harmony_template(template):
+        return HARMONY
     if "<tool_call>" in template:
         return HERMES
     if "<|python_tag|>" in template or "ipython" in template:
@@ -131,6 +138,9 @@ def tool_grammar(fmt: CallFormat, body: ChatCompletionRequest) -> GrammarSpec:
     if not isinstance(choice, str):
         choice = choice.model_dump()
     tools = [_tool_for_grammar(t) for t in body.tools or []]
+    if fmt is HARMONY:  # harmony's messages, the thinking among them
+        tag = harmony_tool_tag(tools, choice, MAX_ARGUMENT_WHITESPACE)
+        return GrammarSpec("structural_tag", tag.model_dump_json(), param="tools", reasoning="harmony_messages")
     try:
         tag = xgr.get_model_structural_tag(fmt.xgrammar_model, tools=tools, tool_choice=choice, reasoning="disabled",
                                            parallel_tool_calls=body.parallel_tool_calls)
@@ -166,10 +176,6 @@ def _tool_for_grammar(tool: ChatTool) -> dict:
 # a call's opening up to its arguments object (matched once its "{" has arrived)
 _NAME_THEN_ARGUMENTS = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 _decoder = json.JSONDecoder()
-
-
-def new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
 
 
 @dataclass

@@ -229,15 +229,18 @@ def test_gpt_oss_splits_harmony_as_the_engine_detokenizes_it(tmp_path, output, e
         assert (streamed[0] + thinking, streamed[1] + answer) == (expected[0] or "", expected[1] or "")
 
 
-def test_gpt_oss_refuses_a_grammar_it_would_apply_to_the_thinking(tmp_path):
+def test_gpt_oss_grammars_start_at_the_final_channel_and_read_the_markers():
+    """A response_format grammar applies to the final channel's message (reasoning "harmony"); a harmony
+    tool grammar, which holds the thinking itself, is left as it is; both with the markers kept in the text."""
     from graphserve.engine.request import SamplingParams
     from graphserve.engine.structured.grammar import GrammarSpec
-    from graphserve.server.errors import APIError
     from graphserve.server.reasoning import ReasoningConfig
 
-    with pytest.raises(APIError) as err:
-        ReasoningConfig("gpt-oss").adjust(SamplingParams(grammar=GrammarSpec("json_object", param="response_format")))
-    assert (err.value.status_code, err.value.param) == (400, "response_format")
+    config = ReasoningConfig("gpt-oss")
+    params = config.adjust(SamplingParams(grammar=GrammarSpec("json_object", param="response_format")))
+    assert (params.grammar.reasoning, params.skip_special_tokens) == ("harmony", False)
+    tools = GrammarSpec("structural_tag", "{}", param="tools", reasoning="harmony_messages")
+    assert config.adjust(SamplingParams(grammar=tools)).grammar == tools
 
 
 def test_the_parser_comes_from_the_chat_template_unless_named():
