@@ -286,3 +286,22 @@ def test_harmony_grammars_take_the_forms_gpt_oss_writes(config, grammar, output,
     assert all(matcher.accept_token(token) for token in ids) == accepted
     assert matcher.is_terminated() == accepted
     compiler.close()
+
+
+def test_warm_up_reads_the_harmony_view_of_the_vocabulary_too(config):
+    """A model whose special tokens hold harmony's markers needs two views of its vocabulary (harmony
+    grammars spell the markers, the others forbid them): warm-up builds both, as a server's does."""
+    import time
+
+    from graphserve.engine.structured.grammar import GrammarCompiler
+    from graphserve.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(config.model)
+    compiler = GrammarCompiler(config.model, tokenizer.vocab_size, [tokenizer.special_tokens["<|return|>"]])
+    assert not compiler.vocabulary_loaded
+    compiler.warm()
+    deadline = time.monotonic() + 30
+    while not compiler.vocabulary_loaded and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert compiler.vocabulary_loaded
+    compiler.close()

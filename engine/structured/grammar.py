@@ -9,6 +9,7 @@ ready, so compilation never stalls other requests."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -23,7 +24,7 @@ import msgspec
 import torch
 
 from graphserve.engine.errors import InvalidRequestError
-from graphserve.engine.structured.vocabulary import Utf8Matcher, Utf8Tables, tokenizer_info
+from graphserve.engine.structured.vocabulary import Utf8Matcher, Utf8Tables, special_token_texts, tokenizer_info
 
 # what a spec may hold before anything is compiled: xgrammar's work grows with it
 MAX_SPEC_CHARS = 64 * 1024
@@ -224,14 +225,21 @@ class GrammarCompiler:
         self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()  # by spec, least recently used first
         self._compiled_bytes = 0
 
+    @functools.cached_property
+    def _views(self) -> tuple[bool, ...]:
+        """The views of the vocabulary this model's grammars need (_xgr_compiler's `harmony`): the
+        plain one, and the harmony one where harmony's markers are special tokens (gpt-oss)."""
+        return (False, True) if set(HARMONY_MARKERS) <= special_token_texts(self.model_path) else (False,)
+
     @property
     def vocabulary_loaded(self) -> bool:
-        """Whether xgrammar's view of the vocabulary has been built (the first compile builds it)."""
-        return bool(self._compilers)
+        """Whether xgrammar's views of the vocabulary have been built (warm, or the first compile of each)."""
+        return all(harmony in self._compilers for harmony in self._views)
 
     def warm(self) -> None:
-        """Read the vocabulary now, in a worker thread, rather than on the first request (servers)."""
-        self._pool.submit(self._xgr_compiler)
+        """Read the vocabulary now, in a worker thread, rather than on the first request (servers): each
+        view of it (a harmony one, ~2 s at gpt-oss's 200k tokens, only where the model writes harmony)."""
+        self._pool.submit(lambda: [self._xgr_compiler(harmony) for harmony in self._views])
 
     def _xgr_compiler(self, harmony: bool = False):
         """xgrammar's compiler over the vocabulary; `harmony`: one whose vocabulary spells harmony's

@@ -82,6 +82,14 @@ class Utf8Matcher:
         return self._matcher.is_terminated()
 
 
+def special_token_texts(model_path: str | Path) -> frozenset[str]:
+    """The texts of the tokenizer's special tokens."""
+    from tokenizers import Tokenizer
+
+    added = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json")).get_added_tokens_decoder()
+    return frozenset(token.content for token in added.values() if token.special)
+
+
 def tokenizer_info(model_path: str | Path, vocab_size: int, stop_token_ids: list[int], spelled: Collection[str] = ()):
     """xgrammar's view of the tokenizer: every id's spelling, with the model's logits width
     (padding ids beyond the tokenizer are never allowed) and its end-of-sequence ids. Special
