@@ -142,7 +142,7 @@ def test_a_call_and_its_result_render_as_harmony_messages(server, client):
 
 
 def test_json_schema_constrains_only_the_final_message(client):
-    """The grammar starts after `<|channel|>final<|message|>`: the analysis is the model's own text
+    """The grammar starts after the final channel's header: the analysis is the model's own text
     (which the schema forbids), the answer parses and validates; streamed, the same."""
     fmt = {"type": "json_schema", "json_schema": {"name": "yes_no", "schema": YES_NO}}
     whole, streamed = (chat(client, stream, response_format=fmt) for stream in (False, True))
