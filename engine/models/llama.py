@@ -1,5 +1,5 @@
 """Decoder for the Llama family: Llama 2/3/3.1, Mistral, SmolLM2, Qwen2 (QKV bias), Qwen3 (q/k norm),
-Phi-3/Phi-4 (fused checkpoint projections, partial rotary by a head-dim order: loader.partial_rotary_order),
+Phi-3/Phi-4 (fused checkpoint projections, partial rotary by a head-dim order: after_load.partial_rotary_order),
 Gemma 3's text model (GemmaDecoderLayer, engine/models/gemma3.py),
 and the mixtures of experts on that frame: Qwen3-MoE and Mixtral (engine/models/moe.py as the MLP), gpt-oss
 (attention sinks and an o bias; engine/models/gpt_oss_moe.py as the MLP).

@@ -16,22 +16,22 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from graphserve.engine.cpu import quant_linear
 from graphserve.engine.cpu.packed_cache import PackedCache
 from graphserve.engine.distributed import SINGLE, TensorParallel
-from graphserve.engine.models.sharding import Shard
-from graphserve.engine.errors import InvalidConfigError, ModelFilesError
+from graphserve.engine.errors import ModelFilesError
+from graphserve.engine.models.after_load import after_load
 from graphserve.engine.models.config import ModelArgs
 from graphserve.engine.models.cpu_stack import stack_decoder
 from graphserve.engine.models.gemma3 import checkpoint_name
-from graphserve.engine.models.gpt_oss_moe import GptOssMoE
+from graphserve.engine.models.gguf_projections import gguf_blocks, keep_quantized_projections, quantized_parts
 from graphserve.engine.models.gpt_oss_weights import copy_expert_tensor, expert_target
-from graphserve.engine.models.layers import Linear, QuantizedParts
+from graphserve.engine.models.layers import Linear
 from graphserve.engine.models.llama import LlamaModel
 from graphserve.engine.models.moe import SparseMoE
 from graphserve.engine.models.moe_config import check_moe_servable
 from graphserve.engine.models.moe_weights import (ROUTER_NAMES, SCALES, complete_stacks, copy_expert, copy_expert_scale,
                                                   expert_slot, part_name)
+from graphserve.engine.models.sharding import Shard
 from graphserve.kernels.rotary import build_cos_sin_cache
 
 # HF tensor name -> (our parameter name, shard index within a fused parameter)
@@ -79,7 +79,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
     args = ModelArgs.from_dir(path)
     check_moe_servable(args.architecture, args.moe, args.quantization, device, quantization)
     # refused (device, dtype, ranks, no blocks) before any weight is read
-    blocks = _gguf_blocks(path, dtype, device, tp) if quantization == "gguf" else {}
+    blocks = gguf_blocks(path, dtype, device, tp) if quantization == "gguf" else {}
     files = weight_files(path) if load_format != "dummy" else []
     cos_sin = build_cos_sin_cache(args.head_dim, max_positions, args.rope_theta, args.rope_scaling,
                                   rotary_dim=args.rotary_dim)
@@ -98,139 +98,23 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, backe
             module.to_fp8(quantize=False)
     # projections served from GGUF blocks first: their float weights are then not read at all
     packed = PackedCache(path) if blocks else None
-    quantized = _keep_quantized_projections(model, blocks, packed)
+    quantized = keep_quantized_projections(model, blocks, packed, _FUSED)
     if load_format == "dummy":
         _fill_random(model, seed=tp.rank)
     else:
         _read_checkpoint(model, path, files, skip=quantized)
-    if args.gemma is not None:
-        _gemma_after_load(model, args, max_positions, device, dummy=load_format == "dummy")
-    if args.rotary_dim is not None:  # partial rotary: each q and k head's dims in the order rotary takes them
-        order_partial_rotary_heads(model, args.rotary_dim)
-    if device.type != "cuda":  # gpt-oss's MXFP4 experts: the CPU backend's torch path reads float weights
-        for module in model.modules():
-            if isinstance(module, GptOssMoE):
-                module.dequantize_experts()
+    after_load(model, args, max_positions, device, dummy=load_format == "dummy")
     if quantization == "fp8" and not prequantized:
         for module in to_fp8:
             module.to_fp8()
     model.pack_for_cpu()
-    head = _quantized(blocks, ["model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"], packed)
+    head = quantized_parts(blocks, ["model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"], packed)
     if head is not None:  # (a tied table stays float32 too, for the embedding lookup)
         model.lm_head_packed = head
     if packed is not None:
         packed.save()
     model.cpu_stack = stack_decoder(model)
     return model.eval()
-
-
-def _gemma_after_load(model: LlamaModel, args: ModelArgs, max_positions: int, device: torch.device,
-                      dummy: bool) -> None:
-    """Gemma 3: each RMSNorm's weight w becomes 1 + w (computed in float32, as Gemma3RMSNorm multiplies),
-    so the norms run as every other model's; the sliding layers' rotary table (rope_local_base_freq)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                if dummy:  # random weights: Gemma's norms start at 0 (a weight of 1)
-                    p.zero_()
-                p.copy_((1.0 + p.float()).to(p.dtype))
-    model.cos_sin_local = build_cos_sin_cache(args.head_dim, max_positions, args.gemma.local_rope_theta).to(device)
-
-
-def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
-    """The order of a head's dims under which rotate_half over all head_dim dims, with cos 1 and sin 0
-    on the columns past rotary_dim / 2 (build_cos_sin_cache), rotates dims [0, rotary_dim) as
-    transformers' partial rotary does (pairs (i, i + rotary_dim / 2)) and leaves the others: new dim
-    j holds old dim order[j]. q . k is a sum over dims, so the same order in q and k changes nothing."""
-    half, rhalf = head_dim // 2, rotary_dim // 2
-    rest = (head_dim - rotary_dim) // 2
-    return torch.cat([torch.arange(rhalf), rotary_dim + torch.arange(rest),
-                      rhalf + torch.arange(rhalf), rotary_dim + rest + torch.arange(rest)])
-
-
-def order_partial_rotary_heads(model: LlamaModel, rotary_dim: int) -> None:
-    """Reorder each q and k head's rows of every qkv projection (and their per-row FP8 scales or bias)."""
-    args = model.shard.local
-    d = args.head_dim
-    order = partial_rotary_order(d, rotary_dim)
-    heads = args.num_heads + args.num_kv_heads
-    rows = (torch.arange(heads)[:, None] * d + order[None, :]).flatten()
-    rows = torch.cat([rows, torch.arange(heads * d, (heads + args.num_kv_heads) * d)])  # v stays
-    with torch.no_grad():
-        for layer in model.layers:
-            proj = layer.self_attn.qkv_proj
-            for tensor in (proj.weight, proj.weight_scale, proj.bias):
-                if tensor is not None:
-                    data = tensor.data.view(torch.uint8) if tensor.dtype.itemsize == 1 else tensor.data
-                    data.copy_(data.index_select(0, rows.to(data.device)))
-
-
-def _gguf_blocks(path: Path, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel) -> dict[str, tuple[str, torch.Tensor]]:
-    """name -> (GGUF type, uint8 blocks [n, bytes per row]) from a converted GGUF folder."""
-    if device.type != "cpu" or dtype != torch.float32 or tp.size != 1:
-        raise InvalidConfigError("--quantization gguf serves on CPU, in float32, on one rank "
-                                 f"(got device {device.type}, dtype {str(dtype).split('.')[-1]}, {tp.size} ranks)")
-    file = path / quant_linear.GGUF_BLOCKS_FILE
-    if not file.is_file():
-        raise ModelFilesError(f"{path} holds no GGUF blocks ({quant_linear.GGUF_BLOCKS_FILE}): --quantization gguf "
-                              "serves a GGUF file (--model FILE.gguf) or the embedded default")
-    if not quant_linear.available():
-        raise InvalidConfigError("--quantization gguf needs the quantized CPU kernel, which could not be built here "
-                                 "(a C compiler is needed; see the log)")
-    with safe_open(str(file), framework="pt") as f:
-        types = f.metadata() or {}
-        return {name: (types[name], f.get_tensor(name)) for name in f.keys()}
-
-
-def _quantized(blocks: dict[str, tuple[str, torch.Tensor]], names: list[str],
-               packed: PackedCache | None) -> QuantizedParts | None:
-    """The named tensors' rows, in order, in the quantized kernel's layout (neighbours of one type
-    as one part), or None where one is missing or the kernel is not built here; from `packed` when
-    an earlier start packed them, else packed now and added to it."""
-    if not names or not all(name in blocks for name in names):
-        return None
-    if packed is not None and (parts := packed.get(names)) is not None:
-        return parts
-    groups: list[tuple[str, list[torch.Tensor]]] = []
-    for name in names:
-        qtype, raw = blocks[name]
-        if groups and groups[-1][0] == qtype and groups[-1][1][0].shape[1] == raw.shape[1]:
-            groups[-1][1].append(raw)
-        else:
-            groups.append((qtype, [raw]))
-    parts = []
-    for qtype, raws in groups:
-        raw = torch.cat(raws) if len(raws) > 1 else raws[0]
-        values, size = quant_linear.GGUF_BLOCKS[qtype]
-        part = quant_linear.pack_quantized(raw, qtype, raw.shape[0], raw.shape[1] // size * values)
-        if part is None:
-            return None
-        parts.append(part)
-    if packed is not None:
-        packed.put(names, tuple(parts))
-    return tuple(parts)
-
-
-def _keep_quantized_projections(model: LlamaModel, blocks: dict[str, tuple[str, torch.Tensor]],
-                                packed: PackedCache | None) -> set[str]:
-    """Each projection whose source tensors all have blocks serves from them; the rest stay float32.
-    Returns the names of the weights that now hold no data (the checkpoint's floats are not needed)."""
-    quantized: set[str] = set()
-    if not blocks:
-        return quantized
-    sources: dict[str, list[str]] = {}
-    for hf_module, (fused, _) in _FUSED.items():
-        sources.setdefault(fused, []).append(hf_module)
-    for index, layer in enumerate(model.layers):
-        for name, module in layer.named_modules():
-            if isinstance(module, Linear):
-                names = [f"model.layers.{index}.{source}.weight" for source in sources.get(name, [name])]
-                parts = _quantized(blocks, names, packed)
-                if parts is not None:
-                    module.keep_quantized(parts)
-                    quantized.add(f"layers.{index}.{name}.weight")
-    return quantized
 
 
 def _read_checkpoint(model: LlamaModel, path: Path, files: list[Path], skip: set[str] = frozenset()) -> None:
