@@ -51,6 +51,13 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # k: drafts verified per sequence and step
     # decode rounds of more sequences do not speculate (None: the device's default, spec/factory.default_max_batch)
     speculative_max_batch: int | None = None
+    # LoRA adapters (engine/lora/): requests pick one by name (the server's --lora-modules); max_loras of them
+    # in device slots at once (least recently used out, never one a running request uses), max_cpu_loras
+    # cached in host memory (None: max_loras), ranks up to max_lora_rank
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 64
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
@@ -92,6 +99,15 @@ class EngineConfig:
             raise ValueError("draft_quantization goes with a draft model (draft_model)")
         if self.speculative_max_batch is not None and self.speculative_max_batch < 1:
             raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
+        if not 1 <= self.max_loras <= 1024:
+            raise ValueError(f"max_loras must be in [1, 1024], got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters do not run under tensor parallelism yet: leave enable_lora off or set "
+                             "tensor_parallel_size to 1")
         if self.speculative_method is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative decoding does not run under tensor parallelism yet: "
                              "leave speculative_method out or set tensor_parallel_size to 1")

@@ -20,6 +20,12 @@ class PromptTooLongError(InvalidRequestError):
     """The prompt (plus the tokens asked for) does not fit in max_model_len."""
 
 
+class AdapterError(InvalidRequestError):
+    """A LoRA adapter graphserve cannot serve on this model: missing or malformed files, a rank over
+    the maximum, a module the model lacks, a shape that does not match (the message names the file
+    and the module)."""
+
+
 class UnsupportedModelError(GraphserveError, ValueError):
     """The model folder holds an architecture graphserve does not implement."""
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from graphserve.engine.config import EngineConfig
 from graphserve.engine.llm_engine import LLMEngine
-from graphserve.engine.request import RequestOutput, SamplingParams
+from graphserve.engine.request import LoraRequest, RequestOutput, SamplingParams
 
 
 class LLM:
@@ -23,13 +23,17 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: list[str] | list[list[int]] | str,
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run all prompts together (continuous batching) and return each one's whole output, in order."""
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 lora_request: LoraRequest | list[LoraRequest | None] | None = None) -> list[RequestOutput]:
+        """Run all prompts together (continuous batching) and return each one's whole output, in order.
+        lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base model); the
+        engine needs enable_lora."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        seqs = [self.engine.make_sequence(str(next(self._ids)), p, sp)
-                for p, sp in zip(prompts, params_list)]
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        seqs = [self.engine.make_sequence(str(next(self._ids)), p, sp, lora)
+                for p, sp, lora in zip(prompts, params_list, loras)]
         for seq in seqs:
             self.engine.add_sequence(seq)
         results: dict[str, RequestOutput] = {}

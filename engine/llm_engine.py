@@ -8,7 +8,7 @@ from graphserve.engine.config import EngineConfig
 from graphserve.engine.core.engine_core import EngineCore
 from graphserve.engine.inputs import InputProcessor, ModelLimits
 from graphserve.engine.output import OutputProcessor
-from graphserve.engine.request import RequestOutput, SamplingParams, Sequence
+from graphserve.engine.request import LoraRequest, RequestOutput, SamplingParams, Sequence
 from graphserve.engine.stats import EngineStats
 from graphserve.engine.tokenizer import Tokenizer
 
@@ -42,18 +42,21 @@ class LLMEngine:
     def runner(self):
         return self.core.worker.runner
 
-    def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+    def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                      lora: LoraRequest | None = None) -> Sequence:
         """Validate the user's params (the offline API's edge: SamplingParams.validate, once),
-        tokenize and fit max_tokens; raises InvalidRequestError before anything is queued."""
+        tokenize and fit max_tokens; raises InvalidRequestError before anything is queued.
+        lora: the LoRA adapter the request runs with (read when a request first needs it)."""
         token_ids, params = self.inputs.check(prompt, params.validate())
-        return self.core.make_sequence(request_id, token_ids, params)
+        return self.core.make_sequence(request_id, token_ids, params, lora=lora)
 
     def add_sequence(self, seq: Sequence) -> None:
         self.core.add_sequence(seq)
         self.outputs.add(seq.request_id, seq.prompt_token_ids, seq.params)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        seq = self.make_sequence(request_id, prompt, params)
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    lora: LoraRequest | None = None) -> Sequence:
+        seq = self.make_sequence(request_id, prompt, params, lora)
         self.add_sequence(seq)
         return seq
 

@@ -201,6 +201,17 @@ class RequestOutput:
         self.error = later.error
 
 
+@dataclass(frozen=True)
+class LoraRequest:
+    """The LoRA adapter a request runs with: its name (what the request's `model` said), an id unique to
+    this load of it (> 0; the key of its weights in the engine and of its prefix-cache blocks, so KV is
+    never shared across adapters, nor across two loads under one name) and its PEFT folder."""
+
+    name: str
+    lora_id: int
+    path: str
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -210,8 +221,11 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """Engine-side state of one request: its tokens, KV blocks, and progress."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int = 0):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int = 0,
+                 lora: LoraRequest | None = None):
         self.request_id = request_id
+        self.lora = lora  # the adapter it runs with; None: the base model
+        self.lora_slot = -1  # the device slot holding its adapter's weights, set before each step it is in
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + generated

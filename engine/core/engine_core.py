@@ -28,8 +28,8 @@ from graphserve.engine.core.fault_injection import FaultInjector
 from graphserve.engine.core.messages import CoreOutput
 from graphserve.engine.core.token_appender import TokenAppender
 from graphserve.engine.core.warm_up import warm_up
-from graphserve.engine.errors import InvalidRequestError
-from graphserve.engine.request import SamplingParams, Sequence
+from graphserve.engine.errors import AdapterError, InvalidRequestError
+from graphserve.engine.request import LoraRequest, SamplingParams, Sequence
 from graphserve.engine.runner.worker import RoundHandle, StepTokens, Worker
 from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch, Scheduler
 from graphserve.engine.spec.factory import build_speculation
@@ -56,6 +56,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.block_manager, mix_decodes=self.device.type == "cpu")
         self.speculation = build_speculation(config, worker)
         self.sequences: dict[str, Sequence] = {}
+        self._lora_loading: list[Sequence] = []  # requests waiting for their adapter to be read from disk
         self.appender = TokenAppender(self.sequences, self.scheduler, self.block_manager, self.structured,
                                       self.speculation, self.eos_ids)
         self.reset_stats()
@@ -84,27 +85,38 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------
 
     def make_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      seed: int | None = None) -> Sequence:
+                      seed: int | None = None, lora: LoraRequest | None = None) -> Sequence:
         """A sequence for a checked prompt and params (InputProcessor.check fitted max_tokens;
         trusted here); the seed of an unseeded request is drawn here, the one place that decides
-        it (`seed`: one rank 0 drew)."""
+        it (`seed`: one rank 0 drew). lora: the adapter it runs with (LoRA must be on)."""
+        if lora is not None and self.worker.loras is None:
+            raise InvalidRequestError(f"model {lora.name!r} is a LoRA adapter, and LoRA is off (--enable-lora)",
+                                      param="model")
         if seed is None:
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
-        return Sequence(request_id, prompt_token_ids, params, seed)
+        return Sequence(request_id, prompt_token_ids, params, seed, lora=lora)
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self.sequences:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already running")
         self.sequences[seq.request_id] = seq
+        if seq.lora is not None and seq.lora.lora_id not in self.worker.loras.cache:
+            self.worker.loras.cache.start(seq.lora)  # read on the cache's thread; the request waits for it
+            self._lora_loading.append(seq)
+            return
+        self._enter(seq)
+
+    def _enter(self, seq: Sequence) -> None:
         if seq.params.grammar is not None:
             self.structured.submit(seq)  # joins the scheduler when its grammar is compiled
         else:
             self.scheduler.add(seq)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt_block_keys: list[bytes] | None = None) -> Sequence:
-        """prompt_block_keys: the prefix-cache keys a front end hashed (AddRequest)."""
-        seq = self.make_sequence(request_id, prompt_token_ids, params)
+                    prompt_block_keys: list[bytes] | None = None, lora: LoraRequest | None = None) -> Sequence:
+        """prompt_block_keys: the prefix-cache keys a front end hashed (AddRequest), under the adapter's
+        root when `lora` is given."""
+        seq = self.make_sequence(request_id, prompt_token_ids, params, lora=lora)
         self.block_manager.adopt_prompt_keys(seq, prompt_block_keys)
         self.add_sequence(seq)
         return seq
@@ -120,7 +132,8 @@ class EngineCore:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None or bool(self.structured.compiling)
+        return (self.scheduler.has_work() or self._in_flight is not None or bool(self.structured.compiling)
+                or bool(self._lora_loading))
 
     # ---- the step ------------------------------------------------------------------
 
@@ -134,10 +147,38 @@ class EngineCore:
         the model run raise fail alone (finish_reason "error", blocks freed); anything else
         propagates."""
         self._faults.take_fatal()
-        outputs = self._admit_compiled() if self.structured.compiling else []
+        outputs = self._admit_loaded() if self._lora_loading else []
+        outputs += self._admit_compiled() if self.structured.compiling else []
         outputs += self._step()
         if not self.has_unfinished():
             self.worker.timeline.pause()
+        return outputs
+
+    def _admit_loaded(self) -> list[CoreOutput]:
+        """Requests whose LoRA adapter is read go on (to their grammar or the scheduler); those whose
+        adapter could not be read end with the reason."""
+        cache, outputs, waiting = self.worker.loras.cache, [], []
+        live = {s.lora.lora_id for s in self.sequences.values() if s.lora is not None}
+        for seq in self._lora_loading:
+            if seq.is_finished:  # aborted while its adapter was read
+                continue
+            try:
+                ready = cache.ready(seq.lora, live)
+            except AdapterError as exc:
+                logger.warning("request %s: %s", seq.request_id, exc)
+                outputs += self._fail([seq], str(exc))
+                continue
+            except Exception as exc:  # an adapter that passed the front end's checks and then failed to read
+                logger.exception("request %s: reading LoRA adapter %s failed", seq.request_id, seq.lora.path)
+                outputs += self._fail([seq], f"LoRA adapter {seq.lora.name!r} could not be read: {exc}")
+                continue
+            if ready:
+                self._enter(seq)
+            else:
+                waiting.append(seq)
+        self._lora_loading = waiting
+        if waiting and not self.scheduler.has_work() and self._in_flight is None:
+            time.sleep(0.0005)  # only adapters loading: no need to spin
         return outputs
 
     def _admit_compiled(self) -> list[CoreOutput]:
@@ -195,6 +236,7 @@ class EngineCore:
 
     def _run(self, batch: PrefillBatch | DecodeRound) -> dict[str, StepTokens]:
         self._faults.check_step(batch.seqs)
+        self.worker.activate_loras(batch.seqs, self.scheduler.running)
         with self.worker.timeline.busy():
             if isinstance(batch, PrefillBatch):
                 return self.worker.runner.prefill(batch, overtake=self._may_overtake(batch))
@@ -301,6 +343,7 @@ class EngineCore:
 
     def _launch(self, rnd: DecodeRound) -> RoundHandle:
         self._faults.check_step(rnd.seqs)
+        self.worker.activate_loras(rnd.seqs, self.scheduler.running)
         with self.worker.timeline.busy():
             return self.worker.launch(rnd)
 

@@ -142,7 +142,7 @@ class CoreLoop:
         if isinstance(message, AddRequest):
             try:
                 seq = core.add_request(message.request_id, message.prompt_token_ids, message.params,
-                                       message.prompt_block_keys)
+                                       message.prompt_block_keys, message.lora)
                 if self.workers:
                     self._inputs.adds.append(message)
                     self._inputs.seeds.append(seq.seed)

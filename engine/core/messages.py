@@ -9,7 +9,7 @@ ROUTER end and knows every front end by its socket identity. Frames are msgpack
 from __future__ import annotations
 
 import msgspec
-from graphserve.engine.request import SamplingParams, TokenLogprob
+from graphserve.engine.request import LoraRequest, SamplingParams, TokenLogprob
 from graphserve.engine.stats import EngineStats
 
 # ---- front end -> core ----------------------------------------------------------------
@@ -28,6 +28,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     # the prefix cache's keys of the prompt's full blocks (engine/sched/prefix_hash.py prompt_keys),
     # hashed in the front end so that the core does not; None: the core hashes
     prompt_block_keys: list[bytes] | None = None
+    lora: LoraRequest | None = None  # the LoRA adapter it runs with (the keys then hash under its root)
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from graphserve.engine.cpu.attention import paged_decode_attention
+from graphserve.engine.lora.rows import LoraRows
 from graphserve.engine.models.layers import apply_rotary, rms_norm, rotary_tables
 from graphserve.kernels.fp8_quant import AmaxedRows
 
@@ -38,6 +39,8 @@ class AttentionMetadata:
     # prefill (CUDA): a tile map [2, N] int32 for the attention kernel, whose grid then does
     # not depend on the batch (kernels/prefill_attention.py; the prefill CUDA graphs)
     attention_tiles: torch.Tensor | None = None
+    # which LoRA adapter slot each row uses (engine/lora/rows.py); None: no row uses one
+    lora: LoraRows | None = None
 
 
 def step_rotary_tables(meta: AttentionMetadata, positions: torch.Tensor, cos_sin: torch.Tensor,

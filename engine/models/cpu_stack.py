@@ -53,8 +53,9 @@ def decode_stack(stack: StackDecoder, x: torch.Tensor, positions: torch.Tensor, 
                  meta: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the last layer's output, the residual) of a decode step, or None where the stack does not
-    take this step (the caller runs the layers one by one)."""
-    if meta.is_prefill or not stack.applies(x):
+    take this step (the caller runs the layers one by one): a prefill, a batch it does not take, rows
+    with a LoRA adapter (the stack has no adapter products)."""
+    if meta.is_prefill or not stack.applies(x) or (meta.lora is not None and meta.lora.applies):
         return None
     cos, sin = (t.reshape(x.shape[0], -1) for t in step_rotary_tables(meta, positions, cos_sin, x.dtype))
     return stack.run(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, kv_caches)

@@ -12,6 +12,8 @@ from graphserve.engine.cpu import linear as cpu_linear
 from graphserve.engine.cpu import quant_linear
 
 from graphserve.engine.cpu import ops as cpu_ops
+from graphserve.engine.lora.apply import LoraWeights, add_lora
+from graphserve.engine.lora.rows import LoraRows
 from graphserve.engine.models.activation import silu_and_mul
 from graphserve.engine.models.fp8 import FP8, fp8_gemm, fp8_linear, quantize_per_channel, quantizes_activations
 from graphserve.kernels.fp8_quant import AmaxedRows
@@ -109,10 +111,18 @@ def _fused_projection(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = Fa
 def hands_row_amax(x: torch.Tensor | SplitPartials, proj: "Linear", after_attention: bool = False) -> bool:
     """Whether the kernel before proj, over x's rows, hands proj its output as AmaxedRows: gate_up before
     down_proj (FP8_ROW_AMAX), or decode attention before o_proj (after_attention, FP8_ATTENTION_AMAX). Where
-    proj runs W8A8: FP8 weights on CUDA, rows the GEMV does not take."""
+    proj runs W8A8: FP8 weights on CUDA, rows the GEMV does not take; never to a projection with adapter
+    slots (their product reads the rows)."""
     switch = FP8_ATTENTION_AMAX if after_attention else FP8_ROW_AMAX
     return (switch and _triton(x) and proj.weight.dtype == FP8 and quantizes_activations(x.shape[0])
-            and not _gemv_applies(x, proj.weight))
+            and not _gemv_applies(x, proj.weight) and proj.lora is None)
+
+
+def lora_applies(proj: "Linear", rows: LoraRows | None) -> bool:
+    """Whether a step's LoRA rows change proj's output: it has adapter slots and some row may use one. The
+    fused kernels that never show proj's input or output (the norm, rotary and SiLU around the GEMV, the
+    split-K partials handed on) then give way to separate ones."""
+    return rows is not None and proj.lora is not None and rows.applies
 
 
 def _skinny_applies(x: torch.Tensor, lm_head: bool) -> bool:
@@ -188,6 +198,7 @@ class Linear(nn.Linear):
     weight once `keep_quantized()` ran."""
 
     packed: torch.Tensor | QuantizedParts | None = None
+    lora: LoraWeights | None = None  # this projection's LoRA adapter slots (engine/runner/lora_slots.py)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -216,18 +227,31 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
 
-    def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | SplitPartials:
+    def forward(self, x: torch.Tensor, defer_reduce: bool = False,
+                lora: LoraRows | None = None) -> torch.Tensor | SplitPartials:
+        """lora: the step's LoRA rows, whose adapters add their product (then the result is summed)."""
+        if lora_applies(self, lora):
+            x = x.rows if isinstance(x, AmaxedRows) else x
+            y = linear(x, self.weight, self.bias, self.packed, scale=self.weight_scale)
+            return add_lora(y, x, self.lora, lora)
         return linear(x, self.weight, self.bias, self.packed, scale=self.weight_scale, defer_reduce=defer_reduce)
 
 
 def norm_linear(x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                proj: Linear, silu_mul: bool = False,
-                row_amax: bool = False) -> tuple[torch.Tensor | AmaxedRows, torch.Tensor]:
+                proj: Linear, silu_mul: bool = False, row_amax: bool = False,
+                lora: LoraRows | None = None) -> tuple[torch.Tensor | AmaxedRows, torch.Tensor]:
     """A decoder sub-block's input side: h = rmsnorm(x + residual) * norm_weight (rmsnorm(x) when
     residual is None), y = proj(h), then silu(gate) * up when silu_mul. Returns (y, x + residual).
     Decode-sized batches on CUDA do all of it in one kernel. x may be the previous projection's
     split-K partials (defers_split_reduce), with a residual. row_amax (hands_row_amax): y may come
-    as AmaxedRows."""
+    as AmaxedRows. lora: the step's LoRA rows; their adapters' product is added to y before the SiLU."""
+    if lora_applies(proj, lora):
+        if residual is None:
+            h, residual = rms_norm(x, norm_weight, eps), x
+        else:
+            h, residual = add_rms_norm(x, residual, norm_weight, eps)
+        y = add_lora(linear(h, proj.weight, proj.bias, proj.packed, scale=proj.weight_scale), h, proj.lora, lora)
+        return (silu_and_mul(y) if silu_mul else y), residual
     kernel = _fused_projection(x, proj.weight, silu_mul)
     if kernel is not None:
         y, new_residual = kernel(_summed(x), proj.weight, proj.bias, norm_weight=norm_weight, residual=residual,

@@ -32,6 +32,7 @@ from graphserve.engine.models.layers import (
     fused_qkv_rope_store,
     hands_row_amax,
     linear,
+    lora_applies,
     norm_linear,
     pack_weight_for_cpu,
     rms_norm,
@@ -77,7 +78,7 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         row_amax = hands_row_amax(x, self.o_proj, after_attention=True)
         fused = None
-        if not meta.is_prefill and self.q_norm is None:
+        if not meta.is_prefill and self.q_norm is None and not lora_applies(self.qkv_proj, meta.lora):
             fused = fused_qkv_rope_store(x, residual, norm.weight, norm.eps, self.qkv_proj, self.num_heads, positions,
                                          cos_sin, meta.slot_mapping, k_cache, v_cache)
         if fused is not None:
@@ -85,7 +86,7 @@ class Attention(nn.Module):
             out = self.backend.attend_decode(q, k_cache, v_cache, meta, self.scale, row_amax=row_amax,
                                              window=self.window, sinks=self.sinks)
         else:
-            qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, self.qkv_proj)
+            qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, self.qkv_proj, lora=meta.lora)
             heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
             q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
@@ -97,7 +98,7 @@ class Attention(nn.Module):
         else:
             o_input = out.reshape(num_tokens, self.q_size)
         defer = self.defer_output and defers_split_reduce(self.tp.size)
-        return self.tp.all_reduce(self.o_proj(o_input, defer_reduce=defer)), residual
+        return self.tp.all_reduce(self.o_proj(o_input, defer_reduce=defer, lora=meta.lora)), residual
 
 
 class MLP(nn.Module):
@@ -133,8 +134,9 @@ class DecoderLayer(nn.Module):
             experts_input, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
             return self.tp.all_reduce(mlp(experts_input)), residual
         act, residual = norm_linear(h, residual, norm.weight, norm.eps, mlp.gate_up_proj, silu_mul=True,
-                                    row_amax=hands_row_amax(h, mlp.down_proj))
-        return self.tp.all_reduce(mlp.down_proj(act, defer_reduce=defers_split_reduce(self.tp.size))), residual
+                                    row_amax=hands_row_amax(h, mlp.down_proj), lora=meta.lora)
+        down = mlp.down_proj(act, defer_reduce=defers_split_reduce(self.tp.size), lora=meta.lora)
+        return self.tp.all_reduce(down), residual
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -160,8 +162,8 @@ class GemmaDecoderLayer(nn.Module):
         h = rms_norm(h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
         norm = self.pre_feedforward_layernorm
         h, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
-        act = gelu_tanh_and_mul(self.mlp.gate_up_proj(h))
-        out = self.tp.all_reduce(self.mlp.down_proj(act))
+        act = gelu_tanh_and_mul(self.mlp.gate_up_proj(h, lora=meta.lora))
+        out = self.tp.all_reduce(self.mlp.down_proj(act, lora=meta.lora))
         return rms_norm(out, self.post_feedforward_layernorm.weight, self.post_feedforward_layernorm.eps), residual
 
 

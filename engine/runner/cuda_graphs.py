@@ -89,7 +89,7 @@ class GraphDecoder:
         self.table_width = table_width
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self.buffers = DecodeBuffers(self.max_bucket, max_steps, table_width, runner.vocab_size, runner.block_size,
-                                     self.device)
+                                     self.device, lora=runner.lora)
         self._feed: MaskFeed | None = None  # the masks of rounds with grammar rows, made by capture()
         self._last_feed_rows: dict[int, int] = {}  # the last launch's constrained rows: batch row -> compact
         self.graphs: dict[tuple[int, str], _Graph] = {}
@@ -203,6 +203,8 @@ class GraphDecoder:
         values = {"step_positions": positions, "step_slots": slots, "step_context_lens": context_lens,
                   **{name: getattr(st, name) for name in ("temperature", "top_k", "top_p", "min_p", "seeds",
                                                           "output_pos") if st is not None}}
+        if self.runner.lora:
+            values["lora_slots"] = torch.tensor([s.lora_slot for s in seqs], dtype=torch.int32)
         host = {name: slot.stage(name, src) for name, src in values.items()}
         host["block_tables"] = table
         non_blocking = self.device.type == "cuda"
@@ -316,6 +318,8 @@ class GraphDecoder:
                   "step_positions": torch.from_numpy(layout.positions[None, :]),
                   "step_slots": torch.from_numpy(layout.slots[None, :]),
                   "step_context_lens": torch.from_numpy(layout.context_lens[None, :])}
+        if self.runner.lora:  # each sequence's k + 1 rows run with its adapter
+            values["lora_slots"] = torch.tensor([s.lora_slot for s in seqs], dtype=torch.int32).repeat_interleave(width)
         try:
             for name, src in values.items():
                 self.buffers.rows(name, 1, rows).copy_(slot.stage(name, src), non_blocking=non_blocking)

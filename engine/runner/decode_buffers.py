@@ -14,8 +14,10 @@ from graphserve.engine.sched.kv_cache import DUMMY_BLOCK
 
 class DecodeBuffers:
     def __init__(self, rows: int, max_steps: int, table_width: int, vocab_size: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, lora: bool = False):
+        """lora: the model has LoRA adapter slots, and the graphs read each row's (lora_slots)."""
         n, dev = rows, device
+        self.lora = lora
         self.vocab_size, self.block_size = vocab_size, block_size
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.input_rows = torch.zeros(n, dtype=torch.int64, device=dev)  # staging only: GraphDecoder._stage_input_ids
@@ -31,6 +33,7 @@ class DecodeBuffers:
         self.output_pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self.token_bitmask = torch.full((n, -(-vocab_size // 32)), -1, dtype=torch.int32, device=dev)
         self.mask_rows = torch.zeros(n, dtype=torch.int64, device=dev)  # a round's constrained rows
+        self.lora_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)  # each row's LoRA slot, -1: none
         self.logits: torch.Tensor | None = None  # [n, V] (CUDA): the forward graph's output
         self.step = torch.zeros((), dtype=torch.int64, device=dev)
         self.out_tokens = torch.zeros(max_steps, n, dtype=torch.int64, device=dev)
@@ -48,7 +51,8 @@ class DecodeBuffers:
             input_ids=self.input_ids[:bucket], step_positions=self.step_positions[:, :bucket],
             step_slots=self.step_slots[:, :bucket], step_context_lens=self.step_context_lens[:, :bucket],
             block_tables=self.block_tables[:bucket], sampling=st, step=self.step,
-            out_tokens=self.out_tokens[:, :bucket], out_logprobs=self.out_logprobs[:, :bucket])
+            out_tokens=self.out_tokens[:, :bucket], out_logprobs=self.out_logprobs[:, :bucket],
+            lora_slots=self.lora_slots[:bucket] if self.lora else None)
 
     def rows(self, name: str, k: int, b: int) -> torch.Tensor:
         """The first b rows of buffer `name` (and its first k steps, for a per-step one)."""
@@ -62,7 +66,7 @@ class DecodeBuffers:
             return
         for t, value in ((self.input_ids, 0), (self.temperature, 0.0), (self.seeds, 0), (self.output_pos, 0),
                          (self.min_p, 0.0), (self.top_p, 1.0), (self.top_k, self.vocab_size),
-                         (self.block_tables, DUMMY_BLOCK), (self.token_bitmask, -1)):
+                         (self.block_tables, DUMMY_BLOCK), (self.token_bitmask, -1), (self.lora_slots, -1)):
             t[start:end].fill_(value)
         for t, value in ((self.step_positions, 0), (self.step_slots, DUMMY_BLOCK * self.block_size),
                          (self.step_context_lens, 1)):

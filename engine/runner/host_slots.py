@@ -14,7 +14,7 @@ from graphserve.engine.structured.mask_feed import FeedJob
 
 # static buffers staged from the host each round
 STAGED = ("input_ids", "input_rows", "step_positions", "step_slots", "step_context_lens", "block_tables",
-          "temperature", "top_k", "top_p", "min_p", "seeds", "output_pos", "mask_rows")
+          "temperature", "top_k", "top_p", "min_p", "seeds", "output_pos", "mask_rows", "lora_slots")
 PER_STEP = ("step_positions", "step_slots", "step_context_lens")  # [K, n]; the others are [n] or [n, W]
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from graphserve.engine.lora.rows import LoraRows
 from graphserve.engine.models.attention import AttentionMetadata
 from graphserve.engine.sched.kv_cache import DUMMY_BLOCK, BlockManager
 from graphserve.engine.models.llama import LlamaModel
@@ -64,6 +65,7 @@ class DecodeState:
     out_logprobs: torch.Tensor  # [K, B] float32
     out_top_ids: torch.Tensor | None = None  # [K, B, N]
     out_top_logprobs: torch.Tensor | None = None
+    lora_slots: torch.Tensor | None = None  # [B] int32: each row's LoRA adapter slot, -1: none (LoRA on)
 
 
 def plan_steps(seqs: list[Sequence], num_steps: int, tables: torch.Tensor, block_size: int,
@@ -91,11 +93,12 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_manager: BlockManager, device: torch.device, eos_ids: tuple[int, ...],
                  structured: StructuredOutputs | None = None, prefill_graphs: PrefillGraphs | None = None,
-                 decode_table_width: int | None = None):
+                 decode_table_width: int | None = None, lora: bool = False):
         """structured: the grammar matchers, when the engine has any. prefill_graphs: CUDA graphs of
         short prefills (captured by the caller). decode_table_width: the decode graphs' block-table
         width, which eager rounds then take too: the decode attention splits by it
-        (kernels/decode_attention.pick_num_splits), so an eager round gives the graphs' greedy tokens."""
+        (kernels/decode_attention.pick_num_splits), so an eager round gives the graphs' greedy tokens.
+        lora: the model has LoRA adapter slots; each step tells it every row's (Sequence.lora_slot)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_manager.block_size
@@ -106,6 +109,7 @@ class ModelRunner:
         self.structured = structured
         self.prefill_graphs = prefill_graphs
         self.decode_table_width = decode_table_width
+        self.lora = lora
         self.num_graph_prefills = 0  # prefill steps that replayed a graph
         self.num_overtaking_prefills = 0  # of them, on the priority stream
         self._last_prefill: torch.cuda.Event | None = None  # recorded after the last prefill's forward
@@ -131,6 +135,7 @@ class ModelRunner:
         `overtake` (the engine checked it is safe): that graph and the sampling run on the
         graphs' priority stream, ahead of the decode rounds queued on the current one."""
         inputs = prefill_inputs(batch, self.block_size)
+        inputs.lora_slots = self._lora_slots(batch.seqs)
         bucket = self.prefill_graph_bucket(batch)
         stream = self.prefill_graphs.stream if bucket is not None and overtake else None
         if stream is None:
@@ -147,8 +152,8 @@ class ModelRunner:
     def prefill_graph_bucket(self, batch: PrefillBatch) -> int | None:
         """The prefill graph that runs `batch`, or None: it runs eagerly (too long, prompt logprobs)."""
         graphs = self.prefill_graphs
-        if graphs is None or any(s.params.prompt_logprobs is not None for s in batch.seqs):
-            return None
+        if graphs is None or any(s.params.prompt_logprobs is not None or s.lora_slot >= 0 for s in batch.seqs):
+            return None  # (the graphs hold no LoRA products)
         return graphs.bucket_for(sum(batch.chunk_lens), len(batch.seqs))
 
     def _prefill(self, batch: PrefillBatch, inputs: PrefillInputs, bucket: int | None) -> dict[str, StepTokens]:
@@ -206,7 +211,9 @@ class ModelRunner:
         inputs = PrefillInputs(np.zeros(len(positions), dtype=np.int64), positions,
                                DUMMY_BLOCK * self.block_size + positions % self.block_size, lens,
                                lens.astype(np.int32), cu, np.full((len(lens), width), DUMMY_BLOCK, dtype=np.int32))
-        hidden = self._prefill_forward(inputs)
+        if self.lora:  # the LoRA kernels of prefills (their tiles name no slot: they compile, then return)
+            inputs.lora_slots = np.full(len(lens), -1, dtype=np.int32)
+        hidden = self._prefill_forward(inputs, warm_up=True)
         logits = self.model.compute_logits(hidden[self._tensor(inputs.last_rows, torch.int64)])
         greedy_sample(logits)
         allowed = torch.full((len(lens), -(-logits.shape[1] // 32)), -1, dtype=torch.int32, device=self.device)
@@ -227,14 +234,24 @@ class ModelRunner:
         if any(len(proposal) > k for proposal in drafts):
             raise ValueError(f"more than k = {k} drafts in a row")
         inputs = verify_inputs(seqs, drafts, self.block_size)
+        inputs.lora_slots = self._lora_slots(seqs)
         logits = self.model.compute_logits(self._prefill_forward(inputs))  # [T, V]
         rows = torch.from_numpy(padded_rows(inputs.query_lens, k + 1)).to(self.device)
         out = logits.new_zeros(len(seqs) * (k + 1), logits.shape[1]).index_copy_(0, rows, logits)
         return out.view(len(seqs), k + 1, logits.shape[1])
 
-    def _prefill_forward(self, inputs: PrefillInputs) -> torch.Tensor:
+    def _lora_slots(self, seqs: list[Sequence]) -> np.ndarray | None:
+        """Each sequence's LoRA adapter slot (-1: none), or None when the model has no slots."""
+        if not self.lora:
+            return None
+        return np.fromiter((s.lora_slot for s in seqs), dtype=np.int32, count=len(seqs))
+
+    def _prefill_forward(self, inputs: PrefillInputs, warm_up: bool = False) -> torch.Tensor:
         """The eager forward pass of a packed prefill batch: hidden states [T, D]."""
         dev = self.device
+        lora = None
+        if inputs.lora_slots is not None:
+            lora = LoraRows.for_segments(inputs.lora_slots, inputs.query_lens, dev, keep_base=warm_up)
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=torch.from_numpy(inputs.slots).to(dev),
@@ -244,6 +261,7 @@ class ModelRunner:
             max_seqlen_q=int(inputs.query_lens.max()),
             query_lens_host=inputs.query_lens.tolist(),
             context_lens_host=inputs.context_lens.tolist(),
+            lora=lora,
         )
         return self.model(torch.from_numpy(inputs.input_ids).to(dev), torch.from_numpy(inputs.positions).to(dev),
                           meta, self.kv_caches)
@@ -291,6 +309,7 @@ class ModelRunner:
             step=torch.zeros((), dtype=torch.int64, device=dev),
             out_tokens=torch.zeros(k, b, dtype=torch.int64, device=dev),
             out_logprobs=torch.zeros(k, b, dtype=torch.float32, device=dev),
+            lora_slots=self._tensor(self._lora_slots(seqs), torch.int32) if self.lora else None,
         )
         if st.num_logprobs:
             state.out_top_ids = torch.zeros(k, b, st.num_logprobs, dtype=torch.int64, device=dev)
@@ -306,7 +325,8 @@ class ModelRunner:
         read, _ = _bookkeeping(state.step)
         pos, slots, context_lens = read(state.step, state.step_positions, state.step_slots, state.step_context_lens)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, block_tables=state.block_tables,
-                                 context_lens=context_lens)
+                                 context_lens=context_lens,
+                                 lora=LoraRows.for_rows(state.lora_slots) if state.lora_slots is not None else None)
         hidden = self.model(state.input_ids, pos, meta, self.kv_caches)
         return self.model.compute_logits(hidden, dtype=None)  # sample() upcasts if it must
 

@@ -23,6 +23,7 @@ class PrefillInputs:
     context_lens: np.ndarray  # [B] int32: KV tokens of each sequence after this step
     cu_seqlens: np.ndarray  # [B+1] int32: prefix sums of query_lens
     block_tables: np.ndarray  # [B, longest table] int32, short rows padded with the dummy block
+    lora_slots: np.ndarray | None = None  # [B] int32: each sequence's LoRA adapter slot (-1: none); None: LoRA off
 
     @property
     def num_tokens(self) -> int:

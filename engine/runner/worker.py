@@ -15,12 +15,16 @@ import time
 from collections.abc import Callable
 
 from graphserve.engine.config import EngineConfig
+from graphserve.engine.lora.host_cache import AdapterCache
 from graphserve.engine.model_files.model_path import resolve_model_path
 from graphserve.engine.models.config import ModelArgs
+from graphserve.engine.models.lora_layout import lora_layout
+from graphserve.engine.request import Sequence
 from graphserve.engine.runner import device_setup, model_loading
 from graphserve.engine.runner.cuda_graphs import GraphDecoder, eager_reason
 from graphserve.engine.runner.host_slots import RoundHandle
 from graphserve.engine.runner.device_time import DeviceTimeline
+from graphserve.engine.runner.lora_slots import LoraSlots
 from graphserve.engine.runner.model_runner import ModelRunner, StepTokens
 from graphserve.engine.runner.prefill_graphs import PREFILL_GRAPH_MAX_SEQS, PrefillGraphs
 from graphserve.engine.sched.kv_cache import BlockManager, allocate_kv_cache
@@ -66,9 +70,10 @@ class Worker:
             self.model, self.kv_caches, config.block_size, config.cuda_graph_max_prefill_tokens,
             min(config.max_num_seqs, PREFILL_GRAPH_MAX_SEQS), table_width, self.device,
         ) if with_graphs and config.cuda_graph_max_prefill_tokens else None
+        self.loras = self._lora_slots(config, args) if config.enable_lora else None
         self.runner = ModelRunner(self.model, self.kv_caches, self.block_manager, self.device, self.eos_ids,
                                   structured=self.structured, prefill_graphs=prefill_graphs,
-                                  decode_table_width=table_width)
+                                  decode_table_width=table_width, lora=self.loras is not None)
         # the draft model's KV pool, runner and graphs come before the target's graphs are captured
         self.draft_runner, self.draft_graphs = self._draft_runner(draft, num_blocks) if draft else (None, None)
         self.graphs = None
@@ -84,6 +89,21 @@ class Worker:
         logger.info("loaded %s (%s, %d layers) on %s in %s: %.1fs; KV pool %d blocks x %d tokens, max_model_len %d",
                     self.model_path, args.architecture, args.num_layers, self.device, str(self.dtype).split(".")[-1],
                     time.perf_counter() - started, num_blocks, config.block_size, self.max_model_len)
+
+    def _lora_slots(self, config: EngineConfig, args: ModelArgs) -> LoraSlots:
+        """The LoRA adapters' device slots (max_loras) and host cache (max_cpu_loras), in the model's dtype."""
+        layout = lora_layout(args)
+        cache = AdapterCache(layout, config.max_lora_rank, self.dtype, config.max_cpu_loras or config.max_loras,
+                             pin_memory=self.device.type == "cuda")
+        slots = LoraSlots(self.model, layout, cache, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+        logger.info("LoRA: %d adapter slots of rank up to %d (%.1f MiB), %d cached on the host", config.max_loras,
+                    config.max_lora_rank, slots.bytes / 2**20, cache.capacity)
+        return slots
+
+    def activate_loras(self, seqs: list[Sequence], running: list[Sequence]) -> None:
+        """Before a step: its sequences' LoRA adapters in device slots (engine/runner/lora_slots.py)."""
+        if self.loras is not None:
+            self.loras.activate(seqs, running)
 
     def _draft_runner(self, draft, num_blocks: int) -> tuple[ModelRunner, GraphDecoder | None]:
         """The draft model's own KV pool (as many blocks as the target's) and runner, and on CUDA its
@@ -142,7 +162,7 @@ class Worker:
         must not run on two streams at once. Only with EngineConfig.prefill_ahead."""
         blocks = self.block_manager
         if (not self.config.prefill_ahead or self.runner.prefill_graph_bucket(batch) is None or self.tp.size > 1
-                or rounds_completed >= blocks.rounds_launched):
+                or self.loras is not None or rounds_completed >= blocks.rounds_launched):
             return False
         return all(blocks.last_freed(s, s.num_computed_tokens, s.num_computed_tokens + n) <= rounds_completed
                    for s, n in zip(batch.seqs, batch.chunk_lens))

@@ -15,7 +15,7 @@ from collections import OrderedDict, deque
 import torch
 
 from graphserve.engine.models.config import ModelArgs
-from graphserve.engine.sched.prefix_hash import block_bytes, chain_keys, chain_root, num_prompt_blocks
+from graphserve.engine.sched.prefix_hash import adapter_root, block_bytes, chain_keys, chain_root, num_prompt_blocks
 from graphserve.engine.request import Sequence
 
 # Block 0 is never handed out: padded rows of a CUDA-graph batch and the steps a
@@ -203,7 +203,8 @@ class BlockManager:
         if len(tokens) < count:
             tokens += block_bytes(seq.token_ids, len(tokens), count, self.block_size)
         if len(keys) < count:
-            keys += chain_keys(keys[-1] if keys else self.root, tokens[len(keys):count])
+            root = adapter_root(self.root, seq.lora.lora_id if seq.lora is not None else None)
+            keys += chain_keys(keys[-1] if keys else root, tokens[len(keys):count])
         return keys
 
     def cached_prefix(self, seq: Sequence, keys: list[bytes] | None = None) -> list[int]:

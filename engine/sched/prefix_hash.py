@@ -4,7 +4,8 @@ not (Qwen2.5-0.5B on an H200, 32 prompts of 2,032 tokens: the hashing was about 
 time from submission to the first tokens of a wave whose prefix was cached).
 
 A block's key is sha256(parent block's key + the block's token ids as int64 bytes), the first
-block's parent being sha256 of the cache salt (whatever else the KV depends on: the model)."""
+block's parent being sha256 of the cache salt (whatever else the KV depends on: the model), and for
+a request with a LoRA adapter a key of that root and the adapter's id (adapter_root)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ from collections.abc import Sequence
 
 def chain_root(cache_salt: str) -> bytes:
     return hashlib.sha256(cache_salt.encode()).digest()
+
+
+def adapter_root(root: bytes, lora_id: int | None) -> bytes:
+    """The chain root of a request's blocks: the cache's, or for a request with a LoRA adapter (its
+    KV differs) a root of that adapter's load (LoraRequest.lora_id), so KV is never shared across them."""
+    return root if lora_id is None else block_key(root, b"lora:%d" % lora_id)
 
 
 def block_bytes(token_ids: Sequence[int], first: int, end: int, block_size: int) -> list[bytes]:

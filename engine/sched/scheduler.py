@@ -94,8 +94,13 @@ class Scheduler:
                 chunks.append(n)
                 budget -= n
         deferred = []
+        adapters = self.running_adapters() if self.config.enable_lora else set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            lora_id = seq.lora.lora_id if seq.lora is not None else None
+            if lora_id is not None and lora_id not in adapters and len(adapters) >= self.config.max_loras:
+                deferred.append(self.waiting.popleft())  # its adapter waits for a device slot (max_loras)
+                continue
             # the prompt's longest cached prefix (echo's prompt logprobs need every prompt position)
             keys = self.blocks.prefix_keys(seq) if seq.params.prompt_logprobs is None else []
             cached = self.blocks.cached_prefix(seq, keys)
@@ -121,12 +126,18 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.num_prefill_tokens = seq.num_tokens
             self.running.append(seq)
+            if lora_id is not None:
+                adapters.add(lora_id)
             n = min(seq.num_prefill_tokens - seq.num_computed_tokens, budget)
             seqs.append(seq)
             chunks.append(n)
             budget -= n
         self.waiting.extendleft(reversed(deferred))  # at the head again, in their order
         return PrefillBatch(seqs, chunks) if seqs else None
+
+    def running_adapters(self) -> set[int]:
+        """The LoRA adapters (ids) of the running requests: at most max_loras, each in a device slot."""
+        return {s.lora.lora_id for s in self.running if s.lora is not None}
 
     def can_admit_waiting(self) -> bool:
         """Requests wait for a prefill and the batch has room for them."""

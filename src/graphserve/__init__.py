@@ -5,13 +5,15 @@ The HTTP server is `graphserve serve` (graphserve.server); the engine is graphse
 the Triton kernels are graphserve.kernels.
 """
 
-__all__ = ["AsyncEngine", "EngineConfig", "LLM", "LLMEngine", "RequestOutput", "SamplingParams", "TokenLogprob"]
+__all__ = ["AsyncEngine", "EngineConfig", "LLM", "LLMEngine", "LoraRequest", "RequestOutput", "SamplingParams",
+           "TokenLogprob"]
 
 _HOMES = {
     "AsyncEngine": "graphserve.engine.async_engine",
     "EngineConfig": "graphserve.engine.config",
     "LLM": "graphserve.engine.llm",
     "LLMEngine": "graphserve.engine.llm_engine",
+    "LoraRequest": "graphserve.engine.request",
     "RequestOutput": "graphserve.engine.request",
     "SamplingParams": "graphserve.engine.request",
     "TokenLogprob": "graphserve.engine.request",

@@ -1,0 +1,59 @@
+"""The product an adapter adds to one projection, y += scale * B @ (A @ x) for each row with an adapter:
+the Triton kernels of kernels/lora.py on CUDA; on CPU torch, each run of rows of one adapter with F.linear
+at the adapter's own rank, in the order PEFT computes it (lora_B(lora_A(x)) * scaling), so the float32
+path's tokens equal transformers + peft's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from graphserve.engine.lora.rows import LoraRows
+
+
+@dataclass
+class SlotTable:
+    """Per device slot, what the adapter in it is: its rank on each slice of each projection kind (0:
+    it leaves the slice alone; nothing loaded: all 0) and its scaling, on the device (the kernels)
+    and on the host (the CPU path). engine/runner/lora_slots.py writes it."""
+
+    ranks: dict[str, torch.Tensor]  # kind -> [S, slices] int32
+    scales: torch.Tensor  # [S] float32
+    ranks_host: dict[str, list[list[int]]]
+    scales_host: list[float]
+
+
+@dataclass
+class LoraWeights:
+    """One projection's adapter slots in one layer: views of the stacked slots."""
+
+    kind: str
+    a: torch.Tensor  # [S, slices, R, in]
+    b: torch.Tensor  # [S, out, R]
+    slice_sizes: tuple[int, ...]
+    table: SlotTable
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, weights: LoraWeights, rows: LoraRows) -> torch.Tensor:
+    """y [T, out] (the base projection of x [T, in]) plus each row's adapter product; y changes in place."""
+    table = weights.table
+    if y.is_cuda:
+        from graphserve.kernels.lora import lora_add
+
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        return lora_add(y, x, weights.a, weights.b, table.ranks[weights.kind], table.scales, weights.slice_sizes,
+                        slots=None if rows.tiles is not None else rows.slots, tiles=rows.tiles)
+    ranks = table.ranks_host[weights.kind]
+    for slot, first, end in rows.runs():
+        if slot < 0:
+            continue
+        xs, start = x[first:end], 0
+        for j, size in enumerate(weights.slice_sizes):
+            rank = ranks[slot][j]
+            if rank:
+                delta = F.linear(F.linear(xs, weights.a[slot, j, :rank]), weights.b[slot, start:start + size, :rank].contiguous())
+                y[first:end, start:start + size] += delta * table.scales_host[slot]
+            start += size
+    return y
