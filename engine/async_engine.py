@@ -30,8 +30,8 @@ from graphserve.engine.core.messages import (
 from graphserve.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from graphserve.engine.inputs import InputProcessor, ModelLimits
 from graphserve.engine.output import OutputProcessor
-from graphserve.engine.sched.prefix_hash import prompt_keys
-from graphserve.engine.request import RequestOutput, SamplingParams
+from graphserve.engine.sched.prefix_hash import adapter_root, prompt_keys
+from graphserve.engine.request import LoraRequest, RequestOutput, SamplingParams
 from graphserve.engine.stats import EngineStats
 from graphserve.engine.structured.grammar import GrammarCompiler, GrammarSpec
 from graphserve.engine.tokenizer import Tokenizer
@@ -163,12 +163,13 @@ class AsyncEngine:
         await self.grammars.check(spec)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
-                    max_tokens_defaulted: bool = False) -> "RequestStream":
+                    max_tokens_defaulted: bool = False, lora: LoraRequest | None = None) -> "RequestStream":
         """Check the prompt, fit max_tokens (InputProcessor.check) and send now (raises
         InvalidRequestError / PromptTooLongError before the request takes any KV); returns the
         stream of its updates, one per engine round. `params` come validated
         (SamplingParams.validate, at the HTTP edge); `max_tokens_defaulted`: see fit_max_tokens.
-        Closing the stream before the last update, read or not, aborts the request."""
+        Closing the stream before the last update, read or not, aborts the request. lora: the LoRA
+        adapter it runs with (the engine reads it when a request first needs it)."""
         if self.dead:
             raise EngineDeadError("the engine has stopped after an error")
         if request_id in self._queues:
@@ -179,8 +180,9 @@ class AsyncEngine:
         self.outputs.add(request_id, token_ids, params)
         root = self.info.prefix_cache_root  # echo's prompt logprobs bypass the cache: no lookup
         hashed = root is not None and params.prompt_logprobs is None
-        keys = prompt_keys(token_ids, self.info.block_size, root) if hashed else None
-        self._client.send(AddRequest(request_id, token_ids, params, keys))
+        lora_id = lora.lora_id if lora is not None else None
+        keys = prompt_keys(token_ids, self.info.block_size, adapter_root(root, lora_id)) if hashed else None
+        self._client.send(AddRequest(request_id, token_ids, params, keys, lora))
         return RequestStream(self, request_id, updates)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,

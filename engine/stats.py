@@ -33,3 +33,9 @@ class EngineStats:
     device_idle_seconds: float = 0.0  # requests were running, but the device waited for the host
     gc_full_collections: int = 0  # the core process's full garbage collections (engine/gc_stats.py)
     gc_full_collection_seconds: float = 0.0  # the time they took, the core's loop stopped
+    # LoRA (0: off): device slots, the adapters of running and of waiting requests (names, sorted), and when
+    # those last changed (time.time())
+    max_loras: int = 0
+    lora_running: list[str] = field(default_factory=list)
+    lora_waiting: list[str] = field(default_factory=list)
+    lora_updated_at: float = 0.0

@@ -23,6 +23,7 @@ from graphserve.server import (
     routes_completions,
     routes_debug,
     routes_health,
+    routes_lora,
     routes_models,
     routes_responses,
     routes_tokenize,
@@ -30,6 +31,7 @@ from graphserve.server import (
 from graphserve.server.admission import Admission
 from graphserve.server.errors import install_error_handlers
 from graphserve.server.generation import ClientDisconnected
+from graphserve.server.lora_registry import LoraRegistry
 from graphserve.server.metrics import ServerMetrics
 from graphserve.server.reasoning import parser_name
 from graphserve.server.settings import ServerSettings
@@ -54,6 +56,7 @@ def create_app(
     max_body_bytes: int = ServerSettings.max_body_bytes,
     allowed_origins: list[str] | None = None,
     enable_fault_injection: bool = False,
+    loras: LoraRegistry | None = None,
     on_ready: Callable[[ServerState], None] | None = None,
     on_engine_failure: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
@@ -63,7 +66,9 @@ def create_app(
     (the CLI then stops the process with a non-zero status, so a supervisor restarts it).
     Requests beyond `max_queue_len` waiting engine requests get 429, bodies over
     `max_body_bytes` 413; CORS headers are sent only for `allowed_origins`;
-    `enable_fault_injection` (tests only) adds POST /debug/fault."""
+    `enable_fault_injection` (tests only) adds POST /debug/fault. `loras`: the LoRA adapters served by
+    name (the engine runs with enable_lora); with runtime updates on, POST /v1/load_lora_adapter and
+    /v1/unload_lora_adapter change them."""
     state = ServerState(
         engine=engine,
         metrics=ServerMetrics(engine),
@@ -74,6 +79,7 @@ def create_app(
         chat_content_special_tokens=chat_content_special_tokens,
         reasoning_setting=parser_name(reasoning_parser),
         max_body_bytes=max_body_bytes,
+        loras=loras,
     )
 
     @contextlib.asynccontextmanager
@@ -99,6 +105,8 @@ def create_app(
     app.add_exception_handler(ClientDisconnected, _client_disconnected)  # type: ignore[arg-type]
     for module in (routes_completions, routes_chat, routes_responses, routes_models, routes_tokenize, routes_health):
         app.include_router(module.router)
+    if loras is not None and loras.runtime_updates:
+        app.include_router(routes_lora.router)
     if enable_fault_injection:
         logger.warning("fault injection is enabled (POST /debug/fault): for tests only")
         app.include_router(routes_debug.router)
@@ -134,6 +142,8 @@ async def _run_engine(
         if on_engine_failure is not None:
             on_engine_failure(exc)
         return
+    if state.loras is not None:  # runtime loads are checked against the served model
+        await asyncio.to_thread(state.loras.bind, state.engine.model_path)
     logger.info(
         "engine ready: model %s (%s), max_model_len %d",
         state.model_name,

@@ -75,6 +75,12 @@ ENGINE_FLAG_HELP = {
     "draft_quantization": "fp8: the draft model's projection weights in FP8 (per-channel scales), half the bytes a "
                           "draft step reads; default: the target's --quantization",
     "num_speculative_tokens": "k: most draft tokens verified per sequence and step, 1 to 16",
+    "enable_lora": "serve LoRA adapters (on by itself with --lora-modules or --allow-runtime-lora-updating): a "
+                   "request's model names one; requests for different adapters share batches and CUDA graphs",
+    "max_loras": "LoRA adapters held on the device at once (slots); more waiting requests' adapters wait for a "
+                 "slot, which the least recently used adapter no running request uses gives up",
+    "max_cpu_loras": "LoRA adapters cached in host memory (default: --max-loras)",
+    "max_lora_rank": "largest LoRA rank served; the device slots are sized by it",
     "speculative_max_batch": "decode rounds of more running sequences than this do not speculate (at large "
                              "batch verifying drafts costs more than it saves); default: 8 on CPU, 16 on CUDA (measured: "
                              "docs/benchmarks.md)",
@@ -198,6 +204,29 @@ def build_parser() -> argparse.ArgumentParser:
         f"response_format and tool grammars apply only after it; one of {', '.join(REASONING_PARSERS)}, auto "
         f"(the default: from the chat template when it is unambiguous) or none (off: the thinking is content)",
     )
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) served under these names: a request's model picks one "
+        "(turns --enable-lora on); also vLLM's JSON form '{\"name\": ..., \"path\": ...}'",
+    )
+    group.add_argument(
+        "--allow-runtime-lora-updating",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, with its "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING), behind --api-key, for paths under --lora-allowed-dir; one front end",
+    )
+    group.add_argument(
+        "--lora-allowed-dir",
+        dest="lora_allowed_dirs",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="a directory runtime LoRA loads may read adapters from (repeatable)",
+    )
     add_engine_flags(serve)
 
     generate = commands.add_parser("generate", help="generate text offline (no server)")
@@ -252,11 +281,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from graphserve.engine.models.config import ModelArgs
 
         ModelArgs.from_dir(engine_config.model)
+    check_lora_modules(server_settings, engine_config)
     logger.info("config file: %s", config_path or "none (built-in defaults)")
     logger.info("engine config: %s", engine_config)
     shown = {**vars(server_settings), "api_key": "***" if server_settings.api_key else None}
     logger.info("server settings: %s", shown)
     return supervisor.serve(server_settings, engine_config)
+
+
+def check_lora_modules(server_settings: ServerSettings, engine_config: EngineConfig) -> None:
+    """An adapter of --lora-modules that does not fit the model ends the command here, in one line."""
+    if not server_settings.lora_modules:
+        return
+    from graphserve.engine.model_files.model_path import resolve_model_path
+    from graphserve.engine.models.config import ModelArgs
+    from graphserve.engine.models.lora_layout import lora_layout
+    from graphserve.server.lora_registry import check_adapters, parse_lora_modules
+
+    layout = lora_layout(ModelArgs.from_dir(resolve_model_path(engine_config.model)))
+    check_adapters(parse_lora_modules(server_settings.lora_modules), layout, engine_config.max_lora_rank)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from graphserve.engine.config import EngineConfig
-from graphserve.server.settings import ServerSettings, fault_injection_enabled
+from graphserve.server.settings import ServerSettings, fault_injection_enabled, lora_registry
 
 logger = logging.getLogger("graphserve.server")
 
@@ -61,6 +61,7 @@ def run_frontend(index: int, server: ServerSettings, engine_config: EngineConfig
         max_body_bytes=server.max_body_bytes,
         allowed_origins=server.allowed_origins,
         enable_fault_injection=fault_injection_enabled(),
+        loras=lora_registry(server, engine_config),
         on_ready=on_ready,
         on_engine_failure=on_engine_failure,
     )

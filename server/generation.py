@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import anyio
 from fastapi import Request
 
-from graphserve.engine.request import RequestOutput, SamplingParams
+from graphserve.engine.request import LoraRequest, RequestOutput, SamplingParams
 from graphserve.server.admission import Admission
 from graphserve.server.errors import APIError, from_engine_error, internal_error
 from graphserve.server.metrics import ServerMetrics
@@ -37,6 +37,7 @@ class ChoiceJob:
     prompt: str | list[int]
     params: SamplingParams
     max_tokens_defaulted: bool = False  # the body left max_tokens out (engine/inputs.fit_max_tokens)
+    lora: LoraRequest | None = None  # the LoRA adapter the body's `model` named
 
 
 @dataclass
@@ -106,7 +107,7 @@ class GenerationGroup:
         try:
             for job in self.jobs:
                 stream = self.engine.add_request(job.prompt, job.params, self.engine_request_id(job.index),
-                                                 max_tokens_defaulted=job.max_tokens_defaulted)
+                                                 max_tokens_defaulted=job.max_tokens_defaulted, lora=job.lora)
                 self.progress[job.index] = ChoiceProgress(arrival_time=now)
                 # read at once: a started stream aborts its request when it is cancelled or closed
                 pump = _Pump(stream, task=asyncio.ensure_future(anext(stream)))
@@ -195,6 +196,7 @@ class GenerationGroup:
             first_token_time=progress.first_token_time,
             finish_time=time.monotonic(),
             core_times=progress.core_times,
+            lora_name=self.jobs[0].lora.name if self.jobs[0].lora is not None else None,
         )
         if self.log_requests:
             logger.info(

@@ -90,6 +90,12 @@ class ServerMetrics:
             buckets=_PHASE_BUCKETS,
             registry=self.registry,
         )
+        self.lora_requests = Counter(
+            f"{PREFIX}_lora_requests",
+            "Finished generation requests (one per choice) that ran with a LoRA adapter, by adapter.",
+            ["lora_name"],
+            registry=self.registry,
+        )
         self.engine_collector = EngineStatsCollector(engine)
         self.registry.register(self.engine_collector)
 
@@ -103,10 +109,14 @@ class ServerMetrics:
         first_token_time: float | None,
         finish_time: float,
         core_times: tuple[float, float] | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """core_times: (first scheduled, first token on the engine's host) on time.monotonic(), which
-        is CLOCK_MONOTONIC: one clock for the front ends and the engine core."""
+        is CLOCK_MONOTONIC: one clock for the front ends and the engine core. lora_name: the request's
+        LoRA adapter."""
         self.requests.labels(finish_reason=finish_reason or "abort").inc()
+        if lora_name is not None:
+            self.lora_requests.labels(lora_name=lora_name).inc()
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generated_tokens)
         self.e2e_latency.observe(finish_time - arrival_time)
@@ -239,3 +249,20 @@ class EngineStatsCollector(Collector):
         for reason, count in sorted(stats.eager_rounds.items()):
             eager.add_metric([reason], count)
         yield eager
+        if stats.max_loras:
+            yield lora_info(stats.max_loras, stats.lora_running, stats.lora_waiting, stats.lora_updated_at)
+
+
+LORA_INFO_METRIC = f"{PREFIX}_lora_requests_info"
+
+
+def lora_info(max_loras: int, running: list[str], waiting: list[str], updated_at: float) -> GaugeMetricFamily:
+    """The Gateway API Inference Extension's LoRA gauge in vLLM's form (vllm:lora_requests_info): labels
+    max_lora, running_lora_adapters and waiting_lora_adapters (comma-separated names), value the time
+    (Unix seconds) they last changed. The endpoint picker reads it with
+    --lora-info-metric=graphserve_lora_requests_info (docs/lora.md)."""
+    family = GaugeMetricFamily(LORA_INFO_METRIC, "LoRA adapters of running and waiting requests, the most the "
+                               "device holds at once (max_lora); the value is when they last changed.",
+                               labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    family.add_metric([str(max_loras), ",".join(running), ",".join(waiting)], updated_at)
+    return family

@@ -448,6 +448,21 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
+class LoadLoraAdapterRequest(_Request):
+    """POST /v1/load_lora_adapter, as vLLM's."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+    load_inplace: bool = False  # replace an adapter already loaded under this name
+
+
+class UnloadLoraAdapterRequest(_Request):
+    """POST /v1/unload_lora_adapter, as vLLM's."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_int_id: int | None = None
+
+
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]

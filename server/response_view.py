@@ -40,7 +40,7 @@ class ResponseView:
     def __init__(self, state: ServerState, body: CompletionRequest | ChatCompletionRequest, request_id: str):
         self.body = body
         self.request_id = request_id
-        self.model = state.model_name
+        self.model = state.response_model(body.model)
         self.created = int(time.time())
         self.tokenizer = state.engine.tokenizer
 

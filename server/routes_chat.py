@@ -48,7 +48,9 @@ async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     engine = state.ready_engine(body.model)
     chat = await prepare_chat(state, engine, body)
-    jobs = [ChoiceJob(index=c, prompt=chat.prompt_ids, params=for_choice(chat.params, c)) for c in range(body.n)]
+    lora = state.adapter(body.model)
+    jobs = [ChoiceJob(index=c, prompt=chat.prompt_ids, params=for_choice(chat.params, c), lora=lora)
+            for c in range(body.n)]
     request_id = new_request_id("chatcmpl")
     group = await start_generation(state, request_id, jobs, stream=body.stream)
     return await _ChatView(state, body, request_id, chat.tools, chat.reasoning).respond(request, group)

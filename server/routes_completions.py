@@ -96,8 +96,10 @@ async def create_completion(request: Request) -> Response:
     # max_tokens as the client gave it must fit after the prompt (else a 400); null is as many as
     # fit (as in vLLM); left out, the default (16) is clamped to what fits (engine/inputs.py)
     defaulted = "max_tokens" not in body.model_fields_set
+    lora = state.adapter(body.model)
     jobs = [
-        ChoiceJob(index=p * body.n + c, prompt=ids, params=for_choice(params, c), max_tokens_defaulted=defaulted)
+        ChoiceJob(index=p * body.n + c, prompt=ids, params=for_choice(params, c), max_tokens_defaulted=defaulted,
+                  lora=lora)
         for p, ids in enumerate(prompt_ids)
         for c in range(body.n)
     ]

@@ -24,11 +24,26 @@ def model_card(state: ServerState, model: str | None = None) -> ModelCard:
     )
 
 
+def adapter_cards(state: ServerState, base: ModelCard) -> list[ModelCard]:
+    """A card per LoRA adapter, its parent the base model's id (as vLLM lists them)."""
+    if state.loras is None:
+        return []
+    return [ModelCard(id=lora.name, created=base.created, root=lora.path, parent=base.id,
+                      max_model_len=base.max_model_len) for lora in state.loras.adapters()]
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
-    return json_response(ModelList(data=[model_card(get_state(request))]))
+    state = get_state(request)
+    base = model_card(state)
+    return json_response(ModelList(data=[base, *adapter_cards(state, base)]))
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> Response:
-    return json_response(model_card(get_state(request), model))
+    state = get_state(request)
+    base = model_card(state, model)
+    lora = state.adapter(model)
+    if lora is None:
+        return json_response(base)
+    return json_response(next(card for card in adapter_cards(state, base) if card.id == lora.name))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from graphserve.engine.config import EngineConfig
+from graphserve.server.lora_registry import LoraRegistry, parse_lora_modules
 from graphserve.server.reasoning import REASONING_PARSERS, parser_name
 
 DEFAULT_CONFIG_NAME = "default.toml"
@@ -41,6 +42,11 @@ class ServerSettings:
     # qwen3 | deepseek-r1 | gpt-oss: thinking apart from the answer (server/reasoning.py); auto (None): from the
     # chat template; none: off
     reasoning_parser: str | None = None
+    # LoRA adapters served by name: "name=path" entries (server/lora_registry.py); any turns the engine's enable_lora on
+    lora_modules: list[str] | None = None
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (server/routes_lora.py), for paths under lora_allowed_dirs
+    allow_runtime_lora_updating: bool = False
+    lora_allowed_dirs: list[str] | None = None
 
 
 SERVER_KEYS = {f.name for f in fields(ServerSettings)}
@@ -147,6 +153,25 @@ def check_server_settings(server: ServerSettings) -> None:
         raise SettingsError(str(exc)) from None
     if server.allowed_origins is not None and not isinstance(server.allowed_origins, list):
         raise SettingsError("allowed_origins must be a list of origins or a comma-separated string")
+    if server.allow_runtime_lora_updating:
+        if not server.lora_allowed_dirs:
+            raise SettingsError("allow_runtime_lora_updating needs lora_allowed_dirs (--lora-allowed-dir DIR): the "
+                                "directories adapters may be loaded from")
+        if server.api_server_count not in (None, 1):
+            raise SettingsError("allow_runtime_lora_updating serves with one front end: each front end keeps its "
+                                "own adapter names (set api_server_count to 1)")
+    try:
+        parse_lora_modules(server.lora_modules)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+
+
+def lora_registry(server: ServerSettings, engine: EngineConfig) -> "LoraRegistry | None":
+    """The LoRA adapters a front end serves by name, or None when LoRA is off."""
+    if not engine.enable_lora:
+        return None
+    return LoraRegistry(parse_lora_modules(server.lora_modules), engine.max_lora_rank, server.lora_allowed_dirs,
+                        server.allow_runtime_lora_updating)
 
 
 def fault_injection_enabled(environ: dict[str, str] | None = None) -> bool:
@@ -165,6 +190,11 @@ def merge_settings(file_values: dict[str, Any], flag_values: dict[str, Any]) -> 
             merged[key] = parse_size(merged[key])
     if isinstance(merged.get("allowed_origins"), str):
         merged["allowed_origins"] = parse_origins(merged["allowed_origins"])
+    for key in ("lora_modules", "lora_allowed_dirs"):  # a TOML string is one entry
+        if isinstance(merged.get(key), str):
+            merged[key] = [merged[key]]
+    if merged.get("lora_modules") or merged.get("allow_runtime_lora_updating"):
+        merged["enable_lora"] = True  # adapters served by name need the engine's slots
     server = ServerSettings(**{k: v for k, v in merged.items() if k in SERVER_KEYS})
     check_server_settings(server)
     try:

@@ -10,8 +10,10 @@ from typing import Any, Literal
 
 from fastapi import Request
 
+from graphserve.engine.request import LoraRequest
 from graphserve.server.admission import Admission
 from graphserve.server.errors import engine_dead, model_not_found, not_ready, shutting_down
+from graphserve.server.lora_registry import LoraRegistry
 from graphserve.server.metrics import ServerMetrics
 from graphserve.server.reasoning import resolve_parser
 
@@ -33,6 +35,7 @@ class ServerState:
     startup_error: BaseException | None = None
     draining: bool = False  # shutting down: finish running requests, take no new ones
     warming_up: bool = True  # until the front end's own warm-up is done (server/warm_up.py): /health says loading
+    loras: LoraRegistry | None = None  # the LoRA adapters served by name (None: LoRA off)
 
     _reasoning: tuple[str | None, str] | None = field(default=None, init=False, repr=False)  # resolve_parser's
 
@@ -83,12 +86,25 @@ class ServerState:
         return self.engine
 
     def check_model(self, requested: str | None) -> None:
-        """Accept the served name, the engine's own name, or the local path; else 404."""
+        """Accept the served name, the engine's own name, the local path or a LoRA adapter's name; else 404."""
         if requested is None or requested == "":
             return
         if requested in (self.model_name, self.engine.model_name, self.engine.model_path):
             return
+        if self.adapter(requested) is not None:
+            return
         raise model_not_found(requested)
+
+    def adapter(self, requested: str | None) -> LoraRequest | None:
+        """The LoRA adapter `requested` names, or None (the base model)."""
+        if self.loras is None or requested in (self.model_name, self.engine.model_name, self.engine.model_path):
+            return None
+        return self.loras.get(requested)
+
+    def response_model(self, requested: str | None) -> str:
+        """The `model` a response carries: the adapter's name when one was asked for, else the served name."""
+        lora = self.adapter(requested)
+        return lora.name if lora is not None else self.model_name
 
 
 def get_state(request: Request) -> ServerState:

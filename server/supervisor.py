@@ -44,6 +44,8 @@ def frontend_count(server: ServerSettings, engine: EngineConfig) -> int:
     (the core's loop takes one), at most 4."""
     if server.api_server_count is not None:
         return server.api_server_count
+    if server.allow_runtime_lora_updating:  # one front end keeps the adapter names
+        return 1
     on_gpu = engine.device.startswith("cuda") or (engine.device == "auto" and Path("/proc/driver/nvidia").exists())
     if not on_gpu:
         return 1

@@ -57,6 +57,7 @@ class EngineCore:
         self.speculation = build_speculation(config, worker)
         self.sequences: dict[str, Sequence] = {}
         self._lora_loading: list[Sequence] = []  # requests waiting for their adapter to be read from disk
+        self._lora_info: tuple[list[str], list[str], float] = ([], [], time.time())  # _lora_stats
         self.appender = TokenAppender(self.sequences, self.scheduler, self.block_manager, self.structured,
                                       self.speculation, self.eos_ids)
         self.reset_stats()
@@ -389,5 +390,17 @@ class EngineCore:
                                    kv_blocks_cached_free=self.block_manager.num_cached_free_blocks,
                                    prefix_cache_queries=self.scheduler.num_queried_tokens,
                                    prefix_cache_hits=self.scheduler.num_cached_tokens,
-                                   **self.worker.counters(),
+                                   **self.worker.counters(), **self._lora_stats(),
                                    gc_full_collections=gc_collections, gc_full_collection_seconds=gc_seconds)
+
+    def _lora_stats(self) -> dict:
+        """The LoRA adapters of running and of waiting requests (EngineStats fields), with the time they
+        last changed."""
+        if self.worker.loras is None:
+            return {}
+        running = sorted({s.lora.name for s in self.scheduler.running if s.lora is not None})
+        waiting = sorted({s.lora.name for s in [*self.scheduler.waiting, *self._lora_loading] if s.lora is not None})
+        if (running, waiting) != self._lora_info[:2]:
+            self._lora_info = (running, waiting, time.time())
+        return dict(max_loras=self.config.max_loras, lora_running=running, lora_waiting=waiting,
+                    lora_updated_at=self._lora_info[2])
