@@ -34,8 +34,20 @@ def _slice_bounds(j, START1, START2, SIZE0, SIZE1, SIZE2):
 
 
 @triton.jit
-def _shrink_rows_kernel(x_ptr, a_ptr, slots_ptr, ranks_ptr, part_ptr, T, K, k_per_split, stride_x, stride_as,
-                        stride_aj, stride_ar, NS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _row_rstd(row_ptr, K, eps, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of one row (the RMSNorm an input goes through before A)."""
+    total = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        total += x * x
+    return tl.rsqrt(tl.sum(total) / K + eps)
+
+
+@triton.jit
+def _shrink_rows_kernel(x_ptr, a_ptr, slots_ptr, ranks_ptr, part_ptr, norm_ptr, eps, T, K, k_per_split, stride_x,
+                        stride_as, stride_aj, stride_ar, NS: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
     j = tl.program_id(1)
     split = tl.program_id(2)
@@ -45,13 +57,17 @@ def _shrink_rows_kernel(x_ptr, a_ptr, slots_ptr, ranks_ptr, part_ptr, T, K, k_pe
         if rank > 0:
             r = tl.arange(0, BLOCK_R)
             a_rows = a_ptr + slot * stride_as + j * stride_aj + r[:, None] * stride_ar
+            x_row = x_ptr + t.to(tl.int64) * stride_x
+            rstd = _row_rstd(x_row, K, eps, BLOCK_K) if NORM else 1.0
             acc = tl.zeros([BLOCK_R], dtype=tl.float32)
             k_begin = split * k_per_split
             k_end = tl.minimum(k_begin + k_per_split, K)
             for k0 in range(k_begin, k_end, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 kmask = k < k_end
-                x = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=kmask, other=0.0).to(tl.float32)
+                x = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)
+                if NORM:
+                    x = x * rstd * tl.load(norm_ptr + k, mask=kmask, other=0.0).to(tl.float32)
                 a = tl.load(a_rows + k[None, :], mask=(r[:, None] < rank) & kmask[None, :], other=0.0)
                 acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
             tl.store(part_ptr + ((split * T + t) * NS + j) * BLOCK_R + r, acc)
@@ -83,10 +99,51 @@ def _expand_rows_kernel(y_ptr, b_ptr, slots_ptr, ranks_ptr, scales_ptr, part_ptr
             tl.store(out, (y.to(tl.float32) + delta).to(y.dtype), mask=nmask)
 
 
+@triton.jit
+def _half_plus_delta(y_row, b_ptr, ranks_ptr, scales_ptr, part_ptr, slot, has, t, T, num_splits, j, n, nmask, I,
+                     stride_bs, stride_bn, BLOCK_R: tl.constexpr):
+    """Slice j (gate or up) of one row of a gate_up output plus the row's adapter product, rounded to y's dtype
+    (as the unfused path stores it before the SiLU reads it), in float32."""
+    r = tl.arange(0, BLOCK_R)
+    rank = tl.where(has, tl.load(ranks_ptr + slot * 2 + j), 0)
+    rmask = r < rank
+    u = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for s in range(num_splits):
+        u += tl.load(part_ptr + ((s * T + t) * 2 + j) * BLOCK_R + r, mask=rmask, other=0.0)
+    b = tl.load(b_ptr + slot * stride_bs + (j * I + n)[:, None] * stride_bn + r[None, :],
+                mask=nmask[:, None] & rmask[None, :], other=0.0)
+    delta = tl.sum(b.to(tl.float32) * u[None, :], axis=1) * tl.load(scales_ptr + slot)
+    y = tl.load(y_row + j * I + n, mask=nmask, other=0.0)
+    return (y.to(tl.float32) + delta).to(y.dtype).to(tl.float32)
+
+
+@triton.jit
+def _expand_rows_silu_kernel(y_ptr, out_ptr, b_ptr, slots_ptr, ranks_ptr, scales_ptr, part_ptr, T, num_splits,
+                             stride_y, stride_o, stride_bs, stride_bn, I, BLOCK_R: tl.constexpr,
+                             BLOCK_N: tl.constexpr):
+    """A gate_up projection's expand and SiLU-and-mul in one: out[:, n] = silu(gate + delta) * (up + delta)
+    for columns n of both slices, every row (one without an adapter adds nothing)."""
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < I
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    has = slot >= 0
+    slot = tl.maximum(slot, 0)
+    y_row = y_ptr + t.to(tl.int64) * stride_y
+    gate = _half_plus_delta(y_row, b_ptr, ranks_ptr, scales_ptr, part_ptr, slot, has, t, T, num_splits, 0, n, nmask,
+                            I, stride_bs, stride_bn, BLOCK_R)
+    up = _half_plus_delta(y_row, b_ptr, ranks_ptr, scales_ptr, part_ptr, slot, has, t, T, num_splits, 1, n, nmask,
+                          I, stride_bs, stride_bn, BLOCK_R)
+    dtype = out_ptr.dtype.element_ty
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + n, (act * up).to(dtype), mask=nmask)
+
+
 @triton.jit(do_not_specialize=["T"])  # one compiled variant whatever the prefill's length
-def _shrink_segments_kernel(x_ptr, a_ptr, tiles_ptr, ranks_ptr, part_ptr, T, K, k_per_split, stride_x, stride_as,
-                            stride_aj, stride_ar, NS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                            BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _shrink_segments_kernel(x_ptr, a_ptr, tiles_ptr, ranks_ptr, part_ptr, norm_ptr, eps, T, K, k_per_split,
+                            stride_x, stride_as, stride_aj, stride_ar, NS: tl.constexpr, NORM: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                            PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     j = tl.program_id(1)
     split = tl.program_id(2)
@@ -99,14 +156,24 @@ def _shrink_segments_kernel(x_ptr, a_ptr, tiles_ptr, ranks_ptr, part_ptr, T, K, 
             m = first + tl.arange(0, BLOCK_M)
             mmask = m < end
             r = tl.arange(0, BLOCK_R)
+            x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_x
+            if NORM:
+                total = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    xf = tl.load(x_rows + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
+                    total += xf.to(tl.float32) * xf.to(tl.float32)
+                rstd = tl.rsqrt(tl.sum(total, axis=1) / K + eps)
             acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
             k_begin = split * k_per_split
             k_end = tl.minimum(k_begin + k_per_split, K)
             for k0 in range(k_begin, k_end, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 kmask = k < k_end
-                x = tl.load(x_ptr + m.to(tl.int64)[:, None] * stride_x + k[None, :],
-                            mask=mmask[:, None] & kmask[None, :], other=0.0)
+                x = tl.load(x_rows + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+                if NORM:
+                    w = tl.load(norm_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+                    x = (x.to(tl.float32) * rstd[:, None] * w[None, :]).to(x.dtype)
                 a = tl.load(a_ptr + slot * stride_as + j * stride_aj + r[None, :] * stride_ar + k[:, None],
                             mask=(r[None, :] < rank) & kmask[:, None], other=0.0)
                 acc = tl.dot(x, a.to(x.dtype), acc, input_precision=PRECISION)
@@ -175,20 +242,26 @@ def _check(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, r
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
              scales: torch.Tensor, slice_sizes: tuple[int, ...], slots: torch.Tensor | None = None,
-             tiles: torch.Tensor | None = None) -> torch.Tensor:
+             tiles: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
+             silu_mul: bool = False) -> torch.Tensor:
     """y [T, N] += for each row, scale[s] * B[s, slice] @ (A[s, slice] @ x) per slice, s the row's slot:
     slots [T] int32 (-1: none; one program per row: decode) or tiles [NT, 3] int32 (first row, end row,
     slot; segment_tiles: prefill). a [S, slices, R, K], b [S, N, R] (strided over S: a layer's view of
-    stacked slots), ranks [S, slices] int32, scales [S] float32. Returns y, changed in place."""
+    stacked slots), ranks [S, slices] int32, scales [S] float32. norm (weight [K], eps): x goes through
+    that RMSNorm first (the projection's kernel fused it and never showed its input). Returns y, changed
+    in place; silu_mul (y is a fused [gate; up]): a new [T, N / 2] silu(gate) * up of the sums."""
     _check(y, x, a, b, ranks, slice_sizes)
     if (slots is None) == (tiles is None):
         raise ValueError("give slots (one per row) or tiles (segments), not both")
+    if silu_mul and (len(slice_sizes) != 2 or slice_sizes[0] != slice_sizes[1]):
+        raise ValueError(f"silu_mul needs a [gate; up] projection, got slices {slice_sizes}")
+    norm_weight, eps = norm if norm is not None else (x, 0.0)  # (unread without NORM)
     rows, k = x.shape
     ns, block_r = len(slice_sizes), a.shape[2]
     if block_r != block_rank(block_r):
         raise ValueError(f"the slots' rank dim {block_r} must be block_rank(max rank)")
     if rows == 0:
-        return y
+        return y[:, :slice_sizes[0]].clone() if silu_mul else y
     splits = _num_splits(k, rows)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), _BLOCK_K) * _BLOCK_K
     splits = triton.cdiv(k, k_per_split)
@@ -198,8 +271,14 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     n_blocks = triton.cdiv(max(slice_sizes), _BLOCK_N)
     if slots is not None:
         _shrink_rows_kernel[(rows, ns, splits)](
-            x, a, slots, ranks, partials, rows, k, k_per_split, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
-            NS=ns, BLOCK_R=block_r, BLOCK_K=_BLOCK_K, num_warps=4)
+            x, a, slots, ranks, partials, norm_weight, eps, rows, k, k_per_split, x.stride(0), a.stride(0),
+            a.stride(1), a.stride(2), NS=ns, NORM=norm is not None, BLOCK_R=block_r, BLOCK_K=_BLOCK_K, num_warps=4)
+        if silu_mul:
+            out = torch.empty((rows, slice_sizes[0]), dtype=y.dtype, device=y.device)
+            _expand_rows_silu_kernel[(rows, triton.cdiv(slice_sizes[0], _BLOCK_N))](
+                y, out, b, slots, ranks, scales, partials, rows, splits, y.stride(0), out.stride(0), b.stride(0),
+                b.stride(1), slice_sizes[0], BLOCK_R=block_r, BLOCK_N=_BLOCK_N, num_warps=4)
+            return out
         _expand_rows_kernel[(rows, ns, n_blocks)](
             y, b, slots, ranks, scales, partials, rows, splits, y.stride(0), b.stride(0), b.stride(1), starts[1],
             starts[2], *sizes, NS=ns, BLOCK_R=block_r, BLOCK_N=_BLOCK_N, num_warps=4)
@@ -207,12 +286,17 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     precision = dot_precision(x.dtype)
     num_tiles = tiles.shape[0]
     _shrink_segments_kernel[(num_tiles, ns, splits)](
-        x, a, tiles, ranks, partials, rows, k, k_per_split, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
-        NS=ns, BLOCK_M=SEGMENT_ROWS, BLOCK_R=block_r, BLOCK_K=64, PRECISION=precision, num_warps=4)
+        x, a, tiles, ranks, partials, norm_weight, eps, rows, k, k_per_split, x.stride(0), a.stride(0), a.stride(1),
+        a.stride(2), NS=ns, NORM=norm is not None, BLOCK_M=SEGMENT_ROWS, BLOCK_R=block_r, BLOCK_K=64,
+        PRECISION=precision, num_warps=4)
     _expand_segments_kernel[(num_tiles, ns, n_blocks)](
         y, b, tiles, ranks, scales, partials, rows, splits, y.stride(0), b.stride(0), b.stride(1), starts[1],
         starts[2], *sizes, NS=ns, BLOCK_M=SEGMENT_ROWS, BLOCK_R=block_r, BLOCK_N=64, PRECISION=precision,
         num_warps=4)
+    if silu_mul:  # prefill: the SiLU over every row, a kernel of its own
+        from graphserve.kernels.activation import silu_and_mul
+
+        return silu_and_mul(y)
     return y
 
 
@@ -236,9 +320,13 @@ def tile_rows(tiles: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def lora_add_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
                  scales: torch.Tensor, slice_sizes: tuple[int, ...], slots: torch.Tensor | None = None,
-                 tiles: torch.Tensor | None = None) -> torch.Tensor:
+                 tiles: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
+                 silu_mul: bool = False) -> torch.Tensor:
     """lora_add in torch, row by row, in float32 (the reference of the kernels' tests)."""
     row_slots = slots.tolist() if slots is not None else tile_rows(tiles.cpu(), x.shape[0]).tolist()
+    if norm is not None:
+        xf = x.float()
+        x = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm[1]) * norm[0].float()
     ranks_l, scales_l = ranks.tolist(), scales.tolist()
     starts = np.cumsum((0, *slice_sizes))
     for t, slot in enumerate(row_slots):
@@ -251,4 +339,7 @@ def lora_add_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Ten
             u = a[slot, j, :rank].float() @ x[t].float()
             delta = b[slot, starts[j]:starts[j + 1], :rank].float() @ u * scales_l[slot]
             y[t, starts[j]:starts[j + 1]] = (y[t, starts[j]:starts[j + 1]].float() + delta).to(y.dtype)
+    if silu_mul:
+        gate, up = y.float().chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate).to(y.dtype).float() * up).to(y.dtype)
     return y

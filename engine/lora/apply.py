@@ -36,15 +36,21 @@ class LoraWeights:
     table: SlotTable
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, weights: LoraWeights, rows: LoraRows) -> torch.Tensor:
-    """y [T, out] (the base projection of x [T, in]) plus each row's adapter product; y changes in place."""
+def add_lora(y: torch.Tensor, x: torch.Tensor, weights: LoraWeights, rows: LoraRows,
+             norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """y [T, out] (the base projection of x [T, in]) plus each row's adapter product; y changes in place.
+    On CUDA only (the kernels fuse them): norm (weight, eps), x goes through that RMSNorm first; silu_mul,
+    the result is silu(gate) * up of the sums (a new tensor)."""
     table = weights.table
     if y.is_cuda:
         from graphserve.kernels.lora import lora_add
 
         x = x if x.stride(-1) == 1 else x.contiguous()
         return lora_add(y, x, weights.a, weights.b, table.ranks[weights.kind], table.scales, weights.slice_sizes,
-                        slots=None if rows.tiles is not None else rows.slots, tiles=rows.tiles)
+                        slots=None if rows.tiles is not None else rows.slots, tiles=rows.tiles, norm=norm,
+                        silu_mul=silu_mul)
+    if norm is not None or silu_mul:
+        raise ValueError("the CPU path takes the normed input and applies the SiLU itself")
     ranks = table.ranks_host[weights.kind]
     for slot, first, end in rows.runs():
         if slot < 0:

@@ -246,6 +246,9 @@ def norm_linear(x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, 
     split-K partials (defers_split_reduce), with a residual. row_amax (hands_row_amax): y may come
     as AmaxedRows. lora: the step's LoRA rows; their adapters' product is added to y before the SiLU."""
     if lora_applies(proj, lora):
+        if _triton(x):  # the norm stays in the projection's kernel: the adapter's kernels norm x + residual again
+            y, residual = norm_linear(x, residual, norm_weight, eps, proj)
+            return add_lora(y, residual, proj.lora, lora, norm=(norm_weight, eps), silu_mul=silu_mul), residual
         if residual is None:
             h, residual = rms_norm(x, norm_weight, eps), x
         else:
