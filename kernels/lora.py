@@ -214,9 +214,10 @@ def _expand_segments_kernel(y_ptr, b_ptr, tiles_ptr, ranks_ptr, scales_ptr, part
             tl.store(out, (y.to(tl.float32) + delta).to(y.dtype), mask=omask)
 
 
-def _num_splits(k: int, rows: int) -> int:
-    """Splits of the input dim: enough programs for a few rows, few partials to add up for many."""
-    if rows >= 64:
+def _num_splits(k: int, rows: int | None) -> int:
+    """Splits of the input dim: enough programs for a few rows, few partials to add up for many. Segments
+    (rows None: a prefill) always split alike, so a prompt's length never compiles another variant."""
+    if rows is None or rows >= 64:
         return max(1, min(4, k // 1024))
     return max(1, min(16, k // 512))
 
@@ -262,7 +263,7 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         raise ValueError(f"the slots' rank dim {block_r} must be block_rank(max rank)")
     if rows == 0:
         return y[:, :slice_sizes[0]].clone() if silu_mul else y
-    splits = _num_splits(k, rows)
+    splits = _num_splits(k, rows if slots is not None else None)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), _BLOCK_K) * _BLOCK_K
     splits = triton.cdiv(k, k_per_split)
     partials = torch.empty((splits, rows, ns, block_r), dtype=torch.float32, device=x.device)

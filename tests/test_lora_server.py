@@ -1,11 +1,12 @@
 """LoRA adapters over HTTP through the real server and the official openai client: the request's `model`
 picks an adapter (streamed or not, tokens as transformers + peft's), /v1/models lists adapters with their
-parent, an unknown name is OpenAI's 404 model_not_found, runtime loads and unloads (behind the API key,
+parent, a grammar constrains an adapter's output, an unknown name is OpenAI's 404 model_not_found, runtime loads and unloads (behind the API key,
 only under --lora-allowed-dir, a bad adapter a 400 naming the file) leave the base model's output alone,
 and /metrics counts requests per adapter and exports the Inference Extension's LoRA gauge."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from collections.abc import Iterator
@@ -92,6 +93,17 @@ def test_the_model_field_picks_the_adapter_streamed_or_not(oai, expected):
     chat = oai.chat.completions.create(model="attn", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        temperature=0)
     assert chat.model == "attn" and chat.choices[0].message.content is not None
+
+
+def test_a_grammar_constrains_an_adapters_output(oai):
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    r = oai.chat.completions.create(model="mlp", messages=[{"role": "user", "content": "ok?"}], max_tokens=40,
+                                    temperature=0, response_format={"type": "json_schema",
+                                                                    "json_schema": {"name": "a", "schema": schema}})
+    # (the tiny byte tokenizer's EOS "</s>" is no special token: its text follows the JSON)
+    value, _ = json.JSONDecoder().raw_decode(r.choices[0].message.content)
+    assert value["answer"] in ("yes", "no") and r.choices[0].finish_reason == "stop"
 
 
 def test_models_lists_adapters_with_their_parent_and_unknown_names_are_404(oai):
