@@ -62,8 +62,8 @@ async def create_response(request: Request) -> Response:
     request_id = f"resp_{uuid.uuid4().hex}"
     try:
         chat = await prepare_chat(state, engine, chat_request(body))
-        group = await start_generation(state, request_id, [ChoiceJob(0, chat.prompt_ids, chat.params)],
-                                       stream=body.stream)
+        job = ChoiceJob(0, chat.prompt_ids, chat.params, lora=state.adapter(body.model))
+        group = await start_generation(state, request_id, [job], stream=body.stream)
     except (APIError, InvalidRequestError) as exc:
         raise responses_error(exc) from None
     view = _ResponsesView(state, body, request_id, chat)
@@ -83,7 +83,7 @@ class _ResponsesView:
         self.builder = OutputBuilder()
         self.parser = ChoiceParser(0, chat.reasoning, chat.tools)
         self.head = ResponseObject(
-            id=request_id, created_at=int(time.time()), status="in_progress", model=state.model_name,
+            id=request_id, created_at=int(time.time()), status="in_progress", model=state.response_model(body.model),
             instructions=body.instructions, max_output_tokens=body.max_output_tokens,
             parallel_tool_calls=body.parallel_tool_calls,
             reasoning=body.reasoning.model_dump() if body.reasoning is not None else None,

@@ -93,6 +93,8 @@ def test_the_model_field_picks_the_adapter_streamed_or_not(oai, expected):
     chat = oai.chat.completions.create(model="attn", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        temperature=0)
     assert chat.model == "attn" and chat.choices[0].message.content is not None
+    response = oai.responses.create(model="mlp", input="hi", max_output_tokens=4, temperature=0)
+    assert response.model == "mlp" and response.output
 
 
 def test_a_grammar_constrains_an_adapters_output(oai):
