@@ -47,8 +47,8 @@ async def create_chat_completion(request: Request) -> Response:
     state = get_state(request)
     body = await parse_body(request, ChatCompletionRequest)
     engine = state.ready_engine(body.model)
+    lora = state.adapter(body.model)  # now: an adapter unloaded while the prompt renders still serves this request
     chat = await prepare_chat(state, engine, body)
-    lora = state.adapter(body.model)
     jobs = [ChoiceJob(index=c, prompt=chat.prompt_ids, params=for_choice(chat.params, c), lora=lora)
             for c in range(body.n)]
     request_id = new_request_id("chatcmpl")

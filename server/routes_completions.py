@@ -73,6 +73,7 @@ async def create_completion(request: Request) -> Response:
     state = get_state(request)
     body = await parse_body(request, CompletionRequest)
     engine = state.ready_engine(body.model)
+    lora = state.adapter(body.model)  # now: an adapter unloaded while the prompt is tokenized still serves it
     tokenizer = engine.tokenizer
     prompts = normalize_prompts(body.prompt)
     # the cheap checks first: the parameters (a 400 even when the queue is full: they can never
@@ -96,7 +97,6 @@ async def create_completion(request: Request) -> Response:
     # max_tokens as the client gave it must fit after the prompt (else a 400); null is as many as
     # fit (as in vLLM); left out, the default (16) is clamped to what fits (engine/inputs.py)
     defaulted = "max_tokens" not in body.model_fields_set
-    lora = state.adapter(body.model)
     jobs = [
         ChoiceJob(index=p * body.n + c, prompt=ids, params=for_choice(params, c), max_tokens_defaulted=defaulted,
                   lora=lora)

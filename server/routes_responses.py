@@ -58,11 +58,12 @@ async def create_response(request: Request) -> Response:
     state = get_state(request)
     body = await parse_body(request, ResponsesRequest)
     engine = state.ready_engine(body.model)
+    lora = state.adapter(body.model)  # now: an adapter unloaded while the prompt renders still serves it
     check_supported(body)
     request_id = f"resp_{uuid.uuid4().hex}"
     try:
         chat = await prepare_chat(state, engine, chat_request(body))
-        job = ChoiceJob(0, chat.prompt_ids, chat.params, lora=state.adapter(body.model))
+        job = ChoiceJob(0, chat.prompt_ids, chat.params, lora=lora)
         group = await start_generation(state, request_id, [job], stream=body.stream)
     except (APIError, InvalidRequestError) as exc:
         raise responses_error(exc) from None

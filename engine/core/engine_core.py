@@ -398,8 +398,9 @@ class EngineCore:
         last changed."""
         if self.worker.loras is None:
             return {}
-        running = sorted({s.lora.name for s in self.scheduler.running if s.lora is not None})
-        waiting = sorted({s.lora.name for s in [*self.scheduler.waiting, *self._lora_loading] if s.lora is not None})
+        running_seqs, waiting_seqs = list(self.scheduler.running), [*self.scheduler.waiting, *self._lora_loading]
+        running = sorted({s.lora.name for s in running_seqs if s.lora is not None})
+        waiting = sorted({s.lora.name for s in waiting_seqs if s.lora is not None})
         if (running, waiting) != self._lora_info[:2]:
             self._lora_info = (running, waiting, time.time())
         return dict(max_loras=self.config.max_loras, lora_running=running, lora_waiting=waiting,

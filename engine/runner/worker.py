@@ -54,6 +54,8 @@ class Worker:
         max_len_wanted = config.max_model_len or args.max_position_embeddings
         self.model, draft = model_loading.load_models(config, self.model_path, args, self.dtype, self.device, self.tp,
                                                       self.quantization, max_len_wanted)
+        # the LoRA slots before the KV pool, which takes what memory is left
+        self.loras = self._lora_slots(config, args) if config.enable_lora else None
         num_blocks = self.tp.min_int(device_setup.num_kv_blocks(  # every rank's scheduler sees the same pool
             config, args, self.model.kv_args, self.dtype, self.device, draft.kv_args if draft is not None else None))
         self.max_model_len = min(max_len_wanted, (num_blocks - 1) * config.block_size)
@@ -70,7 +72,6 @@ class Worker:
             self.model, self.kv_caches, config.block_size, config.cuda_graph_max_prefill_tokens,
             min(config.max_num_seqs, PREFILL_GRAPH_MAX_SEQS), table_width, self.device,
         ) if with_graphs and config.cuda_graph_max_prefill_tokens else None
-        self.loras = self._lora_slots(config, args) if config.enable_lora else None
         self.runner = ModelRunner(self.model, self.kv_caches, self.block_manager, self.device, self.eos_ids,
                                   structured=self.structured, prefill_graphs=prefill_graphs,
                                   decode_table_width=table_width, lora=self.loras is not None)
