@@ -1,14 +1,15 @@
 """The product an adapter adds to one projection, y += scale * B @ (A @ x) for each row with an adapter:
-the Triton kernels of kernels/lora.py on CUDA; on CPU torch, each run of rows of one adapter with F.linear
-at the adapter's own rank, in the order PEFT computes it (lora_B(lora_A(x)) * scaling), so the float32
-path's tokens equal transformers + peft's."""
+the Triton kernels of kernels/lora.py on CUDA; on CPU torch at the adapter's own rank, in the order PEFT
+computes it (lora_B(lora_A(x)) * scaling), each row alone: torch's matrix product rounds a row differently
+by how many rows share the call (one row takes another kernel than two, two than sixty-four), so a row's
+tokens would depend on its batch mates and on how its prompt was chunked. One row alone is also how peft
+runs each decode step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from graphserve.engine.lora.rows import LoraRows
 
@@ -59,7 +60,14 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, weights: LoraWeights, rows: LoraR
         for j, size in enumerate(weights.slice_sizes):
             rank = ranks[slot][j]
             if rank:
-                delta = F.linear(F.linear(xs, weights.a[slot, j, :rank]), weights.b[slot, start:start + size, :rank].contiguous())
+                u = rowwise_linear(xs, weights.a[slot, j, :rank])
+                delta = rowwise_linear(u, weights.b[slot, start:start + size, :rank])
                 y[first:end, start:start + size] += delta * table.scales_host[slot]
             start += size
     return y
+
+
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, in] @ weight.T, every row as F.linear computes a one-row x, bit for bit, in one batched call."""
+    rows = x.shape[0]
+    return torch.bmm(x.unsqueeze(1), weight.t().unsqueeze(0).expand(rows, -1, -1)).squeeze(1)

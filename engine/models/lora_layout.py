@@ -1,5 +1,5 @@
 """The LoRA layout of a served model (engine/lora/layout.py): this rank's projection shapes, the PEFT
-modules that map onto them, and Phi-3's reordered q and k rows (loader.order_partial_rotary_heads)."""
+modules that map onto them, and Phi-3's reordered q and k rows (after_load.order_partial_rotary_heads)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from graphserve.engine.lora.layout import LoraLayout, dense_layout
 from graphserve.engine.models.config import ModelArgs
-from graphserve.engine.models.loader import partial_rotary_order
+from graphserve.engine.models.after_load import partial_rotary_order
 
 
 def lora_layout(args: ModelArgs) -> LoraLayout:
