@@ -39,3 +39,8 @@ class EngineStats:
     lora_running: list[str] = field(default_factory=list)
     lora_waiting: list[str] = field(default_factory=list)
     lora_updated_at: float = 0.0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV-cache blocks owned by requests, 0 to 1 (cached-free blocks count as free)."""
+        return (self.kv_blocks_total - self.kv_blocks_free) / self.kv_blocks_total if self.kv_blocks_total else 0.0

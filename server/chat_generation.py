@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphserve.engine.request import SamplingParams
-from graphserve.server.chat_prompt import render_chat_prompt
+from graphserve.server.chat_prompt import chat_request_prompt
 from graphserve.server.errors import bad_request
 from graphserve.server.protocol import ChatCompletionRequest
 from graphserve.server.reasoning import ReasoningConfig, reasoning_config
 from graphserve.server.request_params import build_sampling_params
 from graphserve.server.state import ServerState
 from graphserve.server.structured_request import grammar_from_request
-from graphserve.server.tools import HARMONY, CallFormat, call_format, check_tool_request, conversation, tool_grammar
+from graphserve.server.tools import HARMONY, CallFormat, call_format, check_tool_request, tool_grammar
 
 
 @dataclass
@@ -57,10 +57,8 @@ async def prepare_chat(state: ServerState, engine: Any, body: ChatCompletionRequ
         grammar=grammar,
     )
     state.admission.admit(body.n)
-    messages, template_tools = conversation(body, fmt, use_tools)
-    prompt_ids = await asyncio.to_thread(render_chat_prompt, tokenizer, messages, body.add_generation_prompt,
-                                         state.chat_content_special_tokens, template_tools,
-                                         body.chat_template_kwargs)
+    prompt_ids = await asyncio.to_thread(chat_request_prompt, tokenizer, body, fmt, use_tools,
+                                         state.chat_content_special_tokens)
     if not prompt_ids:
         raise bad_request("messages render to an empty prompt", param="messages")
     reasoning = reasoning_config(state.reasoning_parser, tokenizer, prompt_ids)

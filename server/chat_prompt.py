@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphserve.server.protocol import ChatMessage
+from graphserve.server.protocol import ChatCompletionRequest, ChatMessage
+from graphserve.server.tools import CallFormat, conversation
 
 
 def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage] | list[dict[str, Any]], add_generation_prompt: bool,
@@ -33,3 +34,13 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage] | list[dict[s
     text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tools=tools,
                                          **({"template_kwargs": template_kwargs} if template_kwargs else {}))
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_request_prompt(tokenizer: Any, body: ChatCompletionRequest, fmt: CallFormat, use_tools: bool,
+                        parse_special_in_content: bool = False) -> list[int]:
+    """A chat request's prompt token ids: its conversation (tool calls and results in the template's
+    form, server/tools.py) through the chat template. The chat routes (server/chat_generation.py) and
+    the Ray ingress's prefix keys (server/ray_app/routing_keys.py) both take it from here."""
+    messages, template_tools = conversation(body, fmt, use_tools)
+    return render_chat_prompt(tokenizer, messages, body.add_generation_prompt, parse_special_in_content,
+                              template_tools, body.chat_template_kwargs)

@@ -227,6 +227,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="a directory runtime LoRA loads may read adapters from (repeatable)",
     )
+    ray = serve.add_argument_group("Ray Serve (pip install graphserve[ray]; docs/scaling.md)")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve replicas of this engine on Ray Serve, one endpoint at --host:--port, each prompt "
+                     "routed to the replica holding its longest cached prefix, else to the least loaded one")
+    ray.add_argument("--ray-address", default=None,
+                     help="the Ray cluster to join (default: RAY_ADDRESS, else a Ray started for this command)")
+    ray.add_argument("--replicas", type=int, default=None, help="a fixed number of replicas (default 1)")
+    ray.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas")
+    ray.add_argument("--max-replicas", type=int, default=None, help="autoscaling: most replicas")
+    ray.add_argument("--target-ongoing-requests", type=float, default=None,
+                     help="autoscaling: ongoing requests per replica Ray Serve scales to keep")
+    ray.add_argument("--imbalance-threshold", type=int, default=None,
+                     help="a prompt leaves the replica holding its prefix when that replica has more than this many "
+                     "ongoing requests over the least loaded one (default 4)")
     add_engine_flags(serve)
 
     generate = commands.add_parser("generate", help="generate text offline (no server)")
@@ -286,6 +300,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logger.info("engine config: %s", engine_config)
     shown = {**vars(server_settings), "api_key": "***" if server_settings.api_key else None}
     logger.info("server settings: %s", shown)
+    if args.ray:
+        return serve_on_ray(args, server_settings, engine_config)
     return supervisor.serve(server_settings, engine_config)
 
 
@@ -300,6 +316,17 @@ def check_lora_modules(server_settings: ServerSettings, engine_config: EngineCon
 
     layout = lora_layout(ModelArgs.from_dir(resolve_model_path(engine_config.model)))
     check_adapters(parse_lora_modules(server_settings.lora_modules), layout, engine_config.max_lora_rank)
+
+
+def serve_on_ray(args: argparse.Namespace, server_settings: ServerSettings, engine_config: EngineConfig) -> int:
+    try:
+        from graphserve.server.ray_app import app as ray_app
+    except ImportError as exc:
+        if exc.name is None or not exc.name.startswith("ray"):
+            raise
+        print("graphserve: --ray needs Ray Serve: pip install graphserve[ray]", file=sys.stderr)
+        return 1
+    return ray_app.serve_on_ray(server_settings, engine_config, ray_app.scaling_from_args(args), args.ray_address)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -186,8 +186,8 @@ class EngineStatsCollector(Collector):
             "KV-cache blocks owned by requests.",
             stats.kv_blocks_total - stats.kv_blocks_free,
         )
-        usage = (stats.kv_blocks_total - stats.kv_blocks_free) / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
-        yield GaugeMetricFamily(f"{PREFIX}_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use.", usage)
+        yield GaugeMetricFamily(f"{PREFIX}_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0 to 1).",
+                                stats.kv_cache_usage)
         yield CounterMetricFamily(
             f"{PREFIX}_num_preemptions", "Sequences preempted for lack of KV blocks.", stats.num_preemptions
         )

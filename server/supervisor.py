@@ -117,10 +117,10 @@ def _serve(server: ServerSettings, engine: EngineConfig, listeners: list[socket.
     signal.signal(signal.SIGINT, on_signal)
     code = _watch(core, frontends, waiting_ready, stopping, url)
     for process in frontends:
-        _stop(process, signal.SIGTERM)
-    _stop(core, signal.SIGTERM)
+        stop_process(process, signal.SIGTERM)
+    stop_process(core, signal.SIGTERM)
     remove_core_address(address)
-    cause = _start_failure(core_failure) if core.exitcode not in (0, -signal.SIGTERM) else None
+    cause = start_failure_cause(core_failure) if core.exitcode not in (0, -signal.SIGTERM) else None
     if cause is not None:
         # last, after every child's own lines: a bad --model reads as its cause, not as the front ends' echo
         print(f"graphserve: the engine could not start: {cause}", file=sys.stderr, flush=True)
@@ -128,7 +128,7 @@ def _serve(server: ServerSettings, engine: EngineConfig, listeners: list[socket.
     return code
 
 
-def _start_failure(pipe: Any) -> str | None:
+def start_failure_cause(pipe: Any) -> str | None:
     """What the core sent when it failed to start; None when it sent nothing (a core that died after
     ready closes the pipe, which poll() also reports)."""
     try:
@@ -170,7 +170,7 @@ def _watch(core: Any, frontends: list[Any], waiting_ready: list[Any], stopping: 
     return 0
 
 
-def _stop(process: Any, signum: int, timeout: float = 10.0) -> None:
+def stop_process(process: Any, signum: int, timeout: float = 10.0) -> None:
     if process.exitcode is None:
         try:
             os.kill(process.pid, signum)
