@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from graphserve.server.ray_app.app import APP_NAME, REPLICA_DEPLOYMENT, Scaling,
 from graphserve.server.ray_app.forwarded import ReplicaQuery
 from graphserve.server.ray_app.ingress import REPLICA_HEADER
 from graphserve.server.settings import ServerSettings
+from live_server import free_port
 
 ENGINE = EngineConfig(device="cpu", num_threads=1, max_model_len=1024, kv_cache_bytes=64 * 1024**2, max_num_seqs=8,
                       decode_chunk=2)
@@ -52,12 +52,6 @@ class Endpoint:
 
     def openai(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -229,3 +229,20 @@ def test_a_model_it_cannot_serve_ends_serve_with_one_line_naming_the_cause(case:
     assert code == 1
     assert lines[-1].startswith(expected), lines[-5:]
     assert not any(line.startswith("Traceback") for line in lines), "\n".join(lines)
+
+
+def test_serve_ray_without_ray_says_what_to_install_in_one_line() -> None:
+    hide_ray = "import sys; sys.modules['ray'] = None; from graphserve.server.cli import main; sys.exit(main())"
+    result = subprocess.run([sys.executable, "-c", hide_ray, "serve", "--ray", "--device", "cpu"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 1
+    assert lines[-1] == "graphserve: --ray needs Ray Serve: pip install graphserve[ray]", lines[-5:]
+
+
+def test_serve_ray_takes_a_replica_count_or_autoscaling_bounds(capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before Ray starts: both at once, or bounds that cannot hold."""
+    for flags in (["--replicas", "2", "--max-replicas", "3"], ["--replicas", "0"],
+                  ["--min-replicas", "3", "--max-replicas", "2"]):
+        assert main(["serve", "--ray", "--device", "cpu", *flags]) == 2, flags
+        assert capsys.readouterr().err.startswith("graphserve: ")
