@@ -241,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--imbalance-threshold", type=int, default=None,
                      help="a prompt leaves the replica holding its prefix when that replica has more than this many "
                      "ongoing requests over the least loaded one (default 4)")
+    ray.add_argument("--router", choices=["prefix-affinity", "power-of-two"], default=None,
+                     help="prefix-affinity (default): the replica holding the prompt's longest cached prefix, else the "
+                     "least loaded; power-of-two: Ray Serve's default (the less loaded of two random replicas)")
     add_engine_flags(serve)
 
     generate = commands.add_parser("generate", help="generate text offline (no server)")

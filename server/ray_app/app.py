@@ -43,15 +43,22 @@ HEALTH_CHECK_PERIOD_S = 2.0  # a replica whose engine died is replaced within ab
 ROUTING_STATS_PERIOD_S = 1.0  # how often each replica's queue and KV use reach the router
 
 
+# the request routers a deployment can take: graphserve's, and Ray Serve's default (for comparison)
+ROUTERS = {"prefix-affinity": PrefixAffinityRouter,
+           "power-of-two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"}
+
+
 @dataclass(frozen=True)
 class Scaling:
-    """A fixed number of replicas, or Ray Serve autoscaling between min and max on ongoing requests."""
+    """A fixed number of replicas, or Ray Serve autoscaling between min and max on ongoing requests; and how
+    requests are routed to them."""
 
     replicas: int | None = None
     min_replicas: int | None = None
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None
     imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD  # ray_app/router.py
+    router: str = "prefix-affinity"  # a name in ROUTERS
 
     def __post_init__(self) -> None:
         autoscaling = (self.min_replicas, self.max_replicas, self.target_ongoing_requests)
@@ -64,6 +71,13 @@ class Scaling:
             raise SettingsError(f"--max-replicas must be >= 1 and >= --min-replicas, got {high}")
         if self.imbalance_threshold < 0:
             raise SettingsError(f"the imbalance threshold must be >= 0, got {self.imbalance_threshold}")
+        if self.router not in ROUTERS:
+            raise SettingsError(f"--router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
+
+    def router_config(self) -> RequestRouterConfig:
+        kwargs = {"imbalance_threshold": self.imbalance_threshold} if self.router == "prefix-affinity" else {}
+        return RequestRouterConfig(request_router_class=ROUTERS[self.router], request_router_kwargs=kwargs,
+                                   request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
 
     def deployment_options(self) -> dict[str, Any]:
         if self.replicas is not None or all(v is None for v in (self.min_replicas, self.max_replicas,
@@ -94,11 +108,7 @@ def graphserve_application(server: ServerSettings, engine: EngineConfig, scaling
         max_ongoing_requests=engine.max_num_seqs + server.max_queue_len,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=server.shutdown_timeout,
-        request_router_config=RequestRouterConfig(
-            request_router_class=PrefixAffinityRouter,
-            request_router_kwargs={"imbalance_threshold": scaling.imbalance_threshold},
-            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
-        ),
+        request_router_config=scaling.router_config(),
         **scaling.deployment_options(),
     )
     ingress = serve.deployment(GraphserveIngress, **ingress_options())
