@@ -32,9 +32,12 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from graphserve.engine.config import EngineConfig
+from graphserve.engine.sched.prefix_hash import prompt_keys
+from graphserve.engine.tokenizer import Tokenizer
 from graphserve.server.ray_app.app import APP_NAME, REPLICA_DEPLOYMENT, Scaling, graphserve_application
 from graphserve.server.ray_app.forwarded import ReplicaQuery
 from graphserve.server.ray_app.ingress import REPLICA_HEADER
+from graphserve.server.ray_app.routing_keys import CacheLayout, RoutingKeys
 from graphserve.server.settings import ServerSettings
 from live_server import free_port
 
@@ -149,6 +152,24 @@ def test_the_router_sends_a_known_prefix_to_the_replica_that_holds_it(endpoint):
     assert len({first for first, _ in served.values()}) == 2, served  # new prefixes spread over both replicas
     prompt_blocks = len(system_prompt(topics[0]).split()) // 16  # a lower bound: a word is at least a token
     assert all(second >= 16 * prompt_blocks for _, second in cached.values()), cached
+
+
+def test_the_ingress_keys_are_the_engines_block_keys_of_the_prompt_the_replica_renders(endpoint, tmp_path):
+    """The router's keys (ray_app/routing_keys.py, from the tokenizer files and cache layout a replica reports)
+    are the engine's prefix-cache keys of the prompt the replica builds (its /tokenize), block for block."""
+    info = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=APP_NAME).routing_info.remote().result(
+        timeout_s=TIMEOUT_S)
+    for name, data in info.tokenizer_files.items():
+        (tmp_path / name).write_bytes(data)
+    keys = RoutingKeys(Tokenizer(tmp_path), CacheLayout(info.block_size, info.prefix_cache_root))
+    body = chat_body(system_prompt("lighthouses"), "Hello.")
+    tokens = httpx.post(endpoint.url + "/tokenize", json={"messages": body["messages"]}, timeout=TIMEOUT_S).json()[
+        "tokens"]
+    expected = tuple(prompt_keys(tokens, info.block_size, info.prefix_cache_root))
+    assert len(expected) == (len(tokens) - 1) // info.block_size > 0
+    assert keys.of("/v1/chat/completions", json.dumps(body).encode()) == expected
+    assert keys.of("/v1/completions", json.dumps({"prompt": tokens}).encode()) == expected
+    assert keys.of("/v1/chat/completions", b'{"messages": 3}') == ()  # the replica answers that one (400)
 
 
 async def stream_chat(client: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None) -> tuple[str, list]:
