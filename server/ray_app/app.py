@@ -18,7 +18,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.deployment import Application
+from ray.serve import Application
 
 from graphserve.engine.config import EngineConfig
 from graphserve.server.ray_app.ingress import GraphserveIngress, ingress_options
@@ -43,7 +43,8 @@ HEALTH_CHECK_PERIOD_S = 2.0  # a replica whose engine died is replaced within ab
 ROUTING_STATS_PERIOD_S = 1.0  # how often each replica's queue and KV use reach the router
 
 
-# the request routers a deployment can take: graphserve's, and Ray Serve's default (for comparison)
+# the request routers a deployment can take: graphserve's, and Ray Serve's default (RequestRouterConfig's own
+# default, named as Ray names it), for comparison
 ROUTERS = {"prefix-affinity": PrefixAffinityRouter,
            "power-of-two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"}
 
