@@ -6,7 +6,8 @@ httpx:
 - chat streams through the Ray endpoint with the same text as the whole response; a tool call and a
   structured output come back valid;
 - the request router sends a prompt whose prefix a replica holds to that replica (a cache hit there), and
-  spreads new prefixes over both;
+  spreads new prefixes over both; its keys are the engine's block keys of the prompt the replica builds;
+- a client that leaves mid-stream has its engine request aborted;
 - kill -9 of one replica's engine-core process: its open streams end with an error event and [DONE], the
   other replica's streams finish, requests sent meanwhile are served (by the other replica: a replica
   that is starting gets none), and Ray brings the replica count back to two.
@@ -171,6 +172,19 @@ def test_the_ingress_keys_are_the_engines_block_keys_of_the_prompt_the_replica_r
     assert keys.of("/v1/chat/completions", json.dumps(body).encode()) == expected
     assert keys.of("/v1/completions", json.dumps({"prompt": tokens}).encode()) == expected
     assert keys.of("/v1/chat/completions", b'{"messages": 3}') == ()  # the replica answers that one (400)
+
+
+def test_a_client_that_leaves_mid_stream_has_its_engine_request_aborted(endpoint):
+    body = chat_body(system_prompt("tides"), "Write a long story.", max_tokens=600, ignore_eos=True, stream=True)
+    with httpx.Client(base_url=endpoint.url, timeout=TIMEOUT_S) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            events = (line for line in response.iter_lines() if line.startswith("data: "))
+            next(events), next(events)
+            assert sum(s.stats.num_running for s in replica_statuses()) == 1
+    deadline = time.monotonic() + 10  # the engine would need most of a minute to finish the 600 tokens
+    while sum(s.stats.num_running for s in replica_statuses()):
+        assert time.monotonic() < deadline, "the engine request went on after its client left"
+        time.sleep(0.1)
 
 
 async def stream_chat(client: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None) -> tuple[str, list]:

@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.types import Receive, Scope, Send
 
-from graphserve.server.errors import APIError
+from graphserve.server.errors import APIError, install_error_handlers
 from graphserve.server.generation import ClientDisconnected
 from graphserve.server.ray_app.forwarded import ForwardedRequest, ResponseHead
 from graphserve.server.ray_app.routing_keys import CacheLayout, RoutingKeys
@@ -44,6 +44,7 @@ METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 
 # serve.ingress pickles this app when the class below is defined: everything its route calls is defined above it
 ingress_app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+install_error_handlers(ingress_app)  # a failure here is an OpenAI error body too, never a traceback
 
 
 def replica_lost() -> APIError:
