@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,9 +18,11 @@ APP_EXIT_GRACE_S = 5.0  # after a disconnect, the app gets this long to wind dow
 
 
 async def call_asgi(app: Any, scope: dict[str, Any], body: bytes) -> AsyncIterator[tuple[int, list] | bytes]:
-    """Yields (status, headers) once, then each non-empty body chunk; ends with the response. An app that
+    """Yields (status, headers) once, then the body as it comes: the chunks the app sent since the last
+    item, joined (one item per chunk at low load; under load one per pass, not one per event). An app that
     ends without a response (it never does: graphserve's error handlers answer everything) yields a 500."""
-    sent: asyncio.Queue = asyncio.Queue()
+    pending: deque = deque()  # what the app sent, not yet yielded
+    arrived = asyncio.Event()
     disconnected = asyncio.Event()
     body_delivered = False
 
@@ -34,7 +37,8 @@ async def call_asgi(app: Any, scope: dict[str, Any], body: bytes) -> AsyncIterat
     async def send(message: dict[str, Any]) -> None:
         if disconnected.is_set():
             raise OSError("the client disconnected")
-        sent.put_nowait(message)
+        pending.append(message)
+        arrived.set()
 
     async def run() -> None:
         try:
@@ -42,13 +46,18 @@ async def call_asgi(app: Any, scope: dict[str, Any], body: bytes) -> AsyncIterat
         except Exception:
             logger.exception("the app failed on %s %s", scope.get("method"), scope.get("path"))
         finally:
-            sent.put_nowait(_END)
+            pending.append(_END)
+            arrived.set()
 
     task = asyncio.create_task(run())
     started = False
     try:
         while True:
-            message = await sent.get()
+            if not pending:
+                arrived.clear()
+                await arrived.wait()
+                continue
+            message = pending.popleft()
             if message is _END:
                 if not started:
                     yield 500, [(b"content-type", b"text/plain")]
@@ -57,9 +66,14 @@ async def call_asgi(app: Any, scope: dict[str, Any], body: bytes) -> AsyncIterat
                 started = True
                 yield message["status"], [(bytes(k), bytes(v)) for k, v in message.get("headers", [])]
             elif message["type"] == "http.response.body":
-                if message.get("body"):
-                    yield bytes(message["body"])
-                if not message.get("more_body", False):
+                chunks, more = [bytes(message.get("body", b""))], message.get("more_body", False)
+                while more and pending and pending[0] is not _END and pending[0]["type"] == "http.response.body":
+                    message = pending.popleft()
+                    chunks.append(bytes(message.get("body", b"")))
+                    more = message.get("more_body", False)
+                if chunk := b"".join(chunks):
+                    yield chunk
+                if not more:
                     return
     finally:
         disconnected.set()  # a no-op for an app that has finished

@@ -89,7 +89,8 @@ def _refused(head: ResponseHead, first: bytes | None) -> bool:
     engine is dead, loading or draining, or a stream whose first event is that error."""
     if first is None or head.status not in (200, 503):
         return False
-    text = first.removeprefix(b"data: ") if head.status == 200 else first
+    # a stream's first chunk may hold several events (ray_app/asgi_call.py joins what waited): the first one
+    text = first.split(b"\n\n", 1)[0].removeprefix(b"data: ") if head.status == 200 else first
     if not text.startswith(b'{"error"'):
         return False
     try:
