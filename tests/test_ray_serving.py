@@ -35,7 +35,7 @@ from ray.cluster_utils import Cluster
 from graphserve.engine.config import EngineConfig
 from graphserve.engine.sched.prefix_hash import prompt_keys
 from graphserve.engine.tokenizer import Tokenizer
-from graphserve.server.ray_app.app import APP_NAME, REPLICA_DEPLOYMENT, Scaling, graphserve_application
+from graphserve.server.ray_app.app import APP_NAME, REPLICA_DEPLOYMENT, RAY_SERVE_MODE, Scaling, graphserve_application
 from graphserve.server.ray_app.forwarded import ReplicaQuery
 from graphserve.server.ray_app.ingress import REPLICA_HEADER
 from graphserve.server.ray_app.routing_keys import CacheLayout, RoutingKeys
@@ -61,6 +61,10 @@ class Endpoint:
 
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[Endpoint]:
+    # Ray's processes in the mode `graphserve serve --ray` gives a Ray of its own (ray_app/app.py); they take it
+    # from this process's environment when the cluster starts
+    saved = {name: os.environ.get(name) for name in RAY_SERVE_MODE}
+    os.environ.update(RAY_SERVE_MODE)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
         cluster.add_node(num_cpus=1)
@@ -76,6 +80,11 @@ def endpoint() -> Iterator[Endpoint]:
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def replica_statuses() -> list:

@@ -2,8 +2,8 @@
 
 - configs/ray-serve.yaml and the RayService's serveConfigV2 (deploy/ray-service.yaml) are valid Ray Serve
   configs (Ray's own schema) whose application is graphserve's, with graphserve settings build_app takes;
-  the RayService runs the installed Ray version, a head that holds no replica and a GPU worker group with the
-  models volume;
+  the RayService runs the installed Ray version in graphserve's Ray Serve mode, a head that holds no replica
+  and a GPU worker group with the models volume;
 - deploy/inference-gateway.yaml: the InferencePool selects the pods of deploy/kubernetes.yaml on their port
   and names its endpoint picker's Service; the picker runs with that pool and its config file; the engine
   config it reads metrics by is the one the pods' engine-type label selects;
@@ -27,7 +27,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from graphserve import AsyncEngine, EngineConfig
 from graphserve.server.app import create_app
-from graphserve.server.ray_app.app import REPLICA_DEPLOYMENT, build_app
+from graphserve.server.ray_app.app import RAY_SERVE_MODE, REPLICA_DEPLOYMENT, build_app
 from live_server import BackgroundServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,6 +89,8 @@ def test_the_ray_service_runs_this_ray_on_a_head_and_a_gpu_worker_group():
     gpus_per_pod = int(worker["resources"]["limits"]["nvidia.com/gpu"])
     assert gpus_per_pod >= replica["ray_actor_options"]["num_gpus"] >= 1
     assert {c["image"] for c in containers(head["template"])} == {worker["image"]}
+    for container in (*containers(head["template"]), worker):  # the Ray Serve mode graphserve runs in
+        assert {e["name"]: e["value"] for e in container["env"]}.items() >= RAY_SERVE_MODE.items()
     mounts = {m["name"]: m["mountPath"] for m in worker["volumeMounts"]}
     claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in workers["template"]["spec"]["volumes"]
               if "persistentVolumeClaim" in v}

@@ -51,8 +51,8 @@ step() {
   nproc; git rev-parse HEAD; } >> "$LOG" 2>&1
 step "qwen2.5-0.5b: random weights" 20 170 python3 benchmarks/random_models.py qwen2.5-0.5b
 step "Ray Serve (1 replica) vs graphserve serve, 64 streams" 200 480 \
-  python3 benchmarks/ray_serving.py overhead --model qwen2.5-0.5b --config gpu-h200 --streams 64 \
+  python3 benchmarks/ray_serving.py overhead --model qwen2.5-0.5b --config gpu-h200 --streams 64 --rounds 1 \
     --overhead-requests 256 --min-len 100 --max-len 1024 --client-procs 4 --server-timeout 300 --run-timeout 200 \
-    --out "$OUT" --name ray_serving-overhead-gpu
+    --out "$OUT" --log-dir "$OUT" --name ray_serving-overhead-gpu
 echo "done in $(( $(date +%s) - START ))s, status $STATUS" | tee -a "$LOG"
 exit $STATUS

@@ -10,8 +10,11 @@ Replication, placement, restarts and autoscaling are Ray's; this file only says 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import signal
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,12 @@ APP_NAME = "graphserve"
 REPLICA_DEPLOYMENT = "GraphserveReplica"
 HEALTH_CHECK_PERIOD_S = 2.0  # a replica whose engine died is replaced within about this long
 ROUTING_STATS_PERIOD_S = 1.0  # how often each replica's queue and KV use reach the router
+# Ray Serve's throughput mode: replica code on the replica's own event loop, gRPC between the ingress and the
+# replicas, the router in the caller's loop. On the 2-core machine it took Ray's processes from 0.37 to 0.27
+# cores at 8 streams (docs/scaling.md). Without its direct ingress (the ingress replica's own HTTP server),
+# which made every stop of an ingress replica (shutdown, redeploy) take 30 s. A Ray cluster started by hand
+# takes these from its nodes' environment (deploy/ray-service.yaml sets them).
+RAY_SERVE_MODE = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
 
 
 # the request routers a deployment can take: graphserve's, and Ray Serve's default (RequestRouterConfig's own
@@ -136,15 +145,17 @@ def serve_on_ray(server: ServerSettings, engine: EngineConfig, scaling: Scaling,
     SIGINT / SIGTERM, which takes the app down (running requests get --shutdown-timeout)."""
     import ray
 
+    if address is None and not os.environ.get("RAY_ADDRESS"):  # a Ray of our own: its processes inherit these
+        for name, value in RAY_SERVE_MODE.items():
+            os.environ.setdefault(name, value)
     ray.init(address=address, log_to_driver=True)
     try:
         serve.start(http_options={"host": server.host, "port": server.port})
         serve.run(graphserve_application(server, engine, scaling), name=APP_NAME, route_prefix="/")
-        replicas = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=APP_NAME)
-        info = replicas.routing_info.remote().result()
+        url = f"http://{server.host}:{server.port}"
         count = scaling.deployment_options().get("num_replicas", "autoscaling")
-        print(f"graphserve ready: http://{server.host}:{server.port}/v1 (model {info.model_name}; Ray Serve, "
-              f"replicas: {count})", flush=True)
+        print(f"graphserve ready: {url}/v1 (model {served_model(url, server.api_key)}; Ray Serve, replicas: {count})",
+              flush=True)
         stop = {signal.SIGINT, signal.SIGTERM}
         signal.pthread_sigmask(signal.SIG_BLOCK, stop)
         signal.sigwait(stop)
@@ -154,6 +165,13 @@ def serve_on_ray(server: ServerSettings, engine: EngineConfig, scaling: Scaling,
     finally:
         ray.shutdown()
     return 0
+
+
+def served_model(url: str, api_key: str | None) -> str:
+    """The model id /v1/models answers through the endpoint (HTTP, so it works whatever the Ray Serve mode)."""
+    request = urllib.request.Request(url + "/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)["data"][0]["id"]
 
 
 def scaling_from_args(args: Any) -> Scaling:
