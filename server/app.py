@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
+from graphserve.engine.config import EngineConfig
 from graphserve.engine.errors import EngineDeadError
 from graphserve.server import (
     routes_chat,
@@ -34,7 +35,7 @@ from graphserve.server.generation import ClientDisconnected
 from graphserve.server.lora_registry import LoraRegistry
 from graphserve.server.metrics import ServerMetrics
 from graphserve.server.reasoning import parser_name
-from graphserve.server.settings import ServerSettings
+from graphserve.server.settings import ServerSettings, fault_injection_enabled, lora_registry
 from graphserve.server.state import ServerState
 from graphserve.server.warm_up import warm_up_front_end
 
@@ -119,6 +120,28 @@ def create_app(
             expose_headers=["Retry-After"],
         )
     return app
+
+
+def create_app_from_settings(engine: Any, server: ServerSettings, engine_config: EngineConfig, *,
+                             on_ready: Callable[[ServerState], None] | None = None,
+                             on_engine_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """create_app with `graphserve serve`'s settings: a front-end process (server/frontend.py) and a Ray
+    Serve replica (server/ray_app/replica.py) build the same app from them."""
+    return create_app(
+        engine,
+        served_model_name=server.served_model_name,
+        api_key=server.api_key,
+        log_requests=server.log_requests,
+        chat_content_special_tokens=server.chat_content_special_tokens,
+        reasoning_parser=server.reasoning_parser,
+        max_queue_len=server.max_queue_len,
+        max_body_bytes=server.max_body_bytes,
+        allowed_origins=server.allowed_origins,
+        enable_fault_injection=fault_injection_enabled(),
+        loras=lora_registry(server, engine_config),
+        on_ready=on_ready,
+        on_engine_failure=on_engine_failure,
+    )
 
 
 async def _run_engine(

@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from graphserve.engine.config import EngineConfig
-from graphserve.server.settings import ServerSettings, fault_injection_enabled, lora_registry
+from graphserve.server.settings import ServerSettings
 
 logger = logging.getLogger("graphserve.server")
 
@@ -33,7 +33,7 @@ def run_frontend(index: int, server: ServerSettings, engine_config: EngineConfig
                         format=log_format.replace("%(name)s", f"%(name)s[api{index}]"), datefmt="%H:%M:%S")
     from graphserve.engine.async_engine import AsyncEngine
     from graphserve.server import connections
-    from graphserve.server.app import create_app
+    from graphserve.server.app import create_app_from_settings
     from graphserve.server.draining import FLUSH_TIMEOUT_S, DrainingServer
     from graphserve.server.state import ServerState
 
@@ -50,21 +50,8 @@ def run_frontend(index: int, server: ServerSettings, engine_config: EngineConfig
         if http_server is not None:
             http_server.should_exit = True
 
-    app = create_app(
-        AsyncEngine(engine_config, core_address=core_address, core_pid=core_pid),
-        served_model_name=server.served_model_name,
-        api_key=server.api_key,
-        log_requests=server.log_requests,
-        chat_content_special_tokens=server.chat_content_special_tokens,
-        reasoning_parser=server.reasoning_parser,
-        max_queue_len=server.max_queue_len,
-        max_body_bytes=server.max_body_bytes,
-        allowed_origins=server.allowed_origins,
-        enable_fault_injection=fault_injection_enabled(),
-        loras=lora_registry(server, engine_config),
-        on_ready=on_ready,
-        on_engine_failure=on_engine_failure,
-    )
+    app = create_app_from_settings(AsyncEngine(engine_config, core_address=core_address, core_pid=core_pid), server,
+                                   engine_config, on_ready=on_ready, on_engine_failure=on_engine_failure)
     # the drain already waited --shutdown-timeout before the flush
     config = connections.uvicorn_config(app, server, timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
     http_server = DrainingServer(config, app.state.graphserve, drain_timeout=server.shutdown_timeout)

@@ -172,7 +172,7 @@ def test_the_ingress_keys_are_the_engines_block_keys_of_the_prompt_the_replica_r
         timeout_s=TIMEOUT_S)
     for name, data in info.tokenizer_files.items():
         (tmp_path / name).write_bytes(data)
-    keys = RoutingKeys(Tokenizer(tmp_path), CacheLayout(info.block_size, info.prefix_cache_root))
+    keys = RoutingKeys(Tokenizer(tmp_path), CacheLayout(info.block_size, info.prefix_cache_root, info.base_models))
     body = chat_body(system_prompt("lighthouses"), "Hello.")
     tokens = httpx.post(endpoint.url + "/tokenize", json={"messages": body["messages"]}, timeout=TIMEOUT_S).json()[
         "tokens"]
@@ -181,6 +181,11 @@ def test_the_ingress_keys_are_the_engines_block_keys_of_the_prompt_the_replica_r
     assert keys.of("/v1/chat/completions", json.dumps(body).encode()) == expected
     assert keys.of("/v1/completions", json.dumps({"prompt": tokens}).encode()) == expected
     assert keys.of("/v1/chat/completions", b'{"messages": 3}') == ()  # the replica answers that one (400)
+    # a LoRA adapter's KV differs: its prompts are keyed apart from the base model's, and from each other's
+    named = {model: keys.of("/v1/chat/completions", json.dumps({**body, "model": model}).encode())
+             for model in (endpoint.model, "adapter-a", "adapter-b")}
+    assert named[endpoint.model] == expected
+    assert len({named[endpoint.model][0], named["adapter-a"][0], named["adapter-b"][0]}) == 3
 
 
 def test_a_client_that_leaves_mid_stream_has_its_engine_request_aborted(endpoint):

@@ -9,7 +9,7 @@
   config it reads metrics by is the one the pods' engine-type label selects;
 - every metric name the picker is configured with is on a running server's /metrics with the protocol's
   type and meaning: queued and running requests gauges (one request running and one waiting with one
-  sequence slot), KV-cache utilization a gauge from 0 to 1, the cache layout's labels."""
+  sequence slot), KV-cache utilization a gauge from 0 to 1, the cache layout's labels, the LoRA gauge's."""
 
 from __future__ import annotations
 
@@ -158,9 +158,10 @@ def test_the_pool_selects_the_graphserve_pods_and_names_its_picker():
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[BackgroundServer]:
-    """One sequence slot: a second request waits, so the queued gauge has something to show."""
+    """One sequence slot: a second request waits, so the queued gauge has something to show. LoRA on (no
+    adapter needed): the LoRA gauge is there only then."""
     config = EngineConfig(device="cpu", max_num_seqs=1, max_model_len=256, kv_cache_bytes=16 * 1024**2,
-                          warm_up=False)
+                          warm_up=False, enable_lora=True)
     with BackgroundServer(create_app(AsyncEngine(config))) as background:
         background.wait_ready()
         yield background
@@ -180,7 +181,6 @@ def gauge(families: dict, name: str) -> float:
 def test_every_metric_the_picker_reads_is_on_a_running_servers_metrics(server):
     specs = graphserve_metric_specs()
     queued, running, kv = specs["queuedRequestsSpec"], specs["runningRequestsSpec"], specs["kvUsageSpec"]
-    assert specs["loraSpec"] == ""  # no adapters yet: the picker does not look for the LoRA gauge
     body = {"prompt": "Once upon a time", "max_tokens": 96, "ignore_eos": True, "stream": True}
 
     def stream() -> str:
@@ -193,6 +193,12 @@ def test_every_metric_the_picker_reads_is_on_a_running_servers_metrics(server):
         (layout,) = idle[specs["cacheInfoSpec"]].samples
         assert int(layout.labels["block_size"]) == server.app.state.graphserve.engine.info.block_size
         assert int(layout.labels["num_gpu_blocks"]) == server.app.state.graphserve.engine.stats().kv_blocks_total
+        # vLLM's form of the LoRA gauge, which the picker parses: these labels, the value a time (when the
+        # adapters in use last changed)
+        (adapters,) = idle[specs["loraSpec"]].samples
+        assert idle[specs["loraSpec"]].type == "gauge"
+        assert adapters.labels == {"max_lora": "1", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+        assert adapters.value >= 0
         with ThreadPoolExecutor(2) as pool:
             streams = [pool.submit(stream) for _ in range(2)]
             deadline = time.monotonic() + 30

@@ -110,6 +110,9 @@ def replica_resources(engine: EngineConfig) -> dict[str, float]:
 
 def graphserve_application(server: ServerSettings, engine: EngineConfig, scaling: Scaling | None = None) -> Application:
     scaling = scaling or Scaling()
+    if server.allow_runtime_lora_updating:
+        raise SettingsError("allow_runtime_lora_updating: a load or unload would reach one replica of several; list "
+                            "the adapters in lora_modules (every replica loads them)")
     replica = serve.deployment(
         GraphserveReplica,
         name=REPLICA_DEPLOYMENT,

@@ -183,8 +183,8 @@ class GraphserveIngress:
                 for name, data in info.tokenizer_files.items():
                     (folder / name).write_bytes(data)
                 tokenizer = await asyncio.to_thread(Tokenizer, folder)
-                self.routing_keys = RoutingKeys(tokenizer, CacheLayout(info.block_size, info.prefix_cache_root),
-                                                self.chat_content_special_tokens)
+                layout = CacheLayout(info.block_size, info.prefix_cache_root, info.base_models)
+                self.routing_keys = RoutingKeys(tokenizer, layout, self.chat_content_special_tokens)
             return self.routing_keys
 
 

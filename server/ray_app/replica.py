@@ -29,7 +29,7 @@ from graphserve.engine.config import EngineConfig
 from graphserve.engine.stats import EngineStats
 from graphserve.server.ray_app.asgi_call import call_asgi
 from graphserve.server.ray_app.forwarded import ForwardedRequest, ReplicaQuery, ResponseHead
-from graphserve.server.settings import ServerSettings, fault_injection_enabled
+from graphserve.server.settings import ServerSettings
 
 logger = logging.getLogger("graphserve.server")
 
@@ -40,6 +40,7 @@ READY_POLL_S = 0.1
 @dataclass(frozen=True)
 class RoutingInfo:
     model_name: str
+    base_models: frozenset[str]  # every name a request's model gives the base model by (the rest: adapters)
     block_size: int
     prefix_cache_root: bytes | None  # None: prefix caching is off
     tokenizer_files: dict[str, bytes]  # name -> contents, those of TOKENIZER_FILES the model has
@@ -58,23 +59,13 @@ class GraphserveReplica:
     async def __init__(self, server: ServerSettings, engine: EngineConfig):
         from graphserve.engine.async_engine import AsyncEngine
         from graphserve.engine.core.process import start_core_process
-        from graphserve.server.app import create_app
+        from graphserve.server.app import create_app_from_settings
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.stopped = False
         self.core, self.core_address, self.core_failure = start_core_process(engine)
-        self.app = create_app(
-            AsyncEngine(engine, core_address=self.core_address, core_pid=self.core.pid),
-            served_model_name=server.served_model_name,
-            api_key=server.api_key,
-            log_requests=server.log_requests,
-            chat_content_special_tokens=server.chat_content_special_tokens,
-            reasoning_parser=server.reasoning_parser,
-            max_queue_len=server.max_queue_len,
-            max_body_bytes=server.max_body_bytes,
-            allowed_origins=server.allowed_origins,
-            enable_fault_injection=fault_injection_enabled(),
-        )
+        self.app = create_app_from_settings(AsyncEngine(engine, core_address=self.core_address, core_pid=self.core.pid),
+                                            server, engine)
         self.state = self.app.state.graphserve
         self.lifespan = self.app.router.lifespan_context(self.app)
         await self.lifespan.__aenter__()
@@ -119,7 +110,9 @@ class GraphserveReplica:
         info = self.state.engine.info
         folder = Path(info.model_path)
         files = {name: (folder / name).read_bytes() for name in TOKENIZER_FILES if (folder / name).is_file()}
-        return RoutingInfo(self.state.model_name, info.block_size, info.prefix_cache_root, files)
+        engine = self.state.engine
+        base_models = frozenset({self.state.model_name, engine.model_name, engine.model_path})
+        return RoutingInfo(self.state.model_name, base_models, info.block_size, info.prefix_cache_root, files)
 
     def replica_status(self, query: ReplicaQuery) -> ReplicaStatus:
         """Which replica this is, its engine-core process and the engine's figures; `query.exclude` lets a
