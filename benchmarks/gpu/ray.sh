@@ -10,7 +10,7 @@
 # joined here. On a machine with internet, from the repository root:
 #   ../shared/gpu/fetch-wheels "ray[serve]==2.60.0"        # the server's wheels and Ray Serve's, Python 3.12
 #   rm -f .whl/numpy-*.whl                                  # the GPU image has numpy (torch's): keep it
-#   mkdir -p .whl-ray && mv .whl/ray-2.60.0-*.whl .whl-ray/
+#   mkdir -p .whl-ray && mv .whl/ray-2.60.0-*.whl .whl-ray/   # .whl-ray/ is git-ignored, as .whl/ is
 #   (cd .whl-ray && sha256sum ray-2.60.0-*.whl > SHA256SUMS && split -b 28M ray-2.60.0-*.whl ray.part- \
 #     && rm ray-2.60.0-*.whl)                               # ray.part-aa, -ab (28 MiB), -ac (~20 MiB)
 # then three calls on the same warm machine (ignored files stay there between calls):
