@@ -15,6 +15,8 @@ from tiny_models import assert_greedy_matches, make_tiny_model, transformers_gre
 from graphserve import LLM, SamplingParams
 from graphserve.engine.errors import UnsupportedModelError
 from graphserve.engine.models.config import ModelArgs
+from graphserve.engine.request import Sequence
+from graphserve.engine.sched.kv_cache import DUMMY_BLOCK, BlockManager
 
 MAX_NEW = 16
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
@@ -111,3 +113,101 @@ def test_greedy_on_cuda_matches_transformers(model_dir, hf_greedy, enforce_eager
     llm = LLM(str(model_dir), device="cuda", dtype="float32", max_num_seqs=8, max_num_batched_tokens=32,
               num_kv_blocks=96, enforce_eager=enforce_eager)
     assert_greedy_matches(llm, PROMPTS, GREEDY, hf_greedy)
+
+
+# ---- the KV a window can no longer read goes back to the pool (issue 61) ----
+
+WINDOW, BS = 10, 4
+# prompts many windows long, sharing a start of 60 tokens (a second pass, and the third prompt, hit the cache)
+LONG = [[3 + (7 * i + 13 * j) % 400 for j in range(n)] for i, n in enumerate((150, 97))]
+LONG.append(LONG[0][:60] + [5, 6, 7, 8, 9] * 5)
+LONG_PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def windowed_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("windowed") / "model", "mistral", seed=5, sliding_window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def windowed_greedy(windowed_dir) -> list[list[int]]:
+    return transformers_greedy(windowed_dir, LONG, LONG_PARAMS.max_tokens)
+
+
+def _run_recording_blocks(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """Each prompt's greedy tokens, and the most blocks in use after any step that follows the last prefill."""
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, LONG_PARAMS)
+    got, peak, prefilled = [[] for _ in prompts], 0, False
+    for _ in range(500):
+        for out in engine.step():
+            got[int(out.request_id)] += out.token_ids
+        if prefilled:  # a step after the last prefill's (whose schedule dropped what the prompts no longer read)
+            peak = max(peak, engine.block_manager.num_used_blocks)
+        prefilled = all(got)
+        if not engine.has_unfinished():
+            return got, peak
+    raise AssertionError("not finished after 500 steps")
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix_cache", "no_prefix_cache"])
+def test_a_long_context_holds_only_its_windows_blocks(windowed_dir, windowed_greedy, prefix_caching):
+    """Prompts of 150 and 97 tokens, a window of 10, blocks of 4: once prefilled, each sequence holds
+    only the blocks its window and its round (decode_chunk 2) read, not its context's 40; the tokens
+    are transformers'; every block is free again afterwards (twice: the second pass hits the cache)."""
+    llm = LLM(str(windowed_dir), device="cpu", block_size=BS, num_kv_blocks=80, max_num_batched_tokens=32,
+              decode_chunk=2, prefix_caching=prefix_caching)
+    blocks = llm.engine.block_manager
+    assert blocks.window == WINDOW
+    start = blocks.num_free_blocks
+    per_seq = -(-(WINDOW - 1 + 2) // BS) + 1  # positions c - W + 1 .. c + 1 of a round from c
+    for _ in range(2):
+        got, peak = _run_recording_blocks(llm, LONG)
+        assert got == windowed_greedy
+        assert 0 < peak <= len(LONG) * per_seq < -(-len(LONG[0]) // BS)
+        assert blocks.num_free_blocks == start
+    if prefix_caching:  # the blocks the prompt's last query reads are cached, those before them need not be
+        assert llm.generate([LONG[0]], LONG_PARAMS)[0].num_cached_tokens == (len(LONG[0]) - 1) // BS * BS
+    assert len({tuple(o) for o in windowed_greedy}) == len(LONG)
+
+
+def test_a_windowed_pool_drops_frees_and_hits_only_the_windows_blocks():
+    """The pool itself (window 10, blocks of 4): a sequence computed up to position c holds no block wholly
+    before c - 9 (the dummy block takes its place); freed (as a preemption frees) every block is free
+    again; a later prompt hits the cache on the blocks its next query reads, even with the blocks before
+    them evicted, and shares nothing else."""
+    blocks = BlockManager(num_blocks=40, block_size=BS, prefix_caching=True, window=WINDOW)
+    prompt = LONG[1][:61]  # 15 full blocks before its last token
+    seq = Sequence("a", prompt, GREEDY)
+    blocks.allocate(seq, len(prompt))
+    for computed in (8, 30, 61):
+        seq.num_computed_tokens = computed
+        blocks.drop_out_of_window(seq)
+        first = (computed - WINDOW + 1) // BS if computed >= WINDOW else 0
+        assert seq.block_table[:first] == [DUMMY_BLOCK] * first and DUMMY_BLOCK not in seq.block_table[first:]
+        assert blocks.num_used_blocks == len(seq.block_table) - first
+    blocks.free(seq)
+    assert blocks.num_free_blocks == blocks.num_usable_blocks
+    assert blocks.num_cached_free_blocks == 15  # every full block registered, dropped or not
+    blocks.allocate(Sequence("hog", [1] * 80, GREEDY), 80)  # 20 blocks: the 24 truly free ones first
+    hog = Sequence("hog2", [2] * 60, GREEDY)
+    blocks.allocate(hog, 60)  # 15 more: the free ones, then the 11 least recently freed cached blocks
+    again = Sequence("b", prompt + [7], GREEDY)  # its next query (position 61) reads blocks 13..15
+    hit = blocks.cached_prefix(again)
+    assert hit[:12] == [DUMMY_BLOCK] * 12 and len(hit) == 15 and DUMMY_BLOCK not in hit[12:]
+    used = blocks.num_used_blocks
+    blocks.share(again, hit)
+    assert blocks.num_used_blocks == used + 3
+    blocks.free(again)
+    blocks.free(hog)
+    assert blocks.num_used_blocks == 20
+
+
+def test_the_full_attention_pool_holds_every_block():
+    """Without a window (Llama, Qwen: today's path) nothing is dropped."""
+    blocks = BlockManager(num_blocks=40, block_size=BS)
+    seq = Sequence("a", LONG[1], GREEDY)
+    blocks.allocate(seq, len(LONG[1]))
+    seq.num_computed_tokens = len(LONG[1])
+    assert blocks.drop_out_of_window(seq) == 0 and DUMMY_BLOCK not in seq.block_table

@@ -6,7 +6,12 @@ sha256(parent block's hash, its token ids) (engine/sched/prefix_hash.py). A bloc
 block is left). A new prompt shares the longest run of cached full blocks by reference
 count; a hit is checked against the stored token ids, never trusted on the hash alone.
 A shared block is never written: only full blocks are shared, and at least the prompt's
-last token is always recomputed (into a block of the request's own)."""
+last token is always recomputed (into a block of the request's own).
+
+A pool of a windowed group (window W: every layer it serves reads keys p - W < k <= p): a sequence's
+blocks wholly before its next query's window are dead for every later query, and drop_out_of_window
+gives them back, the dummy block taking their place in the table (docs/architecture.md, KV cache
+groups). A prefix hit then needs only the blocks inside the window."""
 
 from __future__ import annotations
 
@@ -26,12 +31,14 @@ DUMMY_BLOCK = 0
 class BlockManager:
     """Fixed-size blocks with reference counts; sequences own lists of block ids."""
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False, cache_salt: str = ""):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False, cache_salt: str = "",
+                 window: int | None = None):
         if num_blocks < 2:
             raise ValueError(f"the KV pool needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
+        self.window = window  # the window of every layer this pool serves (None: full attention)
         self.ref_counts = [0] * num_blocks
         self.ref_counts[DUMMY_BLOCK] = 1
         self.free_blocks: deque[int] = deque(range(1, num_blocks))
@@ -59,6 +66,11 @@ class BlockManager:
     @property
     def num_cached_free_blocks(self) -> int:
         return len(self._cached_free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks some sequence holds (the KV that is kept; the metrics' blocks in use)."""
+        return self.num_usable_blocks - self.num_free_blocks
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` must gain so that its first `num_tokens` token slots exist."""
@@ -88,7 +100,8 @@ class BlockManager:
         later request (or this one, re-admitted after preemption) can reuse them."""
         self.register(seq)
         for block in reversed(seq.block_table):
-            self._release(block)
+            if block != DUMMY_BLOCK:  # (a dropped block's place)
+                self._release(block)
         seq.block_table = []
         seq.block_hashes = []
         for key in seq.computing_keys:
@@ -105,6 +118,30 @@ class BlockManager:
                 self._cached_free[block] = None  # most recently used last
             else:
                 self.free_blocks.append(block)
+
+    def drop_out_of_window(self, seq: Sequence) -> int:
+        """A windowed pool: give back seq's blocks wholly before the window of its next query (at
+        position seq.num_computed_tokens), which no later query reads; the dummy block takes their
+        place, so the table keeps its length. Registered first, for the prefix cache. How many went back."""
+        first = self.first_live_block(seq.num_computed_tokens)
+        table = seq.block_table
+        if first == 0 or not table or table[min(first, len(table)) - 1] == DUMMY_BLOCK:
+            return 0  # nothing new before the window (entries before a dummy one are dummy already)
+        self.register(seq)
+        end = min(first, len(table))
+        start = end
+        while start > 0 and table[start - 1] != DUMMY_BLOCK:
+            start -= 1
+        for i in range(start, end):  # the earliest first: a windowed hit needs the latest, evicted last
+            self._release(table[i])
+            table[i] = DUMMY_BLOCK
+        return end - start
+
+    def first_live_block(self, position: int) -> int:
+        """The first block a query at `position` and every later one reads (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(0, position - self.window + 1) // self.block_size
 
     # ---- speculative decoding: a verify step writes ahead, then gives back what was rejected ----
 
@@ -161,7 +198,7 @@ class BlockManager:
             if self._computing.get(key) == seq.request_id:
                 del self._computing[key]
             block = seq.block_table[i]
-            if key not in self._by_hash and block not in self._block_key:
+            if block != DUMMY_BLOCK and key not in self._by_hash and block not in self._block_key:
                 self._by_hash[key] = block
                 self._block_key[block] = (key, tokens)
 
@@ -211,6 +248,8 @@ class BlockManager:
         """The longest run of cached blocks holding seq's first tokens (its prompt, and after
         a preemption what it generated too), checked token by token. `keys`: prefix_keys(seq)."""
         keys = self.prefix_keys(seq) if keys is None else keys
+        if self.window is not None:
+            return self._cached_window(seq, keys)
         blocks = []
         for key in keys:
             block = self._by_hash.get(key)
@@ -222,6 +261,28 @@ class BlockManager:
             if self._block_key[block][1] != tokens[i]:
                 return blocks[:i]
         return blocks
+
+    def _cached_block(self, seq: Sequence, keys: list[bytes], i: int) -> int | None:
+        """The cached block holding seq's i-th full block (its tokens checked), or None."""
+        block = self._by_hash.get(keys[i])
+        return block if block is not None and self._block_key[block][1] == seq.block_tokens[i] else None
+
+    def _cached_window(self, seq: Sequence, keys: list[bytes]) -> list[int]:
+        """A windowed pool's hit: the longest L such that the blocks the query at L * block_size reads
+        (from first_live_block on) are cached, those before them the dummy block. Searched from the
+        right, as vLLM's SlidingWindowManager does: a run of `need` cached blocks ends the search."""
+        need = -(-(self.window - 1) // self.block_size)
+        run = 0
+        for i in range(len(keys) - 1, -1, -1):
+            if self._cached_block(seq, keys, i) is None:
+                run = 0
+                continue
+            run += 1
+            if run >= need or i == 0:
+                end = i + run
+                first = self.first_live_block(end * self.block_size)
+                return [DUMMY_BLOCK] * first + [self._cached_block(seq, keys, j) for j in range(first, end)]
+        return []
 
     def being_computed(self, key: bytes) -> bool:
         """An admitted prefill is computing the block with this key (it registers it when done)."""
@@ -237,11 +298,14 @@ class BlockManager:
         """Start seq's block table with cached blocks (seq holds none yet)."""
         assert not seq.block_table
         for block in blocks:
+            if block == DUMMY_BLOCK:  # a windowed pool's dropped place
+                continue
             if self.ref_counts[block] == 0:
                 del self._cached_free[block]
             self.ref_counts[block] += 1
         seq.block_table = list(blocks)
-        seq.block_hashes = [self._block_key[b][0] for b in blocks]
+        seq.block_hashes = [seq.block_keys[i] if b == DUMMY_BLOCK else self._block_key[b][0]
+                            for i, b in enumerate(blocks)]  # (cached_prefix made the keys)
 
     def num_reusable(self, blocks: list[int]) -> int:
         """How many of `blocks` are cached-free (sharing them takes them out of the free count)."""

@@ -59,7 +59,15 @@ class Scheduler:
         num_tokens + pending - 1 .. num_tokens + pending - 2 + (the steps it really runs)."""
         return seq.num_tokens + pending - 1 + min(num_steps, self.remaining_steps(seq, pending))
 
+    def drop_out_of_window(self) -> None:
+        """A windowed pool: the running sequences give back the blocks no later query of theirs reads
+        (BlockManager.drop_out_of_window), before anything is scheduled; nothing without a window."""
+        if self.blocks.window is not None:
+            for seq in self.running:
+                self.blocks.drop_out_of_window(seq)
+
     def schedule(self) -> PrefillBatch | DecodeRound | None:
+        self.drop_out_of_window()
         batch = self.schedule_prefill()
         if batch is not None:
             if self.mix_decodes:
@@ -186,6 +194,7 @@ class Scheduler:
         inside prev (EOS, a stop string) has its extra tokens dropped. None when no sequence
         is left, or when KV for all of them does not fit without preempting (schedule()
         decides then, once prev is collected)."""
+        self.drop_out_of_window()  # (prev reads no position before the host's num_computed_tokens)
         steps = prev.num_steps
         seqs = [s for s in prev.seqs if not s.is_finished and self.remaining_steps(s, steps) >= 1]
         pending = [steps] * len(seqs)
