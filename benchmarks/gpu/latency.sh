@@ -2,7 +2,7 @@
 # Decode on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, decode
 # latency in bf16 and fp8, and where a step's time goes. Writes logs and JSON under $OUT. Each part fits
 # one 10-minute device call:
-#   bash benchmarks/gpu/latency.sh tests|kernels|decode|moe|windows|gpt-oss|curve|targets|accuracy|profile|profile-b64|round-gap|engine-tests|ncu|kconst|suite
+#   bash benchmarks/gpu/latency.sh tests|kernels|decode|moe|windows|gpt-oss|window-kv|curve|targets|accuracy|profile|profile-b64|round-gap|engine-tests|ncu|kconst|suite
 # (A/B parts of settled switches and of probes leave once measured: each result JSON in benchmarks/results
 # holds its commands, docs/benchmarks.md lists what was measured and removed; to A/B a switch, run
 # benchmarks/decode_latency.py --SWITCH on|off interleaved, as its --help lists)
@@ -62,6 +62,11 @@ gpt-oss)  # issue 61: gpt-oss's GPU tests (greedy parity with transformers on ti
   timeout ${DECODE_TIMEOUT:-280} python3 benchmarks/decode_latency.py --models gpt-oss-20b --load-format dummy \
     --batches ${BATCHES:-1 64} --chunks 8 --no-eager --skip-transformers --max-num-seqs 64 \
     --gpu-memory-utilization 0.85 --out "$OUT/decode_gpt-oss-20b.json" 2>&1 | quiet
+  ;;
+window-kv)  # issue 61: gpt-oss-20b (random weights) at a 1k and a 32k context, batch 1: the KV blocks it holds once
+  # prefilled (only the windowed layers' last 128 tokens should be, beside the full layers') and its decode tok/s
+  timeout ${WINDOW_KV_TIMEOUT:-500} python3 benchmarks/window_kv.py --model ${MODEL:-gpt-oss-20b} \
+    --contexts ${CONTEXTS:-1024 32768} --out "$OUT/window_kv.json" 2>&1 | quiet
   ;;
 curve)
   timeout 560 python3 benchmarks/decode_latency.py --models ${MODELS:-qwen2.5-0.5b llama-3.1-8b} \
