@@ -232,6 +232,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_prefill_tokens = len(prompt_token_ids)  # reset to num_tokens on preemption
         self.block_table: list[int] = []
+        self.kv_reserved = 0  # blocks a windowed pool promised its prefill's next chunks (kv_cache.py)
         self.block_hashes: list[bytes] = []  # prefix-cache keys of its first full blocks (kv_cache.py)
         self.block_keys: list[bytes] = []  # the hash chain of its full blocks so far (made once, kv_cache.py)
         self.block_tokens: list[bytes] = []  # those blocks' token ids as int64 bytes (made with the keys)

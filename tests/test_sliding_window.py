@@ -172,6 +172,19 @@ def test_a_long_context_holds_only_its_windows_blocks(windowed_dir, windowed_gre
     assert len({tuple(o) for o in windowed_greedy}) == len(LONG)
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix_cache", "no_prefix_cache"])
+def test_a_pool_smaller_than_one_context_serves_every_prompt(windowed_dir, windowed_greedy, prefix_caching):
+    """16 usable blocks (64 tokens) serve contexts of 174 tokens: a prefill takes its blocks chunk by chunk
+    from what its admission reserved (the window before a chunk of 32 and the chunk: 12 blocks), so the
+    prompts are admitted one by one and none stalls; transformers' tokens, every block free afterwards."""
+    llm = LLM(str(windowed_dir), device="cpu", block_size=BS, num_kv_blocks=17, max_num_batched_tokens=32,
+              decode_chunk=2, prefix_caching=prefix_caching)
+    blocks = llm.engine.block_manager
+    assert llm.engine.max_model_len > len(LONG[0]) + LONG_PARAMS.max_tokens > 16 * BS
+    assert [o.token_ids for o in llm.generate(LONG, LONG_PARAMS)] == windowed_greedy
+    assert blocks.num_free_blocks == 16 and blocks.reserved == 0
+
+
 def test_a_windowed_pool_drops_frees_and_hits_only_the_windows_blocks():
     """The pool itself (window 10, blocks of 4): a sequence computed up to position c holds no block wholly
     before c - 9 (the dummy block takes its place); freed (as a preemption frees) every block is free
@@ -181,6 +194,7 @@ def test_a_windowed_pool_drops_frees_and_hits_only_the_windows_blocks():
     prompt = LONG[1][:61]  # 15 full blocks before its last token
     seq = Sequence("a", prompt, GREEDY)
     blocks.allocate(seq, len(prompt))
+    seq.num_prefill_tokens = 1  # decoding (a prefill's dropped blocks would stay reserved for its next chunk)
     for computed in (8, 30, 61):
         seq.num_computed_tokens = computed
         blocks.drop_out_of_window(seq)

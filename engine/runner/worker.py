@@ -28,7 +28,7 @@ from graphserve.engine.runner.lora_slots import LoraSlots
 from graphserve.engine.runner.model_runner import ModelRunner, StepTokens
 from graphserve.engine.runner.prefill_graphs import PREFILL_GRAPH_MAX_SEQS, PrefillGraphs
 from graphserve.engine.models.windows import shared_window
-from graphserve.engine.sched.kv_cache import BlockManager, allocate_kv_cache
+from graphserve.engine.sched.kv_cache import BlockManager, allocate_kv_cache, windowed_hold
 from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch
 from graphserve.engine.structured.grammar import GrammarCompiler, StructuredOutputs
 
@@ -59,13 +59,15 @@ class Worker:
         self.loras = self._lora_slots(config, args) if config.enable_lora else None
         num_blocks = self.tp.min_int(device_setup.num_kv_blocks(  # every rank's scheduler sees the same pool
             config, args, self.model.kv_args, self.dtype, self.device, draft.kv_args if draft is not None else None))
-        self.max_model_len = min(max_len_wanted, (num_blocks - 1) * config.block_size)
-        self.kv_caches = allocate_kv_cache(self.model.kv_args, num_blocks, config.block_size, self.dtype, self.device)
         # a window every layer shares: the pool drops the blocks before it (a draft model reads the
         # target's table with its own layers, so then it keeps them)
+        window = shared_window(args.layer_windows) if draft is None else None
+        self.max_model_len = min(max_len_wanted, (num_blocks - 1) * config.block_size)
+        if window is not None and windowed_hold(window, config) <= num_blocks - 1:
+            self.max_model_len = max_len_wanted  # a sequence of any length holds at most that many blocks
+        self.kv_caches = allocate_kv_cache(self.model.kv_args, num_blocks, config.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching,
-                                          cache_salt=f"{self.model_path}:{self.dtype}",
-                                          window=shared_window(args.layer_windows) if draft is None else None)
+                                          cache_salt=f"{self.model_path}:{self.dtype}", window=window)
         self.structured = StructuredOutputs(
             GrammarCompiler(self.model_path, args.vocab_size, list(self.eos_ids), config.grammar_compile_timeout),
             max_rows=config.max_num_seqs)

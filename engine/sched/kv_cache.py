@@ -11,7 +11,9 @@ last token is always recomputed (into a block of the request's own).
 A pool of a windowed group (window W: every layer it serves reads keys p - W < k <= p): a sequence's
 blocks wholly before its next query's window are dead for every later query, and drop_out_of_window
 gives them back, the dummy block taking their place in the table (docs/architecture.md, KV cache
-groups). A prefix hit then needs only the blocks inside the window."""
+groups). A prefix hit then needs only the blocks inside the window. Such a pool allocates a prefill's
+blocks chunk by chunk: its admission reserves the most it will hold at once (the window and a chunk),
+counted as taken, and each chunk draws on that reservation (prefill_blocks, allocate)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from collections import OrderedDict, deque
 
 import torch
 
+from graphserve.engine.config import EngineConfig
 from graphserve.engine.models.config import ModelArgs
 from graphserve.engine.sched.prefix_hash import adapter_root, block_bytes, chain_keys, chain_root, num_prompt_blocks
 from graphserve.engine.request import Sequence
@@ -53,6 +56,8 @@ class BlockManager:
         # was last freed: a round still running may write a block freed after its launch
         self.rounds_launched = 0
         self.freed_at = [0] * num_blocks
+        # a windowed pool: blocks promised to admitted prefills (Sequence.kv_reserved), counted as taken
+        self.reserved = 0
 
     @property
     def num_usable_blocks(self) -> int:
@@ -61,7 +66,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks a request can get: truly free plus cached-free (evictable)."""
-        return len(self.free_blocks) + len(self._cached_free)
+        return len(self.free_blocks) + len(self._cached_free) - self.reserved
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -79,9 +84,40 @@ class BlockManager:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free_blocks
 
+    def prefill_blocks(self, seq: Sequence, cached: list[int], max_chunk: int) -> int:
+        """Blocks an admission of seq takes from the free count besides the cached ones it shares: its
+        prompt's, or in a windowed pool the most its prefill holds at once (the window before a chunk of
+        at most max_chunk tokens and that chunk), which admit reserves."""
+        total = -(-seq.num_tokens // self.block_size) - len(cached)
+        if self.window is None:
+            return total
+        return min(total, -(-(self.window - 1 + max_chunk) // self.block_size) + 1)
+
+    def admit(self, seq: Sequence, cached: list[int], num_blocks: int, num_tokens: int) -> None:
+        """Start seq's table with the `cached` blocks and cover its first `num_tokens` slots: all its
+        prompt's; in a windowed pool those of its first chunk, with the rest of the `num_blocks` that
+        prefill_blocks counted reserved for the next chunks."""
+        if cached:
+            self.share(seq, cached)
+        if self.window is None:
+            self.allocate(seq, seq.num_tokens)
+            return
+        seq.kv_reserved = num_blocks
+        self.reserved += num_blocks
+        self.allocate(seq, num_tokens)
+
+    def _unreserve(self, seq: Sequence) -> None:
+        self.reserved -= seq.kv_reserved
+        seq.kv_reserved = 0
+
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow seq.block_table to cover `num_tokens` slots. Caller checked can_allocate."""
-        for _ in range(self.blocks_needed(seq, num_tokens)):
+        """Grow seq.block_table to cover `num_tokens` slots, first from seq's reservation. Caller
+        checked can_allocate (for what the reservation does not cover)."""
+        needed = self.blocks_needed(seq, num_tokens)
+        mine = min(needed, seq.kv_reserved)
+        seq.kv_reserved -= mine
+        self.reserved -= mine
+        for _ in range(needed):
             block = self._take_block()
             self.ref_counts[block] = 1
             seq.block_table.append(block)
@@ -99,6 +135,7 @@ class BlockManager:
         """Release seq's blocks; first register its full blocks whose KV is computed, so a
         later request (or this one, re-admitted after preemption) can reuse them."""
         self.register(seq)
+        self._unreserve(seq)
         for block in reversed(seq.block_table):
             if block != DUMMY_BLOCK:  # (a dropped block's place)
                 self._release(block)
@@ -109,8 +146,8 @@ class BlockManager:
                 del self._computing[key]
         seq.computing_keys = []
 
-    def _release(self, block: int) -> None:
-        """Drop one reference to `block`; without users it is free (cached-free when registered)."""
+    def _release(self, block: int) -> bool:
+        """Drop one reference to `block`; without users it is free (cached-free when registered): True."""
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             self.freed_at[block] = self.rounds_launched
@@ -118,11 +155,17 @@ class BlockManager:
                 self._cached_free[block] = None  # most recently used last
             else:
                 self.free_blocks.append(block)
+            return True
+        return False
 
     def drop_out_of_window(self, seq: Sequence) -> int:
         """A windowed pool: give back seq's blocks wholly before the window of its next query (at
         position seq.num_computed_tokens), which no later query reads; the dummy block takes their
-        place, so the table keeps its length. Registered first, for the prefix cache. How many went back."""
+        place, so the table keeps its length. Registered first, for the prefix cache. During its prefill
+        the blocks that became free go to seq's reservation (its next chunk takes them), after it the
+        reservation is given up. How many went back."""
+        if not seq.in_prefill and seq.kv_reserved:
+            self._unreserve(seq)
         first = self.first_live_block(seq.num_computed_tokens)
         table = seq.block_table
         if first == 0 or not table or table[min(first, len(table)) - 1] == DUMMY_BLOCK:
@@ -132,9 +175,13 @@ class BlockManager:
         start = end
         while start > 0 and table[start - 1] != DUMMY_BLOCK:
             start -= 1
+        freed = 0
         for i in range(start, end):  # the earliest first: a windowed hit needs the latest, evicted last
-            self._release(table[i])
+            freed += self._release(table[i])
             table[i] = DUMMY_BLOCK
+        if seq.in_prefill:  # (a block another sequence shares stays taken: the next chunk may wait for one)
+            seq.kv_reserved += freed
+            self.reserved += freed
         return end - start
 
     def first_live_block(self, position: int) -> int:
@@ -310,6 +357,14 @@ class BlockManager:
     def num_reusable(self, blocks: list[int]) -> int:
         """How many of `blocks` are cached-free (sharing them takes them out of the free count)."""
         return sum(1 for b in blocks if self.ref_counts[b] == 0)
+
+
+def windowed_hold(window: int, config: EngineConfig) -> int:
+    """The most blocks one sequence holds at once in a pool with this window, however long it is: the
+    window before a prefill chunk or a round's writes (a decode round ahead of one in flight, or a
+    verify step's drafts) and those."""
+    ahead = max(config.max_num_batched_tokens, 2 * config.decode_chunk + config.num_speculative_tokens + 1)
+    return -(-(window - 1 + ahead) // config.block_size) + 1
 
 
 def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:

@@ -67,7 +67,6 @@ class Scheduler:
                 self.blocks.drop_out_of_window(seq)
 
     def schedule(self) -> PrefillBatch | DecodeRound | None:
-        self.drop_out_of_window()
         batch = self.schedule_prefill()
         if batch is not None:
             if self.mix_decodes:
@@ -93,11 +92,16 @@ class Scheduler:
     def schedule_prefill(self) -> PrefillBatch | None:
         """Unfinished chunked prefills, then waiting requests, within the token budget and
         the KV blocks that are free (admission never preempts)."""
+        self.drop_out_of_window()
         budget = self.config.max_num_batched_tokens
         seqs, chunks = [], []
         for seq in self.running:  # unfinished chunked prefills first
             if seq.in_prefill and budget > 0:
                 n = min(seq.num_prefill_tokens - seq.num_computed_tokens, budget)
+                end = seq.num_computed_tokens + n  # (a windowed pool allocates chunk by chunk)
+                if not self.blocks.can_allocate(max(0, self.blocks.blocks_needed(seq, end) - seq.kv_reserved)):
+                    continue  # a block it shared went back to no pool: it waits for one
+                self.blocks.allocate(seq, end)
                 seqs.append(seq)
                 chunks.append(n)
                 budget -= n
@@ -116,7 +120,7 @@ class Scheduler:
                 deferred.append(self.waiting.popleft())  # a prefill admitted before computes its next block
                 continue
             # reserve KV for every token present now, so an admitted prefill never stalls
-            need = -(-seq.num_tokens // self.blocks.block_size) - len(cached)
+            need = self.blocks.prefill_blocks(seq, cached, self.config.max_num_batched_tokens)
             if not self.blocks.can_allocate(need + self.blocks.num_reusable(cached)):
                 break
             self.waiting.popleft()
@@ -124,19 +128,18 @@ class Scheduler:
                 seq.scheduled_at = time.monotonic()
             self.blocks.mark_computing(seq, keys[len(cached):])
             if cached:
-                self.blocks.share(seq, cached)
                 seq.num_computed_tokens = len(cached) * self.blocks.block_size
                 if seq.num_output_tokens == 0:
                     seq.num_cached_tokens = seq.num_computed_tokens
                 self.num_cached_tokens += seq.num_computed_tokens
             self.num_queried_tokens += seq.num_tokens
-            self.blocks.allocate(seq, seq.num_tokens)
             seq.status = SequenceStatus.RUNNING
             seq.num_prefill_tokens = seq.num_tokens
+            n = min(seq.num_prefill_tokens - seq.num_computed_tokens, budget)
+            self.blocks.admit(seq, cached, need, seq.num_computed_tokens + n)
             self.running.append(seq)
             if lora_id is not None:
                 adapters.add(lora_id)
-            n = min(seq.num_prefill_tokens - seq.num_computed_tokens, budget)
             seqs.append(seq)
             chunks.append(n)
             budget -= n
