@@ -88,6 +88,8 @@ def test_graph_decoder_static_rows_carry_each_rows_slot(tiny, expected, llm):
     _, loras = tiny
     ids, want = expected
     core = llm.engine.core
+    for name in ("mlp", "attn"):  # resident before the batch (loads run on a thread): the rows start together
+        llm.generate([ids], GREEDY, lora_request=loras[name])
     graphs = GraphDecoder(core.worker.runner, max_batch=8, max_steps=4, table_width=-(-core.max_model_len // 16),
                           use_cuda_graphs=False)
     graphs.capture(progress=False)

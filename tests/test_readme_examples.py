@@ -13,6 +13,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,11 @@ def test_token_ids(quick_start: dict[str, Any], server: BackgroundServer) -> Non
 
 
 def test_metrics(quick_start: dict[str, Any], server: BackgroundServer) -> None:
+    # the engine's figures reach the front end a moment after the quick start's requests end
+    with httpx.Client(base_url=server.url, timeout=60.0) as http:
+        deadline = time.monotonic() + 10.0
+        while "\ngraphserve_num_requests_running 0.0" not in http.get("/metrics").text and time.monotonic() < deadline:
+            time.sleep(0.05)
     lines = run_bash("metrics", server).splitlines()
     values: dict[str, float] = {}
     for line in lines:

@@ -331,7 +331,8 @@ def test_soak_1000_requests_at_concurrency_64(
                 output_text(path, client.post(path, json=completion_body(path, prompt, max_tokens)).json())
                 for path, prompt, max_tokens in distinct_requests()
             ]
-            before = metrics(client)
+            # the engine's figures reach the front end a moment after its requests end
+            before = wait_until_idle(client, metrics(client)["graphserve_kv_blocks_total"], timeout=10.0)
             start_free = before["graphserve_kv_blocks_free"]
             assert start_free == before["graphserve_kv_blocks_total"]
 
