@@ -39,12 +39,11 @@ model: install
 serve: model
 	$(VENV)/bin/graphserve serve
 
-# Two pytest-xdist workers, each test file whole on one, longest files first (tests/conftest.py), each
-# process on one torch thread: on two cores 7.5 min against 12.5 serially with torch's default threads.
-# TEST_WORKERS=0 runs in one process.
+# Two pytest-xdist workers, each test file whole on one, each process on one torch thread: on two cores
+# 7.5 min against 12.5 serially with torch's default threads. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test: model arm-tools
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -m "not gpu" $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -m "not gpu" $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
 
 # The ARM kernels' tests (tests/test_cpu_arm.py) cross-compile them and run them under qemu, with tools
 # from Debian's packages: installed here where they are missing and we are root (CI). Anyone else

@@ -40,29 +40,7 @@ def pytest_sessionfinish(session, exitstatus):
         wheel_env.discard()
 
 
-# make test runs each test file whole on one of two xdist workers (--dist loadfile), handing out files in
-# the order collected (--no-loadscope-reorder; xdist would otherwise order them by their number of tests,
-# which put the few-test, long files such as the Ray, reliability and wheel tests last, leaving one worker
-# alone for minutes). The longest files go first, so the run ends on short ones. Longest first, as measured
-# with --durations on this suite; a file not listed keeps its place after these.
-LONGEST_FILES_FIRST = (
-    "test_kernels.py", "test_supervisor_behaviour.py", "test_moe_kernel.py", "test_processes.py",
-    "test_quant_linear.py", "test_reliability.py", "test_ray_serving.py", "test_skinny_gemm.py", "test_cpu_arm.py",
-    "test_spec_engine.py", "test_tensor_parallel.py", "test_adversarial.py", "test_request_validation.py",
-    "test_fp8_quant.py", "test_streaming.py", "test_structured_outputs.py", "test_gpt_oss_experts.py",
-    "test_structured_behaviour.py", "test_models.py", "test_spec_verify.py", "test_server_cli.py",
-    "test_server_api.py", "test_lora_embedded.py", "test_server_errors.py", "test_wheel.py", "test_prefix_cache.py",
-    "test_embedded_model.py", "test_scale_out_manifests.py",
-)
-
-
-def _longest_first(item) -> int:
-    name = item.path.name
-    return LONGEST_FILES_FIRST.index(name) if name in LONGEST_FILES_FIRST else len(LONGEST_FILES_FIRST)
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_longest_first)  # stable: a file's tests keep their order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
