@@ -5,6 +5,11 @@
 # their reference; a tiny model's greedy tokens through the CUDA graphs equal peft's), then benchmarks/lora.py
 # at the 8B shape: batch 1 with one adapter, batch 64 with 8 and with 64 adapters, each against the base
 # engine's tok/s (targets: >= 0.85, 0.85, 0.75).
+# The parity test needs peft, accelerate and psutil beside the server's wheels (else it skips): here, first
+#   ../shared/gpu/fetch-wheels && python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl peft accelerate psutil
+# then the call with .whl carried.
 set -u
 . benchmarks/gpu/env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
