@@ -3,10 +3,14 @@ CLI flags (server/settings.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 SPECULATIVE_METHODS = ("ngram", "draft")
+# GRAPHSERVE_WARM_UP=0: engines skip the warm-up burst unless told to run it (a config file, --warm-up):
+# for development and the CPU test suite, whose hundreds of engines time no first burst
+WARM_UP_ENV = "GRAPHSERVE_WARM_UP"
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -42,7 +46,7 @@ class EngineConfig:
     quantization: str | None = None
     load_format: str = "safetensors"  # "dummy": random weights, no weight file read (benchmarks of big shapes)
     # before ready, a burst of dummy requests through every path a first burst takes (engine/core/warm_up.py)
-    warm_up: bool = True
+    warm_up: bool = field(default_factory=lambda: os.environ.get(WARM_UP_ENV, "1") != "0")
     # speculative decoding (engine/spec/speculative_decoder.py): "ngram" (prompt lookup), "draft" (a smaller model
     # with the target's vocabulary, `draft_model`, engine/spec/draft_model.py) or None (off)
     speculative_method: str | None = None

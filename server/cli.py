@@ -45,7 +45,7 @@ ENGINE_FLAG_HELP = {
     "enforce_eager": "never capture or replay CUDA graphs",
     "warm_up": "before saying ready, run a burst of dummy requests through every path a first burst takes, "
                "so it compiles, loads and allocates nothing later; --no-warm-up: ready once the model is "
-               "loaded (and the graphs captured)",
+               "loaded (and the graphs captured); default on, off where GRAPHSERVE_WARM_UP=0",
     "prefix_caching": "reuse the KV of a prompt's cached prefix (full blocks, hash chain + token check, "
                       "LRU eviction); --no-prefix-caching: compute every prompt in full",
     "overlap_rounds": "launch each CUDA-graph decode round before the host reads the previous one's tokens "

@@ -6,6 +6,9 @@ import torch
 # before anything imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # no warm-up burst before ready (engine/core/warm_up.py) unless a test asks for one: on the CPU it only
+    # loads the grammar vocabulary, and the suite's engines and servers would spend 75 s of a CI run on it
+    os.environ.setdefault("GRAPHSERVE_WARM_UP", "0")
 
 import pytest  # noqa: E402
 import wheel_env  # noqa: E402

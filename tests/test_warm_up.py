@@ -55,11 +55,24 @@ def test_every_burst_request_fits_the_context_however_small(max_model_len, decod
 
 
 def test_a_cpu_engine_has_read_the_grammar_vocabulary_when_it_says_ready(model_dir):
-    config = EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=96, max_model_len=256)
+    config = EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=96, max_model_len=256, warm_up=True)
     core = EngineCore(config)
     assert core.warmed_up and core.structured.compiler.vocabulary_loaded
     cold = EngineCore(EngineConfig(**{**config.__dict__, "warm_up": False}))
     assert not cold.warmed_up and not cold.structured.compiler.vocabulary_loaded
+
+
+def test_the_warm_up_is_on_unless_the_environment_says_0_and_a_flag_overrides_that(monkeypatch):
+    from graphserve.server.cli import build_parser, load_settings
+
+    def engine(*flags: str) -> EngineConfig:
+        return load_settings(build_parser().parse_args(["serve", *flags]))[1]
+
+    monkeypatch.delenv("GRAPHSERVE_WARM_UP", raising=False)
+    assert EngineConfig().warm_up and engine().warm_up and not engine("--no-warm-up").warm_up
+    monkeypatch.setenv("GRAPHSERVE_WARM_UP", "0")
+    assert not EngineConfig().warm_up and not engine().warm_up
+    assert EngineConfig(warm_up=True).warm_up and engine("--warm-up").warm_up
 
 
 def test_warm_up_leaves_no_trace_and_changes_no_output(model_dir):
