@@ -35,7 +35,8 @@ from ray.cluster_utils import Cluster
 from graphserve.engine.config import EngineConfig
 from graphserve.engine.sched.prefix_hash import prompt_keys
 from graphserve.engine.tokenizer import Tokenizer
-from graphserve.server.ray_app.app import APP_NAME, REPLICA_DEPLOYMENT, RAY_SERVE_MODE, Scaling, graphserve_application
+from graphserve.server.ray_app.app import (APP_NAME, RAY_SERVE_MODE, REPLICA_DEPLOYMENT, ROUTING_STATS_PERIOD_S, Scaling,
+                                           graphserve_application)
 from graphserve.server.ray_app.forwarded import ReplicaQuery
 from graphserve.server.ray_app.ingress import REPLICA_HEADER
 from graphserve.server.ray_app.routing_keys import CacheLayout, RoutingKeys
@@ -149,6 +150,10 @@ def chat_body(system: str, user: str, **fields) -> dict:
 
 
 def test_the_router_sends_a_known_prefix_to_the_replica_that_holds_it(endpoint):
+    # new prefixes go to the least loaded replica, by the queue and the KV use each reports every
+    # ROUTING_STATS_PERIOD_S: the earlier tests' requests must be gone from those reports too
+    wait_for_running(0)
+    time.sleep(2 * ROUTING_STATS_PERIOD_S)
     topics = ["rivers", "mountains", "violins", "comets"]
     served: dict[str, list[str]] = {t: [] for t in topics}
     cached: dict[str, list[int]] = {t: [] for t in topics}
