@@ -124,7 +124,7 @@ async def _client_async(job: dict, conn) -> None:
         itl = array.array("d")
 
         def body(req: tuple[list[int], int]) -> dict:
-            return {"model": job["model_name"], "prompt": req[0], "max_tokens": req[1], "temperature": 0.0,
+            return {"model": req[2], "prompt": req[0], "max_tokens": req[1], "temperature": 0.0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
         async def stream_loop(queue: list) -> None:  # closed loop: the next request when one ends
@@ -246,7 +246,8 @@ def run_level(args, url: str, model_name: str, requests: list, concurrency: int 
     client processes; the level's figures."""
     ctx = mp.get_context("spawn")
     active = procs if poisson_rate else max(1, min(procs, concurrency))
-    plain = [(r.prompt, r.max_tokens) for r in requests]
+    names = args.request_models or [model_name]
+    plain = [(r.prompt, r.max_tokens, names[i % len(names)]) for i, r in enumerate(requests)]
     arrivals = None
     if poisson_rate:
         rng = random.Random(args.seed + 7)
@@ -259,7 +260,7 @@ def run_level(args, url: str, model_name: str, requests: list, concurrency: int 
     jobs = []
     for w in range(active):
         streams = 0 if poisson_rate else concurrency // active + (1 if w < concurrency % active else 0)
-        jobs.append(dict(url=url, model_name=model_name, api_key=args.api_key, poisson=bool(poisson_rate),
+        jobs.append(dict(url=url, api_key=args.api_key, poisson=bool(poisson_rate),
                          streams=streams if not poisson_rate else 64, requests=plain[w::active],
                          arrivals=arrivals[w::active] if arrivals else None, timeout=deadline_s + 30,
                          fresh_connections=args.fresh_connections))
@@ -373,6 +374,9 @@ def main() -> int:
     parser.add_argument("--model", default="qwen2.5-0.5b",
                         help="a random_models config (qwen2.5-0.5b, llama-3.1-8b), 'default' (the embedded model) "
                              "or a model folder; with --url, the model the server runs (for its vocabulary)")
+    parser.add_argument("--request-models", nargs="+", default=None, metavar="NAME",
+                        help="the requests' model field, in turn (e.g. the LoRA adapters of `-- --lora-modules ...`); "
+                             "default: the server's first model")
     parser.add_argument("--url", default=None, help="drive this running server instead of launching one")
     parser.add_argument("--config", default=None,
                         help="server config (default: gpu-h200 when CUDA is there and no --device cpu, else default)")
@@ -564,6 +568,7 @@ def main() -> int:
                  else ""), flush=True)
     report = dict(**provenance("serving"), model=args.model, model_path=str(model) if model else None,
                   url=url if args.url else None, server_command=server_command, client_procs=args.client_procs,
+                  request_models=args.request_models,
                   workload=dict(**describe(request_set), min_len=args.min_len, max_len=args.max_len, seed=args.seed,
                                 requests_per_stream=args.requests_per_stream, min_requests=args.min_requests,
                                 poisson_requests=args.poisson_requests,
