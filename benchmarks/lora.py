@@ -4,12 +4,17 @@ LoRA engine's own base rows), each as tok/s and as a ratio of the base engine's 
 
     python benchmarks/lora.py --out benchmarks/results/lora-h100.json              # GPU: Llama-3.1-8B shape
     python benchmarks/lora.py --scenarios 1x1 8x8 --new-tokens 16                  # CPU: the embedded model
+    python benchmarks/lora.py --served --model qwen2.5-0.5b --out $OUT/lora-served.json  # through the server
 
 On CUDA the model is random weights at Llama-3.1-8B's shape (load_format dummy), rank 16 on all seven
 projections (--rank, --targets). The adapters are random PEFT folders written here; with more distinct
 adapters than --files, files are shared by several adapter names, each its own load (id, slot and
 memory), which is what the kernels see. Decode time per step is T(prompt + 1 + N) - T(prompt + 1) over N,
-fresh prompts every run (no prefix-cache hits)."""
+fresh prompts every run (no prefix-cache hits).
+
+--served: through the server instead (benchmarks/serving.py, closed loop): --streams streams over --adapters
+adapters (the requests' model field in turn) against the same load on a server without adapters, --rounds
+times in turn; output tok/s and TTFT p50 of each, and the ratios of their medians."""
 
 from __future__ import annotations
 
@@ -76,6 +81,42 @@ def time_decode(llm, prompts, loras, new_tokens: int, repeats: int) -> float:
     return (full - prefill) / new_tokens
 
 
+def served(args, model_path: str) -> dict:
+    """--served: `graphserve serve --lora-modules` with args.adapters adapters against a plain server, the
+    same load (serving_level.Load), each round both in turn."""
+    import statistics
+
+    from serving_level import Load, serving_level
+
+    load = Load(args.model, args.streams, args.served_requests, args.min_len, args.max_len, args.client_procs)
+    cuda = torch.cuda.is_available()
+    config = "gpu-h200" if cuda else "default"
+    engine = ["--max-num-seqs", str(max(args.streams, 8))] + ([] if cuda else ["--device", "cpu"])
+    folders = [write_adapter(Path(args.adapters_dir) / f"{Path(model_path).name}-r{args.rank}-{i}", model_path,
+                             args.rank, tuple(args.targets), seed=i) for i in range(min(args.files, args.adapters))]
+    names = [f"adapter-{i}" for i in range(args.adapters)]
+    lora = ["--lora-modules", *(f"{n}={folders[i % len(folders)]}" for i, n in enumerate(names)),
+            "--max-loras", str(args.adapters), "--max-lora-rank", str(args.rank)]
+    keys = ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "completed", "errors", "client_cpu_fraction_max")
+    rounds = []
+    for i in range(args.rounds):
+        base = serving_level(load, f"lora-served-base-{i}", args.run_timeout, config=config, server_args=engine)
+        adapters = serving_level(load, f"lora-served-adapters-{i}", args.run_timeout, config=config,
+                                 server_args=engine + lora, request_models=names)
+        rounds.append({"base": {k: base.get(k) for k in keys}, "adapters": {k: adapters.get(k) for k in keys}})
+        print(json.dumps(rounds[-1]), flush=True)
+
+    def median(side: str, key: str) -> float:
+        return statistics.median(r[side][key] for r in rounds)
+
+    ratio = median("adapters", "output_tok_s") / median("base", "output_tok_s")
+    print(f"{args.adapters} adapters x {args.streams // args.adapters} streams: {ratio:.3f}x the base model's "
+          "output tok/s through the server", flush=True)
+    return dict(load=vars(load), config=config, engine_flags=engine, lora_flags=lora[-4:], rounds=rounds,
+                tok_s_ratio=ratio, ttft_p50_ratio=median("adapters", "ttft_p50_s") / median("base", "ttft_p50_s"),
+                target={"tok/s >= 0.8x base": ratio >= 0.8})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cuda = torch.cuda.is_available()
@@ -91,10 +132,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--adapters-dir", default="/tmp/graphserve-lora-bench")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--served", action="store_true", help="through the server (benchmarks/serving.py)")
+    parser.add_argument("--adapters", type=int, default=8, help="--served: adapters the requests pick in turn")
+    parser.add_argument("--streams", type=int, default=64 if cuda else 8, help="--served: closed-loop streams")
+    parser.add_argument("--served-requests", type=int, default=256 if cuda else 32)
+    parser.add_argument("--min-len", type=int, default=100 if cuda else 32, help="--served: prompt/output tokens")
+    parser.add_argument("--max-len", type=int, default=1024 if cuda else 64)
+    parser.add_argument("--client-procs", type=int, default=4 if cuda else 2)
+    parser.add_argument("--rounds", type=int, default=1 if cuda else 2, help="--served: rounds of (base, adapters)")
+    parser.add_argument("--run-timeout", type=float, default=400.0, help="--served: seconds a server run may take")
     args = parser.parse_args()
 
     from graphserve import LLM, LoraRequest
 
+    if args.served:
+        from workload import model_folder
+
+        result = dict(provenance("lora served"), model=args.model, rank=args.rank, targets=args.targets,
+                      **served(args, str(model_folder(resolve_model(args.model)))))
+        if args.out:
+            write_json(args.out, result)
+        return
     scenarios = [tuple(int(v) for v in s.split("x")) for s in args.scenarios]
     if cuda:
         from random_models import CONFIGS, random_model_config

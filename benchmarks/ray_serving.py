@@ -36,7 +36,6 @@ import datetime as dt
 import json
 import os
 import random
-import shutil
 import signal
 import statistics
 import subprocess
@@ -313,19 +312,11 @@ def engine_flags(args) -> list[str]:
 
 
 def serving_run(args, name: str, url: str | None) -> dict:
-    """benchmarks/serving.py at --streams, against `url` or against a `graphserve serve` it launches; its files
-    go to a scratch folder (the level's figures go into this benchmark's JSON)."""
-    scratch = tempfile.mkdtemp(prefix="ray_serving-")
-    command = [sys.executable, str(BENCH / "serving.py"), "--model", args.model, "--concurrency", str(args.streams),
-               "--num-requests", str(args.overhead_requests), "--min-requests", str(args.overhead_requests),
-               "--min-len", str(args.min_len), "--max-len", str(args.max_len), "--client-procs",
-               str(args.client_procs), "--poisson-fraction", "0", "--out", scratch, "--name", name]
-    command += ["--url", url] if url else ["--config", args.config, "--", *engine_flags(args)]
-    subprocess.run(command, timeout=args.run_timeout)
-    result = json.loads((Path(scratch) / f"{name}.json").read_text())
-    shutil.rmtree(scratch, ignore_errors=True)
-    (level,) = [lv for lv in result["levels"] if lv.get("concurrency") == args.streams]
-    return level
+    """benchmarks/serving.py at --streams against `url`, or against a `graphserve serve` it launches."""
+    from serving_level import Load, serving_level
+
+    load = Load(args.model, args.streams, args.overhead_requests, args.min_len, args.max_len, args.client_procs)
+    return serving_level(load, name, args.run_timeout, url=url, config=args.config, server_args=engine_flags(args))
 
 
 def under_ray(args, round_index: int) -> dict:
