@@ -3,8 +3,9 @@ its decode speed, at each context length, batch 1, random weights (benchmarks/ra
 
     python benchmarks/window_kv.py --model gpt-oss-20b --contexts 1024 32768 --out window_kv.json
 
-Blocks in use are read from the engine's pool after the step that follows the prefill (the schedule
-drops what no later query reads: docs/architecture.md, KV cache groups); decode time as
+Blocks in use are read from each KV cache group's pool after the step that follows the prefill (the
+schedule drops what no later query reads: docs/architecture.md, KV cache groups; gpt-oss has two groups,
+the full layers' and the windowed layers'); decode time as
 benchmarks/decode_latency.py measures it, T(prompt + 1 + N tokens) - T(prompt + 1 token)."""
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import torch
 from decode_latency import time_engine
 
 
-def blocks_held(llm, prompt: list[int]) -> int:
-    """Blocks in use while `prompt`'s sequence decodes: after its prefill and one step more."""
+def blocks_held(llm, prompt: list[int]) -> list[int]:
+    """Per KV cache group, the blocks in use while `prompt`'s sequence decodes: after its prefill and one step more."""
     from graphserve import SamplingParams
 
     engine = llm.engine
@@ -28,7 +29,7 @@ def blocks_held(llm, prompt: list[int]) -> int:
     outputs = 0
     while outputs < 2:  # the prefill's token, then a step whose schedule dropped what the prompt no longer reads
         outputs += sum(len(out.token_ids) > 0 for out in engine.step())
-    held = engine.block_manager.num_used_blocks
+    held = [pool.num_used_blocks for pool in engine.block_manager.pools]
     while engine.has_unfinished():
         engine.step()
     return held
@@ -63,9 +64,11 @@ def main() -> None:
         held = blocks_held(llm, prompt)
         timing = time_engine(llm, lambda: torch.randint(100, vocab, (1, context), generator=gen).tolist(),
                              args.new_tokens)
-        rows.append(dict(model=args.model, context=context, block_size=pool.block_size, pool_window=pool.window,
+        rows.append(dict(model=args.model, context=context, block_size=pool.block_size,
                          layer_windows=list(llm.engine.core.worker.model.args.layer_windows),
-                         blocks_in_use=held, blocks_of_context=-(-(context + 1) // pool.block_size),
+                         group_windows=[p.window for p in pool.pools], group_pool_blocks=[p.num_blocks for p in pool.pools],
+                         blocks_in_use_per_group=held, blocks_in_use=sum(held),
+                         blocks_of_context=-(-(context + 1) // pool.block_size),
                          ms_per_step=timing.step_s * 1e3, tokens_per_s=1 / timing.step_s,
                          engine_start_s=time.perf_counter() - started))
         print(json.dumps(rows[-1]), flush=True)

@@ -231,9 +231,12 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + generated
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_prefill_tokens = len(prompt_token_ids)  # reset to num_tokens on preemption
-        self.block_table: list[int] = []
-        self.kv_reserved = 0  # blocks a windowed pool promised its prefill's next chunks (kv_cache.py)
-        self.block_hashes: list[bytes] = []  # prefix-cache keys of its first full blocks (kv_cache.py)
+        # per KV cache group (engine/sched/kv_cache.py KVGroups; one group unless layers' windows differ):
+        # its block table, the prefix-cache keys of its first full blocks registered there, and the
+        # blocks a windowed pool promised its prefill's next chunks
+        self.block_tables: list[list[int]] = [[]]
+        self.group_hashes: list[list[bytes]] = [[]]
+        self.group_reserved: list[int] = [0]
         self.block_keys: list[bytes] = []  # the hash chain of its full blocks so far (made once, kv_cache.py)
         self.block_tokens: list[bytes] = []  # those blocks' token ids as int64 bytes (made with the keys)
         self.computing_keys: list[bytes] = []  # keys of the blocks its admitted prefill computes
@@ -249,6 +252,27 @@ class Sequence:
         # when a prefill step first took it: time.monotonic() (CLOCK_MONOTONIC, one clock for the
         # engine core and the front ends)
         self.scheduled_at: float | None = None
+
+    @property
+    def block_table(self) -> list[int]:
+        """The block table of KV cache group 0 (the only one of most models; else the full-attention group)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        """Group 0's registered prefix-cache keys."""
+        return self.group_hashes[0]
+
+    def ensure_kv_groups(self, num_groups: int) -> None:
+        """A table, keys and reservation for each of `num_groups` KV cache groups."""
+        while len(self.block_tables) < num_groups:
+            self.block_tables.append([])
+            self.group_hashes.append([])
+            self.group_reserved.append(0)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -34,8 +34,8 @@ def decode_step_outputs(llm: LLM, batch: int, stack: bool) -> tuple[torch.Tensor
             out = forward(input_ids, positions, meta, kv_caches)
             if not meta.is_prefill:
                 captured.setdefault("hidden", out.clone())
-                slots = meta.slot_mapping
-                captured.setdefault("kv", [torch.stack([c.flatten(0, 1)[slots] for c in pair]) for pair in kv_caches])
+                captured.setdefault("kv", [torch.stack([c.flatten(0, 1)[meta.for_layer(i).slot_mapping] for c in pair])
+                                           for i, pair in enumerate(kv_caches)])  # each layer's KV cache group's slots
             return out
 
         model.forward = spy

@@ -39,12 +39,12 @@ def tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 
 def assert_idle(llm: LLM) -> None:
-    """Every block is free or cached-free, and the counts add up."""
-    blocks = llm.engine.block_manager
+    """Every block is free or cached-free, and the counts add up (in each KV cache group's pool)."""
     assert not llm.engine.has_unfinished()
-    assert blocks.num_free_blocks == blocks.num_usable_blocks
-    assert len(blocks.free_blocks) + blocks.num_cached_free_blocks == blocks.num_usable_blocks
-    assert all(blocks.ref_counts[b] == 0 for b in range(1, blocks.num_blocks))
+    for blocks in llm.engine.block_manager.pools:
+        assert blocks.num_free_blocks == blocks.num_usable_blocks
+        assert len(blocks.free_blocks) + blocks.num_cached_free_blocks == blocks.num_usable_blocks
+        assert all(blocks.ref_counts[b] == 0 for b in range(1, blocks.num_blocks))
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])

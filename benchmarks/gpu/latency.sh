@@ -64,7 +64,11 @@ gpt-oss)  # issue 61: gpt-oss's GPU tests (greedy parity with transformers on ti
     --gpu-memory-utilization 0.85 --out "$OUT/decode_gpt-oss-20b.json" 2>&1 | quiet
   ;;
 window-kv)  # issue 61: gpt-oss-20b (random weights) at a 1k and a 32k context, batch 1: the KV blocks it holds once
-  # prefilled (only the windowed layers' last 128 tokens should be, beside the full layers') and its decode tok/s
+  # prefilled (only the windowed layers' last 128 tokens should be, beside the full layers') and its decode tok/s;
+  # first the KV cache groups' GPU tests (tiny gpt-oss and Gemma 3 through the graphs, a table per group)
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_kv_groups.py \
+    > "$OUT/gpu_tests_kv_groups.log" 2>&1
+  tail -3 "$OUT/gpu_tests_kv_groups.log"
   timeout ${WINDOW_KV_TIMEOUT:-500} python3 benchmarks/window_kv.py --model ${MODEL:-gpt-oss-20b} \
     --contexts ${CONTEXTS:-1024 32768} --out "$OUT/window_kv.json" 2>&1 | quiet
   ;;

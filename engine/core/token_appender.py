@@ -14,7 +14,7 @@ from collections.abc import Callable
 from graphserve.engine.core.messages import CoreOutput
 from graphserve.engine.request import Sequence, TokenLogprob
 from graphserve.engine.runner.model_runner import StepTokens
-from graphserve.engine.sched.kv_cache import BlockManager
+from graphserve.engine.sched.kv_groups import KVGroups
 from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch, Scheduler
 from graphserve.engine.spec.speculative_decoder import SpeculativeDecoder
 from graphserve.engine.stats import EngineStats
@@ -24,7 +24,7 @@ logger = logging.getLogger("graphserve.engine")
 
 
 class TokenAppender:
-    def __init__(self, sequences: dict[str, Sequence], scheduler: Scheduler, block_manager: BlockManager,
+    def __init__(self, sequences: dict[str, Sequence], scheduler: Scheduler, block_manager: KVGroups,
                  structured: StructuredOutputs, speculation: SpeculativeDecoder | None, eos_ids: tuple[int, ...]):
         """sequences: the engine's running requests by id (shared: the ones that end leave it)."""
         self.sequences = sequences

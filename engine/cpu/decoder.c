@@ -66,6 +66,7 @@ struct layer {
     struct projection qkv, o, gate_up, down;
     float *k_cache, *v_cache;
     int64_t window;  /* the layer's sliding window (0: none) */
+    int64_t group;  /* its KV cache group: the slots and block tables it takes (engine/sched/kv_groups.py) */
 };
 
 struct model {
@@ -111,11 +112,11 @@ static void rotate(const float* qkv, int64_t heads, int64_t D, const float* cos,
 
 /* One decode step through every layer. x [B, hidden]: the embeddings in, the last layer's output
    out; residual [B, hidden]: out only (the stream before the final norm's add). cos, sin [B, D]:
-   the rotary tables of the rows' positions (rotary_tables); slots [B] int64; block_tables [B, W]
-   int32 (row stride bt_s0); context_lens [B] int32. */
+   the rotary tables of the rows' positions (rotary_tables); per KV cache group g: slots[g] [B] int64,
+   block_tables[g] [B, W] int32 (row stride bt_s0[g]); context_lens [B] int32. */
 void decode_layers(const struct model* m, int64_t B, float* x, float* residual, const float* cos, const float* sin,
-                   const int64_t* slots, const int32_t* block_tables, int64_t bt_s0, const int32_t* context_lens,
-                   int64_t split_heads) {
+                   const int64_t* const* group_slots, const int32_t* const* group_tables, const int64_t* group_bt_s0,
+                   const int32_t* context_lens, int64_t split_heads) {
     const int64_t H = m->hidden, D = m->head_dim, Hq = m->heads, Hkv = m->kv_heads, I = m->inter;
     const int64_t qkv_n = (Hq + 2 * Hkv) * D, rot_n = (Hq + Hkv) * D;
     float* h = (float*)malloc(sizeof(float) * B * H);
@@ -126,6 +127,9 @@ void decode_layers(const struct model* m, int64_t B, float* x, float* residual, 
     float* act = (float*)malloc(sizeof(float) * B * I);
     for (int64_t l = 0; l < m->layers; ++l) {
         const struct layer* L = &m->layer[l];
+        const int64_t* slots = group_slots[L->group];
+        const int32_t* block_tables = group_tables[L->group];
+        const int64_t bt_s0 = group_bt_s0[L->group];
         /* norm_linear: rms_norm(x) on the first layer (the residual is x), else x + residual */
         if (l == 0) {
             m->fn.add_rms_norm(x, H, NULL, 0, L->input_norm, m->eps, B, H, h, H, NULL, 0);

@@ -31,7 +31,7 @@ class _Projection(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Projection), ("o", _Projection),
                 ("gate_up", _Projection), ("down", _Projection), ("k_cache", _ptr), ("v_cache", _ptr),
-                ("window", _i64)]
+                ("window", _i64), ("group", _i64)]
 
 
 class _Kernels(ctypes.Structure):
@@ -45,7 +45,7 @@ class _Model(ctypes.Structure):
 
 
 LIBRARY = CLibrary("decoder", "decoder.c", {"decode_layers": (
-    [ctypes.POINTER(_Model), _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64], None)},
+    [ctypes.POINTER(_Model), _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64], None)},
     disable_env="GRAPHSERVE_CPU_DECODER")
 # the kernels the stack calls, from their own libraries
 _KERNELS = {"quant_linear": quant_linear.LIBRARY, "panel_linear": linear.LIBRARY,
@@ -118,15 +118,15 @@ class StackDecoder:
         self.max_rows = linear.MAX_ROWS if any(p.float32_panels for w in layers
                                                 for p in (w.qkv, w.o, w.gate_up, w.down)) else None
         self._model: _Model | None = None
-        self._caches: list[int] = []
+        self._built_for: tuple = ()  # the caches' addresses and the layers' groups it was built for
 
-    def _build(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> _Model:
+    def _build(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: tuple[int, ...]) -> _Model:
         s = self.shape
         table = (_Layer * len(self.layers))()
         for i, (w, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             table[i] = _Layer(w.input_norm.data_ptr(), w.post_norm.data_ptr(), _projection(w.qkv), _projection(w.o),
                               _projection(w.gate_up), _projection(w.down), k_cache.data_ptr(), v_cache.data_ptr(),
-                              w.window or 0)
+                              w.window or 0, layer_groups[i] if layer_groups else 0)
         kernels = _Kernels(**{name: ctypes.cast(getattr(library.get(), name), _ptr).value
                               for name, library in _KERNELS.items()})
         model = _Model(len(self.layers), s.hidden, s.heads, s.kv_heads, s.head_dim, s.inter, s.block_size, s.eps,
@@ -138,23 +138,29 @@ class StackDecoder:
         return (x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == self.shape.hidden
                 and (self.max_rows is None or x.shape[0] <= self.max_rows))
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-            block_tables: torch.Tensor, context_lens: torch.Tensor,
-            kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: list[torch.Tensor],
+            block_tables: list[torch.Tensor], context_lens: torch.Tensor,
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+            layer_groups: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, hidden] (the embeddings; overwritten) -> (the last layer's output, the residual
         stream), as the layers' forward returns them. cos, sin: [B, head_dim] contiguous (the rows'
-        rotary tables); slots int64 [B]; block_tables int32 [B, W]; context_lens int32 [B]. The
-        caller checked applies()."""
-        caches = [t.data_ptr() for pair in kv_caches for t in pair]
-        if self._model is None or caches != self._caches:
-            self._model, self._caches = self._build(kv_caches), caches
-        assert slots.dtype == torch.int64 and block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
-        assert cos.is_contiguous() and sin.is_contiguous() and slots.is_contiguous() and context_lens.is_contiguous()
-        assert block_tables.stride(1) == 1
+        rotary tables); per KV cache group, slots int64 [B] and block_tables int32 [B, W];
+        context_lens int32 [B]; layer_groups: each layer's group (empty: all group 0). The caller
+        checked applies()."""
+        built_for = (tuple(t.data_ptr() for pair in kv_caches for t in pair), layer_groups)
+        if self._model is None or built_for != self._built_for:
+            self._model, self._built_for = self._build(kv_caches, layer_groups), built_for
+        assert context_lens.dtype == torch.int32 and context_lens.is_contiguous()
+        assert cos.is_contiguous() and sin.is_contiguous()
+        for s, t in zip(slots, block_tables):
+            assert s.dtype == torch.int64 and t.dtype == torch.int32 and s.is_contiguous() and t.stride(1) == 1
+        groups = len(slots)
+        slot_ptrs = (_ptr * groups)(*(s.data_ptr() for s in slots))
+        table_ptrs = (_ptr * groups)(*(t.data_ptr() for t in block_tables))
+        strides = (_i64 * groups)(*(t.stride(0) for t in block_tables))
         batch = x.shape[0]
         residual = torch.empty_like(x)
         LIBRARY.get().decode_layers(ctypes.byref(self._model), batch, x.data_ptr(), residual.data_ptr(),
-                                    cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
-                                    block_tables.stride(0), context_lens.data_ptr(),
-                                    int(batch < 2 * torch.get_num_threads()))
+                                    cos.data_ptr(), sin.data_ptr(), slot_ptrs, table_ptrs, strides,
+                                    context_lens.data_ptr(), int(batch < 2 * torch.get_num_threads()))
         return x, residual

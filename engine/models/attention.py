@@ -4,7 +4,7 @@ reference, gather + scaled dot product attention) and Triton (CUDA kernels)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,28 @@ class AttentionMetadata:
     attention_tiles: torch.Tensor | None = None
     # which LoRA adapter slot each row uses (engine/lora/rows.py); None: no row uses one
     lora: LoraRows | None = None
+    # several KV cache groups (engine/sched/kv_groups.py): each layer's group, and each group's
+    # metadata (its slot mapping and block tables; the rest, `derived` included, this one's).
+    # Empty: one group, this metadata every layer's
+    layer_groups: tuple[int, ...] = ()
+    groups: tuple["AttentionMetadata", ...] = field(default=(), repr=False, compare=False)
+
+    def for_layer(self, layer: int) -> "AttentionMetadata":
+        """The metadata layer `layer` attends with: its KV cache group's."""
+        return self.groups[self.layer_groups[layer]] if self.layer_groups else self
+
+    def with_groups(self, layer_groups: tuple[int, ...],
+                    group_tables: list[tuple[torch.Tensor, torch.Tensor]]) -> "AttentionMetadata":
+        """This metadata (group 0's) with each further group's (slot mapping, block tables) as
+        group_tables[g - 1]; with none, itself."""
+        if not group_tables:
+            return self
+        others = [replace(self, slot_mapping=slots, block_tables=tables, groups=()) for slots, tables in group_tables]
+        self.layer_groups = layer_groups
+        self.groups = (self, *others)
+        for other in others:
+            other.derived = self.derived  # one step: what the layers derive is shared (keyed by window)
+        return self
 
 
 def step_rotary_tables(meta: AttentionMetadata, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -124,7 +146,7 @@ class TorchAttention:
         or what shares its step (with int8-rounded activations a last-bit difference can change a
         token). Else each sequence's blocks gathered and SDPA."""
         if self.use_kernel:
-            tables, lens = self._row_inputs(meta)
+            tables, lens = self._row_inputs(meta, window)
             real = len(lens)  # the static prefill path pads q past the batch's rows
             out = paged_decode_attention(q[:real], k_cache, v_cache, tables, lens, scale, window=window, sinks=sinks)
             if out is not None:
@@ -155,15 +177,16 @@ class TorchAttention:
             start += q_len
         return out
 
-    def _row_inputs(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def _row_inputs(self, meta: AttentionMetadata, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per query row of a prefill step: its sequence's block table and its context length (its
-        position + 1), made once per step."""
-        made = meta.derived.get("rows")
+        position + 1), made once per step and window (each window is a KV cache group of its own tables)."""
+        key = ("rows", window)
+        made = meta.derived.get(key)
         if made is None:
             seq = torch.repeat_interleave(torch.arange(len(meta.query_lens_host)), torch.tensor(meta.query_lens_host))
             lens = torch.cat([torch.arange(c - n + 1, c + 1, dtype=torch.int32)
                               for n, c in zip(meta.query_lens_host, meta.context_lens_host)])
-            made = meta.derived["rows"] = (meta.block_tables.index_select(0, seq).contiguous(), lens)
+            made = meta.derived[key] = (meta.block_tables.index_select(0, seq).contiguous(), lens)
         return made
 
     def _decode_inputs(self, meta: AttentionMetadata, dtype: torch.dtype,

@@ -58,4 +58,6 @@ def decode_stack(stack: StackDecoder, x: torch.Tensor, positions: torch.Tensor, 
     if meta.is_prefill or not stack.applies(x) or (meta.lora is not None and meta.lora.applies):
         return None
     cos, sin = (t.reshape(x.shape[0], -1) for t in step_rotary_tables(meta, positions, cos_sin, x.dtype))
-    return stack.run(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, kv_caches)
+    groups = meta.groups or (meta,)  # each KV cache group's slots and tables
+    return stack.run(x, cos, sin, [g.slot_mapping for g in groups], [g.block_tables for g in groups],
+                     meta.context_lens, kv_caches, meta.layer_groups)

@@ -206,9 +206,9 @@ class LlamaModel(nn.Module):
         else:
             residual = None
             local = self.cos_sin_local
-            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
                 cos_sin = local if local is not None and layer.local_rope else self.cos_sin
-                x, residual = layer(x, residual, positions, cos_sin, meta, k_cache, v_cache)
+                x, residual = layer(x, residual, positions, cos_sin, meta.for_layer(i), k_cache, v_cache)
         x, _ = add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return x
 

@@ -50,8 +50,3 @@ def layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int 
                                     "layers in layer_types")
     return tuple(window if t == "sliding_attention" else None for t in types)
 
-
-def shared_window(windows: tuple[int | None, ...]) -> int | None:
-    """The window every layer has (their KV is one group that drops what falls out of it), or None:
-    some layer attends to everything, or the windows differ (several groups: docs/architecture.md)."""
-    return windows[0] if windows and len(set(windows)) == 1 else None

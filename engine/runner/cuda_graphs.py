@@ -34,7 +34,7 @@ from graphserve.engine.sched.kv_cache import DUMMY_BLOCK
 from graphserve.engine.structured.mask_feed import FeedJob, MaskFeed
 from graphserve.engine.request import Sequence
 from graphserve.engine.runner.decode_buffers import DecodeBuffers
-from graphserve.engine.runner.host_slots import STAGED, HostSlot, RoundHandle
+from graphserve.engine.runner.host_slots import HostSlot, RoundHandle
 from graphserve.engine.runner.model_runner import DecodeState, ModelRunner, StepTokens, plan_steps
 from graphserve.engine.runner.verify_rows import verify_rows
 from graphserve.engine.sample.sampler import build_sampling_tensors
@@ -70,6 +70,11 @@ def eager_reason(seqs: list[Sequence], max_bucket: int) -> str | None:
     return None
 
 
+def _group_name(name: str, group: int) -> str:
+    """The staged buffer `name` (step_slots, block_tables) of KV cache group `group` (DecodeBuffers.staged)."""
+    return name if group == 0 else f"{name}{group}"
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph | None
@@ -89,7 +94,7 @@ class GraphDecoder:
         self.table_width = table_width
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self.buffers = DecodeBuffers(self.max_bucket, max_steps, table_width, runner.vocab_size, runner.block_size,
-                                     self.device, lora=runner.lora)
+                                     self.device, lora=runner.lora, num_groups=runner.num_groups)
         self._feed: MaskFeed | None = None  # the masks of rounds with grammar rows, made by capture()
         self._last_feed_rows: dict[int, int] = {}  # the last launch's constrained rows: batch row -> compact
         self.graphs: dict[tuple[int, str], _Graph] = {}
@@ -97,7 +102,7 @@ class GraphDecoder:
         self.capture_gib = 0.0
         self.pool = None
         pin = self.device.type == "cuda"
-        staged = {name: getattr(self.buffers, name) for name in STAGED}
+        staged = self.buffers.staged()
         self._slots = [HostSlot(staged, self.buffers.out_tokens, self.buffers.out_logprobs, pin) for _ in range(2)]
         self._next_slot = 0
         self._last_seqs: list[Sequence] | None = None  # the rows of the last launch, while it is valid
@@ -195,18 +200,22 @@ class GraphDecoder:
         # a decoder of greedy graphs alone (a draft model's) reads no sampling input: none is staged
         st = None if self.variants == ("greedy",) else build_sampling_tensors(
             seqs, self.runner.vocab_size, self.runner.eos_ids, torch.device("cpu"), pending)
-        table = slot.view("block_tables", (b, self.table_width))
-        table.fill_(DUMMY_BLOCK)
-        for i, s in enumerate(seqs):
-            table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        positions, slots, context_lens = plan_steps(seqs, k, table, self.runner.block_size, pending)
-        values = {"step_positions": positions, "step_slots": slots, "step_context_lens": context_lens,
+        tables = []  # each KV cache group's
+        for g in range(self.runner.num_groups):
+            table = slot.view(_group_name("block_tables", g), (b, self.table_width))
+            table.fill_(DUMMY_BLOCK)
+            for i, s in enumerate(seqs):
+                table[i, :len(s.block_tables[g])] = torch.tensor(s.block_tables[g], dtype=torch.int32)
+            tables.append(table)
+        positions, slots, context_lens = plan_steps(seqs, k, tables, self.runner.block_size, pending)
+        values = {"step_positions": positions, "step_context_lens": context_lens,
+                  **{_group_name("step_slots", g): group_slots for g, group_slots in enumerate(slots)},
                   **{name: getattr(st, name) for name in ("temperature", "top_k", "top_p", "min_p", "seeds",
                                                           "output_pos") if st is not None}}
         if self.runner.lora:
             values["lora_slots"] = torch.tensor([s.lora_slot for s in seqs], dtype=torch.int32)
         host = {name: slot.stage(name, src) for name, src in values.items()}
-        host["block_tables"] = table
+        host.update({_group_name("block_tables", g): table for g, table in enumerate(tables)})
         non_blocking = self.device.type == "cuda"
         for name, src in host.items():
             self.buffers.rows(name, k, b).copy_(src, non_blocking=non_blocking)
@@ -307,23 +316,28 @@ class GraphDecoder:
         rows = b * width
         if not self.verify_fits(b, k):
             raise ValueError(f"{b} sequences x {width} positions exceed the largest bucket {self.max_bucket}")
-        layout = verify_rows(seqs, drafts, k, self.runner.block_size)  # checks: decoding, draft slots reserved
+        # checks: decoding, draft slots reserved
+        layout = verify_rows(seqs, drafts, k, self.runner.block_size, self.runner.num_groups)
         bucket = self.bucket_for(rows)
         slot = self._take_slot()
         non_blocking = self.device.type == "cuda"
-        table = slot.view("block_tables", (rows, self.table_width))
-        table.fill_(DUMMY_BLOCK)
-        table[:, :layout.block_tables.shape[1]] = torch.from_numpy(layout.block_tables)
         values = {"input_ids": torch.from_numpy(layout.input_ids),
                   "step_positions": torch.from_numpy(layout.positions[None, :]),
-                  "step_slots": torch.from_numpy(layout.slots[None, :]),
                   "step_context_lens": torch.from_numpy(layout.context_lens[None, :])}
+        tables = {}  # each KV cache group's
+        for g, (group_slots, group_tables) in enumerate([(layout.slots, layout.block_tables), *layout.group_tables]):
+            values[_group_name("step_slots", g)] = torch.from_numpy(group_slots[None, :])
+            table = tables[_group_name("block_tables", g)] = slot.view(_group_name("block_tables", g),
+                                                                       (rows, self.table_width))
+            table.fill_(DUMMY_BLOCK)
+            table[:, :group_tables.shape[1]] = torch.from_numpy(group_tables)
         if self.runner.lora:  # each sequence's k + 1 rows run with its adapter
             values["lora_slots"] = torch.tensor([s.lora_slot for s in seqs], dtype=torch.int32).repeat_interleave(width)
         try:
             for name, src in values.items():
                 self.buffers.rows(name, 1, rows).copy_(slot.stage(name, src), non_blocking=non_blocking)
-            self.buffers.block_tables[:rows].copy_(table, non_blocking=non_blocking)
+            for name, table in tables.items():
+                self.buffers.rows(name, 1, rows).copy_(table, non_blocking=non_blocking)
             if device_tokens is not None:  # rows past a sequence's drafts take tokens too: padding, never read
                 self.buffers.input_ids[:rows].view(b, width)[:, 1:].copy_(device_tokens[:, :k])
             self.buffers.reset_padding(rows, bucket)

@@ -18,6 +18,7 @@ from graphserve.engine.errors import InvalidConfigError
 from graphserve.engine.models.config import ModelArgs
 from graphserve.engine.models.sharding import check_tensor_parallel
 from graphserve.engine.sched.kv_cache import kv_bytes_per_block
+from graphserve.engine.sched.kv_groups import KVLayout
 
 logger = logging.getLogger("graphserve.engine")
 
@@ -99,10 +100,11 @@ def join_tensor_parallel(config: EngineConfig, args: ModelArgs, device: torch.de
 
 
 def num_kv_blocks(config: EngineConfig, args: ModelArgs, kv_args, dtype: torch.dtype, device: torch.device,
-                  draft_kv_args=None) -> int:
-    """The KV pool's blocks: config.num_kv_blocks, else what the device's memory (CUDA) or
-    kv_cache_bytes (CPU) holds, a draft model's blocks of the same count included (kv_args: the
-    models' KV shapes), at most what every sequence at full length needs."""
+                  draft_kv_args=None, layout: KVLayout | None = None) -> int:
+    """The KV pool's blocks (with several KV cache groups, group 0's: `layout`): config.num_kv_blocks,
+    else what the device's memory (CUDA) or kv_cache_bytes (CPU) holds, a draft model's blocks of the
+    same count included (kv_args: the models' KV shapes), the windowed groups' bounded pools
+    (KVLayout.pool_blocks) too, at most what every sequence at full length needs."""
     cfg = config
     if cfg.num_kv_blocks:
         return cfg.num_kv_blocks
@@ -120,4 +122,12 @@ def num_kv_blocks(config: EngineConfig, args: ModelArgs, kv_args, dtype: torch.d
     max_len = cfg.max_model_len or args.max_position_embeddings
     # no more than every sequence at full length needs, plus the dummy block
     cap = cfg.max_num_seqs * -(-max_len // cfg.block_size) + 1
-    return max(2, min(int(budget // per_block), cap))
+    if layout is None or layout.num_groups == 1:
+        return max(2, min(int(budget // per_block), cap))
+    # group 0's pool: the most whose groups' pools together fit the budget (they grow with it; no draft model)
+    layer_block = kv_bytes_per_block(kv_args, cfg.block_size, dtype) // kv_args.num_layers
+    low, high = 2, max(2, cap)
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if layout.bytes_for(mid, cfg, layer_block) <= budget else (low, mid - 1)
+    return low

@@ -25,10 +25,10 @@ class HostSlot:
 
     def __init__(self, device_buffers: dict[str, torch.Tensor], out_tokens: torch.Tensor,
                  out_logprobs: torch.Tensor, pin: bool):
-        """device_buffers: the static buffer of each name in STAGED, whose size and dtype each
-        host buffer takes."""
-        self.inputs = {name: torch.empty(device_buffers[name].numel(), dtype=device_buffers[name].dtype,
-                                         pin_memory=pin) for name in STAGED}
+        """device_buffers: the static buffer of each name staged (STAGED, and a further KV cache
+        group's), whose size and dtype each host buffer takes."""
+        self.inputs = {name: torch.empty(buf.numel(), dtype=buf.dtype, pin_memory=pin)
+                       for name, buf in device_buffers.items()}
         self.tokens = torch.zeros(out_tokens.shape, dtype=out_tokens.dtype, pin_memory=pin)
         self.logprobs = torch.zeros(out_logprobs.shape, dtype=out_logprobs.dtype, pin_memory=pin)
         self.event: torch.cuda.Event | None = None  # recorded after the last copy of the slot's last round

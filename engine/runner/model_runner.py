@@ -16,6 +16,7 @@ import torch
 from graphserve.engine.lora.rows import LoraRows
 from graphserve.engine.models.attention import AttentionMetadata
 from graphserve.engine.sched.kv_cache import DUMMY_BLOCK, BlockManager
+from graphserve.engine.sched.kv_groups import KVGroups
 from graphserve.engine.models.llama import LlamaModel
 from graphserve.engine.runner.prefill_graphs import PrefillGraphs
 from graphserve.engine.runner.prefill_inputs import PrefillInputs, padded_rows, prefill_inputs, verify_inputs
@@ -66,11 +67,15 @@ class DecodeState:
     out_top_ids: torch.Tensor | None = None  # [K, B, N]
     out_top_logprobs: torch.Tensor | None = None
     lora_slots: torch.Tensor | None = None  # [B] int32: each row's LoRA adapter slot, -1: none (LoRA on)
+    # KV cache groups after the first (engine/sched/kv_groups.py): each one's step_slots and block_tables
+    group_step_slots: tuple[torch.Tensor, ...] = ()
+    group_block_tables: tuple[torch.Tensor, ...] = ()
 
 
-def plan_steps(seqs: list[Sequence], num_steps: int, tables: torch.Tensor, block_size: int,
-               pending: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Positions, slots and context lengths of every step of a round, [K, B] each, on the host.
+def plan_steps(seqs: list[Sequence], num_steps: int, tables: list[torch.Tensor], block_size: int,
+               pending: list[int] | None = None) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """Positions, slots (per KV cache group: `tables` [B, W] each) and context lengths of every step of
+    a round, [K, B] each, on the host.
 
     The KV blocks of all K steps were reserved by the scheduler; a row that reaches its end
     (max_tokens) before step K keeps running, writing only into the dummy block. `pending`:
@@ -83,26 +88,34 @@ def plan_steps(seqs: list[Sequence], num_steps: int, tables: torch.Tensor, block
     last = n - 2 + np.minimum(remaining, num_steps)  # last position a row writes for real
     wanted = n[None, :] - 1 + np.arange(num_steps, dtype=np.int64)[:, None]
     positions = np.minimum(wanted, last[None, :])
-    blocks = np.take_along_axis(tables.numpy().astype(np.int64), (positions // block_size).T, axis=1).T
-    slots = np.where(wanted <= last[None, :], blocks * block_size + positions % block_size, DUMMY_BLOCK * block_size)
-    return (torch.from_numpy(positions), torch.from_numpy(slots),
-            torch.from_numpy((positions + 1).astype(np.int32)))
+    slots = []
+    for table in tables:
+        blocks = np.take_along_axis(table.numpy().astype(np.int64), (positions // block_size).T, axis=1).T
+        slots.append(torch.from_numpy(np.where(wanted <= last[None, :], blocks * block_size + positions % block_size,
+                                               DUMMY_BLOCK * block_size)))
+    return torch.from_numpy(positions), slots, torch.from_numpy((positions + 1).astype(np.int32))
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_manager: BlockManager, device: torch.device, eos_ids: tuple[int, ...],
+                 block_manager: KVGroups | BlockManager, device: torch.device, eos_ids: tuple[int, ...],
                  structured: StructuredOutputs | None = None, prefill_graphs: PrefillGraphs | None = None,
                  decode_table_width: int | None = None, lora: bool = False):
         """structured: the grammar matchers, when the engine has any. prefill_graphs: CUDA graphs of
         short prefills (captured by the caller). decode_table_width: the decode graphs' block-table
         width, which eager rounds then take too: the decode attention splits by it
         (kernels/decode_attention.pick_num_splits), so an eager round gives the graphs' greedy tokens.
-        lora: the model has LoRA adapter slots; each step tells it every row's (Sequence.lora_slot)."""
+        lora: the model has LoRA adapter slots; each step tells it every row's (Sequence.lora_slot).
+        block_manager: the KV cache groups (a BlockManager: one group of every layer), whose tables
+        each step's metadata carries, each layer reading its group's."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_manager.block_size
+        if isinstance(block_manager, BlockManager):
+            block_manager = KVGroups.single(block_manager, len(kv_caches))
         self.blocks = block_manager
+        self.num_groups = block_manager.num_groups
+        self.layer_groups = block_manager.layout.layer_groups if self.num_groups > 1 else ()
         self.device = device
         self.eos_ids = eos_ids
         self.vocab_size = model.args.vocab_size
@@ -121,11 +134,12 @@ class ModelRunner:
     def _tensor(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def _block_tables(self, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
-        """[B, width or the longest table] int32, short rows padded with the dummy block (host tensor)."""
-        width = width or max(len(s.block_table) for s in seqs)
-        return torch.tensor([s.block_table + [DUMMY_BLOCK] * (width - len(s.block_table)) for s in seqs],
-                            dtype=torch.int32)
+    def _block_tables(self, seqs: list[Sequence], width: int | None = None, group: int = 0) -> torch.Tensor:
+        """KV cache group `group`'s [B, width or the longest table] int32, short rows padded with the dummy
+        block (host tensor)."""
+        width = width or max(len(s.block_tables[group]) for s in seqs)
+        return torch.tensor([s.block_tables[group] + [DUMMY_BLOCK] * (width - len(s.block_tables[group]))
+                             for s in seqs], dtype=torch.int32)
 
     @torch.inference_mode()
     def prefill(self, batch: PrefillBatch, overtake: bool = False) -> dict[str, StepTokens]:
@@ -134,7 +148,7 @@ class ModelRunner:
         Through a prefill CUDA graph when one holds the batch and no prompt logprobs are asked;
         `overtake` (the engine checked it is safe): that graph and the sampling run on the
         graphs' priority stream, ahead of the decode rounds queued on the current one."""
-        inputs = prefill_inputs(batch, self.block_size)
+        inputs = prefill_inputs(batch, self.block_size, self.num_groups)
         inputs.lora_slots = self._lora_slots(batch.seqs)
         bucket = self.prefill_graph_bucket(batch)
         stream = self.prefill_graphs.stream if bucket is not None and overtake else None
@@ -211,6 +225,7 @@ class ModelRunner:
         inputs = PrefillInputs(np.zeros(len(positions), dtype=np.int64), positions,
                                DUMMY_BLOCK * self.block_size + positions % self.block_size, lens,
                                lens.astype(np.int32), cu, np.full((len(lens), width), DUMMY_BLOCK, dtype=np.int32))
+        inputs.group_tables = [(inputs.slots, inputs.block_tables)] * (self.num_groups - 1)
         if self.lora:  # the LoRA kernels of prefills (their tiles name no slot: they compile, then return)
             inputs.lora_slots = np.full(len(lens), -1, dtype=np.int32)
         hidden = self._prefill_forward(inputs, warm_up=True)
@@ -233,7 +248,7 @@ class ModelRunner:
         k = max(map(len, drafts), default=0) if num_speculative_tokens is None else num_speculative_tokens
         if any(len(proposal) > k for proposal in drafts):
             raise ValueError(f"more than k = {k} drafts in a row")
-        inputs = verify_inputs(seqs, drafts, self.block_size)
+        inputs = verify_inputs(seqs, drafts, self.block_size, self.num_groups)
         inputs.lora_slots = self._lora_slots(seqs)
         logits = self.model.compute_logits(self._prefill_forward(inputs))  # [T, V]
         rows = torch.from_numpy(padded_rows(inputs.query_lens, k + 1)).to(self.device)
@@ -262,7 +277,8 @@ class ModelRunner:
             query_lens_host=inputs.query_lens.tolist(),
             context_lens_host=inputs.context_lens.tolist(),
             lora=lora,
-        )
+        ).with_groups(self.layer_groups, [(torch.from_numpy(slots).to(dev), torch.from_numpy(tables).to(dev))
+                                          for slots, tables in inputs.group_tables])
         return self.model(torch.from_numpy(inputs.input_ids).to(dev), torch.from_numpy(inputs.positions).to(dev),
                           meta, self.kv_caches)
 
@@ -296,15 +312,16 @@ class ModelRunner:
     def prepare_decode(self, rnd: DecodeRound) -> DecodeState:
         """Host-built tensors for an eager round."""
         seqs, k = rnd.seqs, rnd.num_steps
-        tables = self._block_tables(seqs, self.decode_table_width)
+        tables = [self._block_tables(seqs, self.decode_table_width, g) for g in range(self.num_groups)]
         positions, slots, context_lens = plan_steps(seqs, k, tables, self.block_size)
         st = build_sampling_tensors(seqs, self.vocab_size, self.eos_ids, self.device,
                                     token_bitmask=self.token_bitmask(seqs))
         b, dev = len(seqs), self.device
         state = DecodeState(
             input_ids=self._tensor([s.last_token_id for s in seqs], torch.int64),
-            step_positions=positions.to(dev), step_slots=slots.to(dev), step_context_lens=context_lens.to(dev),
-            block_tables=tables.to(dev),
+            step_positions=positions.to(dev), step_slots=slots[0].to(dev), step_context_lens=context_lens.to(dev),
+            block_tables=tables[0].to(dev),
+            group_step_slots=tuple(t.to(dev) for t in slots[1:]), group_block_tables=tuple(t.to(dev) for t in tables[1:]),
             sampling=st,
             step=torch.zeros((), dtype=torch.int64, device=dev),
             out_tokens=torch.zeros(k, b, dtype=torch.int64, device=dev),
@@ -327,6 +344,10 @@ class ModelRunner:
         meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, block_tables=state.block_tables,
                                  context_lens=context_lens,
                                  lora=LoraRows.for_rows(state.lora_slots) if state.lora_slots is not None else None)
+        if state.group_step_slots:  # the further KV cache groups' slots of this step (no host sync: graph-safe)
+            step = state.step[None]
+            meta.with_groups(self.layer_groups, [(step_slots.index_select(0, step)[0], tables) for step_slots, tables
+                                                 in zip(state.group_step_slots, state.group_block_tables)])
         hidden = self.model(state.input_ids, pos, meta, self.kv_caches)
         return self.model.compute_logits(hidden, dtype=None)  # sample() upcasts if it must
 

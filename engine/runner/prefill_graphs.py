@@ -50,11 +50,20 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     return buckets
 
 
+def _group_name(name: str, group: int) -> str:
+    """The static buffer `name` (slots, block_tables) of KV cache group `group`."""
+    return name if group == 0 else f"{name}{group}"
+
+
 class PrefillGraphs:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  max_tokens: int, max_seqs: int, table_width: int, device: torch.device,
-                 use_cuda_graphs: bool = True):
+                 use_cuda_graphs: bool = True, layer_groups: tuple[int, ...] = ()):
+        """layer_groups: each layer's KV cache group, when there are several (engine/sched/kv_groups.py);
+        each group after the first has static slots and block tables of its own (slots<g>, block_tables<g>)."""
         self.model = model
+        self.layer_groups = layer_groups
+        self.num_groups = max(layer_groups, default=0) + 1
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.buckets = prefill_buckets(max_tokens)
@@ -71,11 +80,15 @@ class PrefillGraphs:
                   "slots": ((tokens,), torch.int64), "cu_seqlens": ((seqs + 1,), torch.int32),
                   "context_lens": ((seqs,), torch.int32), "last_rows": ((seqs,), torch.int64),
                   "tiles": ((2 * tiles,), torch.int32), "block_tables": ((seqs * table_width,), torch.int32)}
+        for g in range(1, self.num_groups):
+            shapes[f"slots{g}"], shapes[f"block_tables{g}"] = shapes["slots"], shapes["block_tables"]
         pin = device.type == "cuda"
         self.static = {name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype) in shapes.items()}
         self.host = {name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in shapes.items()}
         self.table_width = table_width
-        self.static["block_tables"] = self.static["block_tables"].view(seqs, table_width)
+        for g in range(self.num_groups):
+            name = _group_name("block_tables", g)
+            self.static[name] = self.static[name].view(seqs, table_width)
         self.logits = torch.zeros(seqs, model.args.vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # where an overtaking prefill runs (-1: above the default priority 0 of the decode rounds' stream)
@@ -105,7 +118,9 @@ class PrefillGraphs:
             context_lens=st["context_lens"][:s], cu_seqlens_q=st["cu_seqlens"][:s + 1], max_seqlen_q=bucket,
             attention_tiles=st["tiles"][:2 * n].view(2, n),
             query_lens_host=None if inputs is None else inputs.query_lens.tolist(),
-            context_lens_host=None if inputs is None else inputs.context_lens.tolist())
+            context_lens_host=None if inputs is None else inputs.context_lens.tolist(),
+        ).with_groups(self.layer_groups, [(st[f"slots{g}"][:bucket], st[f"block_tables{g}"][:s])
+                                          for g in range(1, self.num_groups)])
 
     def _forward(self, bucket: int, meta: AttentionMetadata) -> None:
         st, s = self.static, self.seqs_for(bucket)
@@ -115,7 +130,7 @@ class PrefillGraphs:
     def _reset(self) -> None:
         """Every buffer inert: no tokens, no sequences, no tiles."""
         for name, tensor in self.static.items():
-            tensor.fill_(-1 if name == "tiles" else DUMMY_BLOCK * self.block_size if name == "slots" else 0)
+            tensor.fill_(-1 if name == "tiles" else DUMMY_BLOCK * self.block_size if name.startswith("slots") else 0)
 
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
@@ -166,17 +181,20 @@ class PrefillGraphs:
         b, s, n = len(inputs.query_lens), self.seqs_for(bucket), self.tiles_for(bucket)
         self._stage("input_ids", inputs.input_ids, 0, bucket)
         self._stage("positions", inputs.positions, 0, bucket)
-        self._stage("slots", inputs.slots, DUMMY_BLOCK * self.block_size, bucket)
+        groups = [(inputs.slots, inputs.block_tables), *inputs.group_tables]  # each KV cache group's
+        for g, (slots, _) in enumerate(groups):
+            self._stage(_group_name("slots", g), slots, DUMMY_BLOCK * self.block_size, bucket)
         self._stage("cu_seqlens", inputs.cu_seqlens, inputs.num_tokens, s + 1)
         self._stage("context_lens", inputs.context_lens, 0, s)
         self._stage("last_rows", inputs.last_rows, 0, s)
         from graphserve.kernels.prefill_attention import prefill_tile_map
 
         self._stage("tiles", prefill_tile_map(inputs.query_lens, self.tile_rows, n).reshape(-1), -1, 2 * n)
-        width = inputs.block_tables.shape[1]
-        tables = self.host["block_tables"][:b * width].view(b, width)
-        tables.copy_(torch.from_numpy(inputs.block_tables))
-        self.static["block_tables"][:b, :width].copy_(tables, non_blocking=self.device.type == "cuda")
+        for g, (_, group_tables) in enumerate(groups):
+            name, width = _group_name("block_tables", g), group_tables.shape[1]
+            tables = self.host[name][:b * width].view(b, width)
+            tables.copy_(torch.from_numpy(group_tables))
+            self.static[name][:b, :width].copy_(tables, non_blocking=self.device.type == "cuda")
         if self.use_cuda_graphs:
             self._staged = torch.cuda.Event()
             self._staged.record()

@@ -27,8 +27,8 @@ from graphserve.engine.runner.device_time import DeviceTimeline
 from graphserve.engine.runner.lora_slots import LoraSlots
 from graphserve.engine.runner.model_runner import ModelRunner, StepTokens
 from graphserve.engine.runner.prefill_graphs import PREFILL_GRAPH_MAX_SEQS, PrefillGraphs
-from graphserve.engine.models.windows import shared_window
 from graphserve.engine.sched.kv_cache import BlockManager, allocate_kv_cache, windowed_hold
+from graphserve.engine.sched.kv_groups import KVGroups, KVLayout, allocate_group_kv_cache
 from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch
 from graphserve.engine.structured.grammar import GrammarCompiler, StructuredOutputs
 
@@ -57,17 +57,19 @@ class Worker:
                                                       self.quantization, max_len_wanted)
         # the LoRA slots before the KV pool, which takes what memory is left
         self.loras = self._lora_slots(config, args) if config.enable_lora else None
+        # the KV cache groups: the layers by window, each group's pool dropping the blocks its window has
+        # left (a draft model reads the target's group 0 table with its own layers: then one group keeps them)
+        layout = KVLayout.of(args.layer_windows) if draft is None else KVLayout.single(args.num_layers)
         num_blocks = self.tp.min_int(device_setup.num_kv_blocks(  # every rank's scheduler sees the same pool
-            config, args, self.model.kv_args, self.dtype, self.device, draft.kv_args if draft is not None else None))
-        # a window every layer shares: the pool drops the blocks before it (a draft model reads the
-        # target's table with its own layers, so then it keeps them)
-        window = shared_window(args.layer_windows) if draft is None else None
+            config, args, self.model.kv_args, self.dtype, self.device, draft.kv_args if draft is not None else None,
+            layout))  # group 0's pool; a windowed group after it holds what its window bounds (KVLayout.pool_blocks)
+        window = layout.windows[0]
         self.max_model_len = min(max_len_wanted, (num_blocks - 1) * config.block_size)
         if window is not None and windowed_hold(window, config) <= num_blocks - 1:
             self.max_model_len = max_len_wanted  # a sequence of any length holds at most that many blocks
-        self.kv_caches = allocate_kv_cache(self.model.kv_args, num_blocks, config.block_size, self.dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching,
-                                          cache_salt=f"{self.model_path}:{self.dtype}", window=window)
+        self.block_manager = KVGroups.build(layout, num_blocks, config, cache_salt=f"{self.model_path}:{self.dtype}")
+        self.kv_caches = allocate_group_kv_cache(self.model.kv_args, layout, [p.num_blocks for p in self.block_manager.pools],
+                                                 config.block_size, self.dtype, self.device)
         self.structured = StructuredOutputs(
             GrammarCompiler(self.model_path, args.vocab_size, list(self.eos_ids), config.grammar_compile_timeout),
             max_rows=config.max_num_seqs)
@@ -77,6 +79,7 @@ class Worker:
         prefill_graphs = PrefillGraphs(
             self.model, self.kv_caches, config.block_size, config.cuda_graph_max_prefill_tokens,
             min(config.max_num_seqs, PREFILL_GRAPH_MAX_SEQS), table_width, self.device,
+            layer_groups=layout.layer_groups if layout.num_groups > 1 else (),
         ) if with_graphs and config.cuda_graph_max_prefill_tokens else None
         self.runner = ModelRunner(self.model, self.kv_caches, self.block_manager, self.device, self.eos_ids,
                                   structured=self.structured, prefill_graphs=prefill_graphs,
@@ -96,6 +99,9 @@ class Worker:
         logger.info("loaded %s (%s, %d layers) on %s in %s: %.1fs; KV pool %d blocks x %d tokens, max_model_len %d",
                     self.model_path, args.architecture, args.num_layers, self.device, str(self.dtype).split(".")[-1],
                     time.perf_counter() - started, num_blocks, config.block_size, self.max_model_len)
+        if layout.num_groups > 1:
+            logger.info("KV cache groups (windows %s): %s blocks", ", ".join(str(w or "none") for w in layout.windows),
+                        " + ".join(str(p.num_blocks) for p in self.block_manager.pools))
 
     def _lora_slots(self, config: EngineConfig, args: ModelArgs) -> LoraSlots:
         """The LoRA adapters' device slots (max_loras) and host cache (max_cpu_loras), in the model's dtype."""

@@ -35,13 +35,15 @@ class BlockManager:
     """Fixed-size blocks with reference counts; sequences own lists of block ids."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False, cache_salt: str = "",
-                 window: int | None = None):
+                 window: int | None = None, group: int = 0):
+        """group: the KV cache group this pool serves (its index in Sequence.block_tables; KVGroups)."""
         if num_blocks < 2:
             raise ValueError(f"the KV pool needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.window = window  # the window of every layer this pool serves (None: full attention)
+        self.group = group
         self.ref_counts = [0] * num_blocks
         self.ref_counts[DUMMY_BLOCK] = 1
         self.free_blocks: deque[int] = deque(range(1, num_blocks))
@@ -79,10 +81,15 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` must gain so that its first `num_tokens` token slots exist."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_tables[self.group]))
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free_blocks
+
+    def blocks_to_grow(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks the free count must hold so that seq's first `num_tokens` slots exist (what seq's
+        reservation does not cover)."""
+        return max(0, self.blocks_needed(seq, num_tokens) - seq.group_reserved[self.group])
 
     def prefill_blocks(self, seq: Sequence, cached: list[int], max_chunk: int) -> int:
         """Blocks an admission of seq takes from the free count besides the cached ones it shares: its
@@ -102,25 +109,25 @@ class BlockManager:
         if self.window is None:
             self.allocate(seq, seq.num_tokens)
             return
-        seq.kv_reserved = num_blocks
+        seq.group_reserved[self.group] = num_blocks
         self.reserved += num_blocks
         self.allocate(seq, num_tokens)
 
     def _unreserve(self, seq: Sequence) -> None:
-        self.reserved -= seq.kv_reserved
-        seq.kv_reserved = 0
+        self.reserved -= seq.group_reserved[self.group]
+        seq.group_reserved[self.group] = 0
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow seq.block_table to cover `num_tokens` slots, first from seq's reservation. Caller
+        """Grow seq.block_tables[self.group] to cover `num_tokens` slots, first from seq's reservation. Caller
         checked can_allocate (for what the reservation does not cover)."""
         needed = self.blocks_needed(seq, num_tokens)
-        mine = min(needed, seq.kv_reserved)
-        seq.kv_reserved -= mine
+        mine = min(needed, seq.group_reserved[self.group])
+        seq.group_reserved[self.group] -= mine
         self.reserved -= mine
         for _ in range(needed):
             block = self._take_block()
             self.ref_counts[block] = 1
-            seq.block_table.append(block)
+            seq.block_tables[self.group].append(block)
 
     def _take_block(self) -> int:
         if self.free_blocks:
@@ -136,15 +143,16 @@ class BlockManager:
         later request (or this one, re-admitted after preemption) can reuse them."""
         self.register(seq)
         self._unreserve(seq)
-        for block in reversed(seq.block_table):
+        for block in reversed(seq.block_tables[self.group]):
             if block != DUMMY_BLOCK:  # (a dropped block's place)
                 self._release(block)
-        seq.block_table = []
-        seq.block_hashes = []
-        for key in seq.computing_keys:
-            if self._computing.get(key) == seq.request_id:
-                del self._computing[key]
-        seq.computing_keys = []
+        seq.block_tables[self.group] = []
+        seq.group_hashes[self.group] = []
+        if self.group == 0:  # (the keys being computed are group 0's: KVGroups)
+            for key in seq.computing_keys:
+                if self._computing.get(key) == seq.request_id:
+                    del self._computing[key]
+            seq.computing_keys = []
 
     def _release(self, block: int) -> bool:
         """Drop one reference to `block`; without users it is free (cached-free when registered): True."""
@@ -164,10 +172,10 @@ class BlockManager:
         place, so the table keeps its length. Registered first, for the prefix cache. During its prefill
         the blocks that became free go to seq's reservation (its next chunk takes them), after it the
         reservation is given up. How many went back."""
-        if not seq.in_prefill and seq.kv_reserved:
+        if not seq.in_prefill and seq.group_reserved[self.group]:
             self._unreserve(seq)
         first = self.first_live_block(seq.num_computed_tokens)
-        table = seq.block_table
+        table = seq.block_tables[self.group]
         if first == 0 or not table or table[min(first, len(table)) - 1] == DUMMY_BLOCK:
             return 0  # nothing new before the window (entries before a dummy one are dummy already)
         self.register(seq)
@@ -180,7 +188,7 @@ class BlockManager:
             freed += self._release(table[i])
             table[i] = DUMMY_BLOCK
         if seq.in_prefill:  # (a block another sequence shares stays taken: the next chunk may wait for one)
-            seq.kv_reserved += freed
+            seq.group_reserved[self.group] += freed
             self.reserved += freed
         return end - start
 
@@ -193,7 +201,7 @@ class BlockManager:
     # ---- speculative decoding: a verify step writes ahead, then gives back what was rejected ----
 
     def reserve_draft_slots(self, seq: Sequence, num_drafts: int) -> bool:
-        """Grow seq.block_table so that a verify step can write the KV of seq's last token and of
+        """Grow seq.block_tables[self.group] so that a verify step can write the KV of seq's last token and of
         `num_drafts` drafts after it (positions up to num_tokens - 1 + num_drafts). False, taking
         nothing, when the pool lacks the blocks."""
         needed = self.blocks_needed(seq, seq.num_tokens + num_drafts)
@@ -214,16 +222,16 @@ class BlockManager:
         """Give back seq's blocks past the first `num_tokens` token slots. Those are its own and never
         registered (a registered block is full of computed KV, which a trim never cuts into)."""
         keep = -(-num_tokens // self.block_size)
-        assert len(seq.block_hashes) <= keep, "trimming a registered block"
-        for block in reversed(seq.block_table[keep:]):
+        assert len(seq.group_hashes[self.group]) <= keep, "trimming a registered block"
+        for block in reversed(seq.block_tables[self.group][keep:]):
             assert self.ref_counts[block] == 1 and block not in self._block_key, f"block {block} is shared"
             self._release(block)
-        del seq.block_table[keep:]
+        del seq.block_tables[self.group][keep:]
 
     def last_freed(self, seq: Sequence, start: int, end: int) -> int:
         """The latest rounds_launched at which a block holding seq's positions start..end-1 was freed."""
         bs = self.block_size
-        return max(self.freed_at[b] for b in seq.block_table[start // bs:(end - 1) // bs + 1])
+        return max(self.freed_at[b] for b in seq.block_tables[self.group][start // bs:(end - 1) // bs + 1])
 
     # ---- prefix caching ------------------------------------------------------------------
 
@@ -233,8 +241,8 @@ class BlockManager:
         if not self.prefix_caching:
             return
         bs = self.block_size
-        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        hashes = seq.block_hashes
+        full = min(seq.num_computed_tokens // bs, len(seq.block_tables[self.group]))
+        hashes = seq.group_hashes[self.group]
         if len(hashes) >= full:
             return
         keys = self._chain(seq, full)
@@ -244,7 +252,7 @@ class BlockManager:
             hashes.append(key)
             if self._computing.get(key) == seq.request_id:
                 del self._computing[key]
-            block = seq.block_table[i]
+            block = seq.block_tables[self.group][i]
             if block != DUMMY_BLOCK and key not in self._by_hash and block not in self._block_key:
                 self._by_hash[key] = block
                 self._block_key[block] = (key, tokens)
@@ -293,43 +301,42 @@ class BlockManager:
 
     def cached_prefix(self, seq: Sequence, keys: list[bytes] | None = None) -> list[int]:
         """The longest run of cached blocks holding seq's first tokens (its prompt, and after
-        a preemption what it generated too), checked token by token. `keys`: prefix_keys(seq)."""
+        a preemption what it generated too), checked token by token; a windowed pool's needs only
+        the blocks the next query reads (the dummy block before them). `keys`: prefix_keys(seq)."""
         keys = self.prefix_keys(seq) if keys is None else keys
-        if self.window is not None:
-            return self._cached_window(seq, keys)
-        blocks = []
-        for key in keys:
-            block = self._by_hash.get(key)
-            if block is None:
-                break
-            blocks.append(block)
-        tokens = seq.block_tokens  # made by _chain up to the keys' count
-        for i, block in enumerate(blocks):  # the tokens, not the hash alone
-            if self._block_key[block][1] != tokens[i]:
-                return blocks[:i]
-        return blocks
+        return self.hit_blocks(seq, keys, self.longest_hit(seq, keys, len(keys)))
 
-    def _cached_block(self, seq: Sequence, keys: list[bytes], i: int) -> int | None:
-        """The cached block holding seq's i-th full block (its tokens checked), or None."""
-        block = self._by_hash.get(keys[i])
-        return block if block is not None and self._block_key[block][1] == seq.block_tokens[i] else None
-
-    def _cached_window(self, seq: Sequence, keys: list[bytes]) -> list[int]:
-        """A windowed pool's hit: the longest L such that the blocks the query at L * block_size reads
-        (from first_live_block on) are cached, those before them the dummy block. Searched from the
-        right, as vLLM's SlidingWindowManager does: a run of `need` cached blocks ends the search."""
+    def longest_hit(self, seq: Sequence, keys: list[bytes], limit: int) -> int:
+        """The most blocks, at most `limit`, of seq's prefix this pool can serve from its cache: the
+        cached run from the start (full attention); a windowed pool's longest L such that the blocks the
+        query at L * block_size reads (from first_live_block on) are cached. Searched from the right, as
+        vLLM's SlidingWindowManager does: a run of `need` cached blocks ends the search."""
+        if self.window is None:
+            length = 0
+            while length < limit and self._cached_block(seq, keys, length) is not None:
+                length += 1
+            return length
         need = -(-(self.window - 1) // self.block_size)
         run = 0
-        for i in range(len(keys) - 1, -1, -1):
+        for i in range(limit - 1, -1, -1):
             if self._cached_block(seq, keys, i) is None:
                 run = 0
                 continue
             run += 1
             if run >= need or i == 0:
-                end = i + run
-                first = self.first_live_block(end * self.block_size)
-                return [DUMMY_BLOCK] * first + [self._cached_block(seq, keys, j) for j in range(first, end)]
-        return []
+                return i + run
+        return 0
+
+    def hit_blocks(self, seq: Sequence, keys: list[bytes], length: int) -> list[int]:
+        """The table a hit of `length` blocks (one longest_hit accepts) starts seq with: the cached
+        blocks, in a windowed pool the dummy block before those the next query reads."""
+        first = self.first_live_block(length * self.block_size)
+        return [DUMMY_BLOCK] * first + [self._cached_block(seq, keys, j) for j in range(first, length)]
+
+    def _cached_block(self, seq: Sequence, keys: list[bytes], i: int) -> int | None:
+        """The cached block holding seq's i-th full block (its tokens checked), or None."""
+        block = self._by_hash.get(keys[i])
+        return block if block is not None and self._block_key[block][1] == seq.block_tokens[i] else None
 
     def being_computed(self, key: bytes) -> bool:
         """An admitted prefill is computing the block with this key (it registers it when done)."""
@@ -343,15 +350,15 @@ class BlockManager:
 
     def share(self, seq: Sequence, blocks: list[int]) -> None:
         """Start seq's block table with cached blocks (seq holds none yet)."""
-        assert not seq.block_table
+        assert not seq.block_tables[self.group]
         for block in blocks:
             if block == DUMMY_BLOCK:  # a windowed pool's dropped place
                 continue
             if self.ref_counts[block] == 0:
                 del self._cached_free[block]
             self.ref_counts[block] += 1
-        seq.block_table = list(blocks)
-        seq.block_hashes = [seq.block_keys[i] if b == DUMMY_BLOCK else self._block_key[b][0]
+        seq.block_tables[self.group] = list(blocks)
+        seq.group_hashes[self.group] = [seq.block_keys[i] if b == DUMMY_BLOCK else self._block_key[b][0]
                             for i, b in enumerate(blocks)]  # (cached_prefix made the keys)
 
     def num_reusable(self, blocks: list[int]) -> int:

@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from graphserve.engine.config import EngineConfig
-from graphserve.engine.sched.kv_cache import BlockManager
+from graphserve.engine.sched.kv_groups import KVGroups
 from graphserve.engine.request import Sequence, SequenceStatus
 
 
@@ -32,9 +32,9 @@ class DecodeRound:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, mix_decodes: bool = False):
+    def __init__(self, config: EngineConfig, kv_groups: KVGroups, mix_decodes: bool = False):
         self.config = config
-        self.blocks = block_manager
+        self.blocks = kv_groups  # every decision on KV blocks is taken on all its groups at once
         # prefill steps also advance the running decodes by one token (eager engines: CPU)
         self.mix_decodes = mix_decodes
         self.waiting: deque[Sequence] = deque()
@@ -60,11 +60,10 @@ class Scheduler:
         return seq.num_tokens + pending - 1 + min(num_steps, self.remaining_steps(seq, pending))
 
     def drop_out_of_window(self) -> None:
-        """A windowed pool: the running sequences give back the blocks no later query of theirs reads
+        """The windowed groups: the running sequences give back the blocks no later query of theirs reads
         (BlockManager.drop_out_of_window), before anything is scheduled; nothing without a window."""
-        if self.blocks.window is not None:
-            for seq in self.running:
-                self.blocks.drop_out_of_window(seq)
+        for seq in self.running:
+            self.blocks.drop_out_of_window(seq)
 
     def schedule(self) -> PrefillBatch | DecodeRound | None:
         batch = self.schedule_prefill()
@@ -82,7 +81,7 @@ class Scheduler:
             if id(seq) in in_batch or seq.in_prefill or self.remaining_steps(seq) < 1:
                 continue
             needed = self._kv_tokens_needed(seq, 1)
-            if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, needed)):
+            if not self.blocks.can_grow(seq, needed):
                 break
             self.blocks.allocate(seq, needed)
             batch.seqs.append(seq)
@@ -99,7 +98,7 @@ class Scheduler:
             if seq.in_prefill and budget > 0:
                 n = min(seq.num_prefill_tokens - seq.num_computed_tokens, budget)
                 end = seq.num_computed_tokens + n  # (a windowed pool allocates chunk by chunk)
-                if not self.blocks.can_allocate(max(0, self.blocks.blocks_needed(seq, end) - seq.kv_reserved)):
+                if not self.blocks.can_grow(seq, end):
                     continue  # a block it shared went back to no pool: it waits for one
                 self.blocks.allocate(seq, end)
                 seqs.append(seq)
@@ -115,20 +114,21 @@ class Scheduler:
                 continue
             # the prompt's longest cached prefix (echo's prompt logprobs need every prompt position)
             keys = self.blocks.prefix_keys(seq) if seq.params.prompt_logprobs is None else []
-            cached = self.blocks.cached_prefix(seq, keys)
-            if len(cached) < len(keys) and self.blocks.being_computed(keys[len(cached)]):
+            hit = self.blocks.cached_prefix(seq, keys)  # per group, each as long
+            cached = len(hit[0])
+            if cached < len(keys) and self.blocks.being_computed(keys[cached]):
                 deferred.append(self.waiting.popleft())  # a prefill admitted before computes its next block
                 continue
             # reserve KV for every token present now, so an admitted prefill never stalls
-            need = self.blocks.prefill_blocks(seq, cached, self.config.max_num_batched_tokens)
-            if not self.blocks.can_allocate(need + self.blocks.num_reusable(cached)):
+            need = self.blocks.prefill_blocks(seq, hit, self.config.max_num_batched_tokens)
+            if not self.blocks.can_admit(need, hit):
                 break
             self.waiting.popleft()
             if seq.scheduled_at is None:
                 seq.scheduled_at = time.monotonic()
-            self.blocks.mark_computing(seq, keys[len(cached):])
+            self.blocks.mark_computing(seq, keys[cached:])
             if cached:
-                seq.num_computed_tokens = len(cached) * self.blocks.block_size
+                seq.num_computed_tokens = cached * self.blocks.block_size
                 if seq.num_output_tokens == 0:
                     seq.num_cached_tokens = seq.num_computed_tokens
                 self.num_cached_tokens += seq.num_computed_tokens
@@ -136,7 +136,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.num_prefill_tokens = seq.num_tokens
             n = min(seq.num_prefill_tokens - seq.num_computed_tokens, budget)
-            self.blocks.admit(seq, cached, need, seq.num_computed_tokens + n)
+            self.blocks.admit(seq, hit, need, seq.num_computed_tokens + n)
             self.running.append(seq)
             if lora_id is not None:
                 adapters.add(lora_id)
@@ -177,7 +177,7 @@ class Scheduler:
         while i < len(self.running):
             seq = self.running[i]
             needed = self._kv_tokens_needed(seq, k)
-            if self.blocks.can_allocate(self.blocks.blocks_needed(seq, needed)):
+            if self.blocks.can_grow(seq, needed):
                 self.blocks.allocate(seq, needed)
                 i += 1
                 continue
@@ -209,7 +209,7 @@ class Scheduler:
             return None
         k = self.decode_steps(seqs, pending)
         needed = [self._kv_tokens_needed(s, k, p) for s, p in zip(seqs, pending)]
-        if not self.blocks.can_allocate(sum(self.blocks.blocks_needed(s, n) for s, n in zip(seqs, needed))):
+        if not self.blocks.can_grow_all(seqs, needed):
             return None
         for seq, n in zip(seqs, needed):
             self.blocks.allocate(seq, n)

@@ -27,7 +27,7 @@ from graphserve.engine.request import SamplingParams, Sequence
 from graphserve.engine.runner.cuda_graphs import GraphDecoder
 from graphserve.engine.runner.host_slots import RoundHandle
 from graphserve.engine.runner.model_runner import ModelRunner
-from graphserve.engine.sched.kv_cache import BlockManager
+from graphserve.engine.sched.kv_groups import KVGroups
 from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch
 from graphserve.engine.spec.drafter import DeviceDrafts, Drafter
 
@@ -36,7 +36,7 @@ class DraftModelDrafter(Drafter):
     def __init__(self, runner: ModelRunner, k: int, max_model_len: int, graphs: GraphDecoder | None = None,
                  max_prefill_tokens: int = 8192):
         self.runner = runner
-        self.blocks: BlockManager = runner.blocks
+        self.blocks: KVGroups = runner.blocks
         self.k = k
         self.graphs = graphs
         self.max_prefill_tokens = max_prefill_tokens

@@ -33,7 +33,7 @@ from graphserve.engine.runner.cuda_graphs import GraphDecoder
 from graphserve.engine.runner.model_runner import ModelRunner, StepTokens
 from graphserve.engine.sample.rejection_sampler import accept_greedy, greedy_targets, verify_drafts
 from graphserve.engine.sample.sampler import build_sampling_tensors
-from graphserve.engine.sched.kv_cache import BlockManager
+from graphserve.engine.sched.kv_groups import KVGroups
 from graphserve.engine.sched.scheduler import DecodeRound
 from graphserve.engine.spec.drafter import Drafter, pack_drafts
 
@@ -68,7 +68,7 @@ class SpeculativeDecoder:
     """The drafter's view of the running sequences and the verify step."""
 
     def __init__(self, drafter: Drafter, num_speculative_tokens: int, runner: ModelRunner,
-                 block_manager: BlockManager, max_model_len: int, max_batch: int | None = None):
+                 block_manager: KVGroups, max_model_len: int, max_batch: int | None = None):
         self.drafter = drafter
         self.k = num_speculative_tokens
         self.max_batch = max_batch  # rounds of more sequences do not speculate (None: any)
