@@ -128,6 +128,16 @@ def test_preemption_frees_every_group_and_recomputes(model):
     assert _all_free(llm.engine.block_manager)
 
 
+def test_speculative_verify_steps_write_every_group(model):
+    """n-gram speculation (the repeating third prompt proposes drafts): a verify step reserves its drafts'
+    slots in both groups and gives back the rejected ones in both; transformers' tokens."""
+    path, want = model
+    llm = _llm(path, speculative_method="ngram", num_speculative_tokens=3)
+    assert [o.token_ids for o in llm.generate(LONG, PARAMS)] == want
+    assert llm.engine.stats().spec_verify_rows > 0
+    assert _all_free(llm.engine.block_manager)
+
+
 def test_the_static_buffer_paths_take_a_table_per_group(model):
     """The decode graphs' and the prefill graphs' static buffers, run eagerly on the CPU (as on CUDA they are
     captured): a slot buffer and a block table per group; transformers' tokens, every decode step through them."""

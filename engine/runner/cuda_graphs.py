@@ -34,7 +34,7 @@ from graphserve.engine.sched.kv_cache import DUMMY_BLOCK
 from graphserve.engine.structured.mask_feed import FeedJob, MaskFeed
 from graphserve.engine.request import Sequence
 from graphserve.engine.runner.decode_buffers import DecodeBuffers
-from graphserve.engine.runner.host_slots import HostSlot, RoundHandle
+from graphserve.engine.runner.host_slots import HostSlot, RoundHandle, group_buffer_name
 from graphserve.engine.runner.model_runner import DecodeState, ModelRunner, StepTokens, plan_steps
 from graphserve.engine.runner.verify_rows import verify_rows
 from graphserve.engine.sample.sampler import build_sampling_tensors
@@ -68,11 +68,6 @@ def eager_reason(seqs: list[Sequence], max_bucket: int) -> str | None:
         if p.needs_penalties or p.logit_bias or p.min_tokens > 0:
             return "logits_processors"
     return None
-
-
-def _group_name(name: str, group: int) -> str:
-    """The staged buffer `name` (step_slots, block_tables) of KV cache group `group` (DecodeBuffers.staged)."""
-    return name if group == 0 else f"{name}{group}"
 
 
 @dataclass
@@ -202,20 +197,20 @@ class GraphDecoder:
             seqs, self.runner.vocab_size, self.runner.eos_ids, torch.device("cpu"), pending)
         tables = []  # each KV cache group's
         for g in range(self.runner.num_groups):
-            table = slot.view(_group_name("block_tables", g), (b, self.table_width))
+            table = slot.view(group_buffer_name("block_tables", g), (b, self.table_width))
             table.fill_(DUMMY_BLOCK)
             for i, s in enumerate(seqs):
                 table[i, :len(s.block_tables[g])] = torch.tensor(s.block_tables[g], dtype=torch.int32)
             tables.append(table)
         positions, slots, context_lens = plan_steps(seqs, k, tables, self.runner.block_size, pending)
         values = {"step_positions": positions, "step_context_lens": context_lens,
-                  **{_group_name("step_slots", g): group_slots for g, group_slots in enumerate(slots)},
+                  **{group_buffer_name("step_slots", g): group_slots for g, group_slots in enumerate(slots)},
                   **{name: getattr(st, name) for name in ("temperature", "top_k", "top_p", "min_p", "seeds",
                                                           "output_pos") if st is not None}}
         if self.runner.lora:
             values["lora_slots"] = torch.tensor([s.lora_slot for s in seqs], dtype=torch.int32)
         host = {name: slot.stage(name, src) for name, src in values.items()}
-        host.update({_group_name("block_tables", g): table for g, table in enumerate(tables)})
+        host.update({group_buffer_name("block_tables", g): table for g, table in enumerate(tables)})
         non_blocking = self.device.type == "cuda"
         for name, src in host.items():
             self.buffers.rows(name, k, b).copy_(src, non_blocking=non_blocking)
@@ -326,8 +321,8 @@ class GraphDecoder:
                   "step_context_lens": torch.from_numpy(layout.context_lens[None, :])}
         tables = {}  # each KV cache group's
         for g, (group_slots, group_tables) in enumerate([(layout.slots, layout.block_tables), *layout.group_tables]):
-            values[_group_name("step_slots", g)] = torch.from_numpy(group_slots[None, :])
-            table = tables[_group_name("block_tables", g)] = slot.view(_group_name("block_tables", g),
+            values[group_buffer_name("step_slots", g)] = torch.from_numpy(group_slots[None, :])
+            table = tables[group_buffer_name("block_tables", g)] = slot.view(group_buffer_name("block_tables", g),
                                                                        (rows, self.table_width))
             table.fill_(DUMMY_BLOCK)
             table[:, :group_tables.shape[1]] = torch.from_numpy(group_tables)

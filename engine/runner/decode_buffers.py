@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from graphserve.engine.runner.host_slots import PER_STEP, STAGED
+from graphserve.engine.runner.host_slots import PER_STEP, STAGED, group_buffer_name
 from graphserve.engine.runner.model_runner import DecodeState
 from graphserve.engine.sample.sampler import SamplingTensors
 from graphserve.engine.sched.kv_cache import DUMMY_BLOCK
@@ -68,13 +68,14 @@ class DecodeBuffers:
         if self._staged is None:
             self._staged = {name: getattr(self, name) for name in STAGED}
             for g, (slots, tables) in enumerate(zip(self.group_step_slots, self.group_block_tables), start=1):
-                self._staged[f"step_slots{g}"], self._staged[f"block_tables{g}"] = slots, tables
+                self._staged[group_buffer_name("step_slots", g)] = slots
+                self._staged[group_buffer_name("block_tables", g)] = tables
         return self._staged
 
     def rows(self, name: str, k: int, b: int) -> torch.Tensor:
         """The first b rows of buffer `name` (and its first k steps, for a per-step one)."""
         buf = self.staged()[name]
-        return buf[:k, :b] if name.rstrip("0123456789") in PER_STEP else buf[:b]
+        return buf[:k, :b] if name.rstrip("0123456789") in PER_STEP else buf[:b]  # (group_buffer_name)
 
     def reset_padding(self, start: int, end: int) -> None:
         """Rows start..end-1 become inert: dummy block, position 0, greedy. (A bucket's graph

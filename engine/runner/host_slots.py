@@ -18,6 +18,12 @@ STAGED = ("input_ids", "input_rows", "step_positions", "step_slots", "step_conte
 PER_STEP = ("step_positions", "step_slots", "step_context_lens")  # [K, n]; the others are [n] or [n, W]
 
 
+def group_buffer_name(name: str, group: int) -> str:
+    """The name of KV cache group `group`'s static buffer `name` (slots, block tables: one per group), in the
+    decode graphs' and the prefill graphs' buffers: `name` for group 0, then name<g>."""
+    return name if group == 0 else f"{name}{group}"
+
+
 class HostSlot:
     """Host memory of one launched round, page-locked on CUDA: its staged inputs and its
     tokens copied back. Two slots alternate, so a round's host memory is not rewritten

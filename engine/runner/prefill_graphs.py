@@ -33,6 +33,7 @@ from graphserve.engine import gc_stats
 from graphserve.engine.models.attention import AttentionMetadata
 from graphserve.engine.sched.kv_cache import DUMMY_BLOCK
 from graphserve.engine.models.llama import LlamaModel
+from graphserve.engine.runner.host_slots import group_buffer_name
 from graphserve.engine.runner.prefill_inputs import PrefillInputs
 
 logger = logging.getLogger("graphserve.engine")
@@ -48,11 +49,6 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     while buckets[-1] < max_tokens:
         buckets.append(buckets[-1] * 2)
     return buckets
-
-
-def _group_name(name: str, group: int) -> str:
-    """The static buffer `name` (slots, block_tables) of KV cache group `group`."""
-    return name if group == 0 else f"{name}{group}"
 
 
 class PrefillGraphs:
@@ -81,13 +77,14 @@ class PrefillGraphs:
                   "context_lens": ((seqs,), torch.int32), "last_rows": ((seqs,), torch.int64),
                   "tiles": ((2 * tiles,), torch.int32), "block_tables": ((seqs * table_width,), torch.int32)}
         for g in range(1, self.num_groups):
-            shapes[f"slots{g}"], shapes[f"block_tables{g}"] = shapes["slots"], shapes["block_tables"]
+            for name in ("slots", "block_tables"):
+                shapes[group_buffer_name(name, g)] = shapes[name]
         pin = device.type == "cuda"
         self.static = {name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype) in shapes.items()}
         self.host = {name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in shapes.items()}
         self.table_width = table_width
         for g in range(self.num_groups):
-            name = _group_name("block_tables", g)
+            name = group_buffer_name("block_tables", g)
             self.static[name] = self.static[name].view(seqs, table_width)
         self.logits = torch.zeros(seqs, model.args.vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -119,7 +116,8 @@ class PrefillGraphs:
             attention_tiles=st["tiles"][:2 * n].view(2, n),
             query_lens_host=None if inputs is None else inputs.query_lens.tolist(),
             context_lens_host=None if inputs is None else inputs.context_lens.tolist(),
-        ).with_groups(self.layer_groups, [(st[f"slots{g}"][:bucket], st[f"block_tables{g}"][:s])
+        ).with_groups(self.layer_groups, [(st[group_buffer_name("slots", g)][:bucket],
+                                           st[group_buffer_name("block_tables", g)][:s])
                                           for g in range(1, self.num_groups)])
 
     def _forward(self, bucket: int, meta: AttentionMetadata) -> None:
@@ -183,7 +181,7 @@ class PrefillGraphs:
         self._stage("positions", inputs.positions, 0, bucket)
         groups = [(inputs.slots, inputs.block_tables), *inputs.group_tables]  # each KV cache group's
         for g, (slots, _) in enumerate(groups):
-            self._stage(_group_name("slots", g), slots, DUMMY_BLOCK * self.block_size, bucket)
+            self._stage(group_buffer_name("slots", g), slots, DUMMY_BLOCK * self.block_size, bucket)
         self._stage("cu_seqlens", inputs.cu_seqlens, inputs.num_tokens, s + 1)
         self._stage("context_lens", inputs.context_lens, 0, s)
         self._stage("last_rows", inputs.last_rows, 0, s)
@@ -191,7 +189,7 @@ class PrefillGraphs:
 
         self._stage("tiles", prefill_tile_map(inputs.query_lens, self.tile_rows, n).reshape(-1), -1, 2 * n)
         for g, (_, group_tables) in enumerate(groups):
-            name, width = _group_name("block_tables", g), group_tables.shape[1]
+            name, width = group_buffer_name("block_tables", g), group_tables.shape[1]
             tables = self.host[name][:b * width].view(b, width)
             tables.copy_(torch.from_numpy(group_tables))
             self.static[name][:b, :width].copy_(tables, non_blocking=self.device.type == "cuda")
