@@ -2,7 +2,7 @@
 
 The constructor decides the device, dtype and quantization and joins the tensor-parallel group
 (device_setup.py), loads the model and the draft model of speculative_method "draft"
-(model_loading.py), sizes and allocates the KV pool with its BlockManager, builds the ModelRunner
+(model_loading.py), sizes and allocates the KV pools of its KV cache groups (KVGroups), builds the ModelRunner
 with everything it reads, captures the decode and prefill CUDA graphs (and the draft model's) and,
 on CUDA, runs the eager prefill and the sampler once so that their kernels compile now (as vLLM's
 Worker and GPUModelRunner own them). Afterwards it runs what the engine core scheduled on the
@@ -63,11 +63,11 @@ class Worker:
         num_blocks = self.tp.min_int(device_setup.num_kv_blocks(  # every rank's scheduler sees the same pool
             config, args, self.model.kv_args, self.dtype, self.device, draft.kv_args if draft is not None else None,
             layout))  # group 0's pool; a windowed group after it holds what its window bounds (KVLayout.pool_blocks)
-        window = layout.windows[0]
-        self.max_model_len = min(max_len_wanted, (num_blocks - 1) * config.block_size)
-        if window is not None and windowed_hold(window, config) <= num_blocks - 1:
-            self.max_model_len = max_len_wanted  # a sequence of any length holds at most that many blocks
         self.block_manager = KVGroups.build(layout, num_blocks, config, cache_salt=f"{self.model_path}:{self.dtype}")
+        self.max_model_len = min(max_len_wanted, (num_blocks - 1) * config.block_size)
+        if all(p.window is not None and windowed_hold(p.window, config) <= p.num_usable_blocks
+               for p in self.block_manager.pools):
+            self.max_model_len = max_len_wanted  # a sequence of any length holds at most that many blocks
         self.kv_caches = allocate_group_kv_cache(self.model.kv_args, layout, [p.num_blocks for p in self.block_manager.pools],
                                                  config.block_size, self.dtype, self.device)
         self.structured = StructuredOutputs(
