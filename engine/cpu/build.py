@@ -16,6 +16,7 @@ compiler has no -fopenmp), sized by set_num_threads()."""
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -197,18 +198,12 @@ class CLibrary:
         path = cache_dir() / f"{self.name}-{key}.so"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                obj, lib = Path(tmp) / f"{self.name}.o", Path(tmp) / f"{self.name}.so"
-                result = subprocess.run([compiler, *flags, "-c", str(SOURCE_DIR / self.source), "-o", str(obj)],
-                                        capture_output=True, text=True)
-                if result.returncode == 0:
-                    result = subprocess.run([compiler, *link, str(obj), "-o", str(lib), "-lm"],
-                                            capture_output=True, text=True)
-                if result.returncode != 0:
-                    logger.warning("building the CPU kernel %s failed (torch instead): %s", self.name,
-                                   result.stderr[-2000:])
+            # one builder a library at a time (a server's processes, a test run's workers start together): the
+            # others wait for its file instead of compiling the same one
+            with open(path.with_suffix(".lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not path.exists() and not self._compile(compiler, flags, link, path):
                     return None
-                os.replace(lib, path)  # atomic: concurrent builders each install a whole file
         lib = ctypes.CDLL(str(path))  # its libgomp resolves to torch's, loaded with torch already
         for function, (argtypes, restype) in {**self.functions, **_COMMON_FUNCTIONS}.items():
             getattr(lib, function).argtypes = argtypes
@@ -218,6 +213,21 @@ class CLibrary:
 
             lib.gs_set_num_threads(torch.get_num_threads())
         return lib
+
+    def _compile(self, compiler: str, flags: list[str], link: list[str], path: Path) -> bool:
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            obj, lib = Path(tmp) / f"{self.name}.o", Path(tmp) / f"{self.name}.so"
+            result = subprocess.run([compiler, *flags, "-c", str(SOURCE_DIR / self.source), "-o", str(obj)],
+                                    capture_output=True, text=True)
+            if result.returncode == 0:
+                result = subprocess.run([compiler, *link, str(obj), "-o", str(lib), "-lm"],
+                                        capture_output=True, text=True)
+            if result.returncode != 0:
+                logger.warning("building the CPU kernel %s failed (torch instead): %s", self.name,
+                               result.stderr[-2000:])
+                return False
+            os.replace(lib, path)  # atomic: no process ever loads a half-written file
+        return True
 
 
 # every library's: its path and threading (isa.h, parallel.h), the pthreads pool's size
