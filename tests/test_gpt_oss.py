@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tiny_models import assert_greedy_matches, make_tiny_gpt_oss, quantize_mxfp4, transformers_greedy
+from tiny_models import (assert_greedy_matches, dequantized_gpt_oss, make_tiny_gpt_oss, quantize_mxfp4,
+                         transformers_greedy)
 
 from graphserve import LLM, SamplingParams
 from graphserve.engine.errors import InvalidConfigError, ModelFilesError, UnsupportedModelError
@@ -38,16 +39,14 @@ def model_dir(request, tmp_path_factory) -> Path:
                              seed=3, dtype=torch.bfloat16)
 
 
-def _hf_load(model_dir: Path) -> dict:
-    """transformers' reading of the folder: its eager experts loop; MXFP4 experts dequantized (its CPU path)."""
-    mxfp4 = "quantization_config" in json.loads((model_dir / "config.json").read_text())
-    return dict(experts_implementation="eager",
-                **({"quantization_config": transformers.Mxfp4Config(dequantize=True)} if mxfp4 else {}))
-
-
 @pytest.fixture(scope="module")
-def hf_greedy(model_dir) -> list[list[int]]:
-    return transformers_greedy(model_dir, PROMPTS, MAX_NEW, **_hf_load(model_dir))
+def hf_greedy(model_dir, tmp_path_factory) -> list[list[int]]:
+    """transformers' greedy tokens in float32, its eager experts loop; for the MXFP4 model from a copy whose
+    experts transformers' convert_moe_packed_tensors dequantized (tiny_models.dequantized_gpt_oss), which every
+    transformers version reads in float32."""
+    if "quantization_config" in json.loads((model_dir / "config.json").read_text()):
+        model_dir = dequantized_gpt_oss(model_dir, tmp_path_factory.mktemp("dequantized") / "model")
+    return transformers_greedy(model_dir, PROMPTS, MAX_NEW, experts_implementation="eager")
 
 
 def _llm(path: Path, **config) -> LLM:
@@ -57,7 +56,7 @@ def _llm(path: Path, **config) -> LLM:
 
 def test_the_config_is_read_as_transformers_reads_it(model_dir):
     args = ModelArgs.from_dir(model_dir)
-    assert args.layer_windows == (8, None, 8, None) and args.qkv_bias and args.gpt_oss.swiglu_limit == 1.2
+    assert args.layer_windows == (8, None, 8, None) and args.qkv_bias and args.gpt_oss.swiglu_limit == 7.0
     assert args.moe.num_experts == 8 and args.moe.top_k == 2 and args.moe.expert_intermediate_size == 32
     assert args.rope_scaling["rope_type"] == "yarn" and args.rope_theta == 150000.0
     assert args.quantization == ("mxfp4" if "mxfp4" in str(model_dir) else None)

@@ -243,9 +243,12 @@ def assert_greedy_matches(llm, prompts: list[list[int]], params, want: list[list
 
 # ---- gpt-oss: a tiny GptOssForCausalLM, its experts unquantized or in MXFP4 as released ----
 
+# swiglu_limit and swiglu_alpha at gpt-oss's (GptOssConfig's defaults, 7.0 and 1.702): transformers before 5.2x
+# hard-codes those two in GptOssExperts whatever the config says, so a tiny model with others would have no one
+# reference across the versions the CPU and the GPU machines carry
 GPT_OSS = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
-               sliding_window=8, max_position_embeddings=512, rms_norm_eps=1e-5, swiglu_limit=1.2,
+               sliding_window=8, max_position_embeddings=512, rms_norm_eps=1e-5,
                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
                tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -253,17 +256,20 @@ GPT_OSS = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=32, num_
 
 def make_tiny_gpt_oss(path: Path, mxfp4: bool = False, seed: int = 0, dtype: torch.dtype = torch.float32,
                       **overrides) -> Path:
-    """A random GptOssForCausalLM (sliding and full layers alternating, YaRN, sinks, biases everywhere, a
-    swiglu_limit that clamps), saved by transformers; mxfp4: its experts' weights quantized
-    (quantize_mxfp4) and stored as gpt-oss stores them, with quant_method mxfp4 in its config."""
+    """A random GptOssForCausalLM (sliding and full layers alternating, YaRN, sinks, biases everywhere, experts
+    whose gate and up projections reach swiglu_limit's clamp), saved by transformers; mxfp4: its experts' weights
+    quantized (quantize_mxfp4) and stored as gpt-oss stores them, with quant_method mxfp4 in its config."""
     import transformers
 
     config = transformers.GptOssConfig(**{**GPT_OSS, **overrides})
     torch.manual_seed(seed)
     model = transformers.GptOssForCausalLM(config).to(dtype)
     with torch.no_grad():
-        for name, p in model.named_parameters():  # norms about 1: activations reach the clamp; sinks matter
-            p.normal_(1.0 if "norm" in name else 0.0, 1.0 if name.endswith("sinks") else 0.15)
+        for name, p in model.named_parameters():  # norms about 1; sinks matter; the experts' gate_up wide
+            # enough (std 0.6 over hidden 64: outputs of std ~5) that about 7% of gates and 14% of ups pass the
+            # limit of 7
+            std = 1.0 if name.endswith("sinks") else 0.6 if name.endswith("experts.gate_up_proj") else 0.15
+            p.normal_(1.0 if "norm" in name else 0.0, std)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     write_byte_tokenizer(path)
@@ -286,6 +292,33 @@ def _experts_to_mxfp4(path: Path) -> None:
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (path / "config.json").write_text(json.dumps(config))
+
+
+def dequantized_gpt_oss(src: Path, dest: Path) -> Path:
+    """`src`'s MXFP4 gpt-oss folder copied to `dest` with its experts' weights dequantized by transformers' own
+    convert_moe_packed_tensors into float32 (exactly the MXFP4 values) and no quantization_config: what
+    transformers' Mxfp4Config(dequantize=True) load computes, as a checkpoint any transformers version reads in
+    float32 (before 5.2x that load dequantizes into bf16 whatever the model's dtype, and a float32 model then
+    fails on its first expert)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    shutil.copytree(src, dest)
+    tensors = load_file(str(src / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("_blocks"):  # -> transformers' [E, in, out]
+            base = name.removesuffix("_blocks")
+            out[base] = convert_moe_packed_tensors(t, tensors[base + "_scales"], dtype=torch.float32)
+        elif not name.endswith("_scales"):
+            out[name] = t
+    save_file(out, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config")
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

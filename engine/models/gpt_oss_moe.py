@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphserve.engine.models.gpt_oss import GptOssArgs
+from graphserve.engine.models import layers
 from graphserve.engine.models.layers import Linear
 from graphserve.engine.models.moe import tokens_by_expert
 from graphserve.engine.models.moe_config import MoeArgs
@@ -73,7 +74,7 @@ class GptOssMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: the normed hidden states [T, H]; returns the experts' weighted sum [T, H]."""
         logits = self.router(x)
-        if x.is_cuda:
+        if layers.uses_triton(x):
             weights, expert_ids = route_fused(logits, self.moe.top_k, renormalize=True)
             quantized = dict(gate_up_scales=self.gate_up_scales, down_scales=self.down_scales) if self.mxfp4 else {}
             gate_up = self.gate_up_blocks if self.mxfp4 else self.gate_up_proj

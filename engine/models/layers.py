@@ -80,6 +80,11 @@ def _triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+def uses_triton(x: torch.Tensor) -> bool:
+    """Whether x's layer runs the Triton kernels (on CUDA; tests patch _triton to run them in the interpreter)."""
+    return _triton(x)
+
+
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
     if weight.dtype == FP8:
         max_rows = FP8_GATE_UP_GEMV_MAX_ROWS if silu_mul else FP8_GEMV_MAX_ROWS
