@@ -14,6 +14,11 @@ the wide side of the tensor-core product, the picks -- as few as 1 -- on the nar
 - down: rows of h, the bias and the pick's routing weight in the epilogue, into the pick's row of [T*k, H];
 then kernels/moe.py's combine sums each token's k rows in float32.
 
+Decode steps of up to SMALL_BATCH_MAX_TOKENS tokens skip the alignment (SMALL_PATH): the same kernel with one
+program per (pick, output tile), of which an expert's first pick works, over all the tokens that chose the
+expert (token m in row m of its block of 16), so every chosen expert's weights are read once and no program
+finds nothing to do; h is indexed by pick. The epilogues, and so every rounding, are the grouped path's.
+
 MXFP4 weights arrive as stored: uint8 [E, N, K / 2] (two e2m1 values a byte) with uint8 e8m0 scales
 [E, N, K / 32] (kernels/mxfp4.py), read at those bytes. Beside bf16 / fp16 activations each weight tile
 goes to tl.dot_scaled (e2m1 with its scales against the activations: Triton upcasts it in registers);
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from graphserve.kernels.gpt_oss_gemv import GEMV_MAX_TOKENS, GptOssGemvTile, default_gemv_tiles, gpt_oss_experts_gemv
 from graphserve.kernels.launch_settings import dot_precision, sm_count
 from graphserve.kernels.moe import MoeTile, _combine_kernel, default_moe_tiles
 from graphserve.kernels.moe_align import moe_align
@@ -37,9 +43,11 @@ from graphserve.kernels.mxfp4 import GROUP, decode_tile, dequantize
 
 @triton.jit
 def _weight_product(acc, w_ptrs, s_ptrs, a, n_mask, k0, K, MXFP4: tl.constexpr, DOT_FORMAT: tl.constexpr,
-                    DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + W[rows, k0:k0+BLOCK_K] @ a.T for a [BLOCK_M, BLOCK_K]. MXFP4: w_ptrs point at the rows' packed
-    bytes from k0 / 2 on, s_ptrs at their scales from k0 / 32 on; else w_ptrs at the rows' values."""
+    bytes from k0 / 2 on, s_ptrs at their scales from k0 / 32 on; else w_ptrs at the rows' values. UPCAST
+    (MXFP4 beside bf16 / fp16 rows): "dot_scaled" (Triton's own upcast inside tl.dot_scaled) or "registers"
+    (mxfp4.decode_tile, exact, rounded to the rows' dtype -- exact too -- and a plain tl.dot)."""
     if MXFP4:
         offs_b = tl.arange(0, BLOCK_K // 2)
         offs_s = tl.arange(0, BLOCK_K // 32)
@@ -50,6 +58,9 @@ def _weight_product(acc, w_ptrs, s_ptrs, a, n_mask, k0, K, MXFP4: tl.constexpr, 
         if DOT_FORMAT == "fp32":
             w = decode_tile(packed, scales, BLOCK_N, BLOCK_K)
             acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PREC)
+        elif UPCAST == "registers":
+            w = decode_tile(packed, scales, BLOCK_N, BLOCK_K).to(a.dtype)
+            acc = tl.dot(w, tl.trans(a), acc)
         else:
             acc = tl.dot_scaled(packed, scales, "e2m1", tl.trans(a), None, DOT_FORMAT, acc)
     else:
@@ -69,28 +80,53 @@ def _experts_gemm_kernel(
     MXFP4: tl.constexpr,
     DOT_FORMAT: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    PICKS_PAD: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """GATE_UP: a = x [T, K], w = gate_up [E, 2N, K or K / 2], bias [E, 2N]; out = h [padded, N] at the
-    block's padded rows. Otherwise (down): a = h, w = down [E, N, K or K / 2], bias [E, N]; out [T*k, N] at
-    each pick's row, times its routing weight. MXFP4: s_ptr holds the scales [E, rows, K / 32]."""
+    """GATE_UP: a = x [T, K], w = gate_up [E, 2N, K or K / 2], bias [E, 2N]; out = h at the picks' rows of h.
+    Otherwise (down): a = h, w = down [E, N, K or K / 2], bias [E, N]; out [T*k, N] at each pick's row, times
+    its routing weight. MXFP4: s_ptr holds the scales [E, rows, K / 32].
+    ALIGNED (moe_align's blocks): program 0-axis = a block of BLOCK_M padded positions of one expert; h
+    [padded, N] is indexed by padded position. Not ALIGNED (the small-batch path, T <= BLOCK_M): program
+    0-axis = pick p (sorted_picks_ptr: the expert ids [T*k]); only an expert's first pick works, over every
+    token that chose the expert (row m = token m); h [T*k, N] is indexed by pick."""
     block = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if block * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    expert = tl.load(block_experts_ptr + block).to(tl.int64)
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)  # padded positions
-    picks = tl.load(sorted_picks_ptr + offs_m)
-    real = picks < num_picks
+    if ALIGNED:
+        if block * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        expert = tl.load(block_experts_ptr + block).to(tl.int64)
+        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)  # padded positions
+        picks = tl.load(sorted_picks_ptr + offs_m)
+        real = picks < num_picks
+        h_rows = offs_m.to(tl.int64)
+    else:
+        expert = tl.load(sorted_picks_ptr + block)
+        offs_q = tl.arange(0, PICKS_PAD)
+        ids = tl.load(sorted_picks_ptr + offs_q, mask=offs_q < num_picks, other=-1)
+        if tl.sum(((ids == expert) & (offs_q < block)).to(tl.int32)) > 0:  # an earlier pick runs this expert
+            return
+        expert = expert.to(tl.int64)
+        offs_m = tl.arange(0, BLOCK_M)  # tokens
+        offs_j = tl.arange(0, TOP_K_PAD)
+        token_picks = offs_m[:, None] * TOP_K + offs_j[None, :]
+        chosen = tl.load(sorted_picks_ptr + token_picks, mask=(offs_j < TOP_K)[None, :] & (token_picks < num_picks),
+                         other=-1) == expert
+        real = tl.max(chosen.to(tl.int32), 1) > 0  # (an expert is picked at most once a token)
+        picks = tl.where(real, tl.sum(tl.where(chosen, token_picks, 0), 1), num_picks)
+        h_rows = picks.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     if GATE_UP:
         a_rows = (picks // TOP_K).to(tl.int64)  # each pick's token
     else:
-        a_rows = offs_m.to(tl.int64)
+        a_rows = h_rows
     a_ptrs = a_ptr + a_rows[:, None] * stride_a + offs_k[None, :]
     rows = offs_n.to(tl.int64)
     w_ptrs = w_ptr + expert * stride_we + rows[:, None] * stride_wn
@@ -99,10 +135,11 @@ def _experts_gemm_kernel(
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs, mask=real[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
-        acc = _weight_product(acc, w_ptrs, s_ptrs, a, n_mask, k0, K, MXFP4, DOT_FORMAT, DOT_PREC, BLOCK_N, BLOCK_K)
+        acc = _weight_product(acc, w_ptrs, s_ptrs, a, n_mask, k0, K, MXFP4, DOT_FORMAT, DOT_PREC, UPCAST, BLOCK_N,
+                              BLOCK_K)
         if GATE_UP:  # up row N + n beside gate row n
             acc_u = _weight_product(acc_u, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, a, n_mask, k0, K, MXFP4,
-                                    DOT_FORMAT, DOT_PREC, BLOCK_N, BLOCK_K)
+                                    DOT_FORMAT, DOT_PREC, UPCAST, BLOCK_N, BLOCK_K)
         a_ptrs += BLOCK_K
         if MXFP4:
             w_ptrs += BLOCK_K // 2
@@ -118,8 +155,8 @@ def _experts_gemm_kernel(
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         y = (up + 1.0) * (gate / (1.0 + tl.exp(-gate * alpha)))
-        o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
-        tl.store(o_ptrs, y.to(dt), mask=n_mask[:, None])
+        o_ptrs = out_ptr + h_rows[None, :] * stride_o + offs_n[:, None]
+        tl.store(o_ptrs, y.to(dt), mask=n_mask[:, None] & real[None, :])
     else:
         y = (acc.to(dt) + tl.load(b_ptrs, mask=n_mask, other=0.0)[:, None]).to(dt).to(tl.float32)
         weight = tl.load(routing_ptr + picks, mask=real, other=0.0)
@@ -128,6 +165,22 @@ def _experts_gemm_kernel(
 
 
 _DOT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# Decode steps of up to SMALL_BATCH_MAX_TOKENS tokens run without moe_align (SMALL_PATH): a program a pick and
+# output tile, the expert's first pick working over all its tokens (so every chosen expert is read once), h
+# indexed by pick; 4 kernels a layer (route, gate_up, down, combine) against 5, and no programs that find
+# nothing to do. Untimed on a GPU so far (benchmarks/moe_kernel_bench.py --shapes gpt-oss-20b times both).
+SMALL_PATH = True
+# MXFP4 experts at up to gpt_oss_gemv.GEMV_MAX_TOKENS tokens on the CUDA cores (kernels/gpt_oss_gemv.py): off until
+# moe_kernel_bench.py --shapes gpt-oss-20b shows it ahead of the small-batch path at one token.
+GEMV_PATH = False
+SMALL_BATCH_MAX_TOKENS = 16  # a block of 16 rows, the smallest tl.dot side, holds every token
+SMALL_PROGRAMS_PER_SM = 2
+# MXFP4 K tiles: this many bytes of a weight row an iteration (256 values), as wide as a bf16 tile of 128 values
+# (the first tiles read 64 bytes: 128 values). Untimed (benchmarks/moe_kernel_bench.py --sweep).
+MXFP4_K_TILE_BYTES = 128
+# How MXFP4 tiles meet bf16 / fp16 rows: "dot_scaled" (Triton's upcast inside tl.dot_scaled; on Hopper it is
+# emulated) or "registers" (mxfp4.decode_tile, then a bf16 tl.dot). Untimed (moe_kernel_bench.py times both).
+MXFP4_UPCAST = "dot_scaled"
 
 
 def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor,
@@ -165,46 +218,108 @@ def gpt_oss_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Te
                     down: torch.Tensor, gate_up_bias: torch.Tensor, down_bias: torch.Tensor, alpha: float,
                     limit: float, *, gate_up_scales: torch.Tensor | None = None,
                     down_scales: torch.Tensor | None = None,
-                    tiles: tuple[MoeTile, MoeTile] | None = None) -> torch.Tensor:
+                    tiles: tuple[MoeTile, MoeTile] | tuple[GptOssGemvTile, GptOssGemvTile] | None = None,
+                    path: str | None = None, upcast: str | None = None) -> torch.Tensor:
     """The routed experts' weighted sum [T, H] for x [T, H], routing weights [T, k] float32 and expert ids
     [T, k] (kernels/moe_route.route_fused). Experts: gate_up [E, 2I, H] (each expert's gate rows, then its
     up rows) and down [E, H, I] in x's dtype, or MXFP4: uint8 [E, 2I, H / 2] and [E, H, I / 2] with uint8
     gate_up_scales [E, 2I, H / 32] and down_scales [E, H, I / 32]; biases [E, 2I] and [E, H] in x's dtype.
-    tiles: (gate_up, down) launch shapes with one block_m (benchmark sweeps)."""
+    path: "gemv" (MXFP4, T <= gpt_oss_gemv.GEMV_MAX_TOKENS: kernels/gpt_oss_gemv.py), "small" (T <=
+    SMALL_BATCH_MAX_TOKENS: no alignment) or "grouped"; None: pick_path. tiles: (gate_up, down) launch shapes,
+    MoeTile with one block_m, or GptOssGemvTile for the GEMV path (benchmark sweeps); upcast: an MXFP4 upcast
+    beside bf16 / fp16 rows ("dot_scaled" or "registers"), None: MXFP4_UPCAST."""
     num_experts, hidden, inter, mxfp4 = _check(x, gate_up, down, gate_up_bias, down_bias, gate_up_scales,
                                                down_scales)
     tokens, top_k = expert_ids.shape
     if tokens != x.shape[0] or weights.shape != expert_ids.shape:
         raise ValueError(f"routing {tuple(expert_ids.shape)} / {tuple(weights.shape)} for {x.shape[0]} tokens")
+    upcast = upcast or MXFP4_UPCAST
+    if upcast not in ("dot_scaled", "registers"):
+        raise ValueError(f"upcast {upcast!r}: 'dot_scaled' or 'registers'")
     if tokens == 0:
         return torch.zeros_like(x)
-    gate_up_tile, down_tile = tiles or default_moe_tiles(tokens, top_k, num_experts, hidden, inter,
-                                                         sm_count(x.device), x.element_size())
+    path = path or pick_path(tokens, mxfp4)
+    limits = {"gemv": GEMV_MAX_TOKENS, "small": SMALL_BATCH_MAX_TOKENS, "grouped": None}
+    if path not in limits or path == "gemv" and not mxfp4:
+        raise ValueError(f"path {path!r}: 'gemv' (MXFP4 experts), 'small' or 'grouped'")
+    if limits[path] is not None and tokens > limits[path]:
+        raise ValueError(f"the {path} path takes at most {limits[path]} tokens, got {tokens}")
+    if path == "gemv":
+        return gpt_oss_experts_gemv(x, weights, expert_ids, gate_up, down, gate_up_scales, down_scales, gate_up_bias,
+                                    down_bias, alpha, limit,
+                                    tiles or default_gemv_tiles(tokens, top_k, hidden, inter, sm_count(x.device)))
+    small = path == "small"
+    weight_bytes = 0.5 if mxfp4 else x.element_size()
+    gate_up_tile, down_tile = tiles or gpt_oss_tiles(tokens, top_k, num_experts, hidden, inter, sm_count(x.device),
+                                                     weight_bytes, small)
     if gate_up_tile.block_m != down_tile.block_m:
         raise ValueError("both GEMMs' tiles need the same block_m (the alignment's)")
+    if small and gate_up_tile.block_m < tokens:
+        raise ValueError(f"the small-batch path needs block_m >= the {tokens} tokens")
     if mxfp4 and min(gate_up_tile.block_k, down_tile.block_k) < GROUP:
         raise ValueError(f"MXFP4 tiles need block_k >= {GROUP}")
-    aligned = moe_align(expert_ids, num_experts, gate_up_tile.block_m)
     num_picks = tokens * top_k
-    h = torch.empty((aligned.sorted_picks.shape[0], inter), dtype=x.dtype, device=x.device)
+    if small:  # a program a pick, the expert's first pick working (ids in place of the aligned picks)
+        ids = expert_ids.reshape(-1).contiguous()
+        sorted_picks, block_experts, num_padded, grid_m = ids, ids, ids, num_picks
+        h_rows = num_picks
+    else:
+        aligned = moe_align(expert_ids, num_experts, gate_up_tile.block_m)
+        sorted_picks, block_experts, num_padded = aligned.sorted_picks, aligned.block_experts, aligned.num_padded
+        grid_m, h_rows = block_experts.shape[0], sorted_picks.shape[0]
+    h = torch.empty((h_rows, inter), dtype=x.dtype, device=x.device)
     per_pick = torch.empty((num_picks, hidden), dtype=x.dtype, device=x.device)
     routing = weights.reshape(-1).contiguous()
     for a, w, scales, bias, out, n, k, tile, is_gate_up in (
             (x, gate_up, gate_up_scales, gate_up_bias, h, inter, hidden, gate_up_tile, True),
             (h, down, down_scales, down_bias, per_pick, hidden, inter, down_tile, False)):
         scales = w if scales is None else scales  # a pointer the unquantized path never reads
-        _experts_gemm_kernel[(aligned.block_experts.shape[0], triton.cdiv(n, tile.block_n))](
-            a, w, scales, bias, out, aligned.sorted_picks, aligned.block_experts, aligned.num_padded, routing,
+        _experts_gemm_kernel[(grid_m, triton.cdiv(n, tile.block_n))](
+            a, w, scales, bias, out, sorted_picks, block_experts, num_padded, routing,
             n, k, num_picks, float(alpha), float(limit),
             a.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), bias.stride(0), out.stride(0),
             TOP_K=top_k, GATE_UP=is_gate_up, MXFP4=mxfp4, DOT_FORMAT=_DOT_FORMATS[x.dtype],
-            DOT_PREC=dot_precision(x.dtype), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            DOT_PREC=dot_precision(x.dtype), UPCAST=upcast, ALIGNED=not small,
+            PICKS_PAD=tile.block_m * triton.next_power_of_2(top_k), TOP_K_PAD=triton.next_power_of_2(top_k),
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )
     out = torch.empty_like(x)
     block_h = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(tokens, triton.cdiv(hidden, block_h))](per_pick, out, hidden, TOP_K=top_k, BLOCK_H=block_h)
     return out
+
+
+def pick_path(tokens: int, mxfp4: bool) -> str:
+    """The path a batch of `tokens` takes: GEMV_PATH's GEMV for MXFP4 experts up to GEMV_MAX_TOKENS, SMALL_PATH's
+    small-batch path up to SMALL_BATCH_MAX_TOKENS, else the grouped one."""
+    if GEMV_PATH and mxfp4 and tokens <= GEMV_MAX_TOKENS:
+        return "gemv"
+    return "small" if SMALL_PATH and tokens <= SMALL_BATCH_MAX_TOKENS else "grouped"
+
+
+def gpt_oss_tiles(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, num_sms: int,
+                  weight_bytes: float, small: bool) -> tuple[MoeTile, MoeTile]:
+    """(gate_up, down) launch shapes: kernels/moe.default_moe_tiles' choice, with K tiles of MXFP4 weights as wide
+    in bytes a row as those of bf16 ones (MXFP4_K_TILE_BYTES: 128 bytes, 256 values, where bf16 reads 128 values);
+    the small-batch path: blocks of 16 tokens and output tiles narrowed until the chosen experts give every SM
+    SMALL_PROGRAMS_PER_SM programs."""
+    gate_up, down = default_moe_tiles(tokens, top_k, num_experts, hidden, inter, num_sms,
+                                      max(1, round(weight_bytes)))
+    if weight_bytes < 1:
+        widest = int(MXFP4_K_TILE_BYTES / weight_bytes)
+        gate_up, down = (t._replace(block_k=min(widest, max(GROUP, triton.next_power_of_2(k))))
+                         for t, k in ((gate_up, hidden), (down, inter)))
+    if not small:
+        return gate_up, down
+    experts_used = min(num_experts, tokens * top_k)
+    tiles = []
+    for tile, n in ((gate_up, inter), (down, hidden)):
+        block_n = 64
+        while block_n > 16 and experts_used * triton.cdiv(n, block_n) < SMALL_PROGRAMS_PER_SM * num_sms:
+            block_n //= 2
+        tiles.append(tile._replace(block_m=SMALL_BATCH_MAX_TOKENS, block_n=min(block_n, max(16, triton.next_power_of_2(n)))))
+    return tiles[0], tiles[1]
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
