@@ -94,6 +94,12 @@ SWITCHES = {
     "norm-max-warps": ("graphserve.kernels.rmsnorm", "MAX_WARPS", int, "warps a row's RMSNorm program takes at most"),
     "pdl-early-trigger": ("graphserve.kernels._pdl", "EARLY_TRIGGER", bool,
                           "a PDL kernel lets the next one launch before its own wait"),
+    "gpt-oss-gemv": ("graphserve.kernels.gpt_oss_experts", "GEMV_PATH", bool,
+                     "gpt-oss's MXFP4 experts at 1-2 tokens on the CUDA cores (kernels/gpt_oss_gemv.py)"),
+    "gpt-oss-small-path": ("graphserve.kernels.gpt_oss_experts", "SMALL_PATH", bool,
+                           "gpt-oss's experts up to 16 tokens without moe_align; off: the grouped path"),
+    "gpt-oss-mxfp4-k-tile-bytes": ("graphserve.kernels.gpt_oss_experts", "MXFP4_K_TILE_BYTES", int,
+                                   "bytes of an MXFP4 weight row a K tile of the tensor-core paths reads"),
 }
 
 

@@ -12,6 +12,17 @@ GEMV_MAX_TOKENS. --kernels adds each kernel's device time a layer (the torch pro
     python benchmarks/moe_kernel_bench.py --shapes qwen3-30b-a3b --tokens 1 16 --out moe.json
     python benchmarks/moe_kernel_bench.py --sweep --sweep-tokens 1 64 --out moe-sweep.json
     python benchmarks/moe_kernel_bench.py --shapes qwen3-30b-a3b --tokens 1 --kernels --out moe-kernels.json
+
+gpt-oss shapes (--shapes gpt-oss-20b gpt-oss-120b): the router projection (with its bias) plus
+kernels/gpt_oss_experts.py's experts, MXFP4 as stored (random bytes, scales as the dummy loader draws them),
+bf16 rows, the bytes a layer must read counted as stored (4.25 bits a weight, the biases). Each path that takes
+the batch is timed: "gemv" (kernels/gpt_oss_gemv.py, 1-2 tokens), "small" (no alignment, up to 16 tokens),
+"grouped", and "grouped-first-tiles" (the grouped path as first measured: moe_align at every size), beside
+"default" (the path and tiles gpt_oss_experts picks); the tensor-core paths also with K tiles of 128 bytes a row
+("k128"). --sweep sweeps the tiles of the tensor-core path each --sweep-tokens batch takes, and of the GEMV path
+at 1-2 tokens.
+
+    python benchmarks/moe_kernel_bench.py --shapes gpt-oss-20b --tokens 1 2 4 8 16 64 --kernels --out oss.json
 """
 
 from __future__ import annotations
@@ -33,6 +44,10 @@ BF16 = torch.bfloat16
 SHAPES = {  # name: (hidden, inter, experts, top_k, renormalize)
     "qwen3-30b-a3b": (2048, 768, 128, 8, True),
     "mixtral-8x7b": (4096, 14336, 8, 2, True),
+}
+GPT_OSS_SHAPES = {  # name: (hidden, inter, experts, top_k); MXFP4 experts, softmax over the top k
+    "gpt-oss-20b": (2880, 2880, 32, 4),
+    "gpt-oss-120b": (2880, 2880, 128, 4),
 }
 # layer copies cycled through in the graph, at least this many bytes of experts in all (L2: 50 MB an H200)
 MIN_BYTES = 2 * 2**30
@@ -194,9 +209,130 @@ def sweep(tokens: int, default, time_tiles, record) -> None:
     print(f"  best of sweep {best[0]:9.1f} us/layer {[list(t) for t in best[1]]}", flush=True)
 
 
+def bench_gpt_oss(name: str, tokens_list: list[int], copy_gbs: float, sweep_tokens: list[int],
+                  profile: bool = False) -> list[dict]:
+    """gpt-oss's MLP a layer (router + experts, MXFP4), each path that takes each batch; see the
+    module's docstring."""
+    from graphserve.kernels import gpt_oss_experts as oss
+    from graphserve.kernels.gpt_oss_gemv import GEMV_MAX_TOKENS, default_gemv_tiles
+    from graphserve.kernels.launch_settings import sm_count
+    from graphserve.kernels.moe import default_moe_tiles
+    from graphserve.kernels.moe_route import route_fused
+
+    hidden, inter, experts, top_k = GPT_OSS_SHAPES[name]
+    expert_bytes = 2 * inter * hidden * 17 // 32 + hidden * inter * 17 // 32 + (2 * inter + hidden) * 2
+    router_bytes = (experts * hidden + experts) * 2
+    copies = max(2, -(-MIN_BYTES // (experts * expert_bytes)))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randint(lo, hi, *shape):
+        return torch.randint(lo, hi, shape, generator=gen, device="cuda", dtype=torch.uint8)
+
+    def randn(*shape, std):
+        return (torch.randn(*shape, generator=gen, device="cuda") * std).to(BF16)
+
+    layers = [dict(router=randn(experts, hidden, std=hidden**-0.5), router_bias=randn(experts, std=0.02),
+                   gate_up=randint(0, 256, experts, 2 * inter, hidden // 2),
+                   gate_up_scales=randint(118, 121, experts, 2 * inter, hidden // 32),
+                   down=randint(0, 256, experts, hidden, inter // 2),
+                   down_scales=randint(118, 121, experts, hidden, inter // 32),
+                   gate_up_bias=randn(experts, 2 * inter, std=0.02), down_bias=randn(experts, hidden, std=0.02))
+              for _ in range(copies)]
+    num_sms = sm_count(torch.device("cuda"))
+    rows = []
+    for tokens in tokens_list:
+        x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(BF16)
+        chosen = [route_fused(F.linear(x, c["router"], c["router_bias"]), top_k, True)[1].unique().numel()
+                  for c in layers]
+        must_read = sum(n * expert_bytes + router_bytes for n in chosen) / copies
+
+        def layer_fn(i, **kwargs):
+            c = layers[i]
+
+            def layer():
+                weights, ids = route_fused(F.linear(x, c["router"], c["router_bias"]), top_k, True)
+                return oss.gpt_oss_experts(x, weights, ids, c["gate_up"], c["down"], c["gate_up_bias"], c["down_bias"],
+                                           1.702, 7.0, gate_up_scales=c["gate_up_scales"],
+                                           down_scales=c["down_scales"], **kwargs)
+            return layer
+
+        def time_layer(quiet_errors: bool = False, **kwargs) -> float | None:
+            try:
+                return graph_ms([layer_fn(i, **kwargs) for i in range(copies)], min_calls=max(40, 2 * copies)) * 1e3
+            except Exception as e:  # a swept tile that does not compile or fit
+                if not quiet_errors:
+                    raise
+                print(f"  {name} T={tokens} {kwargs}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                return None
+
+        def record(kind: str, tiles, us: float | None) -> dict:
+            row = dict(shape=name, tokens=tokens, hidden=hidden, inter=inter, experts=experts, top_k=top_k,
+                       kind=kind, tiles=[list(t) for t in tiles] if tiles else None,
+                       experts_chosen=sum(chosen) / copies, bytes_must_read=must_read, us=us,
+                       gb_per_s=must_read / us / 1e3 if us else None,
+                       fraction_of_copy=must_read / us / 1e3 / copy_gbs if us else None)
+            rows.append(row)
+            if us:
+                print(f"{name:13s} T={tokens:4d} {kind:30s} experts read {row['experts_chosen']:5.1f} {us:8.1f} us/layer "
+                      f"{row['gb_per_s']:6.0f} GB/s ({row['fraction_of_copy']:.0%} of copy)", flush=True)
+            return row
+
+        default_path = oss.pick_path(tokens, True)
+        record(f"default ({default_path})", None, time_layer())
+        if tokens <= GEMV_MAX_TOKENS:
+            record("gemv", default_gemv_tiles(tokens, top_k, hidden, inter, num_sms), time_layer(path="gemv"))
+        paths = ("small", "grouped") if tokens <= oss.SMALL_BATCH_MAX_TOKENS else ("grouped",)
+        for path in paths:
+            tiles = oss.gpt_oss_tiles(tokens, top_k, experts, hidden, inter, num_sms, 2, True, path == "small")
+            record(path, tiles, time_layer(path=path, tiles=tiles, quiet_errors=True))
+            wide = tuple(t._replace(block_k=min(256, t.block_k * 2)) for t in tiles)
+            record(f"{path} k128", wide, time_layer(path=path, tiles=wide, quiet_errors=True))
+        first = default_moe_tiles(tokens, top_k, experts, hidden, inter, num_sms, 2)
+        record("grouped-first-tiles", first, time_layer(path="grouped", tiles=first, quiet_errors=True))
+        if tokens in sweep_tokens:
+            path = "small" if tokens <= oss.SMALL_BATCH_MAX_TOKENS else "grouped"
+            sweep_gpt_oss(tokens, path, time_layer, record,
+                          oss.gpt_oss_tiles(tokens, top_k, experts, hidden, inter, num_sms, 2, True, path == "small"))
+            if tokens <= GEMV_MAX_TOKENS:
+                sweep_gpt_oss_gemv(tokens, time_layer, record, default_gemv_tiles(tokens, top_k, hidden, inter, num_sms))
+        if profile:
+            kernels = kernel_times(lambda i: layer_fn(i)(), copies)
+            rows.append(dict(shape=name, tokens=tokens, kind="kernels", path=default_path, us_per_layer=kernels))
+            print(f"  device time a layer by kernel ({default_path}, eager, {sum(kernels.values()):.1f} us in all):",
+                  flush=True)
+            for kernel, us in kernels.items():
+                print(f"    {us:8.2f} us  {kernel}", flush=True)
+        del x
+    del layers
+    torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_gpt_oss(tokens: int, path: str, time_layer, record, default) -> None:
+    """The tensor-core path's tiles: gate_up's beside down's default, then down's beside the best."""
+    from graphserve.kernels.moe import MoeTile
+
+    block_m = default[0].block_m
+    candidates = [MoeTile(block_m, block_n, block_k, 8 if block_n == 128 else 4, stages)
+                  for block_n, block_k, stages in itertools.product((16, 32, 64, 128), (64, 128, 256), (3, 4))]
+    best = sweep_pair(default, candidates, lambda tiles: time_layer(path=path, tiles=tiles, quiet_errors=True),
+                      record, f"sweep {path}", (float("inf"), default))
+    print(f"  best of the {path} sweep {best[0]:8.1f} us/layer {[list(t) for t in best[1]]}", flush=True)
+
+
+def sweep_gpt_oss_gemv(tokens: int, time_layer, record, default) -> None:
+    from graphserve.kernels.gpt_oss_gemv import GptOssGemvTile
+
+    candidates = [GptOssGemvTile(block_n, block_k, warps)
+                  for block_n, block_k, warps in itertools.product((4, 8, 16, 32), (256, 512, 1024), (2, 4))]
+    best = sweep_pair(default, candidates, lambda tiles: time_layer(path="gemv", tiles=tiles, quiet_errors=True),
+                      record, "sweep gemv", (float("inf"), default))
+    print(f"  best of the gemv sweep {best[0]:8.1f} us/layer {[list(t) for t in best[1]]}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES) + sorted(GPT_OSS_SHAPES), default=sorted(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64, 256])
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tiles at --sweep-tokens")
     parser.add_argument("--sweep-tokens", nargs="+", type=int, default=[1, 16, 64, 256])
@@ -210,9 +346,9 @@ def main() -> int:
     copy = copy_bandwidth()
     rows = []
     for name in args.shapes:
+        bench = bench_gpt_oss if name in GPT_OSS_SHAPES else bench_shape
         with torch.no_grad():
-            rows += bench_shape(name, args.tokens, copy["gb_per_s"], args.sweep_tokens if args.sweep else [],
-                                args.kernels)
+            rows += bench(name, args.tokens, copy["gb_per_s"], args.sweep_tokens if args.sweep else [], args.kernels)
     write_json(args.out, dict(**run_info("moe_kernel_bench"), copy=copy, rows=rows))
     return 0
 

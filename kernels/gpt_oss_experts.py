@@ -43,11 +43,9 @@ from graphserve.kernels.mxfp4 import GROUP, decode_tile, dequantize
 
 @triton.jit
 def _weight_product(acc, w_ptrs, s_ptrs, a, n_mask, k0, K, MXFP4: tl.constexpr, DOT_FORMAT: tl.constexpr,
-                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + W[rows, k0:k0+BLOCK_K] @ a.T for a [BLOCK_M, BLOCK_K]. MXFP4: w_ptrs point at the rows' packed
-    bytes from k0 / 2 on, s_ptrs at their scales from k0 / 32 on; else w_ptrs at the rows' values. UPCAST
-    (MXFP4 beside bf16 / fp16 rows): "dot_scaled" (Triton's own upcast inside tl.dot_scaled) or "registers"
-    (mxfp4.decode_tile, exact, rounded to the rows' dtype -- exact too -- and a plain tl.dot)."""
+    bytes from k0 / 2 on, s_ptrs at their scales from k0 / 32 on; else w_ptrs at the rows' values."""
     if MXFP4:
         offs_b = tl.arange(0, BLOCK_K // 2)
         offs_s = tl.arange(0, BLOCK_K // 32)
@@ -58,9 +56,6 @@ def _weight_product(acc, w_ptrs, s_ptrs, a, n_mask, k0, K, MXFP4: tl.constexpr, 
         if DOT_FORMAT == "fp32":
             w = decode_tile(packed, scales, BLOCK_N, BLOCK_K)
             acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PREC)
-        elif UPCAST == "registers":
-            w = decode_tile(packed, scales, BLOCK_N, BLOCK_K).to(a.dtype)
-            acc = tl.dot(w, tl.trans(a), acc)
         else:
             acc = tl.dot_scaled(packed, scales, "e2m1", tl.trans(a), None, DOT_FORMAT, acc)
     else:
@@ -80,7 +75,6 @@ def _experts_gemm_kernel(
     MXFP4: tl.constexpr,
     DOT_FORMAT: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
     ALIGNED: tl.constexpr,
     PICKS_PAD: tl.constexpr,
     TOP_K_PAD: tl.constexpr,
@@ -135,11 +129,10 @@ def _experts_gemm_kernel(
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs, mask=real[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
-        acc = _weight_product(acc, w_ptrs, s_ptrs, a, n_mask, k0, K, MXFP4, DOT_FORMAT, DOT_PREC, UPCAST, BLOCK_N,
-                              BLOCK_K)
+        acc = _weight_product(acc, w_ptrs, s_ptrs, a, n_mask, k0, K, MXFP4, DOT_FORMAT, DOT_PREC, BLOCK_N, BLOCK_K)
         if GATE_UP:  # up row N + n beside gate row n
             acc_u = _weight_product(acc_u, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, a, n_mask, k0, K, MXFP4,
-                                    DOT_FORMAT, DOT_PREC, UPCAST, BLOCK_N, BLOCK_K)
+                                    DOT_FORMAT, DOT_PREC, BLOCK_N, BLOCK_K)
         a_ptrs += BLOCK_K
         if MXFP4:
             w_ptrs += BLOCK_K // 2
@@ -168,19 +161,17 @@ _DOT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 # Decode steps of up to SMALL_BATCH_MAX_TOKENS tokens run without moe_align (SMALL_PATH): a program a pick and
 # output tile, the expert's first pick working over all its tokens (so every chosen expert is read once), h
 # indexed by pick; 4 kernels a layer (route, gate_up, down, combine) against 5, and no programs that find
-# nothing to do. Untimed on a GPU so far (benchmarks/moe_kernel_bench.py --shapes gpt-oss-20b times both).
+# nothing to do (the same inner loop as the grouped path). Untimed on a GPU so far (decode_latency.py
+# --gpt-oss-small-path on|off, moe_kernel_bench.py --shapes gpt-oss-20b).
 SMALL_PATH = True
-# MXFP4 experts at up to gpt_oss_gemv.GEMV_MAX_TOKENS tokens on the CUDA cores (kernels/gpt_oss_gemv.py): off until
-# moe_kernel_bench.py --shapes gpt-oss-20b shows it ahead of the small-batch path at one token.
-GEMV_PATH = False
+# MXFP4 experts at up to gpt_oss_gemv.GEMV_MAX_TOKENS tokens on the CUDA cores (kernels/gpt_oss_gemv.py). On by its
+# compiled code alone (about 5.9 instructions a weight and 64-86 registers against tl.dot_scaled's 10.3 and 128 at
+# the decode tiles, sm_90); A/B: decode_latency.py --gpt-oss-gemv on|off, moe_kernel_bench.py --shapes gpt-oss-20b.
+GEMV_PATH = True
 SMALL_BATCH_MAX_TOKENS = 16  # a block of 16 rows, the smallest tl.dot side, holds every token
 SMALL_PROGRAMS_PER_SM = 2
-# MXFP4 K tiles: this many bytes of a weight row an iteration (256 values), as wide as a bf16 tile of 128 values
-# (the first tiles read 64 bytes: 128 values). Untimed (benchmarks/moe_kernel_bench.py --sweep).
-MXFP4_K_TILE_BYTES = 128
-# How MXFP4 tiles meet bf16 / fp16 rows: "dot_scaled" (Triton's upcast inside tl.dot_scaled; on Hopper it is
-# emulated) or "registers" (mxfp4.decode_tile, then a bf16 tl.dot). Untimed (moe_kernel_bench.py times both).
-MXFP4_UPCAST = "dot_scaled"
+# MXFP4 K tiles: this many bytes of a weight row an iteration (64: 128 values, the tiles first measured).
+MXFP4_K_TILE_BYTES = 64
 
 
 def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor,
@@ -219,23 +210,19 @@ def gpt_oss_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Te
                     limit: float, *, gate_up_scales: torch.Tensor | None = None,
                     down_scales: torch.Tensor | None = None,
                     tiles: tuple[MoeTile, MoeTile] | tuple[GptOssGemvTile, GptOssGemvTile] | None = None,
-                    path: str | None = None, upcast: str | None = None) -> torch.Tensor:
+                    path: str | None = None) -> torch.Tensor:
     """The routed experts' weighted sum [T, H] for x [T, H], routing weights [T, k] float32 and expert ids
     [T, k] (kernels/moe_route.route_fused). Experts: gate_up [E, 2I, H] (each expert's gate rows, then its
     up rows) and down [E, H, I] in x's dtype, or MXFP4: uint8 [E, 2I, H / 2] and [E, H, I / 2] with uint8
     gate_up_scales [E, 2I, H / 32] and down_scales [E, H, I / 32]; biases [E, 2I] and [E, H] in x's dtype.
     path: "gemv" (MXFP4, T <= gpt_oss_gemv.GEMV_MAX_TOKENS: kernels/gpt_oss_gemv.py), "small" (T <=
     SMALL_BATCH_MAX_TOKENS: no alignment) or "grouped"; None: pick_path. tiles: (gate_up, down) launch shapes,
-    MoeTile with one block_m, or GptOssGemvTile for the GEMV path (benchmark sweeps); upcast: an MXFP4 upcast
-    beside bf16 / fp16 rows ("dot_scaled" or "registers"), None: MXFP4_UPCAST."""
+    MoeTile with one block_m, or GptOssGemvTile for the GEMV path (benchmark sweeps)."""
     num_experts, hidden, inter, mxfp4 = _check(x, gate_up, down, gate_up_bias, down_bias, gate_up_scales,
                                                down_scales)
     tokens, top_k = expert_ids.shape
     if tokens != x.shape[0] or weights.shape != expert_ids.shape:
         raise ValueError(f"routing {tuple(expert_ids.shape)} / {tuple(weights.shape)} for {x.shape[0]} tokens")
-    upcast = upcast or MXFP4_UPCAST
-    if upcast not in ("dot_scaled", "registers"):
-        raise ValueError(f"upcast {upcast!r}: 'dot_scaled' or 'registers'")
     if tokens == 0:
         return torch.zeros_like(x)
     path = path or pick_path(tokens, mxfp4)
@@ -249,9 +236,8 @@ def gpt_oss_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Te
                                     down_bias, alpha, limit,
                                     tiles or default_gemv_tiles(tokens, top_k, hidden, inter, sm_count(x.device)))
     small = path == "small"
-    weight_bytes = 0.5 if mxfp4 else x.element_size()
     gate_up_tile, down_tile = tiles or gpt_oss_tiles(tokens, top_k, num_experts, hidden, inter, sm_count(x.device),
-                                                     weight_bytes, small)
+                                                     x.element_size(), mxfp4, small)
     if gate_up_tile.block_m != down_tile.block_m:
         raise ValueError("both GEMMs' tiles need the same block_m (the alignment's)")
     if small and gate_up_tile.block_m < tokens:
@@ -279,7 +265,7 @@ def gpt_oss_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Te
             n, k, num_picks, float(alpha), float(limit),
             a.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), bias.stride(0), out.stride(0),
             TOP_K=top_k, GATE_UP=is_gate_up, MXFP4=mxfp4, DOT_FORMAT=_DOT_FORMATS[x.dtype],
-            DOT_PREC=dot_precision(x.dtype), UPCAST=upcast, ALIGNED=not small,
+            DOT_PREC=dot_precision(x.dtype), ALIGNED=not small,
             PICKS_PAD=tile.block_m * triton.next_power_of_2(top_k), TOP_K_PAD=triton.next_power_of_2(top_k),
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
@@ -299,16 +285,13 @@ def pick_path(tokens: int, mxfp4: bool) -> str:
 
 
 def gpt_oss_tiles(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, num_sms: int,
-                  weight_bytes: float, small: bool) -> tuple[MoeTile, MoeTile]:
-    """(gate_up, down) launch shapes: kernels/moe.default_moe_tiles' choice, with K tiles of MXFP4 weights as wide
-    in bytes a row as those of bf16 ones (MXFP4_K_TILE_BYTES: 128 bytes, 256 values, where bf16 reads 128 values);
-    the small-batch path: blocks of 16 tokens and output tiles narrowed until the chosen experts give every SM
-    SMALL_PROGRAMS_PER_SM programs."""
-    gate_up, down = default_moe_tiles(tokens, top_k, num_experts, hidden, inter, num_sms,
-                                      max(1, round(weight_bytes)))
-    if weight_bytes < 1:
-        widest = int(MXFP4_K_TILE_BYTES / weight_bytes)
-        gate_up, down = (t._replace(block_k=min(widest, max(GROUP, triton.next_power_of_2(k))))
+                  elem_bytes: int, mxfp4: bool, small: bool) -> tuple[MoeTile, MoeTile]:
+    """(gate_up, down) launch shapes for rows of elem_bytes: kernels/moe.default_moe_tiles' choice, MXFP4 K tiles
+    beside 16-bit rows MXFP4_K_TILE_BYTES of a weight row wide; the small-batch path: blocks of 16 tokens and
+    output tiles narrowed until the chosen experts give every SM SMALL_PROGRAMS_PER_SM programs."""
+    gate_up, down = default_moe_tiles(tokens, top_k, num_experts, hidden, inter, num_sms, elem_bytes)
+    if mxfp4 and elem_bytes == 2:
+        gate_up, down = (t._replace(block_k=min(2 * MXFP4_K_TILE_BYTES, max(GROUP, triton.next_power_of_2(k))))
                          for t, k in ((gate_up, hidden), (down, inter)))
     if not small:
         return gate_up, down

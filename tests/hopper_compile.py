@@ -191,17 +191,29 @@ def cases() -> dict[str, dict]:
         _decode_attention_kernel, dict(attention, NUM_KV_HEADS=8, GROUP=8, MERGE_GROUP=8, HEAD_DIM=64, BLOCK_N=128,
                                        PREFETCH_TILES=2, FUSED_MERGE=True, WINDOW=128, SINKS=True),
         attention_ptrs, strides, num_warps=4, num_stages=2)
-    # its experts, MXFP4 as stored beside bf16 rows (tl.dot_scaled): the decode-sized block of 16 picks
+    # its experts, MXFP4 as stored beside bf16 rows (tl.dot_scaled): the decode-sized block of 16 picks, aligned
+    # (the grouped path) and not (the small-batch path: the expert ids in place of the aligned picks)
+    from graphserve.kernels import gpt_oss_gemv
     from graphserve.kernels.gpt_oss_experts import _experts_gemm_kernel
 
     experts_ptrs = {"w_ptr": "*u8", "s_ptr": "*u8", "sorted_picks_ptr": "*i32", "block_experts_ptr": "*i32",
                     "num_padded_ptr": "*i32", "routing_ptr": "*fp32"}
     experts_sizes = ("N", "K", "stride_a", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_be", "stride_o")
     for name, gate_up in (("gate_up", True), ("down", False)):
-        out[f"gpt_oss_mxfp4_{name}"] = compile_kernel(
-            _experts_gemm_kernel, dict(TOP_K=4, GATE_UP=gate_up, MXFP4=True, DOT_FORMAT="bf16", DOT_PREC="tf32",
-                                       BLOCK_M=16, BLOCK_N=32, BLOCK_K=128), experts_ptrs, experts_sizes,
-            num_warps=4, num_stages=4)
+        for path, aligned in (("", True), ("_small", False)):
+            ids = {} if aligned else {"sorted_picks_ptr": "*i64", "block_experts_ptr": "*i64", "num_padded_ptr": "*i64"}
+            out[f"gpt_oss_mxfp4{path}_{name}"] = compile_kernel(
+                _experts_gemm_kernel, dict(TOP_K=4, GATE_UP=gate_up, MXFP4=True, DOT_FORMAT="bf16", DOT_PREC="tf32",
+                                           ALIGNED=aligned, PICKS_PAD=64, TOP_K_PAD=4, BLOCK_M=16, BLOCK_N=32,
+                                           BLOCK_K=128), dict(experts_ptrs, **ids), experts_sizes,
+                num_warps=4, num_stages=4)
+    # at one or two tokens, the GEMV over int32 words of MXFP4 values (kernels/gpt_oss_gemv.py), its default tile
+    gemv_ptrs = {"w_ptr": "*i32", "s_ptr": "*u8", "ids_ptr": "*i64", "routing_ptr": "*fp32"}
+    gemv_sizes = ("N", "K", "stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_be", "stride_h",
+                  "stride_o")
+    for name, kernel in (("gate_up", gpt_oss_gemv._gate_up_kernel), ("down", gpt_oss_gemv._down_kernel)):
+        out[f"gpt_oss_gemv_{name}"] = compile_kernel(kernel, dict(TOP_K=4, BLOCK_N=16, BLOCK_K=256, PDL=True),
+                                                     gemv_ptrs, gemv_sizes, num_warps=4)
     return {name: summary(kernel) for name, kernel in out.items()}
 
 

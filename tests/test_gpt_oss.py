@@ -2,9 +2,10 @@
 window of 8, attention sinks, q/k/v/o biases, YaRN rotary, 8 experts with biases and the clamped SwiGLU,
 top 2), its weights stored in bf16 with the experts bf16 or MXFP4 as gpt-oss is released (quantized by a
 reference quantizer: tests/tiny_models.quantize_mxfp4), served in float32 on the CPU: greedy tokens equal
-transformers', alone and batched, prefix caching on and off, prompts longer than the window. The MXFP4
-dequantization equals transformers' bit for bit; YaRN's frequencies equal transformers'. Unsupported
-variants are refused naming the field."""
+transformers', alone and batched, prefix caching on and off, prompts longer than the window; the CUDA code
+path run in Triton's interpreter gives the CPU path's logits. The MXFP4 dequantization equals transformers' bit
+for bit; YaRN's frequencies equal transformers'. Unsupported variants are refused naming the field. The
+reference is the same on every transformers version (tiny_models.GPT_OSS, dequantized_gpt_oss)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,46 @@ def test_the_sinks_and_the_clamp_change_the_tokens(model_dir, hf_greedy, tmp_pat
             config = json.loads((dest / "config.json").read_text())
             (dest / "config.json").write_text(json.dumps({**config, "swiglu_limit": 1e4}))
         assert [o.token_ids for o in _llm(dest).generate(PROMPTS, GREEDY)] != hf_greedy
+
+
+@torch.no_grad()
+def test_the_cuda_code_path_in_the_interpreter_matches_the_cpu_path(tmp_path, monkeypatch):
+    """What a GPU runs, in Triton's interpreter on float32 rows: rotary + KV store, the prefill (two chunks, the
+    second past the window) and decode attention kernels with the sinks, the fused norm + GEMV projections with
+    their biases, routing, and the experts over the MXFP4 blocks as stored (decoded in registers), through the
+    grouped, small-batch and GEMV paths -- the logits of the CPU path's (which equal transformers' above)."""
+    from graphserve.engine.models import layers
+    from graphserve.engine.models.attention import AttentionMetadata, TorchAttention, TritonAttention
+    from graphserve.engine.models.gpt_oss_moe import GptOssMoE
+    from graphserve.engine.models.loader import load_model
+    from graphserve.engine.sched.kv_cache import allocate_kv_cache
+    from tensor_checks import rel_err
+
+    path = make_tiny_gpt_oss(tmp_path / "mxfp4", mxfp4=True, seed=5, dtype=torch.bfloat16)
+    ids = torch.tensor([3 + 7 * j % 400 for j in range(21)])
+    table = [3, 1]
+
+    def meta(start: int, end: int) -> AttentionMetadata:
+        slots = torch.tensor([table[p // 16] * 16 + p % 16 for p in range(start, end)])
+        tables, lens = torch.tensor([table], dtype=torch.int32), torch.tensor([end], dtype=torch.int32)
+        if end - start == 1:
+            return AttentionMetadata(is_prefill=False, slot_mapping=slots, block_tables=tables, context_lens=lens)
+        return AttentionMetadata(is_prefill=True, slot_mapping=slots, block_tables=tables, context_lens=lens,
+                                 cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32),
+                                 max_seqlen_q=end - start, query_lens_host=[end - start], context_lens_host=[end])
+
+    logits = []
+    for backend, on_gpu_path in ((TorchAttention(16), False), (TritonAttention(16), True)):
+        if on_gpu_path:  # the experts stay MXFP4, as the loader keeps them on a GPU
+            monkeypatch.setattr(GptOssMoE, "dequantize_experts", lambda self: None)
+        model = load_model(str(path), torch.float32, torch.device("cpu"), backend, 64)
+        monkeypatch.setattr(layers, "_triton", lambda x, on=on_gpu_path: on)
+        kv = allocate_kv_cache(model.kv_args, 4, 16, torch.float32, torch.device("cpu"))
+        steps = ((0, 17), (17, 20), (20, 21))  # the experts' grouped path (17 tokens), small-batch one, GEMV
+        logits.append(torch.cat([model.compute_logits(model(ids[a:b], torch.arange(a, b), meta(a, b), kv))
+                                 for a, b in steps]))
+        assert model.layers[0].mlp.mxfp4 == on_gpu_path
+    assert rel_err(logits[1], logits[0]) < 1e-5
 
 
 def test_mxfp4_dequantization_equals_transformers_bit_for_bit():
@@ -194,3 +235,36 @@ def test_greedy_on_cuda_matches_transformers(model_dir, hf_greedy, enforce_eager
     llm = LLM(str(model_dir), device="cuda", dtype="float32", max_num_seqs=8, max_num_batched_tokens=32,
               num_kv_blocks=96, enforce_eager=enforce_eager)
     assert_greedy_matches(llm, PROMPTS, GREEDY, hf_greedy)
+
+
+@pytest.mark.gpu
+def test_gpt_oss_20b_shapes_keep_the_grammar_and_finite_logits(tmp_path, caplog):
+    """gpt-oss-20b's shapes at 2 of its 24 layers, random weights made on the GPU (load_format dummy: MXFP4
+    experts and bf16 weights, as benchmarks/decode_latency.py's model), bf16, through the graphs: the warm-up burst
+    (whose grammar-constrained request logged "the grammar rejected sampled token 0" on the 24-layer model:
+    a masked row whose allowed logits were all NaN or -inf argmaxes to 0) rejects nothing, a JSON-schema request
+    beside greedy ones returns a JSON object, and the greedy rows do not sit on token 0."""
+    import logging
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from random_models import CONFIGS, write_tokenizer
+
+    from graphserve.engine.structured.grammar import JSON_OBJECT_SCHEMA, GrammarSpec
+
+    write_tokenizer(tmp_path, "gpt-oss-20b")
+    config = {**CONFIGS["gpt-oss-20b"], "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.INFO, logger="graphserve.engine"):
+        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=16,
+                  max_model_len=512, gpu_memory_utilization=0.5)
+        prompts = [[(7 + 31 * i + 13 * j) % 200_000 for j in range(20 + 9 * i)] for i in range(8)]
+        params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * 7
+        params.append(SamplingParams(max_tokens=64, temperature=0,
+                                     grammar=GrammarSpec("json_schema", JSON_OBJECT_SCHEMA)))
+        outs = llm.generate(prompts, params)
+    assert "warmed up" in caplog.text and "grammar rejected" not in caplog.text
+    assert outs[-1].finish_reason != "error"
+    if outs[-1].finish_reason == "stop":  # strict=False: xgrammar lets control characters into strings
+        assert isinstance(json.loads(outs[-1].text, strict=False), dict)
+    assert all(o.token_ids.count(0) < len(o.token_ids) // 2 for o in outs[:-1])

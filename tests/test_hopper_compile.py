@@ -2,7 +2,7 @@
 programmatic dependent launch of the kernels between the projections (kernels/launch_settings.PDL_ELEMENTWISE)
 and of the skinny GEMM, decode attention's KV prefetch before its wait
 (kernels/decode_attention.PREFETCH_TILES), the last split finishing decode attention (FUSED_MERGE),
-the GEMV's register use, and gpt-oss's sinks and MXFP4 experts.
+the GEMV's register use, and gpt-oss's sinks and MXFP4 experts (tensor-core paths and GEMV).
 The interpreter never runs them, and CI has no GPU; Triton's own compiler and ptxas do, in a
 process without TRITON_INTERPRET (tests/hopper_compile.py)."""
 
@@ -88,11 +88,21 @@ def test_record_step_advances_the_step_after_every_thread_read_it(compiled):
     assert kernel["last_line"]["bar.sync"] < kernel["last_line"]["st.global"]
 
 
-@pytest.mark.parametrize("kernel", ["gpt_oss_mxfp4_gate_up", "gpt_oss_mxfp4_down"])
+@pytest.mark.parametrize("kernel", ["gpt_oss_mxfp4_gate_up", "gpt_oss_mxfp4_down", "gpt_oss_mxfp4_small_gate_up",
+                                    "gpt_oss_mxfp4_small_down"])
 def test_the_mxfp4_experts_run_on_the_tensor_cores_without_spilling(compiled, kernel):
     """kernels/gpt_oss_experts.py's MXFP4 tiles beside bf16 rows (tl.dot_scaled, upcast in registers) at the
-    decode block of 16 picks: tensor-core products, and no more registers than a thread may hold."""
+    decode block of 16 picks, the grouped and the small-batch paths: tensor-core products, and no more registers
+    than a thread may hold."""
     assert compiled[kernel]["tensor_core_ops"] > 0 and compiled[kernel]["registers"] < 255
+
+
+@pytest.mark.parametrize("kernel", ["gpt_oss_gemv_gate_up", "gpt_oss_gemv_down"])
+def test_the_mxfp4_gemv_decodes_on_the_cuda_cores_with_few_registers(compiled, kernel):
+    """kernels/gpt_oss_gemv.py at its default tile: no tensor-core op, the PDL wait, and at most 128 registers a
+    thread (four programs of 4 warps an SM fit beside each other: its bandwidth needs them in flight)."""
+    assert compiled[kernel]["tensor_core_ops"] == 0 and compiled[kernel]["waits"] == 1
+    assert compiled[kernel]["registers"] <= 128
 
 
 def test_decode_attention_with_sinks_compiles(compiled):

@@ -243,9 +243,9 @@ def assert_greedy_matches(llm, prompts: list[list[int]], params, want: list[list
 
 # ---- gpt-oss: a tiny GptOssForCausalLM, its experts unquantized or in MXFP4 as released ----
 
-# swiglu_limit and swiglu_alpha at gpt-oss's (GptOssConfig's defaults, 7.0 and 1.702): transformers before 5.2x
-# hard-codes those two in GptOssExperts whatever the config says, so a tiny model with others would have no one
-# reference across the versions the CPU and the GPU machines carry
+# swiglu_limit and swiglu_alpha at gpt-oss's (GptOssConfig's defaults, 7.0 and 1.702): transformers 5.17 (the GPU
+# machine's) hard-codes those two in GptOssExperts whatever the config says, 5.25 reads them, so a tiny model with
+# others would have no one reference across the versions the CPU and the GPU machines carry
 GPT_OSS = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
                sliding_window=8, max_position_embeddings=512, rms_norm_eps=1e-5,
@@ -298,8 +298,8 @@ def dequantized_gpt_oss(src: Path, dest: Path) -> Path:
     """`src`'s MXFP4 gpt-oss folder copied to `dest` with its experts' weights dequantized by transformers' own
     convert_moe_packed_tensors into float32 (exactly the MXFP4 values) and no quantization_config: what
     transformers' Mxfp4Config(dequantize=True) load computes, as a checkpoint any transformers version reads in
-    float32 (before 5.2x that load dequantizes into bf16 whatever the model's dtype, and a float32 model then
-    fails on its first expert)."""
+    float32 (5.17's load dequantizes into bf16 whatever the model's dtype, and a float32 model then fails on its
+    first expert)."""
     import shutil
 
     from safetensors.torch import load_file, save_file

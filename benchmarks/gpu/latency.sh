@@ -2,7 +2,7 @@
 # Decode on the GPU: the kernels' GPU tests, the projection kernels against cuBLAS / W8A8, decode
 # latency in bf16 and fp8, and where a step's time goes. Writes logs and JSON under $OUT. Each part fits
 # one 10-minute device call:
-#   bash benchmarks/gpu/latency.sh tests|kernels|decode|moe|windows|gpt-oss|window-kv|curve|targets|accuracy|profile|profile-b64|round-gap|engine-tests|ncu|kconst|suite
+#   bash benchmarks/gpu/latency.sh tests|kernels|decode|moe|windows|gpt-oss|gpt-oss-sweep|window-kv|curve|targets|accuracy|profile|profile-b64|round-gap|engine-tests|ncu|kconst|suite
 # (A/B parts of settled switches and of probes leave once measured: each result JSON in benchmarks/results
 # holds its commands, docs/benchmarks.md lists what was measured and removed; to A/B a switch, run
 # benchmarks/decode_latency.py --SWITCH on|off interleaved, as its --help lists)
@@ -54,14 +54,23 @@ windows)  # issue 61: the sliding-window kernels at real shapes, the new archite
   done
   ;;
 gpt-oss)  # issue 61: gpt-oss's GPU tests (greedy parity with transformers on tiny bf16 / MXFP4 models through the
-  # graphs, the MXFP4 experts kernel at gpt-oss-20b's shapes), then gpt-oss-20b decode, random MXFP4 experts and bf16
-  # weights made on the GPU, prompt 128 + 256 new (the roofline counts the experts' bytes as stored)
-  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpt_oss.py \
+  # graphs, the MXFP4 experts' paths at gpt-oss-20b's shapes, the 20b shapes' warm-up grammar row), its MLP a layer by
+  # path (benchmarks/moe_kernel_bench.py), then gpt-oss-20b decode, random MXFP4 experts and bf16 weights made on
+  # the GPU, prompt 128 + 256 new (the roofline counts the experts' bytes as stored); DECODE_FLAGS: A/B switches of
+  # decode_latency.py (e.g. "--gpt-oss-gemv off", "--gpt-oss-small-path off")
+  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpt_oss.py \
     tests/test_gpt_oss_experts.py > "$OUT/gpu_tests_gpt_oss.log" 2>&1
   tail -3 "$OUT/gpu_tests_gpt_oss.log"
-  timeout ${DECODE_TIMEOUT:-280} python3 benchmarks/decode_latency.py --models gpt-oss-20b --load-format dummy \
+  timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/moe_kernel_bench.py --shapes gpt-oss-20b --tokens ${TOKENS:-1 2 4 8 16 64} \
+    --kernels --out "$OUT/moe_kernel_bench_gpt-oss-20b.json" 2>&1 | grep -E "T=|us  " | quiet
+  # shellcheck disable=SC2086
+  timeout ${DECODE_TIMEOUT:-200} python3 benchmarks/decode_latency.py --models gpt-oss-20b --load-format dummy \
     --batches ${BATCHES:-1 64} --chunks 8 --no-eager --skip-transformers --max-num-seqs 64 \
-    --gpu-memory-utilization 0.85 --out "$OUT/decode_gpt-oss-20b.json" 2>&1 | quiet
+    --gpu-memory-utilization 0.85 ${DECODE_FLAGS:-} --out "$OUT/decode_gpt-oss-20b.json" 2>&1 | quiet
+  ;;
+gpt-oss-sweep)  # the tiles of gpt-oss's experts paths (moe_kernel_bench.py --sweep) at SWEEP_TOKENS, in one call of its own
+  timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/moe_kernel_bench.py --shapes gpt-oss-20b --tokens ${SWEEP_TOKENS:-1 64} \
+    --sweep --sweep-tokens ${SWEEP_TOKENS:-1 64} --out "$OUT/moe_kernel_sweep_gpt-oss-20b.json" 2>&1 | grep -E "T=|best" | quiet
   ;;
 window-kv)  # issue 61: gpt-oss-20b (random weights) at a 1k and a 32k context, batch 1: the KV blocks it holds once
   # prefilled (only the windowed layers' last 128 tokens should be, beside the full layers') and its decode tok/s;
