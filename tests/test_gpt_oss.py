@@ -109,7 +109,7 @@ def test_the_cuda_code_path_in_the_interpreter_matches_the_cpu_path(tmp_path, mo
     from graphserve.engine.sched.kv_cache import allocate_kv_cache
     from tensor_checks import rel_err
 
-    path = make_tiny_gpt_oss(tmp_path / "mxfp4", mxfp4=True, seed=5, dtype=torch.bfloat16)
+    path = make_tiny_gpt_oss(tmp_path / "mxfp4", mxfp4=True, seed=5, dtype=torch.bfloat16, num_hidden_layers=2)
     ids = torch.tensor([3 + 7 * j % 400 for j in range(21)])
     table = [3, 1]
 
