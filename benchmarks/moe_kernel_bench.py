@@ -16,11 +16,10 @@ GEMV_MAX_TOKENS. --kernels adds each kernel's device time a layer (the torch pro
 gpt-oss shapes (--shapes gpt-oss-20b gpt-oss-120b): the router projection (with its bias) plus
 kernels/gpt_oss_experts.py's experts, MXFP4 as stored (random bytes, scales as the dummy loader draws them),
 bf16 rows, the bytes a layer must read counted as stored (4.25 bits a weight, the biases). Each path that takes
-the batch is timed: "gemv" (kernels/gpt_oss_gemv.py, 1-2 tokens), "small" (no alignment, up to 16 tokens),
-"grouped", and "grouped-first-tiles" (the grouped path as first measured: moe_align at every size), beside
-"default" (the path and tiles gpt_oss_experts picks); the tensor-core paths also with K tiles of 128 bytes a row
-("k128"). --sweep sweeps the tiles of the tensor-core path each --sweep-tokens batch takes, and of the GEMV path
-at 1-2 tokens.
+the batch is timed at its default tiles, the one gpt_oss_experts picks marked "(default)": "gemv"
+(kernels/gpt_oss_gemv.py, 1-2 tokens), "small" (no alignment, up to 16 tokens) and "grouped" (moe_align at every
+size: the path first measured, at its first tiles). --sweep sweeps the tiles of the tensor-core path each
+--sweep-tokens batch takes (K tiles to 128 bytes a row), and of the GEMV path at 1-2 tokens.
 
     python benchmarks/moe_kernel_bench.py --shapes gpt-oss-20b --tokens 1 2 4 8 16 64 --kernels --out oss.json
 """
@@ -216,7 +215,6 @@ def bench_gpt_oss(name: str, tokens_list: list[int], copy_gbs: float, sweep_toke
     from graphserve.kernels import gpt_oss_experts as oss
     from graphserve.kernels.gpt_oss_gemv import GEMV_MAX_TOKENS, default_gemv_tiles
     from graphserve.kernels.launch_settings import sm_count
-    from graphserve.kernels.moe import default_moe_tiles
     from graphserve.kernels.moe_route import route_fused
 
     hidden, inter, experts, top_k = GPT_OSS_SHAPES[name]
@@ -278,17 +276,13 @@ def bench_gpt_oss(name: str, tokens_list: list[int], copy_gbs: float, sweep_toke
             return row
 
         default_path = oss.pick_path(tokens, True)
-        record(f"default ({default_path})", None, time_layer())
-        if tokens <= GEMV_MAX_TOKENS:
-            record("gemv", default_gemv_tiles(tokens, top_k, hidden, inter, num_sms), time_layer(path="gemv"))
-        paths = ("small", "grouped") if tokens <= oss.SMALL_BATCH_MAX_TOKENS else ("grouped",)
+        paths = [p for p, most in (("gemv", GEMV_MAX_TOKENS), ("small", oss.SMALL_BATCH_MAX_TOKENS),
+                                   ("grouped", tokens)) if tokens <= most]
         for path in paths:
-            tiles = oss.gpt_oss_tiles(tokens, top_k, experts, hidden, inter, num_sms, 2, True, path == "small")
-            record(path, tiles, time_layer(path=path, tiles=tiles, quiet_errors=True))
-            wide = tuple(t._replace(block_k=min(256, t.block_k * 2)) for t in tiles)
-            record(f"{path} k128", wide, time_layer(path=path, tiles=wide, quiet_errors=True))
-        first = default_moe_tiles(tokens, top_k, experts, hidden, inter, num_sms, 2)
-        record("grouped-first-tiles", first, time_layer(path="grouped", tiles=first, quiet_errors=True))
+            tiles = (default_gemv_tiles(tokens, top_k, hidden, inter, num_sms) if path == "gemv" else
+                     oss.gpt_oss_tiles(tokens, top_k, experts, hidden, inter, num_sms, 2, True, path == "small"))
+            label = f"{path} (default)" if path == default_path else path
+            record(label, tiles, time_layer(path=path, tiles=tiles, quiet_errors=path != default_path))
         if tokens in sweep_tokens:
             path = "small" if tokens <= oss.SMALL_BATCH_MAX_TOKENS else "grouped"
             sweep_gpt_oss(tokens, path, time_layer, record,

@@ -58,10 +58,10 @@ gpt-oss)  # issue 61: gpt-oss's GPU tests (greedy parity with transformers on ti
   # path (benchmarks/moe_kernel_bench.py), then gpt-oss-20b decode, random MXFP4 experts and bf16 weights made on
   # the GPU, prompt 128 + 256 new (the roofline counts the experts' bytes as stored); DECODE_FLAGS: A/B switches of
   # decode_latency.py (e.g. "--gpt-oss-gemv off", "--gpt-oss-small-path off")
-  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpt_oss.py \
+  timeout ${TESTS_TIMEOUT:-260} python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpt_oss.py \
     tests/test_gpt_oss_experts.py > "$OUT/gpu_tests_gpt_oss.log" 2>&1
   tail -3 "$OUT/gpu_tests_gpt_oss.log"
-  timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/moe_kernel_bench.py --shapes gpt-oss-20b --tokens ${TOKENS:-1 2 4 8 16 64} \
+  timeout ${BENCH_TIMEOUT:-120} python3 benchmarks/moe_kernel_bench.py --shapes gpt-oss-20b --tokens ${TOKENS:-1 2 4 8 16 64} \
     --kernels --out "$OUT/moe_kernel_bench_gpt-oss-20b.json" 2>&1 | grep -E "T=|us  " | quiet
   # shellcheck disable=SC2086
   timeout ${DECODE_TIMEOUT:-200} python3 benchmarks/decode_latency.py --models gpt-oss-20b --load-format dummy \
