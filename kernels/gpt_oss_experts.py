@@ -161,13 +161,14 @@ _DOT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 # Decode steps of up to SMALL_BATCH_MAX_TOKENS tokens run without moe_align (SMALL_PATH): a program a pick and
 # output tile, the expert's first pick working over all its tokens (so every chosen expert is read once), h
 # indexed by pick; 4 kernels a layer (route, gate_up, down, combine) against 5, and no programs that find
-# nothing to do (the same inner loop as the grouped path). Untimed on a GPU so far (decode_latency.py
+# nothing to do (the same inner loop as the grouped path). Off until timed on a GPU (decode_latency.py
 # --gpt-oss-small-path on|off, moe_kernel_bench.py --shapes gpt-oss-20b).
-SMALL_PATH = True
-# MXFP4 experts at up to gpt_oss_gemv.GEMV_MAX_TOKENS tokens on the CUDA cores (kernels/gpt_oss_gemv.py). On by its
-# compiled code alone (about 5.9 instructions a weight and 64-86 registers against tl.dot_scaled's 10.3 and 128 at
-# the decode tiles, sm_90); A/B: decode_latency.py --gpt-oss-gemv on|off, moe_kernel_bench.py --shapes gpt-oss-20b.
-GEMV_PATH = True
+SMALL_PATH = False
+# MXFP4 experts at up to gpt_oss_gemv.GEMV_MAX_TOKENS tokens on the CUDA cores (kernels/gpt_oss_gemv.py). Its
+# compiled code promises (about 5.9 instructions a weight and 64-86 registers against tl.dot_scaled's 10.3 and 128
+# at the decode tiles, sm_90), but it is off until timed: decode_latency.py --gpt-oss-gemv on|off,
+# moe_kernel_bench.py --shapes gpt-oss-20b.
+GEMV_PATH = False
 SMALL_BATCH_MAX_TOKENS = 16  # a block of 16 rows, the smallest tl.dot side, holds every token
 SMALL_PROGRAMS_PER_SM = 2
 # MXFP4 K tiles: this many bytes of a weight row an iteration (64: 128 values, the tiles first measured).

@@ -57,7 +57,7 @@ gpt-oss)  # issue 61: gpt-oss's GPU tests (greedy parity with transformers on ti
   # graphs, the MXFP4 experts' paths at gpt-oss-20b's shapes, the 20b shapes' warm-up grammar row), its MLP a layer by
   # path (benchmarks/moe_kernel_bench.py), then gpt-oss-20b decode, random MXFP4 experts and bf16 weights made on
   # the GPU, prompt 128 + 256 new (the roofline counts the experts' bytes as stored); DECODE_FLAGS: A/B switches of
-  # decode_latency.py (e.g. "--gpt-oss-gemv off", "--gpt-oss-small-path off")
+  # decode_latency.py (e.g. "--gpt-oss-gemv on --gpt-oss-small-path on": the two paths still off until timed)
   timeout ${TESTS_TIMEOUT:-260} python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpt_oss.py \
     tests/test_gpt_oss_experts.py > "$OUT/gpu_tests_gpt_oss.log" 2>&1
   tail -3 "$OUT/gpu_tests_gpt_oss.log"
