@@ -84,9 +84,7 @@ def time_decode(llm, prompts, loras, new_tokens: int, repeats: int) -> float:
 def served(args, model_path: str) -> dict:
     """--served: `graphserve serve --lora-modules` with args.adapters adapters against a plain server, the
     same load (serving_level.Load), each round both in turn."""
-    import statistics
-
-    from serving_level import Load, serving_level
+    from serving_level import Load, alternating_rounds, serving_level
 
     load = Load(args.model, args.streams, args.served_requests, args.min_len, args.max_len, args.client_procs)
     cuda = torch.cuda.is_available()
@@ -97,23 +95,15 @@ def served(args, model_path: str) -> dict:
     names = [f"adapter-{i}" for i in range(args.adapters)]
     lora = ["--lora-modules", *(f"{n}={folders[i % len(folders)]}" for i, n in enumerate(names)),
             "--max-loras", str(args.adapters), "--max-lora-rank", str(args.rank)]
-    keys = ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "completed", "errors", "client_cpu_fraction_max")
-    rounds = []
-    for i in range(args.rounds):
-        base = serving_level(load, f"lora-served-base-{i}", args.run_timeout, config=config, server_args=engine)
-        adapters = serving_level(load, f"lora-served-adapters-{i}", args.run_timeout, config=config,
-                                 server_args=engine + lora, request_models=names)
-        rounds.append({"base": {k: base.get(k) for k in keys}, "adapters": {k: adapters.get(k) for k in keys}})
-        print(json.dumps(rounds[-1]), flush=True)
-
-    def median(side: str, key: str) -> float:
-        return statistics.median(r[side][key] for r in rounds)
-
-    ratio = median("adapters", "output_tok_s") / median("base", "output_tok_s")
+    compared = alternating_rounds(
+        "adapters", lambda i: serving_level(load, f"lora-served-adapters-{i}", args.run_timeout, config=config,
+                                            server_args=engine + lora, request_models=names),
+        "base", lambda i: serving_level(load, f"lora-served-base-{i}", args.run_timeout, config=config,
+                                        server_args=engine), args.rounds)
+    ratio = compared["tok_s_ratio"]
     print(f"{args.adapters} adapters x {args.streams // args.adapters} streams: {ratio:.3f}x the base model's "
           "output tok/s through the server", flush=True)
-    return dict(load=vars(load), config=config, engine_flags=engine, lora_flags=lora[-4:], rounds=rounds,
-                tok_s_ratio=ratio, ttft_p50_ratio=median("adapters", "ttft_p50_s") / median("base", "ttft_p50_s"),
+    return dict(load=vars(load), config=config, engine_flags=engine, lora_flags=lora[-4:], **compared,
                 target={"tok/s >= 0.8x base": ratio >= 0.8})
 
 

@@ -350,23 +350,11 @@ def under_ray(args, round_index: int) -> dict:
 def overhead(args) -> dict:
     """--rounds rounds, each Ray then direct, so that a shared machine's load swings reach both alike; the
     ratios are of the medians."""
-    keys = ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "completed", "errors", "wall_s",
-            "client_cpu_fraction_max")
-    rounds = []
-    for i in range(args.rounds):
-        ray_level = under_ray(args, i)
-        direct_level = serving_run(args, f"ray_serving-overhead-direct-{i}", None)
-        rounds.append({"under_ray": {k: ray_level.get(k) for k in keys},
-                       "direct": {k: direct_level.get(k) for k in keys}})
-        print(json.dumps(rounds[-1]), flush=True)
+    from serving_level import alternating_rounds
 
-    def median(side: str, key: str) -> float:
-        return statistics.median(r[side][key] for r in rounds)
-
-    result = {"rounds": rounds, "streams": args.streams, "engine_flags": engine_flags(args),
-              "tok_s_ratio": median("under_ray", "output_tok_s") / median("direct", "output_tok_s"),
-              "ttft_p50_ratio": median("under_ray", "ttft_p50_s") / median("direct", "ttft_p50_s"),
-              "tok_s_ratio_per_round": [r["under_ray"]["output_tok_s"] / r["direct"]["output_tok_s"] for r in rounds]}
+    result = {"streams": args.streams, "engine_flags": engine_flags(args),
+              **alternating_rounds("under_ray", lambda i: under_ray(args, i), "direct",
+                                   lambda i: serving_run(args, f"ray_serving-overhead-direct-{i}", None), args.rounds)}
     result["targets"] = {"tok/s >= 0.9x direct": result["tok_s_ratio"] >= 0.9,
                          "TTFT p50 within 1.2x": result["ttft_p50_ratio"] <= 1.2}
     return result

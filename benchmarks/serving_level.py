@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,3 +46,25 @@ def serving_level(load: Load, name: str, timeout: float, url: str | None = None,
         shutil.rmtree(scratch, ignore_errors=True)
     (level,) = [lv for lv in result["levels"] if lv.get("concurrency") == load.streams]
     return level
+
+
+LEVEL_KEYS = ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "completed", "errors", "wall_s",
+              "client_cpu_fraction_max")
+
+
+def alternating_rounds(tried: str, run_tried, reference: str, run_reference, rounds: int) -> dict:
+    """`rounds` rounds of the two sides in turn (run_*(round) -> a level), so that a shared machine's load swings
+    reach both alike: each round's figures, and tried over reference as ratios of the medians and per round."""
+    results = []
+    for i in range(rounds):
+        levels = {tried: run_tried(i), reference: run_reference(i)}
+        results.append({side: {k: level.get(k) for k in LEVEL_KEYS} for side, level in levels.items()})
+        print(json.dumps(results[-1]), flush=True)
+
+    def median(side: str, key: str) -> float:
+        return statistics.median(r[side][key] for r in results)
+
+    return {"rounds": results,
+            "tok_s_ratio": median(tried, "output_tok_s") / median(reference, "output_tok_s"),
+            "ttft_p50_ratio": median(tried, "ttft_p50_s") / median(reference, "ttft_p50_s"),
+            "tok_s_ratio_per_round": [r[tried]["output_tok_s"] / r[reference]["output_tok_s"] for r in results]}
