@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
-    kv_blocks_total: int = 0
+    kv_blocks_total: int = 0  # over every KV cache group (engine/sched/kv_groups.py)
     kv_blocks_free: int = 0  # truly free plus cached-free
+    kv_context_blocks: int = 0  # the full-attention group's: blocks of context the cache holds
+    kv_cache_usage: float = 0.0  # the fullest group's share of blocks owned by requests, 0 to 1
     kv_blocks_cached_free: int = 0  # no user, but holding a cached prefix (evicted LRU when needed)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of them, found there
@@ -39,8 +41,3 @@ class EngineStats:
     lora_running: list[str] = field(default_factory=list)
     lora_waiting: list[str] = field(default_factory=list)
     lora_updated_at: float = 0.0
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of KV-cache blocks owned by requests, 0 to 1 (cached-free blocks count as free)."""
-        return (self.kv_blocks_total - self.kv_blocks_free) / self.kv_blocks_total if self.kv_blocks_total else 0.0

@@ -186,13 +186,14 @@ class EngineStatsCollector(Collector):
             "KV-cache blocks owned by requests.",
             stats.kv_blocks_total - stats.kv_blocks_free,
         )
-        yield GaugeMetricFamily(f"{PREFIX}_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0 to 1).",
+        yield GaugeMetricFamily(f"{PREFIX}_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0 to 1; with KV cache groups, the fullest group's).",
                                 stats.kv_cache_usage)
         # the KV cache's layout as labels, as vLLM's cache_config_info: the Gateway API Inference Extension's
-        # endpoint picker sizes its prefix-cache model from block_size and num_gpu_blocks (deploy/)
+        # endpoint picker sizes its prefix-cache model from block_size and num_gpu_blocks (deploy/): the blocks of
+        # context the cache holds, the full-attention group's where windowed layers keep a pool of their own
         layout = GaugeMetricFamily(f"{PREFIX}_cache_config_info", "The KV cache's layout (the labels); always 1.",
                                    labels=["block_size", "num_gpu_blocks"])
-        layout.add_metric([str(self.engine.info.block_size), str(stats.kv_blocks_total)], 1.0)
+        layout.add_metric([str(self.engine.info.block_size), str(stats.kv_context_blocks)], 1.0)
         yield layout
         yield CounterMetricFamily(
             f"{PREFIX}_num_preemptions", "Sequences preempted for lack of KV blocks.", stats.num_preemptions

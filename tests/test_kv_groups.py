@@ -108,12 +108,20 @@ def test_a_long_generation_keeps_the_windowed_group_bounded(model):
     prompt, params = LONG[1][:20], SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
     engine.add_request("long", prompt, params)
     engine.step()  # the prefill: 5 blocks in both groups, 4 of them then out of the window
-    windowed_most, full_counts = 0, []
+    windowed_most, full_counts, usages = 0, [], []
     while engine.has_unfinished():
         engine.step()
         windowed_most = max(windowed_most, windowed.num_used_blocks)
         full_counts.append(full.num_used_blocks)
+        stats = engine.stats()
+        shares = [pool.num_used_blocks / pool.num_usable_blocks for pool in (full, windowed)]
+        usages.append((stats.kv_cache_usage, max(shares), stats.kv_blocks_free))
     assert windowed_most <= PER_SEQ
+    # the load gauge is the fullest pool's share (admission stops when any pool runs out), not the pools' sum
+    assert all(usage == fullest for usage, fullest, _ in usages)
+    assert max(usage for usage, _, _ in usages) > max(1 - free / stats.kv_blocks_total for _, _, free in usages)
+    # the blocks of context the cache holds, as the endpoint picker reads them: the full group's
+    assert stats.kv_context_blocks == full.num_usable_blocks < stats.kv_blocks_total
     assert max(full_counts) >= -(-(len(prompt) + 119) // BS) > 4 * PER_SEQ
     assert _all_free(llm.engine.block_manager)
 

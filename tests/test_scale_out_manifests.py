@@ -192,7 +192,7 @@ def test_every_metric_the_picker_reads_is_on_a_running_servers_metrics(server):
         assert (gauge(idle, queued), gauge(idle, running), gauge(idle, kv)) == (0, 0, 0)
         (layout,) = idle[specs["cacheInfoSpec"]].samples
         assert int(layout.labels["block_size"]) == server.app.state.graphserve.engine.info.block_size
-        assert int(layout.labels["num_gpu_blocks"]) == server.app.state.graphserve.engine.stats().kv_blocks_total
+        assert int(layout.labels["num_gpu_blocks"]) == server.app.state.graphserve.engine.stats().kv_context_blocks
         # vLLM's form of the LoRA gauge, which the picker parses: these labels, the value a time (when the
         # adapters in use last changed)
         (adapters,) = idle[specs["loraSpec"]].samples

@@ -79,7 +79,8 @@ class EngineCore:
 
     def reset_stats(self) -> None:
         """Counters and device timeline from zero (at start-up, and after the warm-up burst)."""
-        self.stats_counters = EngineStats(kv_blocks_total=self.block_manager.num_usable_blocks)
+        self.stats_counters = EngineStats(kv_blocks_total=self.block_manager.num_usable_blocks,
+                                          kv_context_blocks=self.block_manager.num_context_blocks)
         self.scheduler.num_preemptions = self.scheduler.num_queried_tokens = self.scheduler.num_cached_tokens = 0
         self.worker.reset_counters()
 
@@ -385,6 +386,7 @@ class EngineCore:
         return dataclasses.replace(self.stats_counters, num_running=len(self.scheduler.running),
                                    num_waiting=len(self.scheduler.waiting),
                                    kv_blocks_free=self.block_manager.num_free_blocks,
+                                   kv_cache_usage=self.block_manager.usage,
                                    num_preemptions=self.scheduler.num_preemptions,
                                    grammar_requests=self.structured.num_requests,
                                    kv_blocks_cached_free=self.block_manager.num_cached_free_blocks,

@@ -131,6 +131,19 @@ class KVGroups:
         return self._sum("num_cached_free_blocks")
 
     @property
+    def num_context_blocks(self) -> int:
+        """The full-attention group's usable blocks: how many blocks of context the pools hold (a windowed
+        group's blocks only ever hold a window's worth of a sequence)."""
+        return self.pools[0].num_usable_blocks
+
+    @property
+    def usage(self) -> float:
+        """The fullest group's share of blocks owned by requests, 0 to 1 (cached-free blocks count as
+        free): admission stops when any group runs out, so that group is the one a load gauge reports."""
+        return max(((p.num_usable_blocks - p.num_free_blocks) / p.num_usable_blocks if p.num_usable_blocks else 0.0)
+                   for p in self.pools)
+
+    @property
     def num_used_blocks(self) -> int:
         return self._sum("num_used_blocks")
 
