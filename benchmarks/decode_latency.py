@@ -135,8 +135,8 @@ _EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_scale", "down_scale")  #
 
 def model_shape(model) -> StepShape:
     """A LlamaModel's StepShape (its parameters' sizes only: a model on the meta device will do)."""
-    from graphserve.engine.models.gpt_oss_moe import GptOssMoE
-    from graphserve.engine.models.moe import SparseMoE
+    from graphserve.engine.models.moe.gpt_oss import GptOssMoE
+    from graphserve.engine.models.moe.sparse import SparseMoE
 
     def nbytes(p) -> int:
         return p.numel() * p.element_size()
@@ -240,7 +240,7 @@ def meta_shape(path: str | None, quantization: str | None) -> StepShape:
     from graphserve.engine.models.config import ModelArgs
     from graphserve.engine.models.layers import Linear
     from graphserve.engine.models.llama import LlamaModel
-    from graphserve.engine.models.moe import SparseMoE
+    from graphserve.engine.models.moe.sparse import SparseMoE
 
     args = ModelArgs.from_dir(Path(path))
     with torch.device("meta"):

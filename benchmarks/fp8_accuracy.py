@@ -25,7 +25,7 @@ from teacher_forced import compare, teacher_forced_logits  # noqa: E402
 
 def _load(path: str, dtype: torch.dtype, device: torch.device, quantization: str | None):
     from graphserve.engine.models.attention import make_attention_backend
-    from graphserve.engine.models.loader import load_model
+    from graphserve.engine.models.loading.loader import load_model
 
     return load_model(path, dtype, device, make_attention_backend(device, 16), 1024, quantization=quantization)
 

@@ -50,7 +50,7 @@ def kl_and_agreement(logits: torch.Tensor, reference: torch.Tensor) -> dict:
 def graphserve_logits(folder: Path, ids: list[int], quantization: str | None) -> torch.Tensor:
     """float32 logits [len(ids), vocab] of our CPU model: one prefill over the whole sequence."""
     from graphserve.engine.models.attention import AttentionMetadata, make_attention_backend
-    from graphserve.engine.models.loader import load_model
+    from graphserve.engine.models.loading.loader import load_model
     from graphserve.engine.sched.kv_cache import allocate_kv_cache
 
     cpu, n, block = torch.device("cpu"), len(ids), 16

@@ -3,7 +3,7 @@
     out[t] = sum over token t's k picks (expert e, weight w) of w * down_e(silu(gate_e x_t) * up_e x_t)
 
 1. route(): float32 softmax of the router logits, torch.topk, optional renormalization -- the
-   routing of engine/models/moe.py's torch path (CPU) and of the reference; here the same in one
+   routing of engine/models/moe/sparse.py's torch path (CPU) and of the reference; here the same in one
    kernel, kernels/moe_route.py's route_fused (ties to the lowest expert id, the set CUDA's
    torch.topk picks).
 2. moe_align() (kernels/moe_align.py): the T*k picks (pick p = token p // k, its p % k-th choice)

@@ -187,7 +187,7 @@ def test_a_gguf_model_on_a_cpu_serves_its_blocks_unless_float32_is_asked_for(tin
 def test_loading_the_blocks_reads_no_float_weight_of_a_projection_they_serve(tiny, monkeypatch) -> None:
     """A start serving the blocks reads the float32 checkpoint for the embedding and norms only: the
     projections' float weights (most of the file) are not read, then dropped."""
-    import graphserve.engine.models.loader as loader
+    import graphserve.engine.models.loading.loader as loader
 
     _, _, _, path = tiny
     reads, read = [], loader.read_tensor

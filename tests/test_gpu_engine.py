@@ -34,7 +34,7 @@ def test_teacher_forced_logits_match_transformers(model_path):
     from teacher_forced import teacher_forced_logits
 
     from graphserve.engine.models.attention import TritonAttention
-    from graphserve.engine.models.loader import load_model
+    from graphserve.engine.models.loading.loader import load_model
 
     dev = torch.device("cuda")
     prompt_len, steps, bs = 64, 64, 16
@@ -314,7 +314,7 @@ def test_a_bf16_model_loads_without_a_float32_copy(tmp_path):
     from tiny_models import make_tiny_model
 
     from graphserve.engine.models.attention import make_attention_backend
-    from graphserve.engine.models.loader import load_model
+    from graphserve.engine.models.loading.loader import load_model
 
     path = make_tiny_model(tmp_path / "wide", "llama", dtype=torch.bfloat16, hidden_size=1024,
                            intermediate_size=4096, num_hidden_layers=4, vocab_size=32000)  # a bf16 checkpoint

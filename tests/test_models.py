@@ -11,7 +11,7 @@ from tiny_models import VARIANTS, make_tiny_model
 
 from graphserve.engine.models.attention import AttentionMetadata, TorchAttention
 from graphserve.engine.sched.kv_cache import allocate_kv_cache
-from graphserve.engine.models.loader import load_model
+from graphserve.engine.models.loading.loader import load_model
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))

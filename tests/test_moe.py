@@ -21,9 +21,9 @@ from graphserve import LLM, SamplingParams
 from graphserve.engine.errors import InvalidConfigError, ModelFilesError, UnsupportedModelError
 from graphserve.engine.models.attention import TorchAttention
 from graphserve.engine.models.config import ModelArgs
-from graphserve.engine.models.loader import load_model
-from graphserve.engine.models.moe import SparseMoE, route
-from graphserve.engine.models.moe_config import MoeArgs
+from graphserve.engine.models.loading.loader import load_model
+from graphserve.engine.models.moe.sparse import SparseMoE, route
+from graphserve.engine.models.hf_config.moe import MoeArgs
 from graphserve.engine.models.sharding import check_tensor_parallel
 
 MAX_NEW = 16
@@ -281,7 +281,7 @@ def test_the_benchmark_shapes_of_qwen3_30b_a3b_and_mixtral_parse_as_served(monke
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from random_models import random_model_config
 
-    from graphserve.engine.models.moe_config import check_moe_servable
+    from graphserve.engine.models.hf_config.moe import check_moe_servable
 
     want = {"qwen3-30b-a3b": MoeArgs(num_experts=128, top_k=8, expert_intermediate_size=768, renormalize=True),
             "mixtral-8x7b": MoeArgs(num_experts=8, top_k=2, expert_intermediate_size=14336, renormalize=True)}

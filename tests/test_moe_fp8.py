@@ -133,7 +133,7 @@ def test_each_rank_loads_its_slice_of_the_fp8_experts_and_scales(model_dir, tmp_
     with their scales, and its half of the down columns with every down row's scale."""
     from graphserve.engine.distributed import TensorParallel
     from graphserve.engine.models.attention import TorchAttention
-    from graphserve.engine.models.loader import load_model
+    from graphserve.engine.models.loading.loader import load_model
 
     path = tmp_path / "fp8"
     write_fp8_checkpoint(model_dir, path, "channel")

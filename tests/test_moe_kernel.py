@@ -1,6 +1,6 @@
 """graphserve.kernels.moe and moe_align: the fused mixture-of-experts path (route, align, grouped gate_up GEMM with
 SiLU-and-mul, down GEMM with the routing weights, combine). On the CPU, in Triton's interpreter at
-tiny shapes, float32: against engine/models/moe.py's torch path (route + combine_experts), moe_align's
+tiny shapes, float32: against engine/models/moe/sparse.py's torch path (route + combine_experts), moe_align's
 invariants, and the edge cases (an idle expert, every token on one expert, ties in the router). FP8
 experts (float8 e4m3, a float32 scale per expert and output channel) against the float32 reference on
 their dequantized weights, in float32 and fp16 (the interpreter rounds float32 to bf16 toward zero, so
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from tensor_checks import rel_err
 
 from graphserve.engine.models.fp8 import FP8, dequantize, quantize_experts
-from graphserve.engine.models.moe import SparseMoE, combine_experts
-from graphserve.engine.models.moe_config import MoeArgs
+from graphserve.engine.models.moe.sparse import SparseMoE, combine_experts
+from graphserve.engine.models.hf_config.moe import MoeArgs
 from graphserve.kernels.moe import MoeTile, default_moe_tiles, fused_moe, fused_moe_ref, route
 from graphserve.kernels.gemv import GemvTile
 from graphserve.kernels.moe_gemv import GEMV_MAX_TOKENS, experts_gemv
@@ -43,7 +43,7 @@ def moe_weights(experts: int, hidden: int, inter: int, dtype=torch.float32, devi
 
 
 def torch_path(x, logits, gate_up, down, top_k, renormalize) -> torch.Tensor:
-    """engine/models/moe.py's CPU path: route, then each expert over its tokens."""
+    """engine/models/moe/sparse.py's CPU path: route, then each expert over its tokens."""
     weights, experts = route(logits, top_k, renormalize)
     return combine_experts(x, weights, experts, gate_up, down)
 
@@ -305,7 +305,7 @@ def test_fp8_experts_match_the_dequantized_reference(tokens, experts, top_k, hid
     assert out.dtype == dtype
     if dtype == torch.float32:
         assert rel_err(out, ref) < FP8_F32_REL_ERR, rel_err(out, ref)
-        # the CPU path (engine/models/moe.py) on the same FP8 weights: the same numbers
+        # the CPU path (engine/models/moe/sparse.py) on the same FP8 weights: the same numbers
         weights_k, expert_ids = route(logits, top_k, True)
         cpu_path = combine_experts(x, weights_k, expert_ids, *weights[::2], *weights[1::2])
         assert rel_err(cpu_path, ref) < FP8_F32_REL_ERR, rel_err(cpu_path, ref)
@@ -508,7 +508,7 @@ def test_sparse_moe_on_cuda_uses_the_kernels(tokens, monkeypatch):
     x = torch.randn(tokens, 64, generator=gen)
     want = layer(x)
     calls = []
-    import graphserve.engine.models.moe as moe_module
+    import graphserve.engine.models.moe.sparse as moe_module
 
     monkeypatch.setattr(moe_module, "fused_moe", lambda *a, **kw: calls.append(1) or fused_moe(*a, **kw))
     layer.to(DEV, BF16)

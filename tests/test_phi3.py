@@ -15,7 +15,7 @@ from tiny_models import assert_greedy_matches, make_tiny_model, transformers_gre
 from graphserve import LLM, SamplingParams
 from graphserve.engine.errors import InvalidConfigError, UnsupportedModelError
 from graphserve.engine.models.config import ModelArgs
-from graphserve.engine.models.after_load import partial_rotary_order
+from graphserve.engine.models.loading.after_load import partial_rotary_order
 from graphserve.kernels.rotary import build_cos_sin_cache
 
 MAX_NEW = 16

@@ -331,7 +331,7 @@ def test_the_captured_forward_with_the_triton_backend_gives_the_eager_logits(mod
 
     from graphserve.engine.models.attention import TritonAttention
     from graphserve.engine.sched.kv_cache import BlockManager, allocate_kv_cache
-    from graphserve.engine.models.loader import load_model
+    from graphserve.engine.models.loading.loader import load_model
     from graphserve.engine.runner.model_runner import ModelRunner
 
     model = load_model(str(model_dir), torch.float32, torch.device("cpu"), TritonAttention(BS), 512)

@@ -13,7 +13,7 @@ from tiny_models import make_tiny_model
 
 from graphserve import LLM, SamplingParams
 from graphserve.engine.models.attention import TritonAttention
-from graphserve.engine.models.loader import load_model
+from graphserve.engine.models.loading.loader import load_model
 from graphserve.engine.request import Sequence
 from graphserve.engine.runner.cuda_graphs import GraphDecoder
 from graphserve.engine.runner.model_runner import ModelRunner

@@ -89,7 +89,7 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs(tiny):
 def test_each_rank_reads_only_its_slices(tmp_path, monkeypatch):
     """Loading rank 1 of 2 reads half the rows of the column-parallel projections and the
     vocabulary, half the columns of the row-parallel ones, and whole norms; never a whole split tensor."""
-    import graphserve.engine.models.loader as loader
+    import graphserve.engine.models.loading.loader as loader
     from graphserve.engine.models.attention import make_attention_backend
     from safetensors import safe_open
 

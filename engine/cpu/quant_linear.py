@@ -65,7 +65,7 @@ TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4}
 # GGUF type name -> (values, bytes) of one of its blocks along K
 GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 # A converted GGUF folder's projection weights as the file's blocks (written by
-# engine/model_files/gguf_import.py, read by engine/models/loader.py): uint8 [n, bytes per row] per
+# engine/model_files/gguf_import.py, read by engine/models/loading/loader.py): uint8 [n, bytes per row] per
 # tensor under the checkpoint's names; the file's metadata maps each name to its GGUF type.
 # in a folder of its own: tools that load every top-level *.safetensors of a model folder (vLLM) must not see it
 GGUF_BLOCKS_FILE = "gguf/blocks.safetensors"

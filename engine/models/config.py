@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from graphserve.engine.errors import ModelFilesError, UnsupportedModelError
-from graphserve.engine.models.moe_config import MOE_ARCHITECTURES, MoeArgs, parse_moe
-from graphserve.engine.models.gemma3 import GEMMA3_ARCHITECTURES, GemmaArgs, gemma3_rope, gemma3_text_config, gemma_args
-from graphserve.engine.models import gpt_oss
-from graphserve.engine.models.gpt_oss import GPT_OSS_ARCHITECTURES, GptOssArgs
-from graphserve.engine.models.windows import layer_windows
+from graphserve.engine.models.hf_config.moe import MOE_ARCHITECTURES, MoeArgs, parse_moe
+from graphserve.engine.models.hf_config.gemma3 import GEMMA3_ARCHITECTURES, GemmaArgs, gemma3_rope, gemma3_text_config, gemma_args
+from graphserve.engine.models.hf_config import gpt_oss
+from graphserve.engine.models.hf_config.gpt_oss import GPT_OSS_ARCHITECTURES, GptOssArgs
+from graphserve.engine.models.hf_config.windows import layer_windows
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -20,9 +20,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",  # Phi-3, Phi-3.5, Phi-4 (fused qkv and gate_up, partial rotary, LongRoPE)
-    *GEMMA3_ARCHITECTURES,  # Gemma 3's text model (engine/models/gemma3.py)
-    *GPT_OSS_ARCHITECTURES,  # gpt-oss, bf16 or MXFP4 experts (engine/models/gpt_oss.py); CPU or one CUDA GPU
-    *MOE_ARCHITECTURES,  # CPU or one CUDA GPU (moe_config.check_moe_servable)
+    *GEMMA3_ARCHITECTURES,  # Gemma 3's text model (engine/models/hf_config/gemma3.py)
+    *GPT_OSS_ARCHITECTURES,  # gpt-oss, bf16 or MXFP4 experts (engine/models/hf_config/gpt_oss.py); CPU or one CUDA GPU
+    *MOE_ARCHITECTURES,  # CPU or one CUDA GPU (hf_config/moe.check_moe_servable)
 )
 
 
@@ -48,13 +48,13 @@ class ModelArgs:
     bos_token_id: int | None
     quantization: str | None = None  # the checkpoint's weights: "fp8" (compressed-tensors), None: unquantized
     moe: MoeArgs | None = None  # routed experts in every layer's MLP (Qwen3-MoE, Mixtral); None: dense
-    # each layer's sliding attention window (engine/models/windows.py), None: full attention; () all full
+    # each layer's sliding attention window (engine/models/hf_config/windows.py), None: full attention; () all full
     layer_windows: tuple[int | None, ...] = ()
 
     # the dims of each head rotary rotates (Phi-3's partial_rotary_factor); None: all of head_dim
     rotary_dim: int | None = None
     gemma: GemmaArgs | None = None  # Gemma 3: its layer, embedding scale, local rotary, logit softcap
-    gpt_oss: GptOssArgs | None = None  # gpt-oss: attention sinks and o bias, its experts (gpt_oss_moe.py)
+    gpt_oss: GptOssArgs | None = None  # gpt-oss: attention sinks and o bias, its experts (moe/gpt_oss.py)
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None

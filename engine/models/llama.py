@@ -1,8 +1,8 @@
 """Decoder for the Llama family: Llama 2/3/3.1, Mistral, SmolLM2, Qwen2 (QKV bias), Qwen3 (q/k norm),
 Phi-3/Phi-4 (fused checkpoint projections, partial rotary by a head-dim order: after_load.partial_rotary_order),
-Gemma 3's text model (GemmaDecoderLayer, engine/models/gemma3.py),
-and the mixtures of experts on that frame: Qwen3-MoE and Mixtral (engine/models/moe.py as the MLP), gpt-oss
-(attention sinks and an o bias; engine/models/gpt_oss_moe.py as the MLP).
+Gemma 3's text model (GemmaDecoderLayer, engine/models/hf_config/gemma3.py),
+and the mixtures of experts on that frame: Qwen3-MoE and Mixtral (engine/models/moe/sparse.py as the MLP), gpt-oss
+(attention sinks and an o bias; engine/models/moe/gpt_oss.py as the MLP).
 
 Weights use fused projections (qkv, gate_up); the loader fills them from HF tensors.
 The model reads attention metadata and the KV cache from its arguments only. Under tensor
@@ -22,8 +22,8 @@ from graphserve.engine.models.cpu_stack import decode_stack
 from graphserve.engine.distributed import SINGLE, TensorParallel
 from graphserve.engine.models.sharding import shard_for
 from graphserve.engine.models.config import ModelArgs
-from graphserve.engine.models.moe import SparseMoE
-from graphserve.engine.models.gpt_oss_moe import GptOssMoE
+from graphserve.engine.models.moe.sparse import SparseMoE
+from graphserve.engine.models.moe.gpt_oss import GptOssMoE
 from graphserve.engine.models.layers import (
     Linear,
     add_rms_norm,
@@ -53,7 +53,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, backend, tp: TensorParallel = SINGLE, window: int | None = None):
         super().__init__()
-        self.window = window  # the layer's sliding window (engine/models/windows.py), None: full attention
+        self.window = window  # the layer's sliding window (engine/models/hf_config/windows.py), None: full attention
         self.tp = tp  # args: this rank's heads
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size = self.num_heads * self.head_dim

@@ -7,7 +7,7 @@ import torch
 
 from graphserve.engine.lora.layout import LoraLayout, dense_layout
 from graphserve.engine.models.config import ModelArgs
-from graphserve.engine.models.after_load import partial_rotary_order
+from graphserve.engine.models.loading.after_load import partial_rotary_order
 
 
 def lora_layout(args: ModelArgs) -> LoraLayout:

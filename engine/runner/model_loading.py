@@ -25,7 +25,7 @@ def load_models(config: EngineConfig, model_path: str, args: ModelArgs, dtype: t
     attention backend. The draft model comes before the KV pools are sized: its pool holds as many
     blocks as the target's."""
     from graphserve.engine.models.attention import make_attention_backend
-    from graphserve.engine.models.loader import load_model
+    from graphserve.engine.models.loading.loader import load_model
 
     backend = make_attention_backend(device, config.block_size)
     model = load_model(model_path, dtype, device, backend, max_positions, tp, quantization, config.load_format)
@@ -39,7 +39,7 @@ def _load_draft_model(config: EngineConfig, target_args: ModelArgs, dtype: torch
     """The draft model of speculative_method "draft": the target's dtype, device, attention backend
     and quantization setting (a GGUF draft on CPU: its blocks) unless draft_quantization says
     otherwise, a vocabulary within the target's (the same tokenizer)."""
-    from graphserve.engine.models.loader import load_model
+    from graphserve.engine.models.loading.loader import load_model
 
     path = resolve_model_path(config.draft_model)
     draft_args = ModelArgs.from_dir(path)

@@ -5,7 +5,7 @@ field whose value means math graphserve does not do.
 The decoder is llama.py's frame with gpt-oss's parts: attention with a learned sink logit per head
 (added to each softmax's denominator: the `sinks` of every attention path), q/k/v/o biases, sliding
 (128) and full layers alternating (layer_types), YaRN rotary (kernels/rotary.py), and routed experts
-with biases and a clamped SwiGLU, their weights bf16 or MXFP4 as stored (engine/models/gpt_oss_moe.py).
+with biases and a clamped SwiGLU, their weights bf16 or MXFP4 as stored (engine/models/moe/gpt_oss.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphserve.engine.errors import UnsupportedModelError
-from graphserve.engine.models.moe_config import MoeArgs
+from graphserve.engine.models.hf_config.moe import MoeArgs
 from graphserve.kernels.mxfp4 import GROUP
 
 GPT_OSS_ARCHITECTURES = ("GptOssForCausalLM",)

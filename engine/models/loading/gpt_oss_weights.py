@@ -1,4 +1,4 @@
-"""Where a gpt-oss checkpoint's expert tensors go in gpt_oss_moe.GptOssMoE.
+"""Where a gpt-oss checkpoint's expert tensors go in moe/gpt_oss.GptOssMoE.
 
 A layer's experts are stacked in the checkpoint, in transformers' GptOssExperts layout:
 `mlp.experts.gate_up_proj` [E, H, 2I] (bf16; gate and up outputs alternate: output 2j is gate j, 2j + 1

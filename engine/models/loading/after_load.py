@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from graphserve.engine.models.config import ModelArgs
-from graphserve.engine.models.gpt_oss_moe import GptOssMoE
+from graphserve.engine.models.moe.gpt_oss import GptOssMoE
 from graphserve.engine.models.llama import LlamaModel
 from graphserve.kernels.rotary import build_cos_sin_cache
 

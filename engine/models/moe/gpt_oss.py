@@ -8,7 +8,7 @@ act(x @ gate_up + b) @ down + c with act(gate, up) = (clamp(up, -limit, limit) +
 g = min(gate, limit); its output times its routing weight is added into the token's row, experts in
 ascending order, as transformers does.
 
-Weights, in our layout (gpt_oss_weights.py converts a checkpoint's): gate_up [E, 2I, H] (each expert's gate
+Weights, in our layout (loading/gpt_oss_weights.py converts a checkpoint's): gate_up [E, 2I, H] (each expert's gate
 rows, then its up rows), down [E, H, I], biases gate_up_bias [E, 2I] and down_bias [E, H]. MXFP4
 (use_mxfp4): gate_up_blocks uint8 [E, 2I, H / 2] and gate_up_scales [E, 2I, H / 32], down_blocks
 [E, H, I / 2] and down_scales [E, H, I / 32] (kernels/mxfp4.py), which CUDA serves as stored
@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphserve.engine.models.gpt_oss import GptOssArgs
+from graphserve.engine.models.hf_config.gpt_oss import GptOssArgs
 from graphserve.engine.models import layers
 from graphserve.engine.models.layers import Linear
-from graphserve.engine.models.moe import tokens_by_expert
-from graphserve.engine.models.moe_config import MoeArgs
+from graphserve.engine.models.moe.sparse import tokens_by_expert
+from graphserve.engine.models.hf_config.moe import MoeArgs
 from graphserve.kernels.gpt_oss_experts import clamped_swiglu, gpt_oss_experts
 from graphserve.kernels.moe_route import route_fused
 from graphserve.kernels.mxfp4 import GROUP, dequantize
