@@ -24,7 +24,7 @@ compile, and what the host's mask fill costs per step.
    the same spec again (cached), and unconstrained; and GrammarCompiler.compile alone for
    a new and a cached schema. Also, once: the first constrained request of the process
    (the compiler's start-up: xgrammar's view of the vocabulary).
-4. Mask time: StructuredOutputs.bitmask(seqs) (engine/structured/grammar.py; one call per
+4. Mask time: StructuredOutputs.bitmask(seqs) (engine/structured/matchers.py; one call per
    constrained decode round) for 1, 8 and 64 constrained rows, and 8 of a 64-row batch,
    the matchers replaying complete constrained outputs of part 1/2 (topped up with
    seeded random walks through the grammar) token by token; with the engine's
@@ -617,7 +617,8 @@ def mask_part(compiler, outputs: list[list[int]], rows_list: list[int], steps: i
     waiting for the device's step, so the matcher's worker threads have gone idle)."""
     import xgrammar as xgr
 
-    from graphserve.engine.structured.grammar import GrammarSpec, StructuredOutputs
+    from graphserve.engine.structured.grammar import GrammarSpec
+    from graphserve.engine.structured.matchers import StructuredOutputs
 
     compiled = compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMA)))
     result: dict = dict(what="ms per StructuredOutputs.bitmask(seqs) call (one per constrained decode round), "

@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding (engine/structured/grammar.py, server/structured_request.py): every
+"""Grammar-constrained decoding (engine/structured/grammar.py, matchers.py, server/structured_request.py): every
 constrained output parses and validates, greedy and sampled; unconstrained requests beside
 constrained ones keep their solo tokens; streamed equals not streamed; bad specs are 400s
 naming the field; compilation is bounded and never holds up the engine; nothing leaks."""

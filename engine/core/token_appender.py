@@ -18,7 +18,7 @@ from graphserve.engine.sched.kv_groups import KVGroups
 from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch, Scheduler
 from graphserve.engine.spec.speculative_decoder import SpeculativeDecoder
 from graphserve.engine.stats import EngineStats
-from graphserve.engine.structured.grammar import StructuredOutputs
+from graphserve.engine.structured.matchers import StructuredOutputs
 
 logger = logging.getLogger("graphserve.engine")
 

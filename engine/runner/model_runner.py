@@ -23,7 +23,7 @@ from graphserve.engine.runner.prefill_inputs import PrefillInputs, padded_rows, 
 from graphserve.engine.request import Sequence, TokenLogprob
 from graphserve.engine.sample.sampler import SamplingTensors, build_sampling_tensors, count_output_tokens, sample
 from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch
-from graphserve.engine.structured.grammar import StructuredOutputs
+from graphserve.engine.structured.matchers import StructuredOutputs
 from graphserve.kernels.step_bookkeeping import record_step, record_step_ref, step_inputs, step_inputs_ref
 
 

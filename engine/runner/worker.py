@@ -30,7 +30,8 @@ from graphserve.engine.runner.prefill_graphs import PREFILL_GRAPH_MAX_SEQS, Pref
 from graphserve.engine.sched.kv_cache import BlockManager, allocate_kv_cache, windowed_hold
 from graphserve.engine.sched.kv_groups import KVGroups, KVLayout, allocate_group_kv_cache
 from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch
-from graphserve.engine.structured.grammar import GrammarCompiler, StructuredOutputs
+from graphserve.engine.structured.grammar import GrammarCompiler
+from graphserve.engine.structured.matchers import StructuredOutputs
 
 logger = logging.getLogger("graphserve.engine")
 
