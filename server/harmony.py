@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphserve.server.protocol import ResponseFunction, ResponseToolCall, new_call_id
+from graphserve.server.response_bodies import ResponseFunction, ResponseToolCall, new_call_id
 
 CHANNEL, MESSAGE = "<|channel|>", "<|message|>"
 TERMINATORS = ("<|end|>", "<|return|>", "<|call|>")  # a message's end: the next one may follow, or the output ends

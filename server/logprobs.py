@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from graphserve.engine.request import TokenLogprob
-from graphserve.server.protocol import ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
+from graphserve.server.response_bodies import ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
 
 TokenText = Callable[[int], str]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from graphserve.server.protocol import ErrorResponse
+from graphserve.server.response_bodies import ErrorResponse
 
 ERROR_STATUSES = {
     400: "Invalid request: bad JSON, a wrong type or value, a prompt that does not fit.",

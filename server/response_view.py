@@ -12,7 +12,8 @@ from pydantic import BaseModel
 
 from graphserve.engine.request import RequestOutput
 from graphserve.server.generation import ChoiceProgress, GenerationGroup, as_api_error, run_to_completion
-from graphserve.server.protocol import ChatCompletionRequest, CompletionRequest, PromptTokensDetails, UsageInfo
+from graphserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from graphserve.server.response_bodies import PromptTokensDetails, UsageInfo
 from graphserve.server.sse import DONE_EVENT, EventStreamResponse, json_response, sse_event
 from graphserve.server.state import ServerState
 

@@ -14,12 +14,12 @@ from graphserve.server.chat_generation import prepare_chat
 from graphserve.server.choice_parts import ChoiceParser
 from graphserve.server.generation import ChoiceJob, ChoiceProgress, GenerationGroup, start_generation
 from graphserve.server.logprobs import chat_logprobs
-from graphserve.server.protocol import (
+from graphserve.server.protocol import ChatCompletionRequest
+from graphserve.server.response_bodies import (
     ChatChoiceLogprobs,
     ChatChunkChoice,
     ChatCompletionChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatResponseMessage,
     CompletionTokensDetails,

@@ -15,11 +15,11 @@ from graphserve.server.auth import require_api_key
 from graphserve.server.errors import bad_request
 from graphserve.server.generation import ChoiceJob, ChoiceProgress, GenerationGroup, start_generation
 from graphserve.server.logprobs import append_completion_logprobs
-from graphserve.server.protocol import (
+from graphserve.server.protocol import CompletionRequest
+from graphserve.server.response_bodies import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
 )
 from graphserve.server.request_body import parse_body

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from graphserve.server.auth import require_api_key
-from graphserve.server.protocol import ModelCard, ModelList
+from graphserve.server.response_bodies import ModelCard, ModelList
 from graphserve.server.sse import json_response
 from graphserve.server.state import ServerState, get_state
 

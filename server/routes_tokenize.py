@@ -12,7 +12,8 @@ from graphserve.server import openapi
 from graphserve.server.auth import require_api_key
 from graphserve.server.chat_prompt import render_chat_prompt
 from graphserve.server.errors import bad_request
-from graphserve.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from graphserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from graphserve.server.response_bodies import DetokenizeResponse, TokenizeResponse
 from graphserve.server.request_body import parse_body
 from graphserve.server.request_params import check_token_id
 from graphserve.server.sse import json_response

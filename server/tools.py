@@ -26,7 +26,8 @@ from graphserve.engine.structured.grammar import GrammarSpec
 from graphserve.server.errors import bad_request
 from graphserve.server.harmony import is_harmony_template
 from graphserve.server.harmony_grammar import harmony_tool_tag
-from graphserve.server.protocol import ChatCompletionRequest, ChatTool, ResponseFunction, ResponseToolCall, new_call_id
+from graphserve.server.protocol import ChatCompletionRequest, ChatTool
+from graphserve.server.response_bodies import ResponseFunction, ResponseToolCall, new_call_id
 
 
 @dataclass(frozen=True)
