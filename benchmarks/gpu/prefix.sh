@@ -28,22 +28,8 @@
 set -u
 . benchmarks/gpu/env.sh
 BUDGET_S=${BUDGET_S:-540}
-START=$(date +%s)
+. benchmarks/gpu/budget.sh
 LOG="$OUT/gpu_prefix.log"
-left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
-cap() { local l; l=$(left); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
-STATUS=0
-# step NAME MIN_SECONDS MAX_SECONDS command...: run it under a timeout, its output into the log
-step() {
-  local name=$1 need=$2 most=$3; shift 3
-  if [ "$(left)" -lt "$need" ]; then
-    echo "== $name: SKIPPED, $(left)s left (needs ~${need}s)" | tee -a "$LOG"; STATUS=1; return
-  fi
-  echo "== $name ($(left)s left)" | tee -a "$LOG"
-  timeout -k 20 "$(cap "$most")" "$@" >> "$LOG" 2>&1 || { echo "   $name: exit $?" | tee -a "$LOG"; STATUS=1; }
-  grep -v -i -E "warn|it/s" "$LOG" | tail -n 4
-}
-
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, transformers, tokenizers, httpx; print(torch.__version__, transformers.__version__, tokenizers.__version__, httpx.__version__)"
   nproc; git rev-parse HEAD; } > "$LOG" 2>&1

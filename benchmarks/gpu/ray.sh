@@ -20,7 +20,7 @@
 # Estimated ~7 min; every step has a timeout and the whole stays under BUDGET_S (560 s).
 set -u
 BUDGET_S=${BUDGET_S:-560}
-START=$(date +%s)
+. benchmarks/gpu/budget.sh  # from here: the wheel's assembly and env.sh's install count against it
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_ray.log"
@@ -33,19 +33,6 @@ if compgen -G ".whl-ray/ray.part-*" > /dev/null; then
 fi
 . benchmarks/gpu/env.sh
 export RAY_USAGE_STATS_ENABLED=0  # no network on the machine
-left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
-cap() { local l; l=$(left); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
-STATUS=0
-step() {
-  local name=$1 need=$2 most=$3; shift 3
-  if [ "$(left)" -lt "$need" ]; then
-    echo "== $name: SKIPPED, $(left)s left (needs ~${need}s)" | tee -a "$LOG"; STATUS=1; return
-  fi
-  echo "== $name ($(left)s left)" | tee -a "$LOG"
-  timeout -k 20 "$(cap "$most")" "$@" >> "$LOG" 2>&1 || { echo "   $name: exit $?" | tee -a "$LOG"; STATUS=1; }
-  grep -v -i -E "warn|it/s" "$LOG" | tail -n 4
-}
-
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, ray; print(torch.__version__, ray.__version__)"
   nproc; git rev-parse HEAD; } >> "$LOG" 2>&1

@@ -23,14 +23,11 @@ case "$WHICH" in
   *) SHAPES="$WHICH" ;;
 esac
 BUDGET_S=${BUDGET_S:-570}
-START=$(date +%s)
-left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
-cap() { local l; l=$(left); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+. benchmarks/gpu/budget.sh
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, transformers, tokenizers, httpx; print(torch.__version__, transformers.__version__, tokenizers.__version__, httpx.__version__)" >> "$OUT/gpu.txt" 2>&1
 nproc >> "$OUT/gpu.txt"
-STATUS=0
 for SHAPE in $SHAPES; do
   MODEL=$SHAPE LEVELS="1 16 64 256 512" DUMMY_ENGINE="" DUMMY_SERVE="" POISSON=0.8
   case "$SHAPE" in

@@ -20,10 +20,8 @@ case "$WHICH" in
   *) SHAPES="$WHICH" ;;
 esac
 BUDGET_S=${BUDGET_S:-540}
-START=$(date +%s)
+. benchmarks/gpu/budget.sh
 LOG="$OUT/structured.log"
-left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
-cap() { local l; l=$(left); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 say() { echo "$*" | tee -a "$LOG"; }
 
 : > "$LOG"
@@ -35,7 +33,6 @@ if ! python3 -c "import xgrammar" >> "$LOG" 2>&1; then
   tail -5 "$LOG"
   exit 1
 fi
-STATUS=0
 for SHAPE in $SHAPES; do
   say "== $SHAPE: random weights ($(left)s left)"
   timeout -k 10 "$(cap 150)" python3 benchmarks/random_models.py "$SHAPE" 2>&1 | grep -v -i warn | tail -2 \
