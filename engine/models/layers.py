@@ -46,7 +46,7 @@ FP8_GATE_UP_GEMV_MAX_ROWS = 0
 # cuBLAS wins on gate_up alone (61.9 vs 69.6 us), but with the SiLU fused (one kernel fewer a layer)
 # the whole step at 64 rows is faster through the skinny GEMM: 0.5B 54,957 / 55,817 vs 53,157 /
 # 53,422 tok/s, 8B 12,159 vs 11,804 (2026-12-02, decode_latency.py --skinny-gemm-max-rows 64 vs 16)
-# (benchmarks/results/skinny_gemm_bench-*; the decode A/Bs: ee6cedb^:benchmarks/results/decode_latency-*-skinny-*).
+# (benchmarks/results/skinny_gemm_bench-*; the decode A/Bs: cd1cc4d:benchmarks/results/decode_latency-*-skinny-*).
 SKINNY_GEMM_MAX_ROWS = 64
 # the norm before an FP8 projection hands it its input quantized (kernels/rmsnorm.py rms_norm_fp8)
 FP8_NORM_QUANT = True
