@@ -26,9 +26,9 @@ FP8_GEMM_MAX_ROWS = 64
 # quantization, no rounding of x to e4m3). Measured on an H200 it loses to W8A8 (the conversion
 # costs more than the activation quantization saves): Llama-3.1-8B at 8 rows gate_up 46.1 vs
 # 33.9 us, qkv 14.3 vs 12.8, o 10.3 vs 9.6 (down 24.1 vs 25.8, W8A8's quantization included), and
-# the whole step at batch 8 / 16 1,804 / 3,631 vs 2,291 / 4,403 tok/s (cd1cc4d:benchmarks/
-# results/skinny_gemm_bench-fp8-weight-only-*, decode_latency-*-fp8-{w8a8,weight-only}-*). So 0: W8A8
-# from 2 rows. decode_latency.py --fp8-weight-only-max-rows A/Bs it.
+# the whole step at batch 8 / 16 1,804 / 3,631 vs 2,291 / 4,403 tok/s
+# (cd1cc4d:benchmarks/results/skinny_gemm_bench-fp8-weight-only-*, and decode_latency-*-fp8-{w8a8,weight-only}-*
+# there). So 0: W8A8 from 2 rows. decode_latency.py --fp8-weight-only-max-rows A/Bs it.
 FP8_WEIGHT_ONLY_MAX_ROWS = 0
 
 
