@@ -191,7 +191,7 @@ def test_loading_the_blocks_reads_no_float_weight_of_a_projection_they_serve(tin
 
     _, _, _, path = tiny
     reads, read = [], loader.read_tensor
-    monkeypatch.setattr(loader, "read_tensor", lambda f, name, rows, cols: reads.append(name) or read(f, name, rows, cols))
+    monkeypatch.setattr(loader, "read_tensor", lambda f, name, *part, **dim: reads.append(name) or read(f, name, *part, **dim))
     llm = LLM(model=str(path), device="cpu", kv_cache_bytes=16 * 1024**2)
     assert llm.engine.core.worker.quantization == "gguf"
     assert reads and not [name for name in reads if name.endswith("_proj.weight")]

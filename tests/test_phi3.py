@@ -126,11 +126,18 @@ def test_unsupported_variants_are_refused_naming_the_field(fields, named):
         ModelArgs.from_hf_config({**BASE, **fields})
 
 
-def test_tensor_parallelism_is_refused_at_start():
+def test_tensor_parallel_sizes_it_cannot_split_are_refused_naming_the_field():
+    """Phi-3 shards over ranks, each reading its rows of the fused qkv and gate_up tensors
+    (tests/test_tensor_parallel.py); a size that does not split its heads or MLP columns is refused at start,
+    naming the config field."""
     from graphserve.engine.models.sharding import check_tensor_parallel
 
-    with pytest.raises(InvalidConfigError, match="Phi3ForCausalLM.*fused"):
-        check_tensor_parallel(ModelArgs.from_hf_config(BASE), 2, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    check_tensor_parallel(ModelArgs.from_hf_config(BASE), 4, cpu)  # 4 heads, 4 KV heads, intermediate 8
+    with pytest.raises(InvalidConfigError, match="num_attention_heads"):
+        check_tensor_parallel(ModelArgs.from_hf_config(BASE), 3, cpu)
+    with pytest.raises(InvalidConfigError, match="intermediate_size"):
+        check_tensor_parallel(ModelArgs.from_hf_config({**BASE, "intermediate_size": 6}), 4, cpu)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU (engine/distributed.py): two real processes joined over gloo,
-each running the engine on its shard of a tiny random model (dense, and mixtures of experts with
-each expert's intermediate columns split). Greedy tokens equal one rank's,
+each running the engine on its shard of a tiny random model (dense: Llama, Qwen2/3, Phi-3 with its fused
+checkpoint tensors, Gemma 3; mixtures of experts with each expert's intermediate columns split: Mixtral,
+Qwen3-MoE). Greedy tokens equal one rank's,
 logprobs agree within float32 rounding, each rank reads only its slices of the checkpoint,
 and sizes the model cannot take are clear errors."""
 
@@ -27,20 +28,32 @@ PROMPTS = [[5 + (11 * i + j) % 250 for j in range(n)] for i, n in enumerate((9, 
 # greedy, and sampled with a seed (every rank must draw the same token), with logprobs
 PARAMS = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3),
           SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True, logprobs=3)]
+# every model has 4 heads: rank r of 2 runs heads [2r, 2r + 2)
 MODELS = {
     "llama": ("llama", {}),  # 4 heads, 2 KV heads: one each
     "llama-1kv-odd-vocab": ("llama", {"num_key_value_heads": 1, "vocab_size": 509}),  # KV head replicated, vocab padded
     "qwen2": ("qwen2", {}),  # QKV bias, tied embeddings
     "qwen3": ("qwen3", {}),  # q/k norm, head_dim 32
+    # fused qkv_proj and gate_up_proj in the checkpoint (each rank reads its rows of each part), partial rotary
+    # (each head's dims reordered after load), LongRoPE (the served 256 tokens past the original 64: long factors)
+    "phi3": ("phi3", {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 64,
+                      "rope_scaling": {"type": "longrope", "short_factor": [1.0 + i / 7 for i in range(4)],
+                                       "long_factor": [3.0 + i for i in range(4)]}}),
+    # q/k norms, GeGLU, scaled embeddings, 5 local (window 8, its own rotary table) : 1 global layers (two KV
+    # cache groups)
+    "gemma3": ("gemma3", {}),
     "mixtral": ("mixtral", {}),  # 8 experts, top-2: each expert's 32 intermediate columns split 16 / 16
     "qwen3_moe": ("qwen3_moe", {}),  # 16 experts, top-4, q/k norm
 }
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
-def tiny(request, tmp_path_factory):
-    variant, overrides = MODELS[request.param]
-    return str(make_tiny_model(tmp_path_factory.mktemp(request.param), variant, seed=3, **overrides))
+def _make(path: Path, variant: str, overrides: dict) -> Path:
+    return make_tiny_model(path, variant, seed=3, **overrides)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory) -> dict[str, str]:
+    return {name: str(_make(tmp_path_factory.mktemp(name), *spec)) for name, spec in MODELS.items()}
 
 
 def _outputs(llm: LLM) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
@@ -49,12 +62,24 @@ def _outputs(llm: LLM) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
     return [(o.token_ids, [[(lp.token_id, lp.logprob), *lp.top] for lp in o.logprobs]) for o in outs]
 
 
-def _rank(rank: int, size: int, init_method: str, model: str):
+def _rank(rank: int, size: int, init_method: str, models: list[str]):
+    """Each model in turn on this rank: its outputs, the query heads and vocabulary rows it held."""
     torch.set_num_threads(1)
-    llm = LLM(model, device="cpu", num_kv_blocks=64, max_model_len=256, tensor_parallel_size=size,
-              tp_rank=rank, tp_init_method=init_method)
-    shard = llm.engine.core.worker.model.shard
-    return _outputs(llm), shard.q_heads, shard.vocab
+    results = []
+    for model in models:
+        llm = LLM(model, device="cpu", num_kv_blocks=64, max_model_len=256, tensor_parallel_size=size,
+                  tp_rank=rank, tp_init_method=init_method)
+        shard = llm.engine.core.worker.model.shard
+        results.append((_outputs(llm), shard.q_heads, shard.vocab))
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_dirs) -> dict[str, list]:
+    """Every model's results on each of two ranks: one pair of processes runs the models in turn (starting
+    the processes and joining them costs more than a tiny model's run)."""
+    ranks = run_on_ranks(_rank, 2, (list(tiny_dirs.values()),), timeout=300)
+    return {name: [ranks[0][i], ranks[1][i]] for i, name in enumerate(tiny_dirs)}
 
 
 PAYLOADS = [b"", b"x" * 10, bytes(range(256)) * 15 + b"abc", b"y" * 4088, b"z" * 4089, bytes(100_000)]
@@ -72,9 +97,10 @@ def test_rank_0s_step_inputs_reach_every_rank_whatever_their_size():
     assert run_on_ranks(_broadcast_rank, 2, timeout=120) == [PAYLOADS, PAYLOADS]
 
 
-def test_two_ranks_give_one_ranks_tokens_and_logprobs(tiny):
-    one = _outputs(LLM(tiny, device="cpu", num_kv_blocks=64, max_model_len=256))
-    (rank0, heads0, vocab0), (rank1, heads1, vocab1) = run_on_ranks(_rank, 2, (tiny,), timeout=180)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_two_ranks_give_one_ranks_tokens_and_logprobs(name, tiny_dirs, two_ranks):
+    one = _outputs(LLM(tiny_dirs[name], device="cpu", num_kv_blocks=64, max_model_len=256))
+    (rank0, heads0, vocab0), (rank1, heads1, vocab1) = two_ranks[name]
     assert (heads0, heads1) == ((0, 2), (2, 4)) and vocab0[1] == vocab1[0]  # each rank ran its half
     assert [tokens for tokens, _ in rank0] == [tokens for tokens, _ in one]  # greedy and seeded samples
     assert [tokens for tokens, _ in rank1] == [tokens for tokens, _ in one]  # every rank draws the same tokens
@@ -86,37 +112,44 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs(tiny):
                                   atol=2e-5, rtol=1e-5)
 
 
-def test_each_rank_reads_only_its_slices(tmp_path, monkeypatch):
-    """Loading rank 1 of 2 reads half the rows of the column-parallel projections and the
-    vocabulary, half the columns of the row-parallel ones, and whole norms; never a whole split tensor."""
+# what rank 1 of 2 reads of a checkpoint tensor, by its name: half of a split one (rows of the column-parallel
+# projections, the vocabulary and each part of a fused tensor; columns of the row-parallel ones), all of the
+# others (norms)
+_HALF = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj.weight", "gate_proj", "up_proj", "gate_up_proj",
+         "down_proj.weight", "embed_tokens", "lm_head")
+
+
+def _share(tensor_name: str) -> float:
+    return 0.5 if any(part in tensor_name for part in _HALF) else 1.0
+
+
+@pytest.mark.parametrize("name", ["qwen2", "phi3", "gemma3"])
+def test_each_rank_reads_only_its_slices(name, tiny_dirs, monkeypatch):
+    """Loading rank 1 of 2 reads half of every split tensor, in slices no larger (Phi-3's fused qkv_proj: its
+    q, k and v rows apart), and whole norms; never a whole split tensor."""
     import graphserve.engine.models.loading.loader as loader
     from graphserve.engine.models.attention import make_attention_backend
     from safetensors import safe_open
 
-    path = make_tiny_model(tmp_path / "m", "qwen2", seed=1)
+    path = Path(tiny_dirs[name])
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         full = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-    reads = []
+    reads: dict[str, int] = {}
     read = loader.read_tensor
 
-    def spy(f, name, rows, cols):
-        tensor = read(f, name, rows, cols)
-        reads.append((name, tuple(tensor.shape)))
+    def spy(f, tensor_name, *part, **dim):
+        tensor = read(f, tensor_name, *part, **dim)
+        assert tensor.numel() < torch.Size(full[tensor_name]).numel() or _share(tensor_name) == 1, tensor_name
+        reads[tensor_name] = reads.get(tensor_name, 0) + tensor.numel()
         return tensor
 
     monkeypatch.setattr(loader, "read_tensor", spy)
     tp = TensorParallel(rank=1, size=2)  # loading needs no collective
     model = loader.load_model(path, torch.float32, torch.device("cpu"), make_attention_backend(torch.device("cpu"), 16),
                               256, tp)
-    assert len(reads) == len(full)
-    for name, shape in reads:
-        whole = full[name]
-        if any(k in name for k in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens")):
-            assert shape == (whole[0] // 2, *whole[1:]), name
-        elif any(k in name for k in ("o_proj", "down_proj")):
-            assert shape == (whole[0], whole[1] // 2), name
-        else:
-            assert shape == whole, name
+    for tensor_name, shape in full.items():
+        whole = torch.Size(shape).numel()
+        assert reads.get(tensor_name, 0) == whole * _share(tensor_name), (tensor_name, shape)
     # and rank 1 holds the second half: its embedding rows are the checkpoint's rows 256..511
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         assert torch.equal(model.embed_tokens.weight, f.get_tensor("model.embed_tokens.weight")[256:])

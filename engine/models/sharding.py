@@ -13,13 +13,8 @@ from graphserve.engine.errors import InvalidConfigError
 from graphserve.engine.models.config import ModelArgs
 
 
-# architectures served on one rank only: Phi-3's checkpoints store qkv_proj and gate_up_proj fused (read
-# whole, not sliced by rank); Gemma 3 and gpt-oss under tensor parallelism are not implemented or tested yet
-ONE_RANK = {"Phi3ForCausalLM": "its checkpoints hold fused qkv and gate_up projections, which graphserve does "
-                               "not shard yet",
-            "Gemma3ForCausalLM": "Gemma 3 is not sharded yet", "Gemma3ForConditionalGeneration": "Gemma 3 is not "
-                                                                                                "sharded yet",
-            "GptOssForCausalLM": "gpt-oss (its sinks, biased and MXFP4 experts) is not sharded yet"}
+# architectures served on one rank only: gpt-oss under tensor parallelism is not implemented or tested yet
+ONE_RANK = {"GptOssForCausalLM": "gpt-oss (its sinks, biased and MXFP4 experts) is not sharded yet"}
 
 
 def check_tensor_parallel(args: ModelArgs, size: int, device: torch.device) -> None:
@@ -34,26 +29,33 @@ def check_tensor_parallel(args: ModelArgs, size: int, device: torch.device) -> N
     if args.moe is not None and device.type != "cpu":
         raise InvalidConfigError(f"tensor_parallel_size {size}: mixture-of-experts models ({args.architecture}) "
                                  "are sharded over CPU ranks only for now; on CUDA they run on one GPU")
-    if args.moe is not None and args.moe.expert_intermediate_size % size:
-        raise InvalidConfigError(f"tensor_parallel_size {size} does not divide the model's expert intermediate "
-                                 f"size {args.moe.expert_intermediate_size}")
+    if args.moe is not None:
+        _check_intermediate(args, args.moe.expert_intermediate_size, size)
     if device.type == "cuda" and size > torch.cuda.device_count():
         raise InvalidConfigError(f"tensor_parallel_size {size} exceeds the {torch.cuda.device_count()} visible GPUs")
     if args.num_heads % size:
         raise InvalidConfigError(f"tensor_parallel_size {size} does not divide the model's {args.num_heads} "
-                                 "attention heads")
+                                 "attention heads (num_attention_heads)")
     if args.num_kv_heads % size and size % args.num_kv_heads:
         raise InvalidConfigError(f"tensor_parallel_size {size} neither divides nor is a multiple of the model's "
-                                 f"{args.num_kv_heads} KV heads")
-    if args.moe is None and args.intermediate_size % size:
-        raise InvalidConfigError(f"tensor_parallel_size {size} does not divide the model's intermediate size "
-                                 f"{args.intermediate_size}")
+                                 f"{args.num_kv_heads} KV heads (num_key_value_heads)")
+    if args.moe is None:
+        _check_intermediate(args, args.intermediate_size, size)
+
+
+def _check_intermediate(args: ModelArgs, inter: int, size: int) -> None:
+    """The MLP's (each expert's) intermediate columns split evenly."""
+    field = "moe_intermediate_size" if args.architecture == "Qwen3MoeForCausalLM" else "intermediate_size"
+    kind = "expert intermediate size" if args.moe is not None else "intermediate size"
+    if inter % size:
+        raise InvalidConfigError(f"tensor_parallel_size {size} does not divide the model's {kind} {inter} ({field})")
 
 
 @dataclass(frozen=True)
 class Shard:
     """This rank's part of the model: its heads, KV heads, MLP columns and vocabulary rows."""
 
+    whole: ModelArgs  # the whole model's shapes (where a checkpoint's fused tensor puts each part)
     local: ModelArgs  # the shapes this rank's layers have (heads, KV heads, intermediate size)
     q_heads: tuple[int, int]  # [start, end) of the query heads
     kv_heads: tuple[int, int]  # [start, end) of the KV heads (one replicated head when they are fewer than ranks)
@@ -82,4 +84,4 @@ def shard_for(args: ModelArgs, tp: TensorParallel) -> Shard:
     vocab = (min(r * rows, args.vocab_size), min((r + 1) * rows, args.vocab_size))
     local = dataclasses.replace(args, num_heads=hq, num_kv_heads=hkv, moe=moe,
                                 intermediate_size=inter if args.moe is None else args.intermediate_size)
-    return Shard(local, (r * hq, (r + 1) * hq), kv, (r * inter, (r + 1) * inter), vocab, rows)
+    return Shard(args, local, (r * hq, (r + 1) * hq), kv, (r * inter, (r + 1) * inter), vocab, rows)

@@ -5,7 +5,8 @@ file's quantized blocks (gguf/blocks.safetensors, engine/cpu/quant_linear.py), n
 
 Under tensor parallelism each rank reads only its own slice of every split weight
 (safetensors slices read just those bytes): rows for the column-parallel projections and the
-vocabulary, columns for the row-parallel ones (engine/distributed.py says which)."""
+vocabulary, columns for the row-parallel ones (engine/distributed.py says which); of a checkpoint's
+fused tensor (Phi-3's qkv_proj and gate_up_proj) the rows of each of its parts."""
 
 from __future__ import annotations
 
@@ -42,8 +43,12 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+# a checkpoint's own fused projections (Phi-3's): [q; k; v] and [gate; up] rows, as ours
+_CHECKPOINT_FUSED = ("self_attn.qkv_proj", "mlp.gate_up_proj")
 _ROUTER = "mlp.router"
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|weight_scale)$")
+
+Span = tuple[int, int]  # [start, end) along one dimension
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -165,25 +170,49 @@ class _Renamed:
         return self.f.get_slice(self.hf_name if name == self.name else name)
 
 
-def read_tensor(f, name: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None) -> torch.Tensor:
-    """Rows [a, b) or columns [a, b) of a checkpoint tensor (None: all), reading only those."""
+def read_tensor(f, name: str, span: Span | None = None, dim: int = 0) -> torch.Tensor:
+    """[a, b) of a checkpoint tensor along `dim` (span None: all of it), reading only those bytes."""
     sliced = f.get_slice(name)
-    if rows is not None:
-        return sliced[rows[0]:rows[1]]
-    if cols is not None:
-        return sliced[:, cols[0]:cols[1]]
-    return sliced[:]
+    if span is None:
+        return sliced[:]
+    return sliced[(slice(None),) * dim + (slice(*span),)]
 
 
-def _split(shard: Shard, module: str, kind: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-    """(rows, cols) of the HF tensor `module`.`kind` that this rank holds."""
+def _read_rows(f, name: str, rows: list[Span]) -> torch.Tensor:
+    """The rows of each span, in order (the parts of a fused tensor; adjacent spans read at once)."""
+    merged: list[Span] = []
+    for a, b in rows:
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    parts = [read_tensor(f, name, span) for span in merged]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _fused_rows(shard: Shard, module: str) -> list[Span]:
+    """This rank's rows of a checkpoint's fused projection: its q, k and v heads' (qkv_proj) or its
+    intermediate columns' gate and up rows (gate_up_proj), each part at its offset in the whole tensor."""
+    whole, d = shard.whole, shard.whole.head_dim
+    if module == "self_attn.qkv_proj":
+        q, kv = whole.num_heads * d, whole.num_kv_heads * d
+        (qa, qb), (ka, kb) = shard.q_heads, shard.kv_heads
+        return [(qa * d, qb * d), (q + ka * d, q + kb * d), (q + kv + ka * d, q + kv + kb * d)]
+    a, b = shard.inter
+    return [(a, b), (whole.intermediate_size + a, whole.intermediate_size + b)]
+
+
+def _split(shard: Shard, module: str, kind: str) -> tuple[list[Span] | None, Span | None]:
+    """(row spans, columns) of the HF tensor `module`.`kind` that this rank holds (None: all of them)."""
     d = shard.local.head_dim
     heads = {"self_attn.q_proj": shard.q_heads, "self_attn.k_proj": shard.kv_heads, "self_attn.v_proj": shard.kv_heads}
     if module in heads:
         a, b = heads[module]
-        return (a * d, b * d), None
+        return [(a * d, b * d)], None
     if module in ("mlp.gate_proj", "mlp.up_proj"):
-        return shard.inter, None
+        return [shard.inter], None
+    if module in _CHECKPOINT_FUSED:
+        return _fused_rows(shard, module), None
     if kind == "bias":
         return None, None
     if module == "self_attn.o_proj":
@@ -207,7 +236,7 @@ def _load_tensor(shard: Shard, params: dict, loaded: set, name: str, f) -> None:
         if target not in params:
             raise ModelFilesError(f"unexpected tensor {name!r} in checkpoint for {args.architecture} (its config's "
                                   f"quantization_config says {args.quantization or 'none'})")
-        copy_expert_tensor(params[target].data, name, read_tensor(f, name, None, None))
+        copy_expert_tensor(params[target].data, name, read_tensor(f, name))
         loaded.add(target)
         return
     if name == "lm_head.weight" and args.tie_word_embeddings:
@@ -223,9 +252,10 @@ def _load_tensor(shard: Shard, params: dict, loaded: set, name: str, f) -> None:
                 raise ModelFilesError(f"unexpected tensor {name!r} in checkpoint for {args.architecture}")
             rows, cols = (shard.inter, None) if slot.half is not None else (None, shard.inter)  # this rank's columns
             if kind == "weight":
-                copy_expert(params[target].data, slot, read_tensor(f, name, rows, cols), name)
+                tensor = read_tensor(f, name, rows) if rows is not None else read_tensor(f, name, cols, dim=1)
+                copy_expert(params[target].data, slot, tensor, name)
             else:  # a scale per output row: split like the weight's rows (down's rows are all kept)
-                copy_expert_scale(params[target].data, slot, read_tensor(f, name, None, None), rows, name)
+                copy_expert_scale(params[target].data, slot, read_tensor(f, name), rows, name)
             loaded.add(part_name(target, slot.expert, slot.half))
             return
         module = ROUTER_NAMES.get(module, module)
@@ -241,22 +271,24 @@ def _load_tensor(shard: Shard, params: dict, loaded: set, name: str, f) -> None:
         else:
             target = f"layers.{layer}.{module}.{kind}"
     elif target in ("embed_tokens.weight", "lm_head.weight"):
-        rows = shard.vocab
+        rows = [shard.vocab]
     if target not in params:
         raise ModelFilesError(f"unexpected tensor {name!r} in checkpoint for {args.architecture}")
     if target in loaded:  # served from elsewhere (GGUF blocks): not read
         return
     param = params[target]
     if name.endswith(".weight_scale"):  # [out, 1], [out], or one for the whole tensor (tiny: read whole)
-        tensor = read_tensor(f, name, None, None).float().flatten()
+        tensor = read_tensor(f, name).float().flatten()
         if tensor.numel() == 1:
             span = (_shard_slices(args, target.rsplit(".", 1)[0])[fused_shard] if fused_shard is not None
                     else slice(0, param.shape[0]))
             tensor = tensor.expand(span.stop - span.start)
         elif rows is not None:  # the column-parallel projections' rows (row-parallel ones keep every row)
-            tensor = tensor[rows[0]:rows[1]]
+            tensor = torch.cat([tensor[a:b] for a, b in rows])
+    elif rows is not None:
+        tensor = _read_rows(f, name, rows)
     else:
-        tensor = read_tensor(f, name, rows, cols)
+        tensor = read_tensor(f, name, cols, dim=1)
     if fused_shard is not None:
         param[_shard_slices(args, target.rsplit(".", 1)[0])[fused_shard]].copy_(tensor)
         loaded.add(f"{target}#{fused_shard}")
