@@ -208,10 +208,18 @@ def test_unsupported_variants_are_refused_naming_the_field(fields, named):
 
 
 def test_what_it_is_not_served_with_is_refused_at_start(model_dir):
+    """CPU ranks shard gpt-oss (tests/test_tensor_parallel.py), CUDA ranks do not yet; MXFP4 experts split only
+    at their blocks of 32 values (intermediate_size 32 over 2 ranks would leave 16 a rank); no quantization of
+    our own."""
     from graphserve.engine.models.sharding import check_tensor_parallel
 
-    with pytest.raises(InvalidConfigError, match="GptOssForCausalLM"):
-        check_tensor_parallel(ModelArgs.from_hf_config(BASE), 2, torch.device("cpu"))
+    cpu, mxfp4 = torch.device("cpu"), dict(BASE, quantization_config={"quant_method": "mxfp4"})
+    check_tensor_parallel(ModelArgs.from_hf_config(BASE), 2, cpu)
+    check_tensor_parallel(ModelArgs.from_hf_config(dict(mxfp4, intermediate_size=64)), 2, cpu)
+    with pytest.raises(InvalidConfigError, match="intermediate_size 32 .*MXFP4 blocks"):
+        check_tensor_parallel(ModelArgs.from_hf_config(mxfp4), 2, cpu)
+    with pytest.raises(InvalidConfigError, match="CPU ranks only"):
+        check_tensor_parallel(ModelArgs.from_hf_config(BASE), 2, torch.device("cuda"))
     with pytest.raises(InvalidConfigError, match="--quantization fp8"):
         _llm(model_dir, quantization="fp8")
 

@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU (engine/distributed.py): two real processes joined over gloo,
 each running the engine on its shard of a tiny random model (dense: Llama, Qwen2/3, Phi-3 with its fused
 checkpoint tensors, Gemma 3; mixtures of experts with each expert's intermediate columns split: Mixtral,
-Qwen3-MoE). Greedy tokens equal one rank's,
+Qwen3-MoE, gpt-oss with bf16 and MXFP4 experts). Greedy tokens equal one rank's,
 logprobs agree within float32 rounding, each rank reads only its slices of the checkpoint,
 and sizes the model cannot take are clear errors."""
 
@@ -22,7 +22,7 @@ from graphserve.engine.models.sharding import check_tensor_parallel, shard_for
 from graphserve.engine.errors import InvalidConfigError, ModelFilesError
 from graphserve.engine.models.config import ModelArgs
 from live_server import ServerProcess, child_pids, descendant_pids, still_running
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_gpt_oss, make_tiny_model
 
 PROMPTS = [[5 + (11 * i + j) % 250 for j in range(n)] for i, n in enumerate((9, 23, 4, 40))]
 # greedy, and sampled with a seed (every rank must draw the same token), with logprobs
@@ -44,10 +44,16 @@ MODELS = {
     "gemma3": ("gemma3", {}),
     "mixtral": ("mixtral", {}),  # 8 experts, top-2: each expert's 32 intermediate columns split 16 / 16
     "qwen3_moe": ("qwen3_moe", {}),  # 16 experts, top-4, q/k norm
+    # sinks split with the heads, o_proj's and the experts' down biases added once (rank 0), the experts' gate_up
+    # biases split with their columns, the router replicated; sliding and full layers alternating
+    "gpt_oss": ("gpt_oss", {}),
+    "gpt_oss_mxfp4": ("gpt_oss_mxfp4", {"intermediate_size": 64}),  # MXFP4 experts: one block of 32 columns a rank
 }
 
 
 def _make(path: Path, variant: str, overrides: dict) -> Path:
+    if variant.startswith("gpt_oss"):
+        return make_tiny_gpt_oss(path, mxfp4=variant.endswith("mxfp4"), seed=3, **overrides)
     return make_tiny_model(path, variant, seed=3, **overrides)
 
 
@@ -113,20 +119,24 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs(name, tiny_dirs, two_ranks
 
 
 # what rank 1 of 2 reads of a checkpoint tensor, by its name: half of a split one (rows of the column-parallel
-# projections, the vocabulary and each part of a fused tensor; columns of the row-parallel ones), all of the
-# others (norms)
+# projections, the vocabulary, the sinks and each part of a fused tensor; columns of the row-parallel ones; each
+# expert's intermediate columns), none of a row-parallel bias (rank 0 adds it), all of the others (norms, router)
 _HALF = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj.weight", "gate_proj", "up_proj", "gate_up_proj",
-         "down_proj.weight", "embed_tokens", "lm_head")
+         "down_proj.weight", "embed_tokens", "lm_head", "sinks", "experts.down_proj")
+_NONE = ("o_proj.bias", "experts.down_proj_bias")
 
 
 def _share(tensor_name: str) -> float:
+    if any(part in tensor_name for part in _NONE):
+        return 0.0
     return 0.5 if any(part in tensor_name for part in _HALF) else 1.0
 
 
-@pytest.mark.parametrize("name", ["qwen2", "phi3", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen2", "phi3", "gemma3", "gpt_oss", "gpt_oss_mxfp4"])
 def test_each_rank_reads_only_its_slices(name, tiny_dirs, monkeypatch):
     """Loading rank 1 of 2 reads half of every split tensor, in slices no larger (Phi-3's fused qkv_proj: its
-    q, k and v rows apart), and whole norms; never a whole split tensor."""
+    q, k and v rows apart; gpt-oss's stacked experts: each expert's columns), nothing of a row-parallel bias, and
+    whole norms and routers; never a whole split tensor."""
     import graphserve.engine.models.loading.loader as loader
     from graphserve.engine.models.attention import make_attention_backend
     from safetensors import safe_open

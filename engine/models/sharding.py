@@ -11,10 +11,7 @@ import torch
 from graphserve.engine.distributed import TensorParallel
 from graphserve.engine.errors import InvalidConfigError
 from graphserve.engine.models.config import ModelArgs
-
-
-# architectures served on one rank only: gpt-oss under tensor parallelism is not implemented or tested yet
-ONE_RANK = {"GptOssForCausalLM": "gpt-oss (its sinks, biased and MXFP4 experts) is not sharded yet"}
+from graphserve.kernels.mxfp4 import GROUP
 
 
 def check_tensor_parallel(args: ModelArgs, size: int, device: torch.device) -> None:
@@ -23,9 +20,6 @@ def check_tensor_parallel(args: ModelArgs, size: int, device: torch.device) -> N
         raise InvalidConfigError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
-    if args.architecture in ONE_RANK:
-        raise InvalidConfigError(f"tensor_parallel_size {size}: {args.architecture}: {ONE_RANK[args.architecture]}; "
-                                 "it runs on one rank")
     if args.moe is not None and device.type != "cpu":
         raise InvalidConfigError(f"tensor_parallel_size {size}: mixture-of-experts models ({args.architecture}) "
                                  "are sharded over CPU ranks only for now; on CUDA they run on one GPU")
@@ -44,11 +38,15 @@ def check_tensor_parallel(args: ModelArgs, size: int, device: torch.device) -> N
 
 
 def _check_intermediate(args: ModelArgs, inter: int, size: int) -> None:
-    """The MLP's (each expert's) intermediate columns split evenly."""
+    """The MLP's (each expert's) intermediate columns split evenly, and MXFP4 experts' in whole blocks."""
     field = "moe_intermediate_size" if args.architecture == "Qwen3MoeForCausalLM" else "intermediate_size"
     kind = "expert intermediate size" if args.moe is not None else "intermediate size"
     if inter % size:
         raise InvalidConfigError(f"tensor_parallel_size {size} does not divide the model's {kind} {inter} ({field})")
+    if args.quantization == "mxfp4" and inter // size % GROUP:
+        raise InvalidConfigError(f"tensor_parallel_size {size}: {field} {inter} leaves each rank {inter // size} "
+                                 f"columns of every expert, not whole MXFP4 blocks: a rank's share must be a multiple "
+                                 f"of {GROUP} values")
 
 
 @dataclass(frozen=True)
@@ -62,6 +60,9 @@ class Shard:
     inter: tuple[int, int]  # [start, end) of the MLP's intermediate columns (each expert's, in an MoE model)
     vocab: tuple[int, int]  # [start, end) of the vocabulary rows (end - start <= vocab_rows)
     vocab_rows: int  # rows of the local embedding / LM head (the last rank's padded with zeros)
+    # the row-parallel projections' biases (gpt-oss's o_proj and experts' down) are added before the all-reduce
+    # sums the ranks' outputs: rank 0 holds them, the others zeros, so each is added once
+    holds_row_biases: bool
 
 
 def shard_for(args: ModelArgs, tp: TensorParallel) -> Shard:
@@ -84,4 +85,4 @@ def shard_for(args: ModelArgs, tp: TensorParallel) -> Shard:
     vocab = (min(r * rows, args.vocab_size), min((r + 1) * rows, args.vocab_size))
     local = dataclasses.replace(args, num_heads=hq, num_kv_heads=hkv, moe=moe,
                                 intermediate_size=inter if args.moe is None else args.intermediate_size)
-    return Shard(args, local, (r * hq, (r + 1) * hq), kv, (r * inter, (r + 1) * inter), vocab, rows)
+    return Shard(args, local, (r * hq, (r + 1) * hq), kv, (r * inter, (r + 1) * inter), vocab, rows, r == 0)

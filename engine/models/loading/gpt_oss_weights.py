@@ -8,6 +8,10 @@ MXFP4 checkpoint (quant_method mxfp4, as gpt-oss is released) holds `gate_up_pro
 `down_proj_blocks` [E, H, I / 32, 16], `down_proj_scales` [E, H, I / 32] instead of the weights.
 Ours: weights [E, out, in], gate_up's rows the gate's then the up's (the layout kernels/moe.py's grouped
 GEMM takes), MXFP4 blocks as [E, out, in / 2] bytes: the same bytes, rows reordered.
+
+Under tensor parallelism a rank holds each expert's intermediate columns [a, b) (expert_slice): gate_up's
+outputs [2a, 2b) (gate and up alternate, so they are one span), down's inputs [a, b), for MXFP4 its groups
+[a / 32, b / 32) (sharding.check_tensor_parallel refuses a split off the groups' boundaries).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import re
 import torch
 
 from graphserve.engine.errors import ModelFilesError
+from graphserve.kernels.mxfp4 import GROUP
 
 _EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 _OURS = {"gate_up_proj": "gate_up", "down_proj": "down"}
@@ -31,6 +36,21 @@ def expert_target(name: str) -> str | None:
         return None
     layer, proj, kind = match.groups()
     return f"layers.{layer}.mlp.{_OURS[proj]}{_SUFFIX[kind]}"
+
+
+def expert_slice(name: str, inter: tuple[int, int]) -> tuple[tuple[int, int], int] | None:
+    """([start, end), dim) of the checkpoint expert tensor `name` (expert_target is not None) that holds each
+    expert's intermediate columns inter = [a, b), or None for down_proj_bias (an output's: no such columns)."""
+    proj, kind = _EXPERTS.match(name).groups()[1:]
+    a, b = inter
+    if proj == "gate_up_proj":  # outputs: the last dim of the weight [E, H, 2I], else dim 1 ([E, 2I, ...])
+        return (2 * a, 2 * b), (2 if kind is None else 1)
+    if kind == "_bias":
+        return None
+    if kind is None:  # [E, I, H]
+        return (a, b), 1
+    assert a % GROUP == 0 and b % GROUP == 0, (name, inter)  # blocks [E, H, I / 32, 16], scales [E, H, I / 32]
+    return (a // GROUP, b // GROUP), 2
 
 
 def _gate_then_up(rows: int, device: torch.device) -> torch.Tensor:

@@ -6,7 +6,9 @@ file's quantized blocks (gguf/blocks.safetensors, engine/cpu/quant_linear.py), n
 Under tensor parallelism each rank reads only its own slice of every split weight
 (safetensors slices read just those bytes): rows for the column-parallel projections and the
 vocabulary, columns for the row-parallel ones (engine/distributed.py says which); of a checkpoint's
-fused tensor (Phi-3's qkv_proj and gate_up_proj) the rows of each of its parts."""
+fused tensor (Phi-3's qkv_proj and gate_up_proj) the rows of each of its parts; of gpt-oss's stacked
+experts each expert's intermediate columns (loading/gpt_oss_weights.expert_slice). A row-parallel bias
+(gpt-oss's o_proj and experts' down) is read by rank 0 only, the others holding zeros (Shard.holds_row_biases)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from graphserve.engine.models.config import ModelArgs
 from graphserve.engine.models.cpu_stack import stack_decoder
 from graphserve.engine.models.hf_config.gemma3 import checkpoint_name
 from graphserve.engine.models.loading.gguf_projections import gguf_blocks, keep_quantized_projections, quantized_parts
-from graphserve.engine.models.loading.gpt_oss_weights import copy_expert_tensor, expert_target
+from graphserve.engine.models.loading.gpt_oss_weights import copy_expert_tensor, expert_slice, expert_target
 from graphserve.engine.models.layers import Linear
 from graphserve.engine.models.llama import LlamaModel
 from graphserve.engine.models.moe.sparse import SparseMoE
@@ -45,8 +47,9 @@ _FUSED = {
 }
 # a checkpoint's own fused projections (Phi-3's): [q; k; v] and [gate; up] rows, as ours
 _CHECKPOINT_FUSED = ("self_attn.qkv_proj", "mlp.gate_up_proj")
+_ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 _ROUTER = "mlp.router"
-_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|weight_scale)$")
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|weight_scale|sinks)$")
 
 Span = tuple[int, int]  # [start, end) along one dimension
 
@@ -203,7 +206,8 @@ def _fused_rows(shard: Shard, module: str) -> list[Span]:
 
 
 def _split(shard: Shard, module: str, kind: str) -> tuple[list[Span] | None, Span | None]:
-    """(row spans, columns) of the HF tensor `module`.`kind` that this rank holds (None: all of them)."""
+    """(row spans, columns) of the HF tensor `module`.`kind` that this rank holds (None: all of them;
+    rows [] for a row-parallel bias another rank adds: none)."""
     d = shard.local.head_dim
     heads = {"self_attn.q_proj": shard.q_heads, "self_attn.k_proj": shard.kv_heads, "self_attn.v_proj": shard.kv_heads}
     if module in heads:
@@ -213,8 +217,10 @@ def _split(shard: Shard, module: str, kind: str) -> tuple[list[Span] | None, Spa
         return [shard.inter], None
     if module in _CHECKPOINT_FUSED:
         return _fused_rows(shard, module), None
+    if kind == "sinks":  # one per query head
+        return [shard.q_heads], None
     if kind == "bias":
-        return None, None
+        return (None if shard.holds_row_biases or module not in _ROW_PARALLEL else []), None
     if module == "self_attn.o_proj":
         return None, (shard.q_heads[0] * d, shard.q_heads[1] * d)
     if module == "mlp.down_proj":
@@ -232,11 +238,15 @@ def _load_tensor(shard: Shard, params: dict, loaded: set, name: str, f) -> None:
             f = _Renamed(f, name, hf_name)
     if "rotary_emb.inv_freq" in name or name.endswith(".input_scale"):  # activations: scaled per token instead
         return
-    if args.gpt_oss is not None and (target := expert_target(name)) is not None:  # stacked experts, whole
+    if args.gpt_oss is not None and (target := expert_target(name)) is not None:  # stacked experts
         if target not in params:
             raise ModelFilesError(f"unexpected tensor {name!r} in checkpoint for {args.architecture} (its config's "
                                   f"quantization_config says {args.quantization or 'none'})")
-        copy_expert_tensor(params[target].data, name, read_tensor(f, name))
+        part = expert_slice(name, shard.inter)
+        if part is None and not shard.holds_row_biases:  # the down projection's bias: rank 0 adds it
+            params[target].data.zero_()
+        else:
+            copy_expert_tensor(params[target].data, name, read_tensor(f, name, *part) if part else read_tensor(f, name))
         loaded.add(target)
         return
     if name == "lm_head.weight" and args.tie_word_embeddings:
@@ -277,6 +287,10 @@ def _load_tensor(shard: Shard, params: dict, loaded: set, name: str, f) -> None:
     if target in loaded:  # served from elsewhere (GGUF blocks): not read
         return
     param = params[target]
+    if rows == []:  # none of it on this rank (a row-parallel bias rank 0 adds): zeros, nothing read
+        param.zero_()
+        loaded.add(target)
+        return
     if name.endswith(".weight_scale"):  # [out, 1], [out], or one for the whole tensor (tiny: read whole)
         tensor = read_tensor(f, name).float().flatten()
         if tensor.numel() == 1:
