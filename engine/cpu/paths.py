@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from graphserve.engine.cpu import attention, linear, ops, quant_linear
+from graphserve.engine.cpu import attention, linear, lora, ops, quant_linear
 from graphserve.engine.cpu.build import ISA_ENV, cap_flags, requested_isa
 
 KERNELS = {"attention": attention.LIBRARY, "float32 projections": linear.LIBRARY, "fused ops": ops.LIBRARY,
-           "quantized projections": quant_linear.LIBRARY}
+           "quantized projections": quant_linear.LIBRARY, "LoRA products": lora.LIBRARY}
 
 
 def check_requested_isa() -> None:
@@ -16,7 +16,8 @@ def check_requested_isa() -> None:
 
 def describe() -> str:
     """e.g. "CPU kernels: attention AVX2, float32 projections AVX2, fused ops AVX2, quantized
-    projections AVX-VNNI; threads OpenMP", with torch for any that could not be built here."""
+    projections AVX-VNNI, LoRA products AVX2; threads OpenMP", with torch for any that could not be built
+    here."""
     paths = [f"{name} {library.isa() or 'torch'}" for name, library in KERNELS.items()]
     threads = sorted({t for library in KERNELS.values() if (t := library.threads())})
     cap = f" ({ISA_ENV}={requested_isa()})" if requested_isa() else ""
