@@ -2,7 +2,8 @@
 multiples, mixed ranks (0 on a slice, below the slots' rank dim), rows without an adapter and strided
 per-layer views of the stacked slots, in every build this machine executes (tests/cpu_builds.py); a
 row's numbers are its own alone and in any batch; slot contents rewritten in place are read at the next
-call."""
+call. In the engine, a decode step whose rows mix the base model and adapters runs in the C decode stack
+(engine/cpu/decoder.c) with the per-layer path's numbers, bit for bit."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 
 from cpu_builds import builds, loaded
+from tiny_models import make_tiny_model
 
+from graphserve.engine.cpu import decoder
 from graphserve.engine.cpu import lora as cpu_lora
 
 pytestmark = pytest.mark.skipif(not cpu_lora.available(), reason="no C compiler: the kernels are unavailable")
@@ -100,3 +103,77 @@ def test_it_refuses_what_it_cannot_take():
     assert cpu_lora.projection(a, b, ranks, scales, (12, 4)) is not None  # any split of the output
     assert cpu_lora.projection(a, b, ranks, scales, (16,)) is None  # two slices of A, one of the output
     assert cpu_lora.projection(a.transpose(2, 3), b, ranks, scales, (8, 8)) is None
+
+
+# ---- in the engine -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_llm(tmp_path_factory):
+    pytest.importorskip("peft", reason="peft (a dev extra) makes the adapters")
+    from lora_adapters import ADAPTER_SPECS, make_adapter
+
+    from graphserve import LLM, LoraRequest
+
+    root = tmp_path_factory.mktemp("cpu_lora")
+    model = make_tiny_model(root / "llama", "llama", seed=3, num_attention_heads=8, num_key_value_heads=2,
+                            hidden_size=128)
+    loras = [LoraRequest(name, i + 1, str(make_adapter(model, root / name, seed=i, **ADAPTER_SPECS[name])))
+             for i, name in enumerate(("attn", "all", "mlp"))]
+    llm = LLM(str(model), device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=64,
+              max_model_len=256, prefix_caching=False, warm_up=False)
+    return llm, loras
+
+
+def _decode_step(llm, loras: list, stack: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[bool]]:
+    """The same prompt for each row (loras[i]: row i's adapter, None: the base model), one decode step:
+    (the first decode step with adapter rows: its hidden states, the K and V each layer wrote; whether
+    each decode step with adapter rows ran in the stack with them), the stack on or off."""
+    from graphserve import SamplingParams
+
+    model = llm.engine.core.worker.model
+    kept, forward = model.cpu_stack, model.forward
+    model.cpu_stack = kept if stack else None
+    captured, stacked, ran = {}, [], []
+    run = kept.run
+
+    def spy_run(*args, **kwargs):  # the real run, noting whether the step's adapter rows came with it
+        ran.append(kwargs.get("lora_projections") is not None)
+        return run(*args, **kwargs)
+
+    def spy(input_ids, positions, meta, kv_caches):
+        ran.clear()
+        out = forward(input_ids, positions, meta, kv_caches)
+        if meta.is_prefill or meta.lora is None or not meta.lora.applies:
+            return out
+        stacked.append(ran == [True])
+        if "hidden" not in captured:  # the first decode step with adapter rows
+            captured["hidden"] = out.clone()
+            captured["kv"] = [torch.stack([c.flatten(0, 1)[meta.for_layer(i).slot_mapping] for c in pair])
+                              for i, pair in enumerate(kv_caches)]
+        return out
+
+    prompts = [[5, 9, 14, 3, 77, 21]] * len(loras)
+    llm.generate(prompts, SamplingParams(max_tokens=1), lora_request=loras)  # the adapters in slots: rows start together
+    kept.run, model.forward = spy_run, spy
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), lora_request=loras)
+    finally:
+        del kept.run
+        model.forward, model.cpu_stack = forward, kept
+    return captured["hidden"], captured["kv"], stacked
+
+
+@pytest.mark.skipif(not decoder.available(), reason="no C compiler: the decode stack is unavailable")
+def test_a_decode_step_mixing_base_and_adapter_rows_runs_in_the_stack_with_the_per_layer_numbers(lora_llm):
+    llm, (attn, all_modules, mlp) = lora_llm
+    assert llm.engine.core.worker.model.cpu_stack is not None
+    for rows in ([None, attn, all_modules], [mlp, None, all_modules]):  # mlp: a slot rewritten in place
+        with_stack, kv_with, stacked = _decode_step(llm, rows, stack=True)
+        without, kv_without, not_stacked = _decode_step(llm, rows, stack=False)
+        assert stacked and all(stacked) and not any(not_stacked)  # each step with adapter rows took the stack
+        assert torch.equal(with_stack, without)
+        assert all(torch.equal(a, b) for a, b in zip(kv_with, kv_without))
+        base = rows.index(None)
+        assert all(not torch.equal(with_stack[i], with_stack[base]) for i in range(3) if i != base)
+    assert mlp.lora_id in llm.engine.core.worker.loras.held()

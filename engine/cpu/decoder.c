@@ -4,9 +4,12 @@
    between them is gone (a decode step of a small model spent more time there than in the kernels).
 
    The kernels come in as function pointers from their own libraries (attention.c, linear.c,
-   ops.c, quant_linear.c). What this file computes itself, the rotary embedding and the KV-cache
+   ops.c, quant_linear.c, lora.c). What this file computes itself, the rotary embedding and the KV-cache
    write, is what torch computed: x * cos + roll(x, D/2) * signed sin, each product and the sum
-   rounded on its own (no fused multiply-add), and row copies. */
+   rounded on its own (no fused multiply-add), and row copies.
+
+   Rows with a LoRA adapter get its product added right after each projection (qkv, o, gate_up, down),
+   by lora.c's kernel, the one the per-layer path calls too. */
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #elif defined(__GNUC__)
@@ -14,6 +17,7 @@
 #endif
 
 #include "isa.h"
+#include "lora.h"
 #include "parallel.h"
 
 #include <stdint.h>
@@ -43,6 +47,7 @@ struct kernels {
     paged_decode_fn paged_decode;
     add_rms_norm_fn add_rms_norm;
     silu_mul_fn silu_mul;
+    lora_add_fn lora_add;  /* NULL: the stack takes no step with adapters (decoder.py) */
 };
 
 /* one part of a projection's output rows: quantized (qtype >= 0: quant_linear's type, panels
@@ -95,6 +100,17 @@ static void project(const struct model* m, const struct projection* p, const flo
             for (int64_t j = 0; j < p->n; ++j) out[r * ldo + j] += p->bias[j];
 }
 
+enum { QKV, O, GATE_UP, DOWN, PROJECTIONS };
+
+/* y += the LoRA product of rows with an adapter, for projection `kind` of layer l (lora: [layers,
+   PROJECTIONS], NULL where no row has an adapter; an entry NULL where that projection has no slots) */
+static void add_lora(const struct model* m, const struct lora_projection* const* lora, const int32_t* lora_slots,
+                     int64_t l, int kind, int64_t rows, const float* x, int64_t ldx, float* y, int64_t ldy) {
+    if (!lora) return;
+    const struct lora_projection* p = lora[l * PROJECTIONS + kind];
+    if (p) m->fn.lora_add(p, lora_slots, rows, x, ldx, y, ldy);
+}
+
 /* qk[b, h, :] <- x * cos + roll(x, D/2) * sin over the q and k heads of a row of the fused qkv
    output (apply_rotary's arithmetic); v is left where it is */
 static void rotate(const float* qkv, int64_t heads, int64_t D, const float* cos, const float* sin, float* out) {
@@ -113,10 +129,12 @@ static void rotate(const float* qkv, int64_t heads, int64_t D, const float* cos,
 /* One decode step through every layer. x [B, hidden]: the embeddings in, the last layer's output
    out; residual [B, hidden]: out only (the stream before the final norm's add). cos, sin [B, D]:
    the rotary tables of the rows' positions (rotary_tables); per KV cache group g: slots[g] [B] int64,
-   block_tables[g] [B, W] int32 (row stride bt_s0[g]); context_lens [B] int32. */
+   block_tables[g] [B, W] int32 (row stride bt_s0[g]); context_lens [B] int32. LoRA (NULL: no row has an
+   adapter): lora [layers, PROJECTIONS] (add_lora), lora_slots [B] int32, each row's slot (-1: none). */
 void decode_layers(const struct model* m, int64_t B, float* x, float* residual, const float* cos, const float* sin,
                    const int64_t* const* group_slots, const int32_t* const* group_tables, const int64_t* group_bt_s0,
-                   const int32_t* context_lens, int64_t split_heads) {
+                   const int32_t* context_lens, int64_t split_heads, const struct lora_projection* const* lora,
+                   const int32_t* lora_slots) {
     const int64_t H = m->hidden, D = m->head_dim, Hq = m->heads, Hkv = m->kv_heads, I = m->inter;
     const int64_t qkv_n = (Hq + 2 * Hkv) * D, rot_n = (Hq + Hkv) * D;
     float* h = (float*)malloc(sizeof(float) * B * H);
@@ -138,6 +156,7 @@ void decode_layers(const struct model* m, int64_t B, float* x, float* residual, 
             m->fn.add_rms_norm(x, H, residual, H, L->input_norm, m->eps, B, H, h, H, residual, H);
         }
         project(m, &L->qkv, h, B, H, qkv, qkv_n);
+        add_lora(m, lora, lora_slots, l, QKV, B, h, H, qkv, qkv_n);
         for (int64_t b = 0; b < B; ++b) {
             rotate(qkv + b * qkv_n, Hq + Hkv, D, cos + b * D, sin + b * D, rotated + b * rot_n);
             const int64_t slot = slots[b];
@@ -147,10 +166,13 @@ void decode_layers(const struct model* m, int64_t B, float* x, float* residual, 
         m->fn.paged_decode(rotated, rot_n, D, L->k_cache, L->v_cache, block_tables, bt_s0, context_lens, attn, B,
                            Hq, Hkv, D, m->block_size, m->scale, split_heads, L->window, NULL);
         project(m, &L->o, attn, B, Hq * D, x, H);  /* x now holds the attention block's output */
+        add_lora(m, lora, lora_slots, l, O, B, attn, Hq * D, x, H);
         m->fn.add_rms_norm(x, H, residual, H, L->post_norm, m->eps, B, H, h, H, residual, H);
         project(m, &L->gate_up, h, B, H, gate_up, 2 * I);
+        add_lora(m, lora, lora_slots, l, GATE_UP, B, h, H, gate_up, 2 * I);
         m->fn.silu_mul(gate_up, 2 * I, B, I, act, I);
         project(m, &L->down, act, B, I, x, H);
+        add_lora(m, lora, lora_slots, l, DOWN, B, act, I, x, H);
     }
     free(h); free(qkv); free(rotated); free(attn); free(gate_up); free(act);
 }

@@ -4,7 +4,9 @@ them (per layer about 8 kernel calls and a dozen torch ops, which cost a small m
 more than its kernels at a few rows).
 
 `StackDecoder` holds the layers' weights as the kernels take them; engine/models/cpu_stack.py
-builds one from a model where every layer fits (dense, no per-head norms, one rank, float32)."""
+builds one from a model where every layer fits (dense, no per-head norms, one rank, float32). Rows with a
+LoRA adapter get its product after each projection from engine/cpu/lora.py's kernel (the per-layer
+path's too)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from graphserve.engine.cpu import attention, linear, ops, quant_linear
+from graphserve.engine.cpu import attention, linear, lora, ops, quant_linear
 from graphserve.engine.cpu.build import CLibrary
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 MAX_PARTS = 4
+PROJECTIONS = 4  # qkv, o, gate_up, down: a layer's LoRA entries, in decoder.c's order
 
 
 class _Part(ctypes.Structure):
@@ -35,7 +38,8 @@ class _Layer(ctypes.Structure):
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(name, _ptr) for name in ("quant_linear", "panel_linear", "paged_decode", "add_rms_norm", "silu_mul")]
+    _fields_ = [(name, _ptr) for name in ("quant_linear", "panel_linear", "paged_decode", "add_rms_norm", "silu_mul",
+                                          "lora_add")]
 
 
 class _Model(ctypes.Structure):
@@ -45,7 +49,7 @@ class _Model(ctypes.Structure):
 
 
 LIBRARY = CLibrary("decoder", "decoder.c", {"decode_layers": (
-    [ctypes.POINTER(_Model), _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64], None)},
+    [ctypes.POINTER(_Model), _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr], None)},
     disable_env="GRAPHSERVE_CPU_DECODER")
 # the kernels the stack calls, from their own libraries
 _KERNELS = {"quant_linear": quant_linear.LIBRARY, "panel_linear": linear.LIBRARY,
@@ -54,6 +58,11 @@ _KERNELS = {"quant_linear": quant_linear.LIBRARY, "panel_linear": linear.LIBRARY
 
 def available() -> bool:
     return LIBRARY.get() is not None and all(library.get() is not None for library in _KERNELS.values())
+
+
+def takes_lora() -> bool:
+    """Whether the stack takes steps with LoRA adapters (the LoRA kernel built too)."""
+    return lora.available()
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,8 @@ class StackDecoder:
                                                 for p in (w.qkv, w.o, w.gate_up, w.down)) else None
         self._model: _Model | None = None
         self._built_for: tuple = ()  # the caches' addresses and the layers' groups it was built for
+        self._lora: ctypes.Array | None = None  # the LoRA entries' table, [layers * PROJECTIONS] pointers
+        self._lora_for: tuple = ()  # the projections it points at (held: their ids stay theirs)
 
     def _build(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: tuple[int, ...]) -> _Model:
         s = self.shape
@@ -129,10 +140,20 @@ class StackDecoder:
                               w.window or 0, layer_groups[i] if layer_groups else 0)
         kernels = _Kernels(**{name: ctypes.cast(getattr(library.get(), name), _ptr).value
                               for name, library in _KERNELS.items()})
+        if lora.available():
+            kernels.lora_add = ctypes.cast(lora.LIBRARY.get().lora_add, _ptr).value
         model = _Model(len(self.layers), s.hidden, s.heads, s.kv_heads, s.head_dim, s.inter, s.block_size, s.eps,
                        s.scale, table, kernels)
         model._table = table  # kept alive with the struct that points at it
         return model
+
+    def _lora_table(self, projections: tuple[lora.LoraProjection | None, ...]) -> ctypes.Array:
+        if len(projections) != len(self.layers) * PROJECTIONS:
+            raise ValueError(f"{PROJECTIONS} LoRA entries a layer, got {len(projections)} for {len(self.layers)}")
+        if len(projections) != len(self._lora_for) or any(a is not b for a, b in zip(projections, self._lora_for)):
+            self._lora = (_ptr * len(projections))(*(None if p is None else ctypes.addressof(p) for p in projections))
+            self._lora_for = projections
+        return self._lora
 
     def applies(self, x: torch.Tensor) -> bool:
         return (x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == self.shape.hidden
@@ -140,13 +161,16 @@ class StackDecoder:
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: list[torch.Tensor],
             block_tables: list[torch.Tensor], context_lens: torch.Tensor,
-            kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-            layer_groups: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: tuple[int, ...] = (),
+            lora_projections: tuple[lora.LoraProjection | None, ...] | None = None,
+            lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, hidden] (the embeddings; overwritten) -> (the last layer's output, the residual
         stream), as the layers' forward returns them. cos, sin: [B, head_dim] contiguous (the rows'
         rotary tables); per KV cache group, slots int64 [B] and block_tables int32 [B, W];
-        context_lens int32 [B]; layer_groups: each layer's group (empty: all group 0). The caller
-        checked applies()."""
+        context_lens int32 [B]; layer_groups: each layer's group (empty: all group 0). LoRA (None: no
+        row has an adapter): per layer its qkv, o, gate_up and down projections' adapter slots
+        (lora.projection(); None where one has none), and lora_slots int32 [B], each row's slot (-1:
+        none). The caller checked applies() (and takes_lora() with adapters)."""
         built_for = (tuple(t.data_ptr() for pair in kv_caches for t in pair), layer_groups)
         if self._model is None or built_for != self._built_for:
             self._model, self._built_for = self._build(kv_caches, layer_groups), built_for
@@ -159,8 +183,14 @@ class StackDecoder:
         table_ptrs = (_ptr * groups)(*(t.data_ptr() for t in block_tables))
         strides = (_i64 * groups)(*(t.stride(0) for t in block_tables))
         batch = x.shape[0]
+        table = None
+        if lora_projections is not None:
+            assert takes_lora() and lora_slots is not None
+            assert lora_slots.dtype == torch.int32 and lora_slots.is_contiguous() and lora_slots.shape == (batch,)
+            table = self._lora_table(tuple(lora_projections))
         residual = torch.empty_like(x)
         LIBRARY.get().decode_layers(ctypes.byref(self._model), batch, x.data_ptr(), residual.data_ptr(),
                                     cos.data_ptr(), sin.data_ptr(), slot_ptrs, table_ptrs, strides,
-                                    context_lens.data_ptr(), int(batch < 2 * torch.get_num_threads()))
+                                    context_lens.data_ptr(), int(batch < 2 * torch.get_num_threads()), table,
+                                    None if table is None else lora_slots.data_ptr())
         return x, residual

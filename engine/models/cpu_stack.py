@@ -1,7 +1,9 @@
 """A LlamaModel's decode steps on the CPU in one C call for all its layers (engine/cpu/decoder.py),
 where every layer fits the stack: a dense MLP, no per-head q/k norms (a sliding window is taken), one rank, float32, each
 projection in the quantized kernel's layout or in float32 panels, the C attention kernel. The
-numbers are the per-layer path's, bit for bit: only its Python goes."""
+numbers are the per-layer path's, bit for bit: only its Python goes. Rows with a LoRA adapter take
+the stack too: its product comes after each projection from the kernel the per-layer path calls
+(engine/cpu/lora.py)."""
 
 from __future__ import annotations
 
@@ -49,15 +51,41 @@ def stack_decoder(model) -> StackDecoder | None:
                                       first.input_layernorm.eps, first.self_attn.scale))
 
 
+# a layer's projections in the stack's order (decoder.PROJECTIONS): (its module, the projection)
+_LORA_PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
+                     ("mlp", "down_proj"))
+
+
+def _lora_projections(layers) -> tuple | None:
+    """Per layer, its four projections' adapter slots as the C kernel takes them (None where one has no
+    slots), or None where a projection's slots are not the kernel's (not float32)."""
+    out = []
+    for layer in layers:
+        for module, name in _LORA_PROJECTIONS:
+            weights = getattr(getattr(layer, module), name).lora
+            projection = None if weights is None else weights.cpu_projection()
+            if weights is not None and projection is None:
+                return None
+            out.append(projection)
+    return tuple(out)
+
+
 def decode_stack(stack: StackDecoder, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                 meta: AttentionMetadata,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+                 meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 layers) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the last layer's output, the residual) of a decode step, or None where the stack does not
     take this step (the caller runs the layers one by one): a prefill, a batch it does not take, rows
-    with a LoRA adapter (the stack has no adapter products)."""
-    if meta.is_prefill or not stack.applies(x) or (meta.lora is not None and meta.lora.applies):
+    with a LoRA adapter whose slots the C kernel does not take. layers: the model's (their
+    projections' LoRA slots)."""
+    if meta.is_prefill or not stack.applies(x):
         return None
+    lora = None
+    if meta.lora is not None and meta.lora.applies:
+        lora = _lora_projections(layers) if decoder.takes_lora() else None
+        if lora is None:
+            return None
     cos, sin = (t.reshape(x.shape[0], -1) for t in step_rotary_tables(meta, positions, cos_sin, x.dtype))
     groups = meta.groups or (meta,)  # each KV cache group's slots and tables
     return stack.run(x, cos, sin, [g.slot_mapping for g in groups], [g.block_tables for g in groups],
-                     meta.context_lens, kv_caches, meta.layer_groups)
+                     meta.context_lens, kv_caches, meta.layer_groups, lora_projections=lora,
+                     lora_slots=None if lora is None else meta.lora.slots)

@@ -200,7 +200,7 @@ class LlamaModel(nn.Module):
         if self.args.gemma is not None:  # Gemma scales its embeddings by sqrt(hidden), rounded to the dtype
             x = x * float(torch.tensor(self.args.hidden_size**0.5).to(x.dtype))
         stacked = None if self.cpu_stack is None else decode_stack(self.cpu_stack, x, positions, self.cos_sin, meta,
-                                                                   kv_caches)
+                                                                   kv_caches, self.layers)
         if stacked is not None:  # a CPU decode step: every layer in one C call (engine/models/cpu_stack.py)
             x, residual = stacked
         else:
