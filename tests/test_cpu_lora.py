@@ -3,9 +3,13 @@ multiples, mixed ranks (0 on a slice, below the slots' rank dim), rows without a
 per-layer views of the stacked slots, in every build this machine executes (tests/cpu_builds.py); a
 row's numbers are its own alone and in any batch; slot contents rewritten in place are read at the next
 call. In the engine, a decode step whose rows mix the base model and adapters runs in the C decode stack
-(engine/cpu/decoder.c) with the per-layer path's numbers, bit for bit."""
+(engine/cpu/decoder.c) with the per-layer path's numbers, bit for bit; reading an adapter starts no OpenMP
+threads."""
 
 from __future__ import annotations
+
+import os
+import time
 
 import pytest
 import torch
@@ -177,3 +181,34 @@ def test_a_decode_step_mixing_base_and_adapter_rows_runs_in_the_stack_with_the_p
         base = rows.index(None)
         assert all(not torch.equal(with_stack[i], with_stack[base]) for i in range(3) if i != base)
     assert mlp.lora_id in llm.engine.core.worker.loras.held()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the process's threads in /proc (Linux)")
+def test_loading_an_adapter_starts_no_openmp_threads(lora_llm, tmp_path):
+    """The host cache reads an adapter on a thread whose torch ops run in it alone: a team of OpenMP threads
+    of its own would leave the process more OpenMP threads than cores, and libgomp then puts every kernel's
+    threads to sleep between parallel loops (each step's kernels waiting on their wake-ups)."""
+    from lora_adapters import make_adapter
+
+    from graphserve import LoraRequest
+    from graphserve.engine.lora.host_cache import AdapterCache
+    from graphserve.engine.models.config import ModelArgs
+    from graphserve.engine.models.lora_layout import lora_layout
+
+    llm, _ = lora_llm
+    model = llm.engine.model_path
+    # rank 64: A is [layers, 3, 64, 128], an op torch splits between threads
+    wide = make_adapter(model, tmp_path / "wide", seed=9, r=64, lora_alpha=64, target_modules=["q_proj", "v_proj"])
+    cache = AdapterCache(lora_layout(ModelArgs.from_dir(model)), 64, torch.float32, capacity=1, pin_memory=False)
+    kept = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.zeros(1 << 20).fill_(1.0)  # this thread's team, started
+        before = len(os.listdir("/proc/self/task"))
+        lora = LoraRequest("wide", 50, str(wide))
+        while not cache.ready(lora, set()):
+            time.sleep(0.01)
+        assert len(os.listdir("/proc/self/task")) == before + 1  # the loading thread alone
+    finally:
+        torch.set_num_threads(kept)
+        cache.close()

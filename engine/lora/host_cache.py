@@ -14,6 +14,15 @@ from graphserve.engine.lora.layout import LoraLayout
 from graphserve.engine.request import LoraRequest
 
 
+def _one_torch_thread() -> None:
+    """The loading thread's torch ops run in it alone. With threads of its own (torch's OpenMP team for this
+    thread) the process holds more OpenMP threads than cores, and libgomp then stops spinning between
+    parallel loops: every kernel of every step afterwards waits for its threads' futex wake-up (served,
+    8 adapters on 2 cores: a sixth of the engine's time in the kernel's scheduler). Threads started later
+    take one torch thread too (torch's default for new threads); the engine's own thread keeps its count."""
+    torch.set_num_threads(1)
+
+
 class AdapterCache:
     def __init__(self, layout: LoraLayout, max_rank: int, dtype: torch.dtype, capacity: int, pin_memory: bool):
         self.layout, self.max_rank, self.dtype = layout, max_rank, dtype
@@ -21,7 +30,7 @@ class AdapterCache:
         self.pin_memory = pin_memory  # page-locked: copies into the device slots do not wait
         self._weights: OrderedDict[int, AdapterWeights] = OrderedDict()
         self._loading: dict[int, Future] = {}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="graphserve-lora")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="graphserve-lora", initializer=_one_torch_thread)
 
     def __contains__(self, lora_id: int) -> bool:
         return lora_id in self._weights
