@@ -7,9 +7,9 @@
    output is. Every number of a row comes from the same dot products in the same order whatever the
    other rows are, so a row's tokens do not depend on its batch mates or on the batch size: the work is
    split between threads by (row, slice), never inside a sum. One parallel loop a call: two (every
-   row's A @ x, then B @ u over blocks of columns) put the threads to sleep and woke them twice as often,
-   which cost more than the finer split gained (8 adapters on 2 cores, 32 requests in process: 0.63-0.67x
-   the base model's tok/s against 0.72-0.76x). */
+   row's A @ x, then B @ u over blocks of columns, a finer split) measured no faster on 2 cores (0.73-0.77x
+   the base model's tok/s against 0.69-0.75x, 32 requests over 8 adapters in process), and where OpenMP's
+   threads sleep between loops (more threads than cores) each loop pays their wake-up. */
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #elif defined(__GNUC__)
