@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import assert_greedy_matches, make_tiny_model, transformers_greedy
 
 from graphserve import LLM, SamplingParams
-from graphserve.engine.errors import InvalidConfigError, UnsupportedModelError
+from graphserve.engine.errors import UnsupportedModelError
 from graphserve.engine.models.config import ModelArgs
 
 MAX_NEW = 16
@@ -95,19 +95,6 @@ BASE = dict(architectures=["Gemma3ForCausalLM"], vocab_size=16, hidden_size=64, 
 def test_unsupported_variants_are_refused_naming_the_field(fields, named):
     with pytest.raises(UnsupportedModelError, match=named):
         ModelArgs.from_hf_config({**BASE, **fields})
-
-
-def test_tensor_parallel_sizes_it_cannot_split_are_refused_naming_the_field():
-    """Gemma 3 shards over ranks (tests/test_tensor_parallel.py runs it on two); a size that does not split its
-    heads or its MLP's columns is refused at start, naming the config field."""
-    from graphserve.engine.models.sharding import check_tensor_parallel
-
-    cpu = torch.device("cpu")
-    check_tensor_parallel(ModelArgs.from_hf_config(BASE), 4, cpu)  # 4 heads, 4 KV heads, intermediate 8
-    with pytest.raises(InvalidConfigError, match="num_attention_heads"):
-        check_tensor_parallel(ModelArgs.from_hf_config(BASE), 3, cpu)
-    with pytest.raises(InvalidConfigError, match="intermediate_size"):
-        check_tensor_parallel(ModelArgs.from_hf_config({**BASE, "intermediate_size": 6}), 4, cpu)
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ import torch
 from tiny_models import assert_greedy_matches, make_tiny_model, transformers_greedy
 
 from graphserve import LLM, SamplingParams
-from graphserve.engine.errors import InvalidConfigError, UnsupportedModelError
+from graphserve.engine.errors import UnsupportedModelError
 from graphserve.engine.models.config import ModelArgs
 from graphserve.engine.models.loading.after_load import partial_rotary_order
 from graphserve.kernels.rotary import build_cos_sin_cache
@@ -124,20 +124,6 @@ BASE = dict(architectures=["Phi3ForCausalLM"], vocab_size=16, hidden_size=64, in
 def test_unsupported_variants_are_refused_naming_the_field(fields, named):
     with pytest.raises(UnsupportedModelError, match=named):
         ModelArgs.from_hf_config({**BASE, **fields})
-
-
-def test_tensor_parallel_sizes_it_cannot_split_are_refused_naming_the_field():
-    """Phi-3 shards over ranks, each reading its rows of the fused qkv and gate_up tensors
-    (tests/test_tensor_parallel.py); a size that does not split its heads or MLP columns is refused at start,
-    naming the config field."""
-    from graphserve.engine.models.sharding import check_tensor_parallel
-
-    cpu = torch.device("cpu")
-    check_tensor_parallel(ModelArgs.from_hf_config(BASE), 4, cpu)  # 4 heads, 4 KV heads, intermediate 8
-    with pytest.raises(InvalidConfigError, match="num_attention_heads"):
-        check_tensor_parallel(ModelArgs.from_hf_config(BASE), 3, cpu)
-    with pytest.raises(InvalidConfigError, match="intermediate_size"):
-        check_tensor_parallel(ModelArgs.from_hf_config({**BASE, "intermediate_size": 6}), 4, cpu)
 
 
 @pytest.mark.gpu

@@ -243,6 +243,20 @@ def test_sizes_the_model_or_machine_cannot_take_are_clear_errors(tmp_path):
     assert shard.kv_heads == (1, 2) and shard.q_heads == (3, 4) and shard.local.num_kv_heads == 1
 
 
+@pytest.mark.parametrize("architecture", ["Phi3ForCausalLM", "Gemma3ForCausalLM"])
+def test_sizes_an_architecture_cannot_split_are_refused_naming_the_field(architecture):
+    """Phi-3 (its fused qkv and gate_up read by part) and Gemma 3 shard over ranks; a size that does not split
+    their heads or their MLP's columns is refused at start, naming the config field."""
+    base = dict(architectures=[architecture], vocab_size=16, hidden_size=64, intermediate_size=8,
+                num_hidden_layers=6, num_attention_heads=4, head_dim=16)
+    cpu = torch.device("cpu")
+    check_tensor_parallel(ModelArgs.from_hf_config(base), 4, cpu)  # 4 heads, 4 KV heads, intermediate 8
+    with pytest.raises(InvalidConfigError, match="num_attention_heads"):
+        check_tensor_parallel(ModelArgs.from_hf_config(base), 3, cpu)
+    with pytest.raises(InvalidConfigError, match="intermediate_size"):
+        check_tensor_parallel(ModelArgs.from_hf_config({**base, "intermediate_size": 6}), 4, cpu)
+
+
 def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
 
