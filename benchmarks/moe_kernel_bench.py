@@ -134,13 +134,17 @@ def bench_shape(name: str, tokens_list: list[int], copy_gbs: float, sweep_tokens
             kernels = kernel_times(lambda i: fused_moe(x, F.linear(x, layers[i][0]), layers[i][1], layers[i][2],
                                                        top_k, renormalize), copies)
             rows.append(dict(shape=name, tokens=tokens, kind="kernels", us_per_layer=kernels))
-            print(f"  device time a layer by kernel (eager, {sum(kernels.values()):.1f} us in all):", flush=True)
-            for kernel, us in kernels.items():
-                print(f"    {us:8.2f} us  {kernel}", flush=True)
+            print_kernel_times(kernels, "eager")
         del x
     del layers
     torch.cuda.empty_cache()
     return rows
+
+
+def print_kernel_times(kernels: dict[str, float], how: str) -> None:
+    print(f"  device time a layer by kernel ({how}, {sum(kernels.values()):.1f} us in all):", flush=True)
+    for kernel, us in kernels.items():
+        print(f"    {us:8.2f} us  {kernel}", flush=True)
 
 
 def sweep_pair(pair, candidates, time_pair, record, label: str, best: tuple):
@@ -292,10 +296,7 @@ def bench_gpt_oss(name: str, tokens_list: list[int], copy_gbs: float, sweep_toke
         if profile:
             kernels = kernel_times(lambda i: layer_fn(i)(), copies)
             rows.append(dict(shape=name, tokens=tokens, kind="kernels", path=default_path, us_per_layer=kernels))
-            print(f"  device time a layer by kernel ({default_path}, eager, {sum(kernels.values()):.1f} us in all):",
-                  flush=True)
-            for kernel, us in kernels.items():
-                print(f"    {us:8.2f} us  {kernel}", flush=True)
+            print_kernel_times(kernels, f"{default_path}, eager")
         del x
     del layers
     torch.cuda.empty_cache()
