@@ -142,7 +142,7 @@ def _decode_step(llm, loras: list, stack: bool) -> tuple[torch.Tensor, list[torc
     run = kept.run
 
     def spy_run(*args, **kwargs):  # the real run, noting whether the step's adapter rows came with it
-        ran.append(kwargs.get("lora_projections") is not None)
+        ran.append(kwargs.get("lora_slots") is not None)
         return run(*args, **kwargs)
 
     def spy(input_ids, positions, meta, kv_caches):

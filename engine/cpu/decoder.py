@@ -129,7 +129,7 @@ class StackDecoder:
         self._model: _Model | None = None
         self._built_for: tuple = ()  # the caches' addresses and the layers' groups it was built for
         self._lora: ctypes.Array | None = None  # the LoRA entries' table, [layers * PROJECTIONS] pointers
-        self._lora_for: tuple = ()  # the projections it points at (held: their ids stay theirs)
+        self._lora_for: tuple = ()  # the projections it points at (held, so the addresses stay theirs)
 
     def _build(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: tuple[int, ...]) -> _Model:
         s = self.shape
@@ -147,13 +147,17 @@ class StackDecoder:
         model._table = table  # kept alive with the struct that points at it
         return model
 
-    def _lora_table(self, projections: tuple[lora.LoraProjection | None, ...]) -> ctypes.Array:
+    def attach_lora(self, projections: tuple[lora.LoraProjection | None, ...]) -> None:
+        """The model's LoRA slots, once (lora.projection() per layer for its qkv, o, gate_up and down, None
+        where one has none): the runner rewrites the slots' contents in place, never where they are."""
         if len(projections) != len(self.layers) * PROJECTIONS:
             raise ValueError(f"{PROJECTIONS} LoRA entries a layer, got {len(projections)} for {len(self.layers)}")
-        if len(projections) != len(self._lora_for) or any(a is not b for a, b in zip(projections, self._lora_for)):
-            self._lora = (_ptr * len(projections))(*(None if p is None else ctypes.addressof(p) for p in projections))
-            self._lora_for = projections
-        return self._lora
+        self._lora = (_ptr * len(projections))(*(None if p is None else ctypes.addressof(p) for p in projections))
+        self._lora_for = projections
+
+    @property
+    def lora_attached(self) -> bool:
+        return self._lora is not None
 
     def applies(self, x: torch.Tensor) -> bool:
         return (x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == self.shape.hidden
@@ -162,15 +166,13 @@ class StackDecoder:
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: list[torch.Tensor],
             block_tables: list[torch.Tensor], context_lens: torch.Tensor,
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: tuple[int, ...] = (),
-            lora_projections: tuple[lora.LoraProjection | None, ...] | None = None,
             lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, hidden] (the embeddings; overwritten) -> (the last layer's output, the residual
         stream), as the layers' forward returns them. cos, sin: [B, head_dim] contiguous (the rows'
         rotary tables); per KV cache group, slots int64 [B] and block_tables int32 [B, W];
-        context_lens int32 [B]; layer_groups: each layer's group (empty: all group 0). LoRA (None: no
-        row has an adapter): per layer its qkv, o, gate_up and down projections' adapter slots
-        (lora.projection(); None where one has none), and lora_slots int32 [B], each row's slot (-1:
-        none). The caller checked applies() (and takes_lora() with adapters)."""
+        context_lens int32 [B]; layer_groups: each layer's group (empty: all group 0); lora_slots
+        int32 [B], each row's LoRA slot (-1: none; None: no row has an adapter), over the slots given
+        to attach_lora(). The caller checked applies()."""
         built_for = (tuple(t.data_ptr() for pair in kv_caches for t in pair), layer_groups)
         if self._model is None or built_for != self._built_for:
             self._model, self._built_for = self._build(kv_caches, layer_groups), built_for
@@ -184,10 +186,10 @@ class StackDecoder:
         strides = (_i64 * groups)(*(t.stride(0) for t in block_tables))
         batch = x.shape[0]
         table = None
-        if lora_projections is not None:
-            assert takes_lora() and lora_slots is not None
+        if lora_slots is not None:
+            assert self._lora is not None, "attach_lora() first"
             assert lora_slots.dtype == torch.int32 and lora_slots.is_contiguous() and lora_slots.shape == (batch,)
-            table = self._lora_table(tuple(lora_projections))
+            table = self._lora
         residual = torch.empty_like(x)
         LIBRARY.get().decode_layers(ctypes.byref(self._model), batch, x.data_ptr(), residual.data_ptr(),
                                     cos.data_ptr(), sin.data_ptr(), slot_ptrs, table_ptrs, strides,

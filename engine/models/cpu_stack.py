@@ -79,13 +79,15 @@ def decode_stack(stack: StackDecoder, x: torch.Tensor, positions: torch.Tensor, 
     projections' LoRA slots)."""
     if meta.is_prefill or not stack.applies(x):
         return None
-    lora = None
+    lora_slots = None
     if meta.lora is not None and meta.lora.applies:
-        lora = _lora_projections(layers) if decoder.takes_lora() else None
-        if lora is None:
-            return None
+        if not stack.lora_attached:  # the slots stay where they are: their views are taken once
+            projections = _lora_projections(layers) if decoder.takes_lora() else None
+            if projections is None:
+                return None
+            stack.attach_lora(projections)
+        lora_slots = meta.lora.slots
     cos, sin = (t.reshape(x.shape[0], -1) for t in step_rotary_tables(meta, positions, cos_sin, x.dtype))
     groups = meta.groups or (meta,)  # each KV cache group's slots and tables
     return stack.run(x, cos, sin, [g.slot_mapping for g in groups], [g.block_tables for g in groups],
-                     meta.context_lens, kv_caches, meta.layer_groups, lora_projections=lora,
-                     lora_slots=None if lora is None else meta.lora.slots)
+                     meta.context_lens, kv_caches, meta.layer_groups, lora_slots=lora_slots)
