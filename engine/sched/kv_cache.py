@@ -98,7 +98,7 @@ class BlockManager:
         total = -(-seq.num_tokens // self.block_size) - len(cached)
         if self.window is None:
             return total
-        return min(total, -(-(self.window - 1 + max_chunk) // self.block_size) + 1)
+        return min(total, window_blocks(self.window, max_chunk, self.block_size))
 
     def admit(self, seq: Sequence, cached: list[int], num_blocks: int, num_tokens: int) -> None:
         """Start seq's table with the `cached` blocks and cover its first `num_tokens` slots: all its
@@ -366,12 +366,18 @@ class BlockManager:
         return sum(1 for b in blocks if self.ref_counts[b] == 0)
 
 
+def window_blocks(window: int, ahead: int, block_size: int) -> int:
+    """The most blocks a sequence holds in a pool with this window when it writes `ahead` tokens at once: the
+    window's tokens before them and those, wherever the blocks' edges fall (one block more than they fill)."""
+    return -(-(window - 1 + ahead) // block_size) + 1
+
+
 def windowed_hold(window: int, config: EngineConfig) -> int:
     """The most blocks one sequence holds at once in a pool with this window, however long it is: the
     window before a prefill chunk or a round's writes (a decode round ahead of one in flight, or a
     verify step's drafts) and those."""
     ahead = max(config.max_num_batched_tokens, 2 * config.decode_chunk + config.num_speculative_tokens + 1)
-    return -(-(window - 1 + ahead) // config.block_size) + 1
+    return window_blocks(window, ahead, config.block_size)
 
 
 def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:

@@ -15,7 +15,7 @@ import torch
 from graphserve.engine.config import EngineConfig
 from graphserve.engine.models.config import ModelArgs
 from graphserve.engine.request import Sequence
-from graphserve.engine.sched.kv_cache import BlockManager, windowed_hold
+from graphserve.engine.sched.kv_cache import BlockManager, window_blocks, windowed_hold
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class KVLayout:
         ahead = 2 * config.decode_chunk + config.num_speculative_tokens + 1
         sizes = [full_blocks]
         for window in self.windows[1:]:
-            per_seq = -(-(window - 1 + ahead) // config.block_size) + 1
+            per_seq = window_blocks(window, ahead, config.block_size)
             sizes.append(min(full_blocks, config.max_num_seqs * per_seq + windowed_hold(window, config) + 1))
         return sizes
 
@@ -61,7 +61,7 @@ class KVLayout:
 
 class KVGroups:
     """One BlockManager per KV cache group; the scheduler's, the engine's and the runner's one view of
-    the KV blocks. Counts (free, used, total) are summed over the groups."""
+    the KV blocks. Counts (free, used, total) are summed over the groups; `usage` is the fullest group's."""
 
     def __init__(self, pools: list[BlockManager], layout: KVLayout):
         assert [p.group for p in pools] == list(range(len(pools))) == list(range(layout.num_groups))
