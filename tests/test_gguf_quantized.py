@@ -30,8 +30,8 @@ from graphserve.engine.async_engine import AsyncEngine
 from graphserve.engine.config import EngineConfig
 from graphserve.engine.cpu import quant_linear as ql
 from graphserve.engine.errors import InvalidConfigError, ModelFilesError
-from graphserve.engine.models.layers import Linear
 from graphserve.engine.model_files.model_path import ensure_gguf_model
+from graphserve.engine.models.layers import Linear
 from graphserve.server.app import create_app
 from live_server import BackgroundServer
 from tiny_gguf import gguf_cache, write_tiny_gguf  # noqa: F401 (gguf_cache: a fixture)

@@ -104,8 +104,8 @@ def test_the_cuda_code_path_in_the_interpreter_matches_the_cpu_path(tmp_path, mo
     grouped, small-batch and GEMV paths -- the logits of the CPU path's (which equal transformers' above)."""
     from graphserve.engine.models import layers
     from graphserve.engine.models.attention import AttentionMetadata, TorchAttention, TritonAttention
-    from graphserve.engine.models.moe.gpt_oss import GptOssMoE
     from graphserve.engine.models.loading.loader import load_model
+    from graphserve.engine.models.moe.gpt_oss import GptOssMoE
     from graphserve.engine.sched.kv_cache import allocate_kv_cache
     from tensor_checks import rel_err
 

@@ -192,7 +192,8 @@ def test_each_module_lands_in_its_slice_of_our_fused_projections(tiny):
 
 def test_phi3s_fused_modules_and_reordered_rotary_rows_give_peft_tokens(tmp_path):
     """Phi-3's checkpoints fuse qkv_proj and gate_up_proj: an adapter's one A serves each slice, B's rows
-    span them, and with partial rotary B's q and k rows follow the base weight's reorder (engine/models/loading/after_load.py)."""
+    span them, and with partial rotary B's q and k rows follow the base weight's reorder
+    (engine/models/loading/after_load.py)."""
     model = make_tiny_model(tmp_path / "phi3", "phi3", partial_rotary_factor=0.5)
     adapter = make_adapter(model, tmp_path / "fused", seed=7, r=8, lora_alpha=16,
                            target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])

@@ -10,8 +10,8 @@ from tensor_checks import rel_err
 from tiny_models import VARIANTS, make_tiny_model
 
 from graphserve.engine.models.attention import AttentionMetadata, TorchAttention
-from graphserve.engine.sched.kv_cache import allocate_kv_cache
 from graphserve.engine.models.loading.loader import load_model
+from graphserve.engine.sched.kv_cache import allocate_kv_cache
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -72,8 +72,8 @@ def test_triton_path_matches_torch_path(monkeypatch, tmp_path, variant):
     """The CUDA code path (Triton kernels for norms, rotary, SiLU, KV store and paged
     attention; the decode step's projections as fused norm + GEMV (+ SiLU) kernels), run in
     Triton's interpreter on CPU, equals the torch path."""
-    from graphserve.engine.models.attention import TritonAttention
     from graphserve.engine.models import layers
+    from graphserve.engine.models.attention import TritonAttention
 
     path = make_tiny_model(tmp_path / variant, variant)
     torch_model = load_model(path, torch.float32, torch.device("cpu"), TorchAttention(16), 128)
@@ -100,8 +100,8 @@ def one_layer_decode(monkeypatch, intermediate: int, num_heads: int = 2):
     """A Llama decoder layer (hidden 128, num_heads heads of 64, one KV head; float32, random weights) and
     a function that runs decode of 4 rows through it on the Triton path (in the interpreter: the
     interpreter's bf16 dot is not exact), on fresh copies of one paged KV cache each time."""
-    from graphserve.engine.models.attention import AttentionMetadata, TritonAttention
     from graphserve.engine.models import layers
+    from graphserve.engine.models.attention import AttentionMetadata, TritonAttention
     from graphserve.engine.models.config import ModelArgs
     from graphserve.engine.models.llama import DecoderLayer
     from graphserve.kernels.rotary import build_cos_sin_cache

@@ -21,9 +21,9 @@ from graphserve import LLM, SamplingParams
 from graphserve.engine.errors import InvalidConfigError, ModelFilesError, UnsupportedModelError
 from graphserve.engine.models.attention import TorchAttention
 from graphserve.engine.models.config import ModelArgs
+from graphserve.engine.models.hf_config.moe import MoeArgs
 from graphserve.engine.models.loading.loader import load_model
 from graphserve.engine.models.moe.sparse import SparseMoE, route
-from graphserve.engine.models.hf_config.moe import MoeArgs
 from graphserve.engine.models.sharding import check_tensor_parallel
 
 MAX_NEW = 16

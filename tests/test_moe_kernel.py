@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from tensor_checks import rel_err
 
 from graphserve.engine.models.fp8 import FP8, dequantize, quantize_experts
-from graphserve.engine.models.moe.sparse import SparseMoE, combine_experts
 from graphserve.engine.models.hf_config.moe import MoeArgs
-from graphserve.kernels.moe import MoeTile, default_moe_tiles, fused_moe, fused_moe_ref, route
+from graphserve.engine.models.moe.sparse import SparseMoE, combine_experts
 from graphserve.kernels.gemv import GemvTile
-from graphserve.kernels.moe_gemv import GEMV_MAX_TOKENS, experts_gemv
+from graphserve.kernels.moe import MoeTile, default_moe_tiles, fused_moe, fused_moe_ref, route
 from graphserve.kernels.moe_align import max_padded_picks, moe_align, moe_align_torch
+from graphserve.kernels.moe_gemv import GEMV_MAX_TOKENS, experts_gemv
 from graphserve.kernels.moe_route import route_fused
 
 align_module = importlib.import_module("graphserve.kernels.moe_align")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from graphserve import LLM, SamplingParams
+from graphserve.engine.request import Sequence
 from graphserve.engine.runner.prefill_graphs import PrefillGraphs, prefill_buckets
 from graphserve.engine.runner.prefill_inputs import prefill_inputs
-from graphserve.engine.request import Sequence
 from graphserve.engine.sched.scheduler import PrefillBatch
 from tensor_checks import report
 from tiny_models import make_tiny_model
@@ -330,9 +330,9 @@ def test_the_captured_forward_with_the_triton_backend_gives_the_eager_logits(mod
     import torch
 
     from graphserve.engine.models.attention import TritonAttention
-    from graphserve.engine.sched.kv_cache import BlockManager, allocate_kv_cache
     from graphserve.engine.models.loading.loader import load_model
     from graphserve.engine.runner.model_runner import ModelRunner
+    from graphserve.engine.sched.kv_cache import BlockManager, allocate_kv_cache
 
     model = load_model(str(model_dir), torch.float32, torch.device("cpu"), TritonAttention(BS), 512)
     kv = allocate_kv_cache(model.kv_args, 64, BS, torch.float32, torch.device("cpu"))

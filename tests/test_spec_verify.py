@@ -17,12 +17,12 @@ from graphserve.engine.models.loading.loader import load_model
 from graphserve.engine.request import Sequence
 from graphserve.engine.runner.cuda_graphs import GraphDecoder
 from graphserve.engine.runner.model_runner import ModelRunner
+from graphserve.engine.sample.rejection_sampler import verify_drafts
 from graphserve.engine.sched.kv_cache import BlockManager, allocate_kv_cache
 from graphserve.engine.sched.scheduler import DecodeRound, PrefillBatch
-from graphserve.engine.sample.rejection_sampler import verify_drafts
-from graphserve.engine.spec.speculative_decoder import SpeculativeDecoder
 from graphserve.engine.spec.drafter import DeviceDrafts, Drafter, pack_drafts
 from graphserve.engine.spec.ngram import NgramDrafter
+from graphserve.engine.spec.speculative_decoder import SpeculativeDecoder
 
 BS = 16
 CPU = torch.device("cpu")

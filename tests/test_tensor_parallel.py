@@ -18,9 +18,9 @@ import torch
 
 from graphserve import LLM, SamplingParams
 from graphserve.engine.distributed import TensorParallel, run_on_ranks
-from graphserve.engine.models.sharding import check_tensor_parallel, shard_for
 from graphserve.engine.errors import InvalidConfigError, ModelFilesError
 from graphserve.engine.models.config import ModelArgs
+from graphserve.engine.models.sharding import check_tensor_parallel, shard_for
 from live_server import ServerProcess, child_pids, descendant_pids, still_running
 from tiny_models import make_tiny_gpt_oss, make_tiny_model
 

@@ -48,7 +48,8 @@ class LoraLayout:
     projections: dict[str, Projection]  # kind -> shape
     modules: dict[str, ModuleTarget]  # PEFT module name (q_proj, qkv_proj, ...) -> target
     refused: dict[str, str] = field(default_factory=dict)  # module name -> why this model takes no adapter there
-    # kind -> our order of its output rows (Phi-3's partial rotary reorders q and k heads' dims: engine/models/loading/after_load.py),
+    # kind -> our order of its output rows (Phi-3's partial rotary reorders q and k heads' dims:
+    # engine/models/loading/after_load.py),
     # applied to an adapter's B as to the base weight: row j holds the checkpoint's row order[j]
     row_orders: dict[str, torch.Tensor] = field(default_factory=dict)
 

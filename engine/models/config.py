@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from graphserve.engine.errors import ModelFilesError, UnsupportedModelError
-from graphserve.engine.models.hf_config.moe import MOE_ARCHITECTURES, MoeArgs, parse_moe
-from graphserve.engine.models.hf_config.gemma3 import GEMMA3_ARCHITECTURES, GemmaArgs, gemma3_rope, gemma3_text_config, gemma_args
 from graphserve.engine.models.hf_config import gpt_oss
+from graphserve.engine.models.hf_config.gemma3 import (GEMMA3_ARCHITECTURES, GemmaArgs, gemma3_rope, gemma3_text_config,
+                                                       gemma_args)
 from graphserve.engine.models.hf_config.gpt_oss import GPT_OSS_ARCHITECTURES, GptOssArgs
+from graphserve.engine.models.hf_config.moe import MOE_ARCHITECTURES, MoeArgs, parse_moe
 from graphserve.engine.models.hf_config.windows import layer_windows
 
 SUPPORTED_ARCHITECTURES = (

@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphserve.engine.cpu.decoder import StackDecoder
-from graphserve.engine.models.attention import AttentionMetadata
-from graphserve.engine.models.cpu_stack import decode_stack
 from graphserve.engine.distributed import SINGLE, TensorParallel
-from graphserve.engine.models.sharding import shard_for
+from graphserve.engine.models.attention import AttentionMetadata
 from graphserve.engine.models.config import ModelArgs
-from graphserve.engine.models.moe.sparse import SparseMoE
+from graphserve.engine.models.cpu_stack import decode_stack
 from graphserve.engine.models.moe.gpt_oss import GptOssMoE
+from graphserve.engine.models.moe.sparse import SparseMoE
+from graphserve.engine.models.sharding import shard_for
 from graphserve.engine.models.layers import (
     Linear,
     add_rms_norm,

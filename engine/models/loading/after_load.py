@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from graphserve.engine.models.config import ModelArgs
-from graphserve.engine.models.moe.gpt_oss import GptOssMoE
 from graphserve.engine.models.llama import LlamaModel
+from graphserve.engine.models.moe.gpt_oss import GptOssMoE
 from graphserve.kernels.rotary import build_cos_sin_cache
 
 

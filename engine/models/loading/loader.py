@@ -22,18 +22,18 @@ from safetensors import safe_open
 from graphserve.engine.cpu.packed_cache import PackedCache
 from graphserve.engine.distributed import SINGLE, TensorParallel
 from graphserve.engine.errors import ModelFilesError
-from graphserve.engine.models.loading.after_load import after_load
 from graphserve.engine.models.config import ModelArgs
 from graphserve.engine.models.cpu_stack import stack_decoder
 from graphserve.engine.models.hf_config.gemma3 import checkpoint_name
-from graphserve.engine.models.loading.gguf_projections import gguf_blocks, keep_quantized_projections, quantized_parts
-from graphserve.engine.models.loading.gpt_oss_weights import copy_expert_tensor, expert_slice, expert_target
+from graphserve.engine.models.hf_config.moe import check_moe_servable
 from graphserve.engine.models.layers import Linear
 from graphserve.engine.models.llama import LlamaModel
+from graphserve.engine.models.loading.after_load import after_load
+from graphserve.engine.models.loading.gguf_projections import gguf_blocks, keep_quantized_projections, quantized_parts
+from graphserve.engine.models.loading.gpt_oss_weights import copy_expert_tensor, expert_slice, expert_target
+from graphserve.engine.models.loading.moe_weights import (ROUTER_NAMES, SCALES, complete_stacks, copy_expert,
+                                                          copy_expert_scale, expert_slot, part_name)
 from graphserve.engine.models.moe.sparse import SparseMoE
-from graphserve.engine.models.hf_config.moe import check_moe_servable
-from graphserve.engine.models.loading.moe_weights import (ROUTER_NAMES, SCALES, complete_stacks, copy_expert, copy_expert_scale,
-                                                  expert_slot, part_name)
 from graphserve.engine.models.sharding import Shard
 from graphserve.kernels.rotary import build_cos_sin_cache
 

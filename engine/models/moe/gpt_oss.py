@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphserve.engine.models.hf_config.gpt_oss import GptOssArgs
 from graphserve.engine.models import layers
+from graphserve.engine.models.hf_config.gpt_oss import GptOssArgs
+from graphserve.engine.models.hf_config.moe import MoeArgs
 from graphserve.engine.models.layers import Linear
 from graphserve.engine.models.moe.sparse import tokens_by_expert
-from graphserve.engine.models.hf_config.moe import MoeArgs
 from graphserve.kernels.gpt_oss_experts import clamped_swiglu, gpt_oss_experts
 from graphserve.kernels.moe_route import route_fused
 from graphserve.kernels.mxfp4 import GROUP, dequantize

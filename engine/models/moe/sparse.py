@@ -23,8 +23,8 @@ from torch import nn
 
 from graphserve.engine.models.activation import silu_and_mul
 from graphserve.engine.models.fp8 import FP8, dequantize, quantize_experts
-from graphserve.engine.models.layers import Linear
 from graphserve.engine.models.hf_config.moe import MoeArgs
+from graphserve.engine.models.layers import Linear
 from graphserve.kernels.moe import fused_moe, route  # route: one routing for both paths (ties alike)
 
 
