@@ -150,10 +150,7 @@ def chat_body(system: str, user: str, **fields) -> dict:
 
 
 def test_the_router_sends_a_known_prefix_to_the_replica_that_holds_it(endpoint):
-    # new prefixes go to the least loaded replica, by the queue and the KV use each reports every
-    # ROUTING_STATS_PERIOD_S: the earlier tests' requests must be gone from those reports too
-    wait_for_running(0)
-    time.sleep(2 * ROUTING_STATS_PERIOD_S)
+    wait_until_idle_reported()
     topics = ["rivers", "mountains", "violins", "comets"]
     served: dict[str, list[str]] = {t: [] for t in topics}
     cached: dict[str, list[int]] = {t: [] for t in topics}
@@ -203,6 +200,13 @@ def test_a_client_that_leaves_mid_stream_has_its_engine_request_aborted(endpoint
     wait_for_running(0)  # within seconds: the engine would need most of a minute to finish the 600 tokens
 
 
+def wait_until_idle_reported() -> None:
+    """New prefixes go to the least loaded replica, by the queue and the KV use each reports every
+    ROUTING_STATS_PERIOD_S: the earlier tests' requests must be gone from those reports too."""
+    wait_for_running(0)
+    time.sleep(2 * ROUTING_STATS_PERIOD_S)
+
+
 def wait_for_running(count: int, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while (running := sum(s.stats.num_running for s in replica_statuses())) != count:
@@ -227,6 +231,7 @@ async def stream_chat(client: httpx.AsyncClient, body: dict, started: asyncio.Ev
 def test_killing_one_replicas_engine_fails_only_its_streams_and_ray_restarts_it(endpoint):
     before = {s.replica_id: s for s in replica_statuses()}
     assert len(before) == 2
+    wait_until_idle_reported()  # the four new prefixes spread over both replicas
 
     async def scenario() -> tuple[list, str, list]:
         async with httpx.AsyncClient(base_url=endpoint.url, timeout=TIMEOUT_S) as client:
