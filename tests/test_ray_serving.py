@@ -235,11 +235,12 @@ def test_killing_one_replicas_engine_fails_only_its_streams_and_ray_restarts_it(
 
     async def scenario() -> tuple[list, str, list]:
         async with httpx.AsyncClient(base_url=endpoint.url, timeout=TIMEOUT_S) as client:
-            started = [asyncio.Event() for _ in range(4)]
-            streams = [asyncio.create_task(stream_chat(client, chat_body(
-                system_prompt(f"topic {i}"), "Write a long story.", max_tokens=120, ignore_eos=True), started[i]))
-                for i in range(4)]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), TIMEOUT_S)
+            streams = []
+            for i in range(4):  # one at a time: each new prefix goes to the replica with fewer streams
+                started = asyncio.Event()
+                streams.append(asyncio.create_task(stream_chat(client, chat_body(
+                    system_prompt(f"topic {i}"), "Write a long story.", max_tokens=120, ignore_eos=True), started)))
+                await asyncio.wait_for(started.wait(), TIMEOUT_S)
             victim = next(iter(before))
             os.kill(before[victim].engine_core_pid, signal.SIGKILL)
             meanwhile = []
